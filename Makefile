@@ -1,0 +1,31 @@
+# Two commands do all the set-up:
+#   make lab    create .venv if needed, then open JupyterLab on the course
+#   make test   create .venv if needed, then run every test
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: lab test exercises bench clean
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab --notebook-dir=. notebooks/00_distributed_primer.ipynb
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+exercises: $(STAMP)
+	$(BIN)/python -m reference.course exercises
+
+bench: $(STAMP)
+	for f in bench/*.py; do $(BIN)/python $$f || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache
