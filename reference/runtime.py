@@ -7,22 +7,27 @@ when there are enough GPUs), runs `fn(*args)` on each, and returns the list of
 per-rank return values. Under `torchrun` the same call runs `fn` on the ranks
 torchrun started, so one notebook or script serves a laptop and a GPU node.
 
-How the ranks are started, and why (figures from `python bench/launch_methods.py`
-on a 2-core CPU machine; see that script for the whole table):
+How the ranks are started, and why. `python bench/launch_methods.py` launches 2
+ranks from a caller that already used OpenMP (as a kernel has), each rank running
+a matmul on two threads; on a 2-core CPU machine it printed:
 
-* `spawn` starts a fresh interpreter per rank. It cannot unpickle a function
-  defined in a notebook cell (pickle looks it up by name in `__main__`, which the
-  new interpreter does not have), and each rank re-imports torch: about 2-3 s
-  per launch.
-* `fork` copies the kernel. If the kernel already ran an OpenMP parallel region
-  (any sizeable torch op), a forked rank that runs more than one intra-op thread
-  deadlocks in the OpenMP runtime, and a forked rank cannot use CUDA once the
-  kernel initialised it.
+    method       first launch  next (median)
+    forkserver          1.32s          0.15s
+    spawn               1.29s          1.15s
+    fork                 HANG
+
+* `spawn` starts a fresh interpreter per rank and re-imports torch every time.
+  Plain pickle cannot send it a function defined in a notebook cell (it looks
+  the function up by name in `__main__`, which the new interpreter lacks).
+* `fork` copies the caller. Once the caller has run an OpenMP parallel region, a
+  forked rank running more than one intra-op thread deadlocks inside the OpenMP
+  runtime (the HANG above), and a forked rank cannot use CUDA once the caller
+  initialised it.
 * `forkserver` (chosen) forks each rank from a small clean server process that
-  has imported torch but never run an op or touched CUDA: neither problem can
-  occur, and after the first launch a rank starts in a fraction of a second.
-  The function travels as a cloudpickle payload, which serialises functions
-  defined in `__main__` (a notebook cell) by value.
+  imported torch but never ran an op or touched CUDA: neither problem can occur,
+  and after the first launch a rank starts in a fraction of a second. The
+  function travels as a cloudpickle payload, which serialises functions defined
+  in `__main__` (a notebook cell) by value.
 
 Rendezvous uses a `FileStore` in a fresh temporary folder per launch, so launches
 running side by side never share a port or a store. Each rank's stdout and
@@ -43,58 +48,29 @@ killed in a `finally`, so an interrupted kernel leaves nothing behind.
 """
 from __future__ import annotations
 
-import datetime
-import faulthandler
-import json
+import linecache
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import re
 import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
-import traceback
+import types
 
 import cloudpickle
 import torch
 import torch.distributed as dist
 
+from .runtime_errors import RankError, RankTimeoutError, failure_error, hang_stacks, read_text
+from .runtime_rank import RANK_MARKER, rank_main
+
 __all__ = [
     "launch", "RankError", "RankTimeoutError", "device", "resolve_backend",
     "init_from_env", "under_torchrun", "default_threads",
 ]
-
-# Environment variable set inside ranks started by `launch` (never by torchrun).
-_RANK_MARKER = "COURSE_LAUNCH_RANK"
-# Messages of errors that only report a lost peer: the consequences of a failure elsewhere.
-_COMM_PATTERNS = (
-    "Connection closed by peer", "Connection reset by peer", "Broken pipe",
-    "remote worker crashing", "Socket Timeout", "Timed out waiting", "timed out",
-    "ECONNRESET", "NCCL communicator was aborted", "Connection refused",
-)
-
-
-class RankError(RuntimeError):
-    """One or more ranks failed. `.rank` is the rank whose failure is the cause,
-    `.traceback` its traceback text, `.failures` maps every failed rank to its summary."""
-
-    def __init__(self, message, rank=None, traceback_text="", failures=None):
-        super().__init__(message)
-        self.rank = rank
-        self.traceback = traceback_text
-        self.failures = failures or {}
-
-
-class RankTimeoutError(RankError, TimeoutError):
-    """Ranks did not finish within the timeout. `.ranks` lists them."""
-
-    def __init__(self, message, ranks, stacks=None):
-        super().__init__(message, rank=ranks[0] if ranks else None)
-        self.ranks = list(ranks)
-        self.stacks = stacks or {}
-
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -140,7 +116,7 @@ def device() -> torch.device:
 def under_torchrun() -> bool:
     """True in a process started by torchrun (or any launcher that sets the env:// variables)."""
     env = os.environ
-    return (_RANK_MARKER not in env and "RANK" in env and "WORLD_SIZE" in env
+    return (RANK_MARKER not in env and "RANK" in env and "WORLD_SIZE" in env
             and "MASTER_ADDR" in env)
 
 
@@ -158,122 +134,9 @@ def init_from_env(backend: str = "auto") -> tuple[int, int]:
         dist.init_process_group(backend, init_method="env://")
     return dist.get_rank(), dist.get_world_size()
 
-
-def _is_comm_error(exc: BaseException) -> bool:
-    dist_errors = tuple(getattr(dist, n) for n in ("DistNetworkError", "DistStoreError")
-                        if hasattr(dist, n))
-    if dist_errors and isinstance(exc, dist_errors):
-        return True
-    text = str(exc)
-    return any(p in text for p in _COMM_PATTERNS)
-
-
-# ----------------------------------------------------------------------------- inside a rank
-
-def _rank_main(rank, world_size, payload, context, workdir, backend, threads, timeout,
-               lifeline, safe_results):
-    """Entry point of one rank (runs in the child process)."""
-    # Every byte the rank writes, Python or C++, goes to its own log file.
-    log = os.open(os.path.join(workdir, f"rank{rank}.log"),
-                  os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    # On SIGUSR1 the rank writes where its main thread is (the caller asks when it hangs).
-    stack_file = open(os.path.join(workdir, f"stack{rank}.txt"), "w")
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
-
-    released = threading.Event()
-
-    def watch_caller():
-        # The caller sends "release" once every rank has finished; end of file means
-        # the caller is gone, and a rank must never outlive it.
-        try:
-            if lifeline.recv() == "release":
-                released.set()
-                return
-        except (EOFError, OSError):
-            pass
-        os._exit(1)
-
-    threading.Thread(target=watch_caller, daemon=True).start()
-
-    try:
-        env, cwd, path = context
-        os.environ.clear()
-        os.environ.update(env)  # the caller's environment as it is now
-        os.environ.update({_RANK_MARKER: str(rank), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                           "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-                           "OMP_NUM_THREADS": str(threads)})
-        for entry in reversed(path):
-            if entry not in sys.path:
-                sys.path.insert(0, entry)
-        os.chdir(cwd)
-        # After sys.path is the caller's: functions of importable modules travel by name.
-        fn, args = cloudpickle.loads(payload)
-        torch.set_num_threads(threads)
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        store = dist.FileStore(os.path.join(workdir, "store"), world_size)
-        # The group's own timeout is longer than the caller's, so a hang is reported
-        # by the caller (naming the unfinished ranks), not by a collective's timeout.
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout + 60))
-        if callable(fn):
-            result = fn(*args)
-        else:
-            raise TypeError(f"launch needs a callable, got {type(fn).__name__}")
-        _write_result(workdir, rank, result, safe_results)
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
-        _write_error(workdir, rank, exc)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    # Keep the connections open until every rank is done (see the module docstring).
-    released.wait()
-    try:
-        dist.destroy_process_group()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-
-def _write_result(workdir, rank, result, safe_results):
-    final = os.path.join(workdir, f"result{rank}.pt")
-    tmp = final + ".tmp"
-    if safe_results:
-        torch.save(result, tmp)
-    else:
-        with open(tmp, "wb") as f:
-            cloudpickle.dump(result, f)
-    os.replace(tmp, final)  # the caller sees a whole file or none
-
-
-def _write_error(workdir, rank, exc):
-    record = {
-        "rank": rank,
-        "time": time.time(),
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
-        "comm": _is_comm_error(exc),
-    }
-    final = os.path.join(workdir, f"error{rank}.json")
-    with open(final + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(final + ".tmp", final)
-
-
 # ----------------------------------------------------------------------------- in the caller
 
-_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "reference.runtime"]
+_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "reference.runtime_rank"]
 
 
 def _context(start_method):
@@ -316,18 +179,9 @@ def _kill_tree(procs, grace=1.0):
         if p.pid is not None:
             p.join(timeout=grace)
 
-
-def _read(path):
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except FileNotFoundError:
-        return ""
-
-
 def _print_logs(workdir, world_size):
     for rank in range(world_size):
-        text = _read(os.path.join(workdir, f"rank{rank}.log"))
+        text = read_text(os.path.join(workdir, f"rank{rank}.log"))
         for line in text.splitlines():
             print(f"[rank {rank}] {line}")
     sys.stdout.flush()
@@ -344,61 +198,45 @@ def _load_result(path, rank, safe_results):
     with open(path, "rb") as f:
         return cloudpickle.load(f)
 
-
-def _signal_name(code):
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
+# A traceback frame ('line 3, in f') or a faulthandler frame ('line 3 in f').
+_DYNAMIC_FRAME = re.compile(r'File "<dynamic-code>", line (\d+)(,?) in (\w+)(\n|$)', re.M)
 
 
-def _failure_error(workdir, world_size, exits, exit_times):
-    """Pick the cause among the failed ranks and build one RankError."""
-    errors = {}
-    for rank in range(world_size):
-        text = _read(os.path.join(workdir, f"error{rank}.json"))
-        if text:
-            errors[rank] = json.loads(text)
-    silent = {r: c for r, c in exits.items() if c not in (0, None) and r not in errors}
-    causes = sorted((e for e in errors.values() if not e["comm"]), key=lambda e: e["time"])
-    summary = {r: f"{e['type']}: {e['message'].splitlines()[0] if e['message'] else ''}"
-               for r, e in errors.items()}
-    for r, c in silent.items():
-        how = f"killed by {_signal_name(c)}" if c < 0 else f"exit code {c}"
-        summary[r] = f"exited without raising ({how})"
-    if causes:
-        cause = causes[0]
-        rank, head, tb = cause["rank"], summary[cause["rank"]], cause["traceback"]
-    elif silent:
-        rank = min(silent, key=lambda r: exit_times.get(r, float("inf")))
-        head, tb = summary[rank], ""
-        if silent[rank] < 0:
-            tb = "The process was killed by a signal (out of memory, or a crash in native code?)."
-        else:
-            tb = "The process exited (os._exit or sys.exit?) without raising an exception."
-    else:
-        first = min(errors.values(), key=lambda e: e["time"])
-        rank, head, tb = first["rank"], summary[first["rank"]], first["traceback"]
-    others = [r for r in sorted(summary) if r != rank]
-    lines = [f"rank {rank} of {world_size} failed: {head}", "",
-             f"Traceback of rank {rank}, the first rank to fail for a reason other than "
-             f"communication:" if causes else f"Report of rank {rank}:", tb.rstrip()]
-    if others:
-        lines += ["", "Then, as a consequence: " + "; ".join(f"rank {r}: {summary[r]}"
-                                                             for r in others)]
-    return RankError("\n".join(lines), rank=rank, traceback_text=tb, failures=summary)
+def _with_source_lines(err, fn):
+    """Point the ranks' traceback frames back at the caller's source.
 
+    cloudpickle renames the file of every function it sends by value (a notebook
+    cell's, say) to "<dynamic-code>", so the rank's traceback has no source lines.
+    The caller still has the code objects: match frames by function name."""
+    codes = {}
 
-def _hang_stacks(workdir, ranks):
-    """Where each hung rank's main thread was, innermost call first, launcher frames dropped."""
-    stacks = {}
-    for rank in ranks:
-        frames = [line for line in _read(os.path.join(workdir, f"stack{rank}.txt")).splitlines()
-                  if line.strip().startswith("File") and "multiprocessing" not in line
-                  and not line.rstrip().endswith("in _rank_main")]
-        if frames:
-            stacks[rank] = "\n".join(frames)
-    return stacks
+    def add(code):
+        codes.setdefault(code.co_name, code)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                add(const)
+
+    main = sys.modules.get("__main__")
+    for obj in [fn, *(vars(main).values() if main else [])]:
+        code = getattr(obj, "__code__", None)
+        if isinstance(code, types.CodeType):
+            add(code)
+
+    def source(match):
+        number, comma, name, end = match.groups()
+        code = codes.get(name)
+        if code is None:
+            return match.group(0)
+        frame = f'File "{code.co_filename}", line {number}{comma} in {name}'
+        line = linecache.getline(code.co_filename, int(number)).strip()
+        return frame + (f"\n    {line}" if line and comma else "") + end
+
+    if isinstance(err, RankTimeoutError):
+        stacks = {r: _DYNAMIC_FRAME.sub(source, s) for r, s in err.stacks.items()}
+        return RankTimeoutError(_DYNAMIC_FRAME.sub(source, str(err)), err.ranks, stacks)
+    return RankError(_DYNAMIC_FRAME.sub(source, str(err)), rank=err.rank,
+                     traceback_text=_DYNAMIC_FRAME.sub(source, err.traceback),
+                     failures=err.failures)
 
 
 def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 300.0,
@@ -419,7 +257,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 3
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if under_torchrun():
         return _launch_under_torchrun(fn, world_size, args, backend)
-    if _RANK_MARKER in os.environ:
+    if RANK_MARKER in os.environ:
         raise RuntimeError("launch was called inside a rank: start ranks from the caller only")
     backend = resolve_backend(backend, world_size, start_method)
     threads = threads or default_threads(world_size)
@@ -431,7 +269,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 3
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_rank_main, name=f"rank{rank}",
+            p = ctx.Process(target=rank_main, name=f"rank{rank}",
                             args=(rank, world_size, payload, context, workdir, backend, threads,
                                   timeout, reader, safe_results))
             p.start()
@@ -459,7 +297,8 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 3
             # Give the peers a moment to report, then stop everyone.
             if first_failure is not None and (now - first_failure > 1.0
                                               or len(exits) == world_size):
-                raise _failure_error(workdir, world_size, exits, exit_times)
+                raise _with_source_lines(failure_error(workdir, world_size, exits, exit_times),
+                                         fn)
             if now > deadline:
                 hung = [r for r in range(world_size) if r not in done and r not in exits]
                 for r in hung:
@@ -468,14 +307,14 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 3
                     except ProcessLookupError:
                         pass
                 time.sleep(0.5)  # let faulthandler write the stacks
-                stacks = _hang_stacks(workdir, hung)
+                stacks = hang_stacks(workdir, hung)
                 finished = sorted(set(range(world_size)) - set(hung))
                 where = "".join(f"\n\nrank {r} was waiting in:\n{s}" for r, s in stacks.items())
-                raise RankTimeoutError(
+                raise _with_source_lines(RankTimeoutError(
                     f"ranks {hung} of {world_size} did not finish within {timeout:g} s "
                     f"(finished: {finished}). A rank that skips a collective its peers entered, "
                     f"or waits for a message nobody sends, hangs them all.{where}",
-                    ranks=hung, stacks=stacks)
+                    ranks=hung, stacks=stacks), fn)
             alive = [p.sentinel for r, p in enumerate(procs) if r not in exits]
             multiprocessing.connection.wait(alive, timeout=0.05)
         return [_load_result(os.path.join(workdir, f"result{r}.pt"), r, safe_results)

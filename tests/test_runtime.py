@@ -101,6 +101,10 @@ def test_a_raising_rank_stops_all_and_reports_its_traceback(tmp_path):
     assert err.rank == 1
     assert "ValueError: rank one is broken" in str(err)
     assert "fail_on_one" in err.traceback
+    # The frame points at this file and shows the failing line, though the function
+    # travelled by value.
+    assert 'raise ValueError("rank one is broken")' in err.traceback
+    assert os.path.basename(__file__) in err.traceback
     # The peers' connection errors are listed as consequences, not as the cause.
     assert str(err).startswith("rank 1 of 3 failed")
     assert set(err.failures) >= {1}
