@@ -1,0 +1,315 @@
+"""The device mesh: the one place where ranks are computed.
+
+A parallel training run arranges its ``world_size`` processes on a grid with one
+axis per kind of parallelism:
+
+* ``tp``  tensor parallelism: the ranks that split each weight matrix between them,
+* ``dp``  data parallelism: the ranks that hold the same weights and see different data,
+* ``pp``  pipeline parallelism: the ranks that hold successive stages of the layers,
+
+so that ``world_size = pp * dp * tp``. Every rank has one coordinate on each axis,
+and a *group* of a dimension is the set of ranks whose coordinates differ on that
+axis only.
+
+Layout (Megatron-LM's order: TP innermost, then DP, then PP outermost)::
+
+    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+
+TP is innermost so that a TP group is a block of consecutive ranks: on a GPU node
+consecutive ranks share the fastest links, and TP communicates inside every layer.
+PP is outermost because it sends the least (one activation per micro-batch).
+
+Worked example, world 8 = pp2 x dp2 x tp2::
+
+                 tp=0  tp=1
+    pp=0  dp=0     0     1
+          dp=1     2     3
+    pp=1  dp=0     4     5
+          dp=1     6     7
+
+    tp groups  [[0, 1], [2, 3], [4, 5], [6, 7]]   (a row: same pp and dp)
+    dp groups  [[0, 2], [1, 3], [4, 6], [5, 7]]   (a column inside one stage)
+    pp groups  [[0, 4], [1, 5], [2, 6], [3, 7]]   (same place in both stages)
+
+Expert parallelism is carved out of data parallelism, as in Megatron-LM and
+DeepSpeed-MoE: the ``dp`` ranks of one stage and one TP slice are split into
+``dp // ep`` blocks of ``ep`` ranks, ``ep`` innermost::
+
+    dp_rank = edp_rank * ep + ep_rank          (ep must divide dp)
+
+* the ``ep`` group holds the ranks whose experts differ (same pp, tp and edp): the
+  all-to-all that dispatches tokens to experts runs inside it;
+* the ``edp`` (expert-data-parallel) group holds the ranks that hold replicas of the
+  same experts (same pp, tp and ep): expert gradients are averaged inside it, while
+  the dense (non-expert) gradients are averaged over the whole ``dp`` group.
+
+Worked example, world 8 = dp4 x tp2 with ep=2 (so edp = 4 // 2 = 2)::
+
+    rank        0  1  2  3  4  5  6  7
+    tp          0  1  0  1  0  1  0  1
+    dp          0  0  1  1  2  2  3  3
+    ep          0  0  1  1  0  0  1  1
+    edp         0  0  0  0  1  1  1  1
+
+    dp groups   [[0, 2, 4, 6], [1, 3, 5, 7]]
+    ep groups   [[0, 2], [1, 3], [4, 6], [5, 7]]
+    edp groups  [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+Everything except :meth:`Mesh.build_groups` is pure arithmetic and works without
+any process started. ``build_groups`` is called on every rank after
+``torch.distributed`` is initialised and makes the real process groups.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
+
+# Every dimension a group can be asked for, in the fixed order in which
+# build_groups creates them (all ranks must call new_group in the same order).
+DIMS = ("tp", "dp", "pp", "ep", "edp")
+
+# For each dimension, the coordinates that stay fixed inside one of its groups;
+# the group's members differ only in the dimension's own coordinate.
+_FIXED = {
+    "tp": ("pp", "dp"),
+    "dp": ("pp", "tp"),
+    "pp": ("dp", "tp"),
+    "ep": ("pp", "tp", "edp"),
+    "edp": ("pp", "tp", "ep"),
+}
+
+
+class Coords(NamedTuple):
+    """One rank's coordinates on every axis of the mesh (``dp = edp * ep_deg + ep``)."""
+
+    pp: int
+    dp: int
+    tp: int
+    ep: int
+    edp: int
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
+
+
+@dataclass
+class Mesh:
+    """Degrees of parallelism and the rank arithmetic they imply.
+
+    ``Mesh(dp=2, tp=2)`` is a 4-rank mesh. ``world_size`` defaults to
+    ``pp * dp * tp``; when given it is checked against that product.
+    """
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    ep: int = 1
+    world_size: Optional[int] = None
+    # Filled by build_groups on one rank; never compared, printed or pickled.
+    _rank: Optional[int] = field(default=None, init=False, repr=False, compare=False)
+    _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        degrees = dict(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep)
+        bad = [k for k, v in degrees.items() if not _is_positive_int(v)]
+        if self.world_size is not None and not _is_positive_int(self.world_size):
+            bad.append("world_size")
+        if bad:
+            raise ValueError(
+                f"degrees must be positive integers, got {self._describe(world_size=self.world_size)}"
+                f" (bad: {', '.join(bad)})"
+            )
+        self.dp, self.pp, self.tp, self.ep = (int(v) for v in degrees.values())
+        product = self.dp * self.pp * self.tp
+        if self.world_size is None:
+            self.world_size = product
+        self.world_size = int(self.world_size)
+        if product != self.world_size:
+            raise ValueError(
+                f"dp={self.dp} x pp={self.pp} x tp={self.tp} = {product} does not equal "
+                f"world_size={self.world_size} (ep={self.ep})"
+            )
+        if self.dp % self.ep != 0:
+            raise ValueError(
+                f"ep={self.ep} must divide dp={self.dp} (experts are sharded inside the "
+                f"data-parallel group); mesh {self._describe(world_size=self.world_size)}"
+            )
+
+    @classmethod
+    def from_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, ep: int = 1) -> "Mesh":
+        """The mesh whose ``dp`` takes whatever ``tp`` and ``pp`` leave of the world (as Megatron does)."""
+        if not all(_is_positive_int(v) for v in (world_size, tp, pp, ep)):
+            raise ValueError(
+                f"degrees must be positive integers, got tp={tp}, pp={pp}, ep={ep}, world_size={world_size}"
+            )
+        if world_size % (tp * pp) != 0:
+            raise ValueError(
+                f"pp={pp} x tp={tp} = {pp * tp} does not divide world_size={world_size}, "
+                f"so no dp fits (ep={ep})"
+            )
+        return cls(dp=world_size // (tp * pp), pp=pp, tp=tp, ep=ep, world_size=world_size)
+
+    # ------------------------------------------------------------------ text
+    def _describe(self, world_size) -> str:
+        return f"pp={self.pp}, dp={self.dp}, tp={self.tp}, ep={self.ep}, world_size={world_size}"
+
+    def __str__(self) -> str:
+        return f"Mesh(world={self.world_size}: pp={self.pp} x dp={self.dp} x tp={self.tp}, ep={self.ep})"
+
+    __repr__ = __str__
+
+    def table(self) -> str:
+        """A text table with one line per rank: its coordinates (ep and edp only when ep > 1)."""
+        cols = ["pp", "dp", "tp"] + (["ep", "edp"] if self.ep > 1 else [])
+        width = max(4, len(str(self.world_size - 1)))
+        lines = ["rank".rjust(width) + "".join(c.rjust(5) for c in cols)]
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            lines.append(str(rank).rjust(width) + "".join(str(getattr(c, k)).rjust(5) for k in cols))
+        return "\n".join(lines)
+
+    # ------------------------------------------------------- pure arithmetic
+    @property
+    def edp(self) -> int:
+        """Degree of expert data parallelism: replicas of each expert, ``dp // ep``."""
+        return self.dp // self.ep
+
+    def size(self, dim: str) -> int:
+        """Number of ranks in one group of ``dim``."""
+        return getattr(self, self._check_dim(dim))
+
+    def _check_dim(self, dim: str) -> str:
+        if dim not in _FIXED:
+            raise ValueError(f"unknown mesh dimension {dim!r}; expected one of {', '.join(DIMS)}")
+        return dim
+
+    def _check_coord(self, name: str, value, degree: int) -> int:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= value < degree:
+            raise ValueError(f"{name}={value!r} is out of range [0, {degree}) in {self}")
+        return int(value)
+
+    def coords(self, rank: int) -> Coords:
+        """Coordinates of ``rank``: the inverse of ``(pp * dp + dp_rank) * tp + tp_rank``."""
+        rank = self._check_coord("rank", rank, self.world_size)
+        tp_rank = rank % self.tp
+        dp_rank = (rank // self.tp) % self.dp
+        pp_rank = rank // (self.tp * self.dp)
+        return Coords(pp=pp_rank, dp=dp_rank, tp=tp_rank, ep=dp_rank % self.ep, edp=dp_rank // self.ep)
+
+    def rank_of(self, *, pp: int = 0, dp: Optional[int] = None, tp: int = 0,
+                ep: Optional[int] = None, edp: Optional[int] = None) -> int:
+        """The rank at the given coordinates.
+
+        The data-parallel coordinate is given either as ``dp`` or as the pair
+        ``ep``, ``edp`` (then ``dp = edp * ep_degree + ep``); missing ones are 0.
+        """
+        if ep is not None or edp is not None:
+            ep_rank = self._check_coord("ep", 0 if ep is None else ep, self.ep)
+            edp_rank = self._check_coord("edp", 0 if edp is None else edp, self.edp)
+            from_ep = edp_rank * self.ep + ep_rank
+            if dp is not None and dp != from_ep:
+                raise ValueError(f"dp={dp} contradicts ep={ep_rank}, edp={edp_rank} (dp would be {from_ep}) in {self}")
+            dp = from_ep
+        dp = self._check_coord("dp", 0 if dp is None else dp, self.dp)
+        pp = self._check_coord("pp", pp, self.pp)
+        tp = self._check_coord("tp", tp, self.tp)
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def group_ranks(self, dim: str) -> list[list[int]]:
+        """Every group of ``dim``, each a sorted list of ranks, ordered by first rank.
+
+        The groups of one dimension partition the world.
+        """
+        fixed = _FIXED[self._check_dim(dim)]
+        groups: dict[tuple, list[int]] = {}
+        for rank in range(self.world_size):  # increasing, so each group comes out sorted
+            c = self.coords(rank)
+            groups.setdefault(tuple(getattr(c, k) for k in fixed), []).append(rank)
+        return sorted(groups.values())
+
+    def group_ranks_of(self, rank: int, dim: str) -> list[int]:
+        """The ranks of the ``dim`` group that contains ``rank``."""
+        rank = self._check_coord("rank", rank, self.world_size)
+        return next(g for g in self.group_ranks(dim) if rank in g)
+
+    # -------------------------------------------------------- process groups
+    def build_groups(self) -> "Mesh":
+        """Create the process group of every dimension; call on every rank.
+
+        ``torch.distributed.new_group`` must be called by all ranks for every group,
+        members or not, in the same order; each rank keeps the groups it belongs to.
+        Groups of size 1 are real groups too, so that code can call a collective on
+        ``mesh.group("tp")`` whatever the degree (it is then a no-op).
+        Returns the mesh, so ``mesh = Mesh(dp=2, tp=2).build_groups()`` reads well.
+        """
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "Mesh.build_groups() needs torch.distributed initialised: call it inside a "
+                "function started by reference.runtime.launch (or under torchrun)"
+            )
+        world = dist.get_world_size()
+        if world != self.world_size:
+            raise ValueError(
+                f"dp={self.dp} x pp={self.pp} x tp={self.tp} = {self.world_size} does not equal "
+                f"the running world_size={world} (ep={self.ep})"
+            )
+        try:  # label groups for the communication meter, when it is there
+            from reference.comms import name_group
+        except (ImportError, AttributeError):
+            name_group = None
+
+        rank = dist.get_rank()
+        groups = {}
+        for dim in DIMS:
+            for ranks in self.group_ranks(dim):
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    groups[dim] = group
+                    if name_group is not None:
+                        name_group(group, dim)
+        self._rank, self._groups = rank, groups
+        return self
+
+    def _require_built(self):
+        if not self._groups:
+            raise RuntimeError(f"{self} has no process groups yet: call mesh.build_groups() on every rank first")
+
+    def group(self, dim: str):
+        """This rank's process group of ``dim`` (after :meth:`build_groups`)."""
+        self._check_dim(dim)
+        self._require_built()
+        return self._groups[dim]
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank (after :meth:`build_groups`)."""
+        self._require_built()
+        return self._rank
+
+    @property
+    def my_coords(self) -> Coords:
+        """This process's coordinates (after :meth:`build_groups`)."""
+        return self.coords(self.rank)
+
+    # This rank's coordinate and group on each axis, named as in Megatron-LM.
+    tp_rank = property(lambda self: self.my_coords.tp, doc="This rank's tensor-parallel rank.")
+    dp_rank = property(lambda self: self.my_coords.dp, doc="This rank's data-parallel rank.")
+    pp_rank = property(lambda self: self.my_coords.pp, doc="This rank's pipeline stage.")
+    ep_rank = property(lambda self: self.my_coords.ep, doc="This rank's expert-parallel rank.")
+    edp_rank = property(lambda self: self.my_coords.edp, doc="This rank's expert-data-parallel rank.")
+    tp_group = property(lambda self: self.group("tp"), doc="This rank's tensor-parallel group.")
+    dp_group = property(lambda self: self.group("dp"), doc="This rank's data-parallel group.")
+    pp_group = property(lambda self: self.group("pp"), doc="This rank's pipeline group.")
+    ep_group = property(lambda self: self.group("ep"), doc="This rank's expert-parallel group.")
+    edp_group = property(lambda self: self.group("edp"), doc="This rank's expert-data-parallel group.")
+
+    def __getstate__(self):
+        # Process groups belong to one process: a pickled mesh carries only its degrees.
+        state = dict(self.__dict__)
+        state["_rank"], state["_groups"] = None, {}
+        return state

@@ -1,0 +1,280 @@
+"""Pictures for the course: the mesh, collectives, ring all-reduce, the cost model.
+
+Every function builds and returns a ``matplotlib.figure.Figure`` directly (no
+pyplot state, no ``show``), so it works headless and in tests. In a notebook, a
+figure that is the last expression of a cell is drawn once; ``fig.savefig(path)``
+writes it to a file.
+
+Cells are coloured by the value they print: equal values share a colour within
+one figure, so a reader can follow a piece of data from one rank to another.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+
+# Data values take colours from these categorical maps, in order of first appearance.
+_CATEGORICAL = [c for name in ("tab20", "tab20b", "tab20c") for c in colormaps[name].colors]
+_EMPTY = "#eeeeee"
+
+
+class _Figure(Figure):
+    """A plain Figure that a notebook can draw without pyplot.
+
+    Jupyter shows a Figure as an image only once pyplot has set up the inline
+    backend; this one carries its own PNG form, so ``viz.plot_mesh(mesh)`` as the
+    last line of a cell draws the picture exactly once either way.
+    """
+
+    def _repr_png_(self) -> bytes:
+        buf = io.BytesIO()
+        self.savefig(buf, format="png", bbox_inches="tight")
+        return buf.getvalue()
+
+
+# ----------------------------------------------------------------- helpers
+def _lighten(rgb, amount: float = 0.45):
+    """Mix a colour with white so black text stays readable on it."""
+    return tuple(amount + (1 - amount) * c for c in rgb[:3])
+
+
+def _fmt(value) -> str:
+    """A short label: integers without a decimal point, other floats to 3 digits."""
+    if value is None:
+        return ""
+    if isinstance(value, (list, tuple)):
+        return ",".join(_fmt(v) for v in value)
+    if isinstance(value, (bool, np.bool_)):
+        return str(bool(value))
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def _as_values(x) -> list:
+    """One rank's data as a flat list of Python numbers (a tensor, array, list, number or None)."""
+    if x is None:
+        return []
+    if hasattr(x, "detach"):  # a torch.Tensor, any dtype or device
+        return x.detach().cpu().reshape(-1).tolist()
+    if isinstance(x, np.ndarray):
+        return x.reshape(-1).tolist()
+    if isinstance(x, (list, tuple)):
+        return [_as_chunk(v) for v in x]
+    return [x]
+
+
+def _as_chunk(x):
+    """One cell's content: a number, None, or a short list (a chunk of several elements)."""
+    if x is None or isinstance(x, (int, float, bool, np.number)):
+        return x.item() if isinstance(x, np.number) else x
+    values = _as_values(x)
+    return values[0] if len(values) == 1 else values
+
+
+class _Palette:
+    """Value label -> colour, fixed at first sight so equal values look equal."""
+
+    def __init__(self):
+        self._colours: dict[str, tuple] = {}
+
+    def __call__(self, label: str):
+        if label == "":
+            return _EMPTY
+        if label not in self._colours:
+            rgb = _CATEGORICAL[len(self._colours) % len(_CATEGORICAL)]
+            self._colours[label] = _lighten(rgb)
+        return self._colours[label]
+
+
+def _draw_rank_rows(ax, rows: Sequence[Sequence], palette: _Palette, width: int, title: str):
+    """Draw one row of cells per rank (rank 0 on top), each cell holding its value."""
+    fontsize = 9 if width <= 8 else 7
+    for rank, row in enumerate(rows):
+        for i, value in enumerate(row):
+            label = _fmt(value)
+            ax.add_patch(Rectangle((i, rank), 1, 1, facecolor=palette(label), edgecolor="white", lw=2))
+            ax.text(i + 0.5, rank + 0.5, label, ha="center", va="center", fontsize=fontsize)
+        if not row:
+            ax.text(0.1, rank + 0.5, "(empty)", ha="left", va="center", fontsize=fontsize,
+                    color="grey", style="italic")
+    ax.set_xlim(0, max(width, 1))
+    ax.set_ylim(len(rows), 0)  # rank 0 at the top
+    ax.set_yticks([r + 0.5 for r in range(len(rows))], [f"rank {r}" for r in range(len(rows))])
+    ax.set_xticks([])
+    ax.tick_params(left=False)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    ax.set_title(title, fontsize=10)
+
+
+def _fmt_bytes(n: float) -> str:
+    # Decimal units, as network bandwidths are quoted (1 GB/s = 1e9 bytes per second).
+    for unit in ("B", "kB", "MB", "GB"):
+        if float(f"{n:.3g}") < 1000 or unit == "GB":  # so 999.99... MB reads "1 GB"
+            return f"{n:.3g} {unit}"
+        n /= 1000
+
+
+def _fmt_seconds(t: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if t >= scale or unit == "µs":
+            return f"{t / scale:.3g} {unit}"
+
+
+# ---------------------------------------------------------------- pictures
+def plot_mesh(mesh) -> Figure:
+    """The mesh as one panel per pipeline stage, one box per rank.
+
+    Inside a stage, rows are data-parallel ranks and columns tensor-parallel ranks:
+    each row is one TP group (tinted, consecutive ranks), each column one DP group.
+    With ep > 1, dashed lines cut each column into EP groups of ``ep`` rows; the
+    rows at the same place in every block form an EDP group.
+    """
+    ncols = min(mesh.pp, 4)
+    nrows = math.ceil(mesh.pp / ncols)
+    cell_w, cell_h = 1.25, 0.75 if mesh.ep == 1 else 0.95
+    fig = _Figure(figsize=(max(5.0, ncols * (mesh.tp * cell_w + 1.0)),
+                          max(2.5, nrows * (mesh.dp * cell_h + 1.0) + 0.6)),
+                 layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for extra in axes[mesh.pp:]:
+        fig.delaxes(extra)
+    tints = [_lighten(c, 0.55) for c in colormaps["tab10"].colors]
+    for pp_rank, ax in enumerate(axes[:mesh.pp]):
+        for dp_rank in range(mesh.dp):
+            tint = tints[dp_rank % len(tints)]  # one tint per TP group (a row)
+            for tp_rank in range(mesh.tp):
+                rank = mesh.rank_of(pp=pp_rank, dp=dp_rank, tp=tp_rank)
+                c = mesh.coords(rank)
+                label = f"rank {rank}\npp={c.pp} dp={c.dp} tp={c.tp}"
+                if mesh.ep > 1:
+                    label += f"\nep={c.ep} edp={c.edp}"
+                ax.add_patch(Rectangle((tp_rank + 0.04, dp_rank + 0.06), 0.92, 0.88,
+                                       facecolor=tint, edgecolor="black", lw=0.8))
+                ax.text(tp_rank + 0.5, dp_rank + 0.5, label, ha="center", va="center", fontsize=8)
+        for edp_rank in range(1, mesh.edp if mesh.ep > 1 else 0):
+            ax.axhline(edp_rank * mesh.ep, color="black", ls="--", lw=1)
+        ax.set_xlim(0, mesh.tp)
+        ax.set_ylim(mesh.dp, 0)
+        ax.set_xticks([t + 0.5 for t in range(mesh.tp)], [f"tp={t}" for t in range(mesh.tp)])
+        ax.set_yticks([d + 0.5 for d in range(mesh.dp)], [f"dp={d}" for d in range(mesh.dp)])
+        ax.xaxis.tick_top()
+        ax.tick_params(length=0)
+        for spine in ax.spines.values():
+            spine.set_visible(False)
+        ax.set_title(f"pipeline stage pp={pp_rank}", fontsize=10)
+    note = "rows: TP groups (tinted), columns: DP groups"
+    if mesh.ep > 1:
+        note += f"\ndashed lines cut columns into EP groups of {mesh.ep}"
+    fig.suptitle(f"{mesh}\n{note}", fontsize=10)
+    return fig
+
+
+def plot_collective(name: str, before: Sequence, after: Sequence) -> Figure:
+    """Before and after of one collective, drawn from the ranks' real data.
+
+    ``before`` and ``after`` hold one entry per rank: a 1-D tensor or a list of
+    numbers (lengths may differ between ranks, and a receiver may be empty).
+    """
+    if len(before) != len(after):
+        raise ValueError(f"before has {len(before)} ranks but after has {len(after)}: give one entry per rank in each")
+    rows_before = [_as_values(x) for x in before]
+    rows_after = [_as_values(x) for x in after]
+    width = max([len(r) for r in rows_before + rows_after] + [1])
+    palette = _Palette()
+    fig = _Figure(figsize=(max(5.0, 2 * (0.6 * width + 1.0)), 0.5 * len(before) + 1.2), layout="constrained")
+    ax_before, ax_after = fig.subplots(1, 2, sharey=True)
+    _draw_rank_rows(ax_before, rows_before, palette, width, "before")
+    _draw_rank_rows(ax_after, rows_after, palette, width, "after")
+    fig.suptitle(name, fontsize=12)
+    return fig
+
+
+def plot_ring_steps(states: Sequence[tuple]) -> Figure:
+    """Ring all-reduce (or any chunked algorithm) one snapshot per panel.
+
+    ``states`` is a list of ``(label, chunks_per_rank)``: ``chunks_per_rank[r]`` is
+    rank r's list of chunks, each a number, a short tensor/list, or None (unknown).
+    """
+    if not states:
+        raise ValueError("states is empty: give at least one (label, chunks_per_rank) snapshot")
+    snapshots = []
+    for i, state in enumerate(states):
+        if not (isinstance(state, (tuple, list)) and len(state) == 2):
+            raise ValueError(f"states[{i}] must be a (label, chunks_per_rank) pair, got {state!r}")
+        label, per_rank = state
+        snapshots.append((str(label), [_as_values(r) for r in per_rank]))
+    width = max([len(row) for _, rows in snapshots for row in rows] + [1])
+    world = max(len(rows) for _, rows in snapshots)
+    ncols = min(len(snapshots), 4)
+    nrows = math.ceil(len(snapshots) / ncols)
+    fig = _Figure(figsize=(ncols * (0.55 * width + 1.2), nrows * (0.4 * world + 0.9)), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for extra in axes[len(snapshots):]:
+        fig.delaxes(extra)
+    palette = _Palette()
+    for ax, (label, rows) in zip(axes, snapshots):
+        _draw_rank_rows(ax, rows, palette, width, label)
+    return fig
+
+
+def plot_cost_model(sizes_bytes: Sequence[float], measured_seconds: Optional[Sequence[float]] = None, *,
+                    alpha: float = 2e-5, beta: float = 1e-9, world_size: int = 4) -> Figure:
+    """The alpha-beta model of ring all-reduce against message size, log-log.
+
+    ``T(n) = 2(N-1) alpha + 2(N-1)/N n beta``: 2(N-1) steps each paying the latency
+    alpha, and every rank sending 2(N-1)/N of the n bytes at beta seconds per byte.
+    The first term dominates small messages, the second large ones; they are equal
+    at ``n* = N alpha / beta``. ``measured_seconds`` (optional) are timings at
+    ``sizes_bytes``. Defaults: alpha = 20 µs, beta = 1 ns/byte (1 GB/s), N = 4.
+    """
+    sizes = np.asarray([float(s) for s in sizes_bytes])
+    if sizes.size == 0 or not np.all(sizes > 0):
+        raise ValueError(f"sizes_bytes must be positive message sizes, got {list(sizes_bytes)}")
+    if not (isinstance(world_size, int) and world_size >= 2):
+        raise ValueError(f"world_size must be an int >= 2 for a ring all-reduce to send anything, got {world_size!r}")
+    if not (alpha > 0 and beta > 0):
+        raise ValueError(f"alpha and beta must be positive, got alpha={alpha}, beta={beta}")
+    n_ranks = world_size
+    latency = 2 * (n_ranks - 1) * alpha                       # seconds, whatever n
+    per_byte = 2 * (n_ranks - 1) / n_ranks * beta             # seconds per byte of message
+    crossover = latency / per_byte                            # = N alpha / beta
+
+    lo, hi = min(sizes.min(), crossover / 2), max(sizes.max(), crossover * 2)
+    n = np.geomspace(lo, hi, 200)
+    fig = _Figure(figsize=(6.5, 4.5), layout="constrained")
+    ax = fig.subplots()
+    ax.loglog(n, latency + per_byte * n, color="black", lw=2,
+              label="model T(n) = 2(N-1)α + 2(N-1)/N·nβ")
+    ax.loglog(n, np.full_like(n, latency), ls="--", color="tab:blue",
+              label=f"latency-bound: 2(N-1)α = {_fmt_seconds(latency)}")
+    ax.loglog(n, per_byte * n, ls="--", color="tab:orange", label="bandwidth-bound: 2(N-1)/N·nβ")
+    y = [latency + per_byte * n[0], latency + per_byte * n[-1]]
+    if measured_seconds is not None:
+        measured = np.asarray([float(t) for t in measured_seconds])
+        if measured.shape != sizes.shape:
+            raise ValueError(f"measured_seconds has {measured.size} values but sizes_bytes has {sizes.size}")
+        ax.loglog(sizes, measured, "o", color="tab:red", label="measured")
+        y += [measured[measured > 0].min(), measured.max()] if np.any(measured > 0) else []
+    ax.axvline(crossover, color="grey", ls=":", lw=1)
+    bottom = min(y) / 3
+    ax.annotate(f"n* = Nα/β = {_fmt_bytes(crossover)}", (crossover, bottom),
+                xytext=(4, 4), textcoords="offset points", fontsize=9, color="dimgrey")
+    ax.set_ylim(bottom, max(y) * 3)
+    ax.set_xlabel("message size n (bytes)")
+    ax.set_ylabel("all-reduce time (s)")
+    ax.set_title(f"Ring all-reduce on N={n_ranks} ranks: α={_fmt_seconds(alpha)}, "
+                 f"1/β={_fmt_bytes(1 / beta)}/s", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(True, which="major", alpha=0.3)
+    return fig
