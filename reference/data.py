@@ -1,0 +1,176 @@
+"""Byte-level training data that every machine already has, and reproducible batches.
+
+The corpus is the Python standard library's own ``.py`` source, read as bytes
+(so the vocabulary is the 256 byte values and nothing is downloaded). Files
+are taken in sorted path order, leaving out ``site-packages`` and test
+directories, and concatenated up to a byte limit. The same Python version
+therefore gives the same corpus on every machine.
+
+Batches are reproducible: ``get_batch(data, B, T, step, seed)`` draws its
+offsets from a generator seeded by ``(seed, step)`` alone, so every process
+that asks for step ``s`` gets the same global batch, whatever it did before.
+Data-parallel ranks later take their slices of that one global batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "stdlib_source_files",
+    "corpus",
+    "split",
+    "ByteCorpus",
+    "get_batch",
+    "synthetic_batch",
+    "encode",
+    "decode",
+]
+
+DEFAULT_MAX_BYTES = 2_000_000
+
+# Directories whose files stay out of the corpus: installed third-party
+# packages (they differ between machines) and test suites (large, repetitive).
+_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+
+
+def stdlib_source_files() -> list[Path]:
+    """The standard library's ``.py`` files that make up the corpus, in corpus order."""
+    root = sysconfig.get_paths()["stdlib"]
+    relative = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Prune in place so os.walk never descends into skipped directories
+        # (site-packages alone can hold far more files than the stdlib).
+        dirnames[:] = [d for d in dirnames if d not in _SKIPPED_DIRS]
+        rel_dir = Path(dirpath).relative_to(root)
+        relative += [(rel_dir / f).as_posix() for f in filenames if f.endswith(".py")]
+    # Sorted by the path relative to the stdlib root, so the order does not
+    # depend on where Python is installed.
+    return [Path(root, rel) for rel in sorted(relative)]
+
+
+@functools.lru_cache(maxsize=4)
+def _corpus_bytes(max_bytes: int) -> bytes:
+    chunks, total = [], 0
+    for path in stdlib_source_files():
+        if total >= max_bytes:
+            break
+        chunk = path.read_bytes()
+        chunks.append(chunk)
+        total += len(chunk)
+    if total == 0:
+        raise RuntimeError(
+            f"no .py source found under {sysconfig.get_paths()['stdlib']!r}; "
+            "this Python keeps its standard library elsewhere (zipped?)"
+        )
+    return b"".join(chunks)[:max_bytes]
+
+
+def corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
+    """The corpus as a 1-D ``torch.uint8`` tensor of at most ``max_bytes`` bytes.
+
+    Read once per process and per ``max_bytes``; each call returns a fresh copy.
+    """
+    if not isinstance(max_bytes, int) or max_bytes <= 0:
+        raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+    raw = _corpus_bytes(max_bytes)
+    return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
+
+
+def split(data: torch.Tensor, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, val): the last ``val_fraction`` of ``data`` is the validation part."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+    n_train = int(len(data) * (1.0 - val_fraction))
+    return data[:n_train], data[n_train:]
+
+
+@dataclass
+class ByteCorpus:
+    """The corpus split into its train and validation parts (1-D uint8 tensors)."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+
+    @classmethod
+    def load(cls, max_bytes: int = DEFAULT_MAX_BYTES, val_fraction: float = 0.1) -> "ByteCorpus":
+        return cls(*split(corpus(max_bytes), val_fraction))
+
+
+def _rng(seed: int, step: int) -> np.random.Generator:
+    # numpy's SeedSequence mixes the pair (seed, step) into the full 128-bit
+    # PCG64 state, so distinct pairs give distinct streams. (A torch CPU
+    # generator would keep only the low 32 bits of a combined seed.)
+    for name, value in (("seed", seed), ("step", step)):
+        if not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return np.random.default_rng([int(seed), int(step)])
+
+
+def get_batch(
+    data: torch.Tensor,
+    batch_size: int,
+    block_size: int,
+    step: int,
+    seed: int = 0,
+    device: Optional[Union[str, torch.device]] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch number ``step``: x, y int64 (batch_size, block_size), y[b, t] = x[b, t + 1] in ``data``.
+
+    Each row is a window of ``block_size + 1`` consecutive bytes starting at a
+    random offset; x is its first ``block_size`` bytes and y, the targets, its
+    last ``block_size``. The offsets depend only on ``(seed, step)``.
+    """
+    if data.dim() != 1:
+        raise ValueError(f"data must be 1-D, got shape {tuple(data.shape)}")
+    if batch_size <= 0 or block_size <= 0:
+        raise ValueError(f"batch_size={batch_size} and block_size={block_size} must be positive")
+    n_windows = len(data) - block_size  # offsets 0 .. len - block_size - 1 leave room for y
+    if n_windows <= 0:
+        raise ValueError(
+            f"data holds {len(data)} tokens: too few for block_size={block_size} "
+            f"(needs at least block_size + 1)"
+        )
+    offsets = torch.from_numpy(_rng(seed, step).integers(0, n_windows, size=batch_size, dtype=np.int64))  # (B,)
+    index = offsets[:, None] + torch.arange(block_size + 1)  # (B, T + 1)
+    windows = data[index].to(torch.int64)  # (B, T + 1)
+    x = windows[:, :-1].contiguous()  # (B, T)
+    y = windows[:, 1:].contiguous()  # (B, T)
+    if device is not None:
+        x, y = x.to(device), y.to(device)
+    return x, y
+
+
+def synthetic_batch(
+    batch_size: int,
+    block_size: int,
+    vocab_size: int = 256,
+    seed: int = 0,
+    step: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniformly random tokens for tests: x, y int64 (batch_size, block_size), y = x shifted by one."""
+    tokens = torch.from_numpy(
+        _rng(seed, step).integers(0, vocab_size, size=(batch_size, block_size + 1), dtype=np.int64)
+    )  # (B, T + 1)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def encode(text: str) -> torch.Tensor:
+    """UTF-8 bytes of ``text`` as int64 token ids (T,)."""
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
+
+
+def decode(tokens: Union[torch.Tensor, list]) -> str:
+    """Token ids (any shape is flattened) back to text; bytes that are not valid UTF-8 become U+FFFD."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.reshape(-1).tolist()
+    return bytes(tokens).decode("utf-8", errors="replace")

@@ -1,0 +1,153 @@
+"""The single-process training loop: the run every parallel version is compared with.
+
+AdamW at a constant learning rate on reproducible batches
+(:func:`reference.data.get_batch`), so that a parallel run fed the same
+weights, the same global batches and the same optimizer settings must produce
+the same losses, step by step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn as nn
+from tqdm.auto import tqdm
+
+from reference.data import ByteCorpus, get_batch
+from reference.model import lm_loss
+
+__all__ = ["make_optimizer", "train_step", "evaluate", "train"]
+
+
+def make_optimizer(
+    model: nn.Module,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+) -> torch.optim.AdamW:
+    """AdamW over the model's parameters (those with ``requires_grad``).
+
+    With ``weight_decay=0`` (the default) there is a single parameter group,
+    the easiest optimizer for a parallel version to reproduce. With decay,
+    only matrices (dim >= 2: Linear weights, embeddings) are decayed; biases
+    and LayerNorm gains are not, as in GPT-2 and nanoGPT.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if weight_decay == 0.0:
+        groups = [{"params": params, "weight_decay": 0.0}]
+    else:
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    grad_clip: Optional[float] = None,
+) -> float:
+    """One optimizer step on the batch (x, y); returns the loss (lm loss + aux losses) as a float."""
+    _, loss = model(x, y)
+    loss.backward()
+    if grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    # set_to_none frees the gradient memory between steps, as PyTorch does by default.
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    data: torch.Tensor,
+    batch_size: int,
+    num_batches: int = 4,
+    seed: int = 0,
+) -> float:
+    """Mean language-model loss (no aux losses) over ``num_batches`` fixed batches of ``data``.
+
+    The batches are the same on every call; runs in eval mode (no dropout) and restores the mode.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    block_size = model.config.block_size
+    losses = []
+    for i in range(num_batches):
+        x, y = get_batch(data, batch_size, block_size, step=i, seed=seed, device=device)
+        logits, _ = model(x)
+        losses.append(lm_loss(logits, y).item())
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+def train(
+    model: nn.Module,
+    steps: int,
+    batch_size: int,
+    lr: float = 1e-3,
+    data: Optional[Union[ByteCorpus, torch.Tensor]] = None,
+    seed: int = 0,
+    progress: bool = True,
+    eval_every: int = 0,
+    on_eval: Optional[Callable[[int, float], None]] = None,
+    weight_decay: float = 0.0,
+    grad_clip: Optional[float] = None,
+) -> list[float]:
+    """Train ``model`` in place for ``steps`` AdamW steps; returns the loss of every step.
+
+    ``data`` is a :class:`ByteCorpus` (default: ``ByteCorpus.load()``) or a
+    1-D tensor of training tokens. Step ``s`` uses ``get_batch(train, batch_size,
+    model.config.block_size, step=s, seed=seed)``, and dropout (if any) draws
+    from torch's RNG seeded with ``seed`` (the caller's RNG state is restored
+    afterwards): the same model, arguments and seed give the same losses.
+
+    With ``eval_every > 0`` the validation loss (:func:`evaluate`; needs a
+    ByteCorpus) is computed every ``eval_every`` steps and after the last,
+    shown in the progress bar and passed to ``on_eval(step, val_loss)``.
+    """
+    if steps < 0 or batch_size <= 0:
+        raise ValueError(f"steps={steps} must be >= 0 and batch_size={batch_size} positive")
+    if data is None:
+        data = ByteCorpus.load()
+    if isinstance(data, ByteCorpus):
+        train_data, val_data = data.train, data.val
+    else:
+        train_data, val_data = data, None
+    if eval_every > 0 and val_data is None:
+        raise ValueError("eval_every > 0 needs validation data: pass a ByteCorpus as data")
+
+    device = next(model.parameters()).device
+    block_size = model.config.block_size
+    optimizer = make_optimizer(model, lr, weight_decay=weight_decay)
+    losses: list[float] = []
+    model.train()
+    # Dropout draws from the global RNG of the model's device: seed it, and
+    # give the caller back the state it had.
+    rng_devices = []
+    if device.type == "cuda":
+        rng_devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=rng_devices):
+        torch.manual_seed(seed)
+        bar = tqdm(range(steps), disable=not progress, desc="train", leave=True)
+        postfix = {}
+        for step in bar:
+            x, y = get_batch(train_data, batch_size, block_size, step=step, seed=seed, device=device)
+            losses.append(train_step(model, optimizer, x, y, grad_clip))
+            postfix["loss"] = f"{losses[-1]:.3f}"
+            last = step == steps - 1
+            if eval_every > 0 and ((step + 1) % eval_every == 0 or last):
+                val_loss = evaluate(model, val_data, batch_size, seed=seed)
+                postfix["val"] = f"{val_loss:.3f}"
+                if on_eval is not None:
+                    on_eval(step, val_loss)
+            bar.set_postfix(postfix, refresh=False)
+        bar.close()
+    return losses
