@@ -15,8 +15,12 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
+# Jupyter refuses to run as root unless told; containers often run as root.
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
+LAB_ARGS ?=
+
 lab: $(STAMP)
-	$(BIN)/jupyter lab --notebook-dir=. notebooks/00_distributed_primer.ipynb
+	$(BIN)/jupyter lab $(ROOT_FLAG) --notebook-dir=. $(LAB_ARGS) notebooks/00_distributed_primer.ipynb
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
