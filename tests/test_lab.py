@@ -5,6 +5,7 @@ import shutil
 import signal
 import subprocess
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -14,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_lab_serves_jupyterlab():
-    args = "--no-browser --ServerApp.port=0 --IdentityProvider.token=course-test"
+    args = ("--no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port=0 "
+            "--IdentityProvider.token=course-test")
     proc = subprocess.Popen(["make", "--no-print-directory", "lab", f"LAB_ARGS={args}"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -25,10 +27,19 @@ def test_make_lab_serves_jupyterlab():
             if not line:
                 break
             seen.append(line)
-            match = re.search(r"(http://(?:127\.0\.0\.1|localhost):\d+)/lab", line)
+            match = re.search(r"(http://127\.0\.0\.1:\d+)/lab", line)
             url = match.group(1) if match else None
         assert url, "JupyterLab did not report its address:\n" + "".join(seen[-20:])
-        with urllib.request.urlopen(f"{url}/lab?token=course-test", timeout=30) as page:
+        # The address is printed as the server starts listening; allow it a moment.
+        for attempt in range(30):
+            try:
+                page = urllib.request.urlopen(f"{url}/lab?token=course-test", timeout=30)
+                break
+            except urllib.error.URLError:
+                time.sleep(1)
+        else:
+            raise AssertionError(f"JupyterLab announced {url} but does not answer there")
+        with page:
             assert page.status == 200
             assert "JupyterLab" in page.read().decode()
         with urllib.request.urlopen(f"{url}/api/contents/notebooks?token=course-test",
