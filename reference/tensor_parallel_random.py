@@ -1,0 +1,92 @@
+"""Dropout under tensor parallelism: which ranks must draw the same mask.
+
+A dropout mask is drawn from the random generator of the rank's device. What it
+must look like across the ranks of a TP group depends on what they hold:
+
+* **replicas** (the residual stream after g's all-reduce, the embeddings without
+  sequence parallelism): every rank must drop the *same* elements, or the copies
+  stop being copies and the ranks silently train different models. They draw
+  from the default generator, which the training loop seeds with the same seed on
+  every rank.
+* **shards** (attention heads inside a TP region; with sequence parallelism, each
+  rank's slice of the tokens): each rank must draw a *different*, independent
+  mask. With the same seed, head h on rank 1 would be dropped exactly where head
+  h on rank 0 is, and token t + T/tp exactly where token t is: the dense model
+  never correlates them.
+
+Megatron-LM keeps a second generator state for the shards, seeded with
+``seed + 2718 + tp_rank``, and swaps it in around sharded dropout. The default
+stream is left exactly where it was, so the replicated draws of all ranks stay
+in step whatever the shards drew. `TensorParallelRNG.fork()` is that swap.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["TensorParallelRNG", "ShardedDropout", "TP_SEED_OFFSET"]
+
+TP_SEED_OFFSET = 2718  # Megatron-LM's offset between the default and the TP seed
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def _set_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class TensorParallelRNG:
+    """The random stream of sharded regions: seeded ``seed + 2718 + tp_rank``.
+
+    ``with rng.fork(): ...`` draws from this rank's own stream inside the block;
+    on exit the default generator is back to the state it had on entry.
+    """
+
+    def __init__(self, seed: int, tp_rank: int, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.seed = seed + TP_SEED_OFFSET + tp_rank
+        # Build the stream's first state without disturbing the default generator.
+        saved = _get_state(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(self.seed)
+        else:
+            torch.manual_seed(self.seed)
+        self._state = _get_state(self.device)
+        _set_state(self.device, saved)
+
+    @contextmanager
+    def fork(self):
+        saved = _get_state(self.device)
+        _set_state(self.device, self._state)
+        try:
+            yield
+        finally:
+            self._state = _get_state(self.device)
+            _set_state(self.device, saved)
+
+    def __repr__(self) -> str:
+        return f"TensorParallelRNG(seed={self.seed}, device={self.device})"
+
+
+class ShardedDropout(nn.Dropout):
+    """Dropout on a tensor whose ranks hold different shards: draws from `rng.fork()`."""
+
+    def __init__(self, p: float, rng: TensorParallelRNG):
+        super().__init__(p)
+        self.rng = rng
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        with self.rng.fork():
+            return F.dropout(x, self.p, training=True)
