@@ -59,6 +59,11 @@ __all__ = [
 
 ReduceOp = dist.ReduceOp
 
+# torch 2.13 renamed the tensor-in, tensor-out forms (`*_into_tensor`, `*_tensor`,
+# now deprecated) to `*_single`; older releases have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -82,7 +87,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     n, i = _ring_place(group)
     record("reduce_scatter", group, _nbytes(input),
            ring_sent_bytes("reduce_scatter", input.numel(), input.element_size(), n, i))
-    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
@@ -90,7 +95,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     n, i = _ring_place(group)
     record("all_gather", group, _nbytes(output_tensor),
            ring_sent_bytes("all_gather", output_tensor.numel(), output_tensor.element_size(), n, i))
-    return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+    return _all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
