@@ -1,0 +1,104 @@
+"""How DDP groups gradients into buckets: the layout alone, no processes needed.
+
+One all-reduce per parameter pays the per-call latency (the alpha of the
+alpha-beta cost model) dozens of times per step; one all-reduce of every
+gradient at the end cannot start before backward ends. Buckets sit in between:
+gradients are packed into a few flat buffers of at most `cap_bytes` each, and a
+bucket's all-reduce starts as soon as every gradient in it is ready.
+
+Backward produces gradients roughly in the reverse of the order in which the
+module registered its parameters (the last layer's gradient comes first), so
+buckets are filled walking the parameters backwards: bucket 0 holds the last
+layers and is ready first, the last bucket holds the embeddings.
+
+    buckets = plan_buckets(model.named_parameters(), cap_bytes=2**20)
+    print(format_buckets(buckets))
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Bucket", "plan_buckets", "format_buckets"]
+
+
+@dataclass
+class Bucket:
+    """One flat buffer's worth of gradients.
+
+    `names[k]` is the parameter that lives in elements
+    ``offsets[k] : offsets[k] + numels[k]`` of the flat buffer.
+    """
+
+    index: int
+    names: list[str] = field(default_factory=list)
+    numels: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    params: list[torch.nn.Parameter] = field(default_factory=list, repr=False)
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def _add(self, name: str, param: torch.nn.Parameter) -> None:
+        self.offsets.append(self.numel)
+        self.names.append(name)
+        self.numels.append(param.numel())
+        self.params.append(param)
+
+
+def plan_buckets(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+                 cap_bytes: int, first_cap_bytes: int | None = None) -> list[Bucket]:
+    """Group the trainable parameters into buckets of at most `cap_bytes`, last parameter first.
+
+    `first_cap_bytes` (default: `cap_bytes`) caps bucket 0 alone. A small first
+    bucket, as PyTorch's DDP uses (1 MiB), starts communication as soon as the
+    last layers' gradients exist instead of after a whole `cap_bytes` of them.
+
+    `named_parameters` is in registration order (``module.named_parameters()``,
+    which lists a tied parameter once). Frozen parameters (``requires_grad``
+    False) get no bucket: they have no gradient to average. A parameter larger
+    than the cap gets a bucket of its own. A bucket holds one dtype on one
+    device, because it is a single flat tensor.
+    """
+    first_cap_bytes = cap_bytes if first_cap_bytes is None else first_cap_bytes
+    for name, value in (("cap_bytes", cap_bytes), ("first_cap_bytes", first_cap_bytes)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    trainable = [(n, p) for n, p in named_parameters if p.requires_grad]
+    buckets: list[Bucket] = []
+    current: Bucket | None = None
+    for name, p in reversed(trainable):
+        if p.layout != torch.strided:
+            raise ValueError(f"parameter {name!r} has layout {p.layout}; DDP buckets hold dense tensors only")
+        size = p.numel() * p.element_size()
+        starts_new = (
+            current is None
+            or p.dtype != current.dtype
+            or p.device != current.device
+            or (current.params and current.nbytes + size > (first_cap_bytes if current.index == 0 else cap_bytes))
+        )
+        if starts_new:
+            current = Bucket(index=len(buckets), dtype=p.dtype, device=p.device)
+            buckets.append(current)
+        current._add(name, p)
+    return buckets
+
+
+def format_buckets(buckets: list[Bucket]) -> str:
+    """A text table of the layout: one line per bucket, its bytes and its parameters."""
+    if not buckets:
+        return "(no trainable parameters: no buckets)"
+    lines = []
+    for b in buckets:
+        names = ", ".join(b.names)
+        lines.append(f"bucket {b.index}: {b.nbytes:>12,} bytes  {len(b.names):>3} params  [{names}]")
+    return "\n".join(lines)
