@@ -1,0 +1,210 @@
+"""Routing tokens to experts: the gate, top-k, capacity, and the router's losses.
+
+A mixture-of-experts layer sends each token to k of its E experts. The router
+decides which, and with what weight:
+
+1. **Gate.** A linear map with no bias gives E logits per token, and a softmax
+   turns them into probabilities ``probs`` (computed in fp32).
+2. **Top-k.** The k most probable experts are chosen: k = 1 is the Switch
+   Transformer, k = 2 is GShard. The combine weights are the chosen
+   probabilities renormalised to sum to 1 (GShard). With k = 1 they are left
+   as the raw probability, as in Switch: renormalised, a single weight would
+   always be 1 and the gate would get no gradient from the task loss.
+3. **Capacity.** Tokens are routed in *groups* (GShard's term): every row of
+   the layer's (G, T, C) input, i.e. one sequence of T tokens, is a group, and
+   each expert takes at most
+
+       capacity = ceil(capacity_factor * T * k / E)
+
+   of a group's assignments (``capacity_factor=None``: no limit). An assignment
+   over capacity is *dropped*: the expert does not see that token, which then
+   gets nothing from that expert (the residual connection still carries it).
+   The order in which a group's assignments claim slots is fixed: first every
+   token's first choice, in position order, then every second choice, and so on
+   (GShard's order: a token's best expert outranks another token's second).
+
+   Why one sequence per group: a token's fate then depends on its own sequence
+   only, so splitting a batch across data-parallel ranks, across micro-batches
+   of gradient accumulation, or across expert-parallel ranks, drops exactly
+   the same assignments as one process that sees the whole batch. (Feed a
+   (1, N, C) input to make all N tokens one group.)
+4. **Auxiliary losses,** also per group and then averaged over groups, so that
+   a rank's loss is a mean over its sequences and averaging over ranks or
+   micro-batches gives the whole batch's loss:
+
+   * load balancing (Switch, eq. 4): ``E * sum_i f_i * P_i`` with ``f_i`` the
+     fraction of the group's k*T assignments that chose expert i (before
+     capacity; not differentiable) and ``P_i`` the mean probability of expert
+     i over the group's tokens (differentiable). It is 1 when routing is
+     uniform and grows as load concentrates;
+   * router z-loss (ST-MoE): the mean of ``logsumexp(logits)**2``, which keeps
+     the logits small so the softmax stays numerically tame.
+
+   ``aux_loss = balance_coef * balance_loss + z_coef * z_loss``.
+
+`sort_by_expert` lays the kept assignments out expert by expert: the layout
+that both the single-process layer and the all-to-all dispatch use.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["expert_capacity", "Routing", "Router", "DispatchPlan", "sort_by_expert", "combine"]
+
+
+def expert_capacity(tokens_per_group: int, n_experts: int, k: int,
+                    capacity_factor: Optional[float]) -> int:
+    """Slots of each expert per group: ceil(capacity_factor * T * k / E), at most T.
+
+    An expert can never be chosen twice by one token, so T slots (the whole
+    group) already means "no limit"; ``capacity_factor=None`` gives exactly that.
+    """
+    if capacity_factor is None:
+        return tokens_per_group
+    # The 1e-9 keeps a product that is an integer in exact arithmetic (1.25 * 32 * 2 / 4)
+    # from rounding up to the next integer through a float error.
+    slots = math.ceil(capacity_factor * tokens_per_group * k / n_experts - 1e-9)
+    return min(tokens_per_group, max(slots, 0))
+
+
+@dataclass
+class Routing:
+    """What the router decided for a (G, T, C) input; E experts, k choices."""
+
+    logits: torch.Tensor      # (G, T, E) gate output, fp32
+    probs: torch.Tensor       # (G, T, E) softmax of the logits
+    expert_idx: torch.Tensor  # (G, T, k) chosen experts, most probable first
+    weights: torch.Tensor     # (G, T, k) combine weights
+    kept: torch.Tensor        # (G, T, k) bool: the assignment got a slot
+    capacity: int             # slots per expert per group
+    balance_loss: torch.Tensor  # 0-dim, Switch load-balancing loss (without coefficient)
+    z_loss: torch.Tensor        # 0-dim, router z-loss (without coefficient)
+    aux_loss: torch.Tensor      # 0-dim, balance_coef * balance_loss + z_coef * z_loss
+
+    @property
+    def n_experts(self) -> int:
+        return self.probs.shape[-1]
+
+    def tokens_per_expert(self) -> torch.Tensor:
+        """(E,) int64: assignments that chose each expert, before capacity."""
+        return torch.bincount(self.expert_idx.reshape(-1), minlength=self.n_experts)
+
+    def kept_per_expert(self) -> torch.Tensor:
+        """(E,) int64: assignments each expert processes, after capacity."""
+        return torch.bincount(self.expert_idx[self.kept], minlength=self.n_experts)
+
+    @property
+    def dropped(self) -> int:
+        """Number of (token, expert) assignments dropped at capacity."""
+        return int((~self.kept).sum())
+
+
+class Router(nn.Module):
+    """Linear gate, softmax, top-k, capacity and auxiliary losses (see the module docstring)."""
+
+    def __init__(self, d_model: int, n_experts: int, k: int = 2,
+                 capacity_factor: Optional[float] = 1.25, *,
+                 normalize_weights: Optional[bool] = None,
+                 balance_coef: float = 0.01, z_coef: float = 0.001):
+        super().__init__()
+        check_routing_args(n_experts, k, capacity_factor)
+        self.n_experts, self.k, self.capacity_factor = n_experts, k, capacity_factor
+        self.normalize_weights = k > 1 if normalize_weights is None else bool(normalize_weights)
+        self.balance_coef, self.z_coef = float(balance_coef), float(z_coef)
+        self.gate = nn.Linear(d_model, n_experts, bias=False)
+
+    def extra_repr(self) -> str:
+        return (f"n_experts={self.n_experts}, k={self.k}, capacity_factor={self.capacity_factor}, "
+                f"balance_coef={self.balance_coef}, z_coef={self.z_coef}")
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x: (G, T, C), one group per row -> the `Routing` of its G * T tokens."""
+        G, T, _ = x.shape
+        E, k = self.n_experts, self.k
+        # fp32 routing: the softmax and top-k decide discrete choices, and a
+        # low-precision tie-break would make ranks disagree with the oracle.
+        logits = self.gate(x).float()  # (G, T, E)
+        probs = logits.softmax(dim=-1)  # (G, T, E)
+        top_probs, expert_idx = probs.topk(k, dim=-1)  # (G, T, k) each, best first
+        if self.normalize_weights:
+            weights = top_probs / top_probs.sum(dim=-1, keepdim=True)
+        else:
+            weights = top_probs
+
+        # Slots in GShard's order: choice-major, then position. Reorder the
+        # assignments to (G, k * T) so a cumulative count gives each its slot.
+        capacity = expert_capacity(T, E, k, self.capacity_factor)
+        by_choice = expert_idx.transpose(1, 2).reshape(G, k * T)  # (G, k*T)
+        onehot = F.one_hot(by_choice, E)  # (G, k*T, E)
+        slot = ((onehot.cumsum(dim=1) - 1) * onehot).sum(dim=-1)  # (G, k*T): slot taken in its expert
+        kept = (slot < capacity).reshape(G, k, T).transpose(1, 2)  # (G, T, k)
+
+        # Switch load balancing per group, then the mean over groups.
+        density = onehot.float().mean(dim=1)  # (G, E): f_i, fraction of assignments
+        mean_prob = probs.mean(dim=1)  # (G, E): P_i
+        balance_loss = E * (density * mean_prob).sum(dim=-1).mean()
+        z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()  # mean over G * T tokens
+        aux_loss = self.balance_coef * balance_loss + self.z_coef * z_loss
+        return Routing(logits, probs, expert_idx, weights, kept, capacity,
+                       balance_loss, z_loss, aux_loss)
+
+
+def check_routing_args(n_experts, k, capacity_factor) -> None:
+    """ValueError for a number of experts, k or capacity factor that cannot route."""
+    if not isinstance(n_experts, int) or n_experts < 1:
+        raise ValueError(f"n_experts must be a positive int, got {n_experts!r}")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    if k > n_experts:
+        raise ValueError(f"k={k} exceeds n_experts={n_experts}: a token cannot choose "
+                         f"{k} different experts out of {n_experts}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be positive or None (no limit), got {capacity_factor!r}")
+
+
+class DispatchPlan(NamedTuple):
+    """The kept assignments of one forward, sorted by expert (then token, then choice)."""
+
+    token_idx: torch.Tensor   # (n,) row of the flattened (G * T, C) input each assignment reads
+    expert_idx: torch.Tensor  # (n,) its expert, non-decreasing
+    weights: torch.Tensor     # (n,) its combine weight
+    counts: torch.Tensor      # (E,) int64, assignments per expert: n = counts.sum()
+
+
+def sort_by_expert(routing: Routing) -> DispatchPlan:
+    """Lay the kept assignments out expert by expert.
+
+    Expert e's rows form the e-th block of ``counts``; inside a block the rows
+    follow the flattened input (group, then position). Experts on one
+    expert-parallel rank are consecutive, so the blocks of one rank are
+    consecutive too: this is the all-to-all send buffer's order.
+    """
+    k = routing.expert_idx.shape[-1]
+    flat_expert = routing.expert_idx.reshape(-1)  # (G*T*k,), token-major
+    assignment = routing.kept.reshape(-1).nonzero().squeeze(1)  # kept assignments, token-major
+    # A stable sort keeps token order inside each expert's block.
+    assignment = assignment[torch.argsort(flat_expert[assignment], stable=True)]
+    expert_idx = flat_expert[assignment]
+    return DispatchPlan(
+        token_idx=assignment // k,
+        expert_idx=expert_idx,
+        weights=routing.weights.reshape(-1)[assignment],
+        counts=torch.bincount(expert_idx, minlength=routing.n_experts),
+    )
+
+
+def combine(expert_out: torch.Tensor, plan: DispatchPlan, n_tokens: int) -> torch.Tensor:
+    """Sum each token's expert outputs times their weights: (n, C) -> (n_tokens, C).
+
+    Rows arrive in `plan` order; a token whose assignments were all dropped
+    gets zeros.
+    """
+    weighted = expert_out * plan.weights.to(expert_out.dtype).unsqueeze(1)  # (n, C)
+    out = expert_out.new_zeros(n_tokens, expert_out.shape[1])  # (G*T, C)
+    return out.index_add(0, plan.token_idx, weighted)
