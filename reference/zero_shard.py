@@ -1,0 +1,107 @@
+"""The flat, padded, sharded layout that every ZeRO stage stores parameters in.
+
+ZeRO partitions the model's numbers, not its tensors: the trainable parameters
+are laid end to end in one 1-D buffer, padded at the end to a multiple of the
+data-parallel size N, and cut into N equal shards. Rank r owns shard r.
+
+    Psi = sum of the parameters' numels,   S = ceil(Psi / N),   P = N * S
+
+    flat   | p0 ....... | p1 ... | p2 ............... | pad |     P elements
+           |<-- shard 0 -->|<-- shard 1 -->|<-- shard 2 -->|     N shards of S
+    offset 0            o1       o2                      Psi  P
+
+* A parameter may straddle two shards (p0 above): the optimizer only ever sees
+  a shard as one 1-D tensor, so this is harmless for element-wise optimizers
+  (SGD, Adam, AdamW, Adagrad, RMSprop: each number's update depends only on that
+  number's own gradient and state).
+* The padding (P - Psi < N elements) is zero in the parameters and in the
+  gradients, so it stays zero through the element-wise update: the all-gather of
+  the updated shards rebuilds exactly the flat parameters.
+* Equal shards are what `reduce_scatter_tensor` and `all_gather_into_tensor`
+  need: one call moves the whole buffer, and each rank's share of the bytes is
+  (N - 1) / N of it, the figure the ZeRO paper counts.
+
+`FlatLayout` holds this arithmetic and nothing else; the ZeRO optimizer keeps one
+layout for all its parameters, FSDP one per unit (block).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+__all__ = ["FlatLayout", "trainable_unique"]
+
+
+def trainable_unique(params: Iterable[torch.Tensor]) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+    """(trainable, frozen): the parameters split by `requires_grad`, each tensor once.
+
+    A tied weight (GPT's wte / lm_head) is one Parameter object reached twice;
+    it is stored, updated and communicated once.
+    """
+    trainable, frozen, seen = [], [], set()
+    for p in params:
+        if isinstance(p, dict):
+            raise TypeError("pass an iterable of parameters, not parameter groups (dicts): "
+                            "every parameter of a ZeRO optimizer shares one group")
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"expected parameters (tensors), got {type(p).__name__}")
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        (trainable if p.requires_grad else frozen).append(p)
+    return trainable, frozen
+
+
+class FlatLayout:
+    """Offsets of `numels` laid end to end, padded to N * S and cut into N shards of S."""
+
+    def __init__(self, numels: Sequence[int], world_size: int):
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        self.numels = [int(n) for n in numels]
+        self.world_size = world_size
+        self.offsets = []
+        total = 0
+        for n in self.numels:
+            self.offsets.append(total)
+            total += n
+        self.numel = total                                   # Psi
+        self.shard_numel = -(-total // world_size)           # S = ceil(Psi / N)
+        self.padded_numel = self.shard_numel * world_size    # P = N * S
+
+    @property
+    def padding(self) -> int:
+        """P - Psi: zeros appended so the buffer splits into N equal shards (< N)."""
+        return self.padded_numel - self.numel
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """[start, end) of shard `rank` inside the flat buffer."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside 0..{self.world_size - 1}")
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        """The view of `flat` (P,) that rank `rank` owns: (S,)."""
+        start, end = self.shard_range(rank)
+        return flat[start:end]
+
+    def views(self, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+        """One view of `flat` per parameter, in its own shape (no copy)."""
+        return [flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, shapes)]
+
+    def flatten(self, tensors: Sequence[torch.Tensor | None], out: torch.Tensor) -> torch.Tensor:
+        """Copy `tensors` into `out` (P,) at their offsets; None and the padding become 0."""
+        if out.numel() != self.padded_numel:
+            raise ValueError(f"out has {out.numel()} elements, the layout needs {self.padded_numel}")
+        for t, o, n in zip(tensors, self.offsets, self.numels):
+            if t is None:  # a parameter unused in this step: its gradient is zero
+                out[o:o + n].zero_()
+            elif t.data_ptr() != out[o:o + n].data_ptr():  # skip a view already in place
+                out[o:o + n].copy_(t.reshape(-1))
+        out[self.numel:].zero_()
+        return out
+
+    def __repr__(self) -> str:
+        return (f"FlatLayout(tensors={len(self.numels)}, numel={self.numel}, N={self.world_size}, "
+                f"shard_numel={self.shard_numel}, padding={self.padding})")
