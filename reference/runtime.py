@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from .runtime_errors import RankError, RankTimeoutError, failure_error, hang_stacks, read_text
-from .runtime_rank import RANK_MARKER, rank_main
+from .runtime_rank import RANK_MARKER, process_group_backend, rank_main
 
 __all__ = [
     "launch", "RankError", "RankTimeoutError", "device", "resolve_backend",
@@ -108,7 +108,7 @@ def resolve_backend(backend: str, world_size: int, start_method: str = "forkserv
 
 def device() -> torch.device:
     """The device this rank computes on: its GPU under NCCL, the CPU under gloo."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -131,7 +131,7 @@ def init_from_env(backend: str = "auto") -> tuple[int, int]:
         backend = resolve_backend(backend, local_world)
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend, init_method="env://")
+        dist.init_process_group(process_group_backend(backend), init_method="env://")
     return dist.get_rank(), dist.get_world_size()
 
 # ----------------------------------------------------------------------------- in the caller

@@ -32,6 +32,15 @@ _COMM_PATTERNS = (
 
 
 
+def process_group_backend(backend: str) -> str:
+    """The backend string handed to init_process_group.
+
+    Under NCCL, CPU tensors still go through gloo ("cpu:gloo,cuda:nccl"), so a
+    notebook whose ranks build small CPU tensors runs unchanged on a GPU node, and
+    tensors moved to `device()` take NCCL."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
 def is_comm_error(exc: BaseException) -> bool:
     dist_errors = tuple(getattr(dist, n) for n in ("DistNetworkError", "DistStoreError")
                         if hasattr(dist, n))
@@ -94,7 +103,8 @@ def rank_main(rank, world_size, payload, context, workdir, backend, threads, tim
         store = dist.FileStore(os.path.join(workdir, "store"), world_size)
         # The group's own timeout is longer than the caller's, so a hang is reported
         # by the caller (naming the unfinished ranks), not by a collective's timeout.
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+        dist.init_process_group(process_group_backend(backend), store=store, rank=rank,
+                                world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout + 60))
         if callable(fn):
             result = fn(*args)
