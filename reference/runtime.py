@@ -48,6 +48,8 @@ killed in a `finally`, so an interrupted kernel leaves nothing behind.
 """
 from __future__ import annotations
 
+import importlib
+import io
 import linecache
 import multiprocessing as mp
 import multiprocessing.connection
@@ -139,6 +141,27 @@ def init_from_env(backend: str = "auto") -> tuple[int, int]:
 # torch._dynamo is imported by the first optimizer.step(): preloading it saves every rank
 # several seconds.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "reference.runtime_rank"]
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, plus: module objects of a ModuleType subclass travel by name.
+
+    torch registers some config modules (torch.distributed.config, say) as
+    instances of a ModuleType subclass; cloudpickle would try to copy them by
+    value and fail on any function that uses `dist` and reads an attribute that
+    happens to share such a module's name (`stage.config`)."""
+
+    def reducer_override(self, obj):
+        if (isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType
+                and sys.modules.get(obj.__name__) is obj):
+            return importlib.import_module, (obj.__name__,)
+        return super().reducer_override(obj)
+
+
+def _dumps(obj) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
+    return buffer.getvalue()
 
 
 def _context(start_method):
@@ -264,7 +287,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 3
     backend = resolve_backend(backend, world_size, start_method)
     threads = threads or default_threads(world_size)
     ctx = _context(start_method)
-    payload = cloudpickle.dumps((fn, args))
+    payload = _dumps((fn, args))
     context = (dict(os.environ), os.getcwd(), list(sys.path))
     workdir = tempfile.mkdtemp(prefix="launch-")
     procs, writers, exits, exit_times = [], [], {}, {}

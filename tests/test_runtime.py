@@ -63,6 +63,19 @@ def test_closure_and_lambda_travel_by_value():
     assert launch(lambda a, b: a * b + dist.get_rank(), 2, 3, 4, quiet=True) == [12, 13]
 
 
+class _WithConfig:
+    config = "a config"
+
+
+def test_function_reading_an_attribute_named_like_a_torch_config_module():
+    # `config` is also the name of torch.distributed.config, a ModuleType subclass.
+    def read(obj):
+        dist.get_rank()
+        return obj.config
+
+    assert launch(read, 2, _WithConfig(), quiet=True) == ["a config"] * 2
+
+
 def test_output_is_prefixed_and_in_rank_order(capsys):
     def talk():
         r = dist.get_rank()
