@@ -1,0 +1,75 @@
+"""The grader's outputs: results.json, a CSV table, and the table printed for the instructor.
+
+Each submission is a dict:
+    {"path", "homework", "total", "max", "note",
+     "exercises": [{"id", "points", "max", "reason", "failures"}]}
+`reason` is "" at full marks, else one line; `failures` has one line per lost point;
+`note` says what happened to the notebook as a whole ("" when it ran to the end).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+
+__all__ = ["write_json", "write_csv", "format_table", "exercise_columns"]
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Replace `path` in one step: a reader sees the old file or the new one, and a link
+    someone left at `path` is replaced, not followed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w", newline="") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write_json(results: list[dict], path: Path, **header) -> None:
+    _atomic_write(path, json.dumps({**header, "submissions": results}, indent=1) + "\n")
+
+
+def exercise_columns(results: list[dict]) -> list[str]:
+    """Exercise ids in order of first appearance (a batch may mix homework)."""
+    ids: list[str] = []
+    for r in results:
+        ids += [e["id"] for e in r["exercises"] if e["id"] not in ids]
+    return ids
+
+
+def write_csv(results: list[dict], path: Path) -> None:
+    ids = exercise_columns(results)
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(["path", "homework", *ids, "total", "max", "note"])
+    for r in results:
+        points = {e["id"]: e["points"] for e in r["exercises"]}
+        writer.writerow([r["path"], r["homework"], *(points.get(i, "") for i in ids),
+                         r["total"], r["max"], r["note"]])
+    _atomic_write(path, out.getvalue())
+
+
+def format_table(results: list[dict]) -> str:
+    """Points per submission and exercise; under each row, why points were lost."""
+    ids = exercise_columns(results)
+    names = [r["path"] for r in results]
+    width = max([len("submission")] + [len(n) for n in names])
+    cols = [max(len(i), 7) for i in ids]
+    lines = ["  ".join(["submission".ljust(width)] + [i.rjust(c) for i, c in zip(ids, cols)]
+                       + ["  total"])]
+    lines.append("-" * len(lines[0]))
+    for r, name in zip(results, names):
+        by_id = {e["id"]: e for e in r["exercises"]}
+        cells = [(f"{by_id[i]['points']}/{by_id[i]['max']}" if i in by_id else "-").rjust(c)
+                 for i, c in zip(ids, cols)]
+        lines.append("  ".join([name.ljust(width)] + cells + [f"{r['total']}/{r['max']}".rjust(7)]))
+        if r["note"]:
+            lines.append(f"    note: {r['note']}")
+        for e in r["exercises"]:
+            if e["points"] < e["max"]:
+                lines.append(f"    {e['id']}: -{e['max'] - e['points']}: {e['reason']}")
+    return "\n".join(lines)

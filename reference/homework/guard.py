@@ -1,0 +1,140 @@
+"""Inside a rank: forbid the collectives an exercise asks for, and watch the messages.
+
+An exercise such as "build all-reduce from send and recv" is only an exercise if
+`torch.distributed.all_reduce` and its relatives are out of reach while the
+student's function runs. `exercise_rules` replaces them, in the module namespaces
+and on `ProcessGroup`, with functions that raise `NotAllowedError`, and wraps
+send/recv/isend/irecv (and so `batch_isend_irecv`, which calls isend/irecv) to
+record every message: its peer (global rank) and its element count. The checks
+then verify the ring pattern (send only to the next rank, receive only from the
+previous one) and the traffic the ring algorithm implies.
+
+This is a guard against using the built-in by mistake, not a sandbox: code that
+goes out of its way (the backend object, the C++ ops) can still reach a
+collective. What it cannot do is see the other ranks' inputs, which is what a
+correct answer needs.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+__all__ = ["NotAllowedError", "Traffic", "COLLECTIVES", "exercise_rules"]
+
+# Every torch.distributed function that moves data among more than two ranks.
+COLLECTIVES = (
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor",
+    "all_gather_object", "all_gather_coalesced", "all_gather_single", "_all_gather_base",
+    "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base",
+    "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list",
+    "_broadcast_coalesced", "reduce", "gather", "gather_object", "scatter",
+    "scatter_object_list",
+)
+# The same operations as methods of the process group object.
+_GROUP_METHODS = (
+    "allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced",
+    "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
+    "_allgather_base", "reduce_scatter", "reduce_scatter_single",
+    "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
+    "_reduce_scatter_base", "alltoall", "alltoall_base", "all_to_all_single", "broadcast",
+    "reduce", "gather", "scatter",
+)
+_P2P = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
+
+
+class NotAllowedError(RuntimeError):
+    """The exercise asks to build this collective, so calling the built-in one is refused."""
+
+
+@dataclass
+class Traffic:
+    """Messages this rank posted: (peer global rank or None for any source, element count)."""
+    sends: list = field(default_factory=list)
+    recvs: list = field(default_factory=list)
+    depth: int = 0  # > 0 inside a recorded call: send calls isend, recv calls irecv
+
+    def clear(self) -> None:
+        self.sends.clear()
+        self.recvs.clear()
+
+
+def _refuse(name: str, exercise: str):
+    def refused(*args, **kwargs):
+        raise NotAllowedError(f"torch.distributed.{name} is not allowed in this exercise "
+                              f"({exercise}): build it from send/recv (or isend/irecv)")
+    refused.__name__ = name
+    return refused
+
+
+def _recording(name: str, original, traffic: Traffic):
+    """`original` (send, recv, isend or irecv) that first notes the message in `traffic`."""
+    signature = inspect.signature(original)
+    peer_arg = _P2P[name]
+    log = traffic.sends if peer_arg == "dst" else traffic.recvs
+
+    @functools.wraps(original)
+    def recorded(*args, **kwargs):
+        if traffic.depth == 0:  # one message, however many wrappers it passes through
+            try:
+                bound = signature.bind(*args, **kwargs).arguments
+                peer = bound.get(peer_arg)
+                group_peer = bound.get(f"group_{peer_arg}")
+                if peer is None and group_peer is not None:
+                    group = bound.get("group") or dist.group.WORLD
+                    peer = dist.get_global_rank(group, group_peer)
+                log.append((peer, int(bound["tensor"].numel())))
+            except Exception:  # noqa: BLE001 - bad arguments: torch's own call reports them
+                pass
+        traffic.depth += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            traffic.depth -= 1
+
+    return recorded
+
+
+@contextlib.contextmanager
+def exercise_rules(exercise: str, forbidden=COLLECTIVES):
+    """While open: the `forbidden` collectives raise NotAllowedError; messages are recorded.
+
+    Yields the `Traffic` that send/recv/isend/irecv append to. Both `torch.distributed`
+    and `torch.distributed.distributed_c10d` are patched, because batch_isend_irecv and
+    P2POp compare against the latter's isend/irecv."""
+    traffic = Traffic()
+    saved = []
+    missing = object()
+
+    def replace(owner, name, value):
+        if not hasattr(owner, name):
+            return
+        # A class attribute is saved raw from __dict__ (getattr would give a bound
+        # pybind11 method, which does not work when set back) or, when inherited,
+        # deleted again at the end.
+        raw = owner.__dict__.get(name, missing) if isinstance(owner, type) else getattr(owner, name)
+        saved.append((owner, name, raw))
+        setattr(owner, name, value)
+
+    try:
+        for name in forbidden:
+            refused = _refuse(name, exercise)
+            replace(dist, name, refused)
+            replace(c10d, name, refused)
+        for name in _GROUP_METHODS:
+            replace(dist.ProcessGroup, name, _refuse(f"ProcessGroup.{name}", exercise))
+        for name in _P2P:
+            recorded = _recording(name, getattr(c10d, name), traffic)
+            replace(dist, name, recorded)
+            replace(c10d, name, recorded)
+        yield traffic
+    finally:
+        for owner, name, value in reversed(saved):
+            if value is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
