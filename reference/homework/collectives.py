@@ -163,4 +163,5 @@ ALL_GATHER = ExerciseSpec(
     id="ring_all_gather", title="ring all-gather from send/recv", difficulty="★☆☆ easy",
     world_sizes=(2, 3, 4), make_cases=make_cases, call=call_all_gather,
     expect=expect_all_gather, judge=judge_all_gather, reference=torch_all_gather)
+HOMEWORK_ID = "00_collectives"
 EXERCISES = (ALL_REDUCE, ALL_GATHER)
