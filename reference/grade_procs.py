@@ -22,6 +22,8 @@ import threading
 
 import psutil
 
+from .runtime import kill_processes
+
 __all__ = ["become_subreaper", "kill_processes", "kill_descendants", "ChildRegistry"]
 
 _PR_SET_CHILD_SUBREAPER = 36  # from <linux/prctl.h>
@@ -34,24 +36,6 @@ def become_subreaper() -> bool:
         return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
-
-
-def kill_processes(procs: list, grace: float = 0.0) -> None:
-    """SIGKILL (after SIGTERM and `grace` seconds if grace > 0) and reap each process."""
-    procs = [p for p in procs if p.pid != os.getpid()]
-    if grace > 0:
-        for p in procs:
-            try:
-                p.terminate()
-            except psutil.Error:
-                pass
-        _, procs = psutil.wait_procs(procs, timeout=grace)
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=5)  # reaps our own children among them
 
 
 def kill_descendants(root: psutil.Process, keep: set | frozenset = frozenset(),

@@ -48,17 +48,21 @@ killed in a `finally`, so an interrupted kernel leaves nothing behind.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib
 import io
 import linecache
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.spawn as mp_spawn
 import os
 import re
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import types
 
@@ -134,6 +138,9 @@ def init_from_env(backend: str = "auto") -> tuple[int, int]:
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         dist.init_process_group(process_group_backend(backend), init_method="env://")
+        # A process group still alive at interpreter exit can abort in its C++
+        # destructors ("terminate called without an active exception").
+        atexit.register(_destroy_process_group)
     return dist.get_rank(), dist.get_world_size()
 
 # ----------------------------------------------------------------------------- in the caller
@@ -164,6 +171,34 @@ def _dumps(obj) -> bytes:
     return buffer.getvalue()
 
 
+_START_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _without_main_module():
+    """Start processes that do not re-import the caller's `__main__`.
+
+    multiprocessing makes each new process import the parent's main module (as
+    `__mp_main__`) so that pickled references into it resolve. Ranks need none:
+    their function travels by value. Skipping it saves every rank a re-import
+    (pytest, a grader, a training script) and makes launch work where `__main__`
+    is no file at all (`python -c`, `python -`)."""
+    original = mp_spawn.get_preparation_data
+
+    def without_main(name):
+        data = original(name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        return data
+
+    with _START_LOCK:
+        mp_spawn.get_preparation_data = without_main
+        try:
+            yield
+        finally:
+            mp_spawn.get_preparation_data = original
+
+
 def _context(start_method):
     if start_method not in ("forkserver", "spawn", "fork"):
         raise ValueError(f"start_method must be 'forkserver', 'spawn' or 'fork', got {start_method!r}")
@@ -175,8 +210,28 @@ def _context(start_method):
     return ctx
 
 
+def kill_processes(procs: list, grace: float = 0.0) -> None:
+    """SIGKILL (after SIGTERM and `grace` seconds if grace > 0) and reap psutil processes."""
+    import psutil
+
+    procs = [p for p in procs if p.pid != os.getpid()]
+    if grace > 0:
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        _, procs = psutil.wait_procs(procs, timeout=grace)
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=5)  # reaps our own children among them
+
+
 def _kill_tree(procs, grace=1.0):
-    """SIGTERM each process and its descendants, then SIGKILL what is left."""
+    """SIGTERM each rank and its descendants, then SIGKILL what is left after `grace` s."""
     import psutil
 
     victims = []
@@ -188,21 +243,11 @@ def _kill_tree(procs, grace=1.0):
             victims += proc.children(recursive=True) + [proc]
         except psutil.NoSuchProcess:
             pass
-    for v in victims:
-        try:
-            v.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(victims, timeout=grace)
-    for v in alive:
-        try:
-            v.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=grace)
+    kill_processes(victims, grace=grace)
     for p in procs:
         if p.pid is not None:
             p.join(timeout=grace)
+
 
 def _print_logs(workdir, world_size):
     for rank in range(world_size):
@@ -297,7 +342,8 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 3
             p = ctx.Process(target=rank_main, name=f"rank{rank}",
                             args=(rank, world_size, payload, context, workdir, backend, threads,
                                   timeout, reader, safe_results))
-            p.start()
+            with _without_main_module():
+                p.start()
             reader.close()
             procs.append(p)
             writers.append(writer)
@@ -351,6 +397,11 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 3
         if not quiet:
             _print_logs(workdir, world_size)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _destroy_process_group():
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _launch_under_torchrun(fn, world_size, args, backend):

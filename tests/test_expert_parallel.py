@@ -18,15 +18,6 @@ from reference import moe_viz
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # The machine's cores are shared: one intra-op thread avoids spinning threads
-    # fighting over them, and these tensors are far too small to need more.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def make_moe(seed=0, **kw):
     args = dict(d_model=8, d_ff=16, n_experts=4, k=2, capacity_factor=1.0)

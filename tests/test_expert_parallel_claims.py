@@ -27,14 +27,6 @@ from reference.runtime import launch
 C, D_FF, E = 16, 32, 8
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Shared cores and tiny tensors: more intra-op threads only spin.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def make_moe(**kw):
     args = dict(d_model=C, d_ff=D_FF, n_experts=E, k=2, capacity_factor=None)

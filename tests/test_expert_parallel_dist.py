@@ -24,14 +24,6 @@ from reference.runtime import launch
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # The oracle runs here while the cores are shared; tiny tensors need one thread.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 # AdamW's step is lr * m / (sqrt(v) + eps): on a gradient element near zero (a
 # sum of contributions that cancel, which routing makes common) it normalises a
 # rounding error delta of that gradient into a step change of up to lr * delta / eps.

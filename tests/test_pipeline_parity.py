@@ -35,15 +35,6 @@ FROZEN = ("wpe.weight", "h.1.ln_1.weight", "h.6.ffn.c_fc.bias")
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tensors this small compute fastest on one intra-op thread; more threads
-    only wait for each other on a machine whose cores are busy."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _config(tied):
     return GPTConfig.tiny(tie_weights=tied, **CFG)

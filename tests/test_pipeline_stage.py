@@ -12,15 +12,6 @@ from reference.pipeline_parallel import (DelayedStage, GPTStage, build_schedule,
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tensors this small compute fastest on one intra-op thread; more threads
-    only wait for each other on a machine whose cores are busy."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _blocks(specs):
     return [len(s.layers) for s in specs]

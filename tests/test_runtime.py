@@ -284,6 +284,17 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
 """)
 
 
+def test_launch_from_python_c_without_a_main_file():
+    """Ranks do not re-import the caller's main module, which here is no file at all."""
+    code = ("import torch.distributed as dist\n"
+            "from reference.runtime import launch\n"
+            "print('RESULTS', launch(lambda: dist.get_rank() * 10, 2, quiet=True))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESULTS [0, 10]" in out.stdout
+
+
 def test_same_call_under_torchrun(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(TORCHRUN_SCRIPT)

@@ -35,15 +35,22 @@ COLLECTIVES = (
     "_broadcast_coalesced", "reduce", "gather", "gather_object", "scatter",
     "scatter_object_list",
 )
-# The same operations as methods of the process group object.
-_GROUP_METHODS = (
-    "allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced",
-    "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
-    "_allgather_base", "reduce_scatter", "reduce_scatter_single",
-    "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
-    "_reduce_scatter_base", "alltoall", "alltoall_base", "all_to_all_single", "broadcast",
-    "reduce", "gather", "scatter",
-)
+# The same operations as methods of the process group object, each with the
+# functions whose ban also bans it.
+_GATHER = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base")
+_SCATTER = ("reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base")
+_GROUP_METHODS = {
+    "allreduce": ("all_reduce",), "allreduce_coalesced": ("all_reduce", "all_reduce_coalesced"),
+    "allgather": ("all_gather",), "allgather_coalesced": ("all_gather", "all_gather_coalesced"),
+    "allgather_into_tensor_coalesced": _GATHER, "all_gather_single": _GATHER,
+    "all_gather_single_coalesced": _GATHER, "_allgather_base": _GATHER,
+    "reduce_scatter": ("reduce_scatter",), "reduce_scatter_single": _SCATTER,
+    "reduce_scatter_single_coalesced": _SCATTER, "reduce_scatter_tensor_coalesced": _SCATTER,
+    "_reduce_scatter_base": _SCATTER, "alltoall": ("all_to_all",),
+    "alltoall_base": ("all_to_all_single",), "all_to_all_single": ("all_to_all_single",),
+    "broadcast": ("broadcast",), "reduce": ("reduce",), "gather": ("gather",),
+    "scatter": ("scatter",),
+}
 _P2P = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
 
 
@@ -63,10 +70,10 @@ class Traffic:
         self.recvs.clear()
 
 
-def _refuse(name: str, exercise: str):
+def _refuse(name: str, exercise: str, hint: str):
     def refused(*args, **kwargs):
         raise NotAllowedError(f"torch.distributed.{name} is not allowed in this exercise "
-                              f"({exercise}): build it from send/recv (or isend/irecv)")
+                              f"({exercise}): {hint}")
     refused.__name__ = name
     return refused
 
@@ -120,13 +127,17 @@ def exercise_rules(exercise: str, forbidden=COLLECTIVES):
         saved.append((owner, name, raw))
         setattr(owner, name, value)
 
+    forbidden = tuple(forbidden)
+    hint = ("build it from send/recv (or isend/irecv)" if set(forbidden) >= set(COLLECTIVES)
+            else "use only the operations the exercise names")
     try:
         for name in forbidden:
-            refused = _refuse(name, exercise)
+            refused = _refuse(name, exercise, hint)
             replace(dist, name, refused)
             replace(c10d, name, refused)
-        for name in _GROUP_METHODS:
-            replace(dist.ProcessGroup, name, _refuse(f"ProcessGroup.{name}", exercise))
+        for name, functions in _GROUP_METHODS.items():
+            if any(f in forbidden for f in functions):
+                replace(dist.ProcessGroup, name, _refuse(f"ProcessGroup.{name}", exercise, hint))
         for name in _P2P:
             recorded = _recording(name, getattr(c10d, name), traffic)
             replace(dist, name, recorded)
