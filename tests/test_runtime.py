@@ -271,7 +271,7 @@ def test_safe_results_refuses_objects():
 
 
 TORCHRUN_SCRIPT = textwrap.dedent("""
-    import torch, torch.distributed as dist
+    import os, sys, torch, torch.distributed as dist
     from reference.runtime import launch
 
     def work():
@@ -280,7 +280,10 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
         return t.item()
 
     if __name__ == "__main__":
-        print("RESULTS", launch(work, 2), flush=True)
+        results = launch(work, 2)
+        # One file per rank: torchrun interleaves the ranks' stdout.
+        with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.txt"), "w") as f:
+            f.write(repr(results))
 """)
 
 
@@ -300,10 +303,11 @@ def test_same_call_under_torchrun(tmp_path):
     script.write_text(TORCHRUN_SCRIPT)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc_per_node", "2", str(script)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=180)
+                          "--nproc_per_node", "2", str(script), str(tmp_path)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("RESULTS [3.0, 3.0]") == 2
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "[3.0, 3.0]"
 
 
 def test_function_defined_in_a_notebook_cell(tmp_path):
