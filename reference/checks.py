@@ -72,6 +72,23 @@ def _rank_check(spec: ExerciseSpec, fn_bytes: bytes, cases) -> dict:
     return {"inputs": inputs, "expected": expected, "outputs": outputs}
 
 
+def describe_launch_failure(err: RankError, world_size: int, timeout: float,
+                            hang_hint: str) -> str:
+    """Why a visible check's launch failed, for the student: one line, then for an
+    exception the last lines of its traceback."""
+    if isinstance(err, RankTimeoutError):
+        return (f"on {world_size} ranks: timed out after {timeout:g} s; ranks {err.ranks} "
+                f"did not finish ({hang_hint})")
+    summary = err.failures.get(err.rank) or str(err).splitlines()[0]
+    if summary.startswith("NotImplementedError"):
+        return "not implemented yet"
+    if summary.startswith("NotAllowedError"):
+        return one_line(summary.split(": ", 1)[-1]) + " (not allowed)"
+    where = "\n".join("     | " + line for line in err.traceback.strip().splitlines()[-6:])
+    return (f"on {world_size} ranks, rank {err.rank} raised {one_line(summary)}"
+            + (f"\n{where}" if where else ""))
+
+
 def _failure(spec: ExerciseSpec, fn, world_sizes, cases, timeout) -> str:
     """"" when every world size and case passes, else the first failure, on one line."""
     fn_bytes = cloudpickle.dumps(fn)
@@ -79,18 +96,9 @@ def _failure(spec: ExerciseSpec, fn, world_sizes, cases, timeout) -> str:
         try:
             # Not quiet: what the student's code prints shows, as "[rank r] ..." lines.
             ranks = launch(_rank_check, world_size, spec, fn_bytes, cases, timeout=timeout)
-        except RankTimeoutError as err:
-            return (f"on {world_size} ranks: timed out after {timeout:g} s; ranks {err.ranks} "
-                    f"did not finish (a recv waiting for a send that never comes?)")
         except RankError as err:
-            summary = err.failures.get(err.rank) or str(err).splitlines()[0]
-            if summary.startswith("NotImplementedError"):
-                return "not implemented yet"
-            if summary.startswith("NotAllowedError"):
-                return one_line(summary.split(": ", 1)[-1]) + " (not allowed)"
-            where = "\n".join("     | " + line for line in err.traceback.strip().splitlines()[-6:])
-            return (f"on {world_size} ranks, rank {err.rank} raised {one_line(summary)}"
-                    + (f"\n{where}" if where else ""))
+            return describe_launch_failure(err, world_size, timeout,
+                                           "a recv waiting for a send that never comes?")
         for name in ranks[0]["inputs"]:
             reason = spec.judge([r["inputs"][name] for r in ranks],
                                 [r["expected"][name] for r in ranks],

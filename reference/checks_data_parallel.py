@@ -19,10 +19,11 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from .checks import describe_launch_failure
 from .homework.data_parallel import AVERAGE_GRADIENTS, BUCKETED
 from .homework.guard import exercise_rules
 from .homework.scoring import ExerciseSpec, one_line
-from .runtime import RankError, RankTimeoutError, launch
+from .runtime import RankError, launch
 
 __all__ = ["check_average_gradients", "check_bucketed_all_reduce", "run_model_check"]
 
@@ -72,18 +73,9 @@ def _failure(spec: ExerciseSpec, fn, world_sizes, timeout) -> str:
         try:
             # Not quiet: what your code prints shows, as "[rank r] ..." lines.
             ranks = launch(_rank_check, world_size, spec, fn_bytes, cases, timeout=timeout)
-        except RankTimeoutError as err:
-            return (f"on {world_size} ranks: timed out after {timeout:g} s; ranks {err.ranks} "
-                    f"did not finish (ranks waiting in different collectives?)")
         except RankError as err:
-            summary = err.failures.get(err.rank) or str(err).splitlines()[0]
-            if summary.startswith("NotImplementedError"):
-                return "not implemented yet"
-            if summary.startswith("NotAllowedError"):
-                return one_line(summary.split(": ", 1)[-1]) + " (not allowed)"
-            where = "\n".join("     | " + line for line in err.traceback.strip().splitlines()[-6:])
-            return (f"on {world_size} ranks, rank {err.rank} raised {one_line(summary)}"
-                    + (f"\n{where}" if where else ""))
+            return describe_launch_failure(err, world_size, timeout,
+                                           "ranks waiting in different collectives?")
         for case in cases:
             reason = spec.judge(case.inputs, spec.expect(case.inputs),
                                 [r[case.name] for r in ranks], world_size)
