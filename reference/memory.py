@@ -19,7 +19,7 @@ The paper's example: Psi = 7.5B, mixed precision, N = 64 gives 120 GB, 31.4 GB,
 parameters are not model states and are not counted.)
 
 An implementation shards flat buffers padded to a multiple of N (see
-`reference.zero_shard`): a buffer of Psi numbers becomes N shards of
+`reference.zero.shard`): a buffer of Psi numbers becomes N shards of
 S = ceil(Psi / N), and what is kept whole is held as the padded P = N * S.
 `model_state_bytes(..., units=...)` applies that padding, per flat buffer, so
 that it equals exactly what `measure` finds in a live run; without padding

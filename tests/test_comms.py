@@ -309,7 +309,7 @@ def test_wrappers_record_ring_formulas_and_meters_nest(world_size):
 
 
 def test_meter_without_processes_records_tables_and_nests():
-    from reference.comms_meter import record
+    from reference.comms.metering import record
     record("all_reduce", None, 8, 8)                     # no meter open: nothing happens
     with comms.meter() as outer:
         record("all_reduce", None, 100, 150)

@@ -1,4 +1,4 @@
-"""reference.data_parallel_viz, and the claims of notebook 01 that no other test measures.
+"""reference.data_parallel.viz, and the claims of notebook 01 that no other test measures.
 
 The pictures: bars drawn exactly where a trace puts them, panels per rank, errors
 for malformed traces. The notebook's claims: gradients become ready module by module
@@ -16,11 +16,11 @@ import torch.distributed as dist
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 
-from reference import data_parallel_viz as dpv
+from reference.data_parallel import viz as dpv
 from reference.comms import CostModel
 from reference.data import synthetic_batch
 from reference.data_parallel import DDP, naive_all_reduce_gradients
-from reference.data_parallel_viz import (
+from reference.data_parallel.viz import (
     OverlapSummary,
     plot_data_parallel_step,
     plot_dp_scaling,

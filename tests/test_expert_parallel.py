@@ -12,8 +12,8 @@ from matplotlib.figure import Figure
 
 from reference.expert_parallel import MoE, expert_parameters, moe_factory
 from reference.model import GPT, MLP, GPTConfig
-from reference.moe_router import Router, expert_capacity, sort_by_expert
-from reference import moe_viz
+from reference.expert_parallel.router import Router, expert_capacity, sort_by_expert
+from reference.expert_parallel import viz as moe_viz
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 

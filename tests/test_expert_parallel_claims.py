@@ -7,7 +7,7 @@
   replicated parameters and X of experts, measured on a GPT at ep = 2 and 4,
   and the experts' gradients and AdamW state are split the same way;
 * each expert is as large as the dense model's MLP;
-* the pictures of `reference.moe_viz_extra`.
+* the pictures of `reference.expert_parallel.viz_extra`.
 
 The exact 1/8 at 8 ranks is `test_eight_ranks_hold_an_eighth_of_the_experts`
 in test_expert_parallel_dist.py; the bytes formula, parity and load balancing
@@ -17,7 +17,7 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from reference import moe_viz_extra
+from reference.expert_parallel import viz_extra as moe_viz_extra
 from reference.data import synthetic_batch
 from reference.expert_parallel import MoE, expert_parameters, moe_all_reduce_gradients, moe_factory, shard_experts
 from reference.mesh import Mesh

@@ -16,7 +16,7 @@ from reference import comms
 from reference.data import synthetic_batch
 from reference.expert_parallel import (ExpertParallelMoE, MoE, expert_parameters, moe_all_reduce_gradients,
                                        moe_factory, shard_experts)
-from reference.expert_parallel_comms import all_to_all_bytes_per_step
+from reference.expert_parallel.comms import all_to_all_bytes_per_step
 from reference.mesh import Mesh
 from reference.model import GPT, GPTConfig
 from reference.runtime import launch
@@ -159,7 +159,7 @@ def oracle(case):
 
 
 def expected_a2a_bytes(oracle_step, spec, dp_rank):
-    """The formula of `reference.expert_parallel_comms`, from the oracle's routing of the whole batch."""
+    """The formula of `reference.expert_parallel.comms`, from the oracle's routing of the whole batch."""
     ep = spec["ep"]
     b, e_local = B // spec["dp"], E // ep
     first = dp_rank - dp_rank % ep  # the ep group: dp ranks first ... first + ep - 1

@@ -10,7 +10,7 @@ from reference.data import synthetic_batch
 from reference.model import GPT, GPTConfig
 from reference.pipeline_parallel import (bubble_formula, build_schedule, plan_stages, run_pipeline,
                                          split_stages)
-from reference.pipeline_widgets import MAX_M, MAX_PP, ScheduleExplorer, schedule_explorer
+from reference.pipeline_parallel.widgets import MAX_M, MAX_PP, ScheduleExplorer, schedule_explorer
 
 
 def _boxes(fig):

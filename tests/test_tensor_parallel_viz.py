@@ -7,7 +7,7 @@ import torch
 from matplotlib.figure import Figure
 
 from reference.tensor_parallel import column_shard, row_shard
-from reference.tensor_parallel_viz import KINDS, plot_activation_memory, plot_matrix_split, split_layout
+from reference.tensor_parallel.viz import KINDS, plot_activation_memory, plot_matrix_split, split_layout
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from reference.data import synthetic_batch
 from reference.model import GPT, GPTConfig
 from reference.runtime import launch
 from reference.zero import FSDP, ZeroOptimizer
-from reference.zero_shard import FlatLayout
+from reference.zero.shard import FlatLayout
 
 BATCH, STEPS, SEED = 8, 3, 0
 # lr 1e-3, not larger: the key part of c_attn.bias has an exactly zero true

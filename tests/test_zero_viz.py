@@ -1,4 +1,4 @@
-"""reference.zero_viz draws the numbers it is given; and the measured claims of notebook 02
+"""reference.zero.viz draws the numbers it is given; and the measured claims of notebook 02
 that tests/test_zero.py and tests/test_memory.py do not already check.
 
 Those two files check stages 1 to 3 against the formulas on 2 and 4 ranks (memory,
@@ -16,7 +16,8 @@ import torch.distributed as dist
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 
-from reference import memory, zero_viz
+from reference import memory
+from reference.zero import viz as zero_viz
 from reference.data import synthetic_batch
 from reference.data_parallel import DDP
 from reference.memory import MemoryBytes, Precision, model_state_bytes

@@ -1,0 +1,101 @@
+"""Thin wrappers of torch.distributed's collectives that record each call in the open meters.
+
+Same signatures as torch.distributed; each records the call (payload and ring
+bytes, see `reference.comms` for the table) in every open `CommMeter`, then calls
+torch.distributed. Later packages communicate only through these wrappers, so
+every byte they move is counted.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from reference.comms.metering import record
+from reference.comms.ring import ring_sent_bytes
+
+__all__ = ["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
+           "all_to_all_single", "send", "recv"]
+
+ReduceOp = dist.ReduceOp
+
+# torch 2.13 renamed the tensor-in, tensor-out forms (`*_into_tensor`, `*_tensor`,
+# now deprecated) to `*_single`; older releases have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _ring_place(group) -> tuple[int, int]:
+    """(N, this rank's group rank)."""
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
+    """torch.distributed.all_reduce, recording 2(N-1)/N * S sent bytes."""
+    n, i = _ring_place(group)
+    record("all_reduce", group, _nbytes(tensor),
+           ring_sent_bytes("all_reduce", tensor.numel(), tensor.element_size(), n, i))
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
+    """torch.distributed.reduce_scatter_tensor, recording (N-1)/N * S_in sent bytes."""
+    n, i = _ring_place(group)
+    record("reduce_scatter", group, _nbytes(input),
+           ring_sent_bytes("reduce_scatter", input.numel(), input.element_size(), n, i))
+    return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    """torch.distributed.all_gather_into_tensor, recording (N-1)/N * S_out sent bytes."""
+    n, i = _ring_place(group)
+    record("all_gather", group, _nbytes(output_tensor),
+           ring_sent_bytes("all_gather", output_tensor.numel(), output_tensor.element_size(), n, i))
+    return _all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    """torch.distributed.broadcast, recording S sent bytes, or 0 on the chain's last rank."""
+    n, i = _ring_place(group)
+    if group_src is None:
+        if src is None:
+            raise ValueError("broadcast needs src (a global rank) or group_src")
+        group_src = src if group is None else dist.get_group_rank(group, src)
+    record("broadcast", group, _nbytes(tensor),
+           ring_sent_bytes("broadcast", tensor.numel(), tensor.element_size(), n, i, src=group_src))
+    return dist.broadcast(tensor, group=group, async_op=async_op, group_src=group_src)
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                      group=None, async_op=False):
+    """torch.distributed.all_to_all_single, recording the bytes of the rows sent to other ranks."""
+    n, i = _ring_place(group)
+    rows = input.shape[0] if input.dim() > 0 else 1
+    if input_split_sizes is None:
+        if rows % n:
+            raise ValueError(f"all_to_all_single without split sizes needs dim 0 ({rows}) "
+                             f"divisible by the group size ({n})")
+        input_split_sizes = [rows // n] * n
+    if len(input_split_sizes) != n or sum(input_split_sizes) != rows:
+        raise ValueError(f"input_split_sizes {list(input_split_sizes)} must have {n} entries "
+                         f"summing to dim 0 of the input ({rows})")
+    row_bytes = _nbytes(input) // rows if rows else 0
+    sent = (rows - int(input_split_sizes[i])) * row_bytes
+    record("all_to_all", group, _nbytes(input), sent)
+    return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                  group=group, async_op=async_op)
+
+
+def send(tensor, dst=None, group=None, tag=0, group_dst=None):
+    """torch.distributed.send, recording S sent bytes."""
+    record("send", group, _nbytes(tensor), _nbytes(tensor))
+    return dist.send(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
+
+
+def recv(tensor, src=None, group=None, tag=0, group_src=None):
+    """torch.distributed.recv, recording S payload bytes and 0 sent bytes."""
+    record("recv", group, _nbytes(tensor), 0)
+    return dist.recv(tensor, src=src, group=group, tag=tag, group_src=group_src)

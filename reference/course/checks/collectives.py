@@ -1,0 +1,111 @@
+"""Visible self-checks for the homework notebooks: feedback while you work, never the grade.
+
+    check_ring_all_reduce(ring_all_reduce)   # prints one PASS or FAIL line, with a hint
+
+A check runs your function on a few ranks with `reference.runtime.launch`, on
+inputs of shapes that do and do not divide by the number of ranks, compares each
+rank's result with torch.distributed's own collective on the same inputs, and
+checks from the recorded messages that your code really is a ring. It prints a
+line (`run_check` also returns True or False); a wrong answer, an exception or a hang is
+reported, never raised, so the rest of the notebook keeps running.
+
+The grade comes from hidden checks of the same kind with other inputs
+(`reference.course.homework`), not from these: while grading, `skip=True` is passed and
+the check does nothing.
+"""
+from __future__ import annotations
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from reference.course.homework.collectives import ALL_GATHER, ALL_REDUCE
+from reference.course.homework.guard import exercise_rules
+from reference.course.checks.runner import NOT_IMPLEMENTED, _traffic, describe_launch_failure, run_visible
+from reference.course.homework.scoring import ExerciseSpec
+from reference.runtime import RankError, launch
+
+__all__ = ["check_ring_all_reduce", "check_ring_all_gather", "run_check", "ALL_REDUCE", "ALL_GATHER"]
+
+# (dtype, shape): one shape that divides by 2 and 3, two that do not, one integer case.
+VISIBLE_CASES = (("float32", (6,)), ("float32", (5,)), ("float32", (3, 5)), ("int64", (2, 3)))
+
+_HINTS = {
+    "not implemented": NOT_IMPLEMENTED,
+    "not allowed": "use only dist.send/recv or dist.isend/irecv (batch_isend_irecv works too)",
+    "timed out": ("every send needs a matching recv on the peer: post the send with "
+                  "dist.isend, then recv, then wait on the send, so no two ranks wait for each other"),
+    "not a ring": "send only to (rank + 1) % world_size and receive only from (rank - 1) % world_size",
+    "the ring needs at most": "send one chunk per step, not the whole tensor",
+    "wrong sum": ("after reduce-scatter each rank owns one fully summed chunk; check which chunk "
+                  "you send and which you add to at each step"),
+    "wrong values": "block r of the result must hold rank r's tensor",
+    "not changed": "write the result into the tensor you were given (chunks of tensor.view(-1))",
+    "returned": "check the return value against the contract in the exercise text",
+}
+
+
+def _rank_check(spec: ExerciseSpec, fn_bytes: bytes, cases) -> dict:
+    """In each rank: this rank's inputs, torch's answer, and what the student's function gave."""
+    rank = dist.get_rank()
+    generator = torch.Generator().manual_seed(1234 + rank)  # every rank its own values
+    inputs, expected = {}, {}
+    for dtype, shape in cases:
+        name = f"{dtype} {shape}"
+        if dtype == "int64":
+            inputs[name] = torch.randint(-100, 100, shape, generator=generator)
+        else:
+            inputs[name] = torch.randn(shape, generator=generator)
+        expected[name] = spec.reference(inputs[name])  # before the rules forbid it
+    outputs = {}
+    with exercise_rules(spec.id, spec.forbidden) as traffic:
+        fn = cloudpickle.loads(fn_bytes)
+        for name, tensor in inputs.items():
+            traffic.clear()
+            out = spec.call(fn, tensor.clone())
+            out["sends"], out["recvs"] = _traffic(traffic.sends), _traffic(traffic.recvs)
+            outputs[name] = out
+    return {"inputs": inputs, "expected": expected, "outputs": outputs}
+
+
+def _failure(spec: ExerciseSpec, fn, world_sizes, cases, timeout) -> str:
+    """"" when every world size and case passes, else the first failure, on one line."""
+    fn_bytes = cloudpickle.dumps(fn)
+    for world_size in world_sizes:
+        try:
+            # Not quiet: what the student's code prints shows, as "[rank r] ..." lines.
+            ranks = launch(_rank_check, world_size, spec, fn_bytes, cases, timeout=timeout)
+        except RankError as err:
+            return describe_launch_failure(err, world_size, timeout,
+                                           "a recv waiting for a send that never comes?")
+        for name in ranks[0]["inputs"]:
+            reason = spec.judge([r["inputs"][name] for r in ranks],
+                                [r["expected"][name] for r in ranks],
+                                [r["outputs"][name] for r in ranks], world_size)
+            if reason:
+                return f"on {world_size} ranks, {name}: {reason}"
+    return ""
+
+
+def run_check(spec: ExerciseSpec, fn, world_sizes=(2, 3), cases=VISIBLE_CASES,
+              timeout: float = 30.0, skip: bool = False) -> bool | None:
+    """Check `fn` as the answer to `spec`; print one line; True/False (None when skipped)."""
+    sizes = " and ".join(str(w) for w in world_sizes)
+    shapes = ", ".join(f"{d} {s}" for d, s in cases)
+    return run_visible(spec, fn, lambda: _failure(spec, fn, tuple(world_sizes), cases, timeout),
+                       f"equals torch.distributed's result on {sizes} ranks ({shapes}), as a ring",
+                       _HINTS, skip)
+
+
+# The check_* functions print and return None, so a notebook cell shows only their line.
+
+def check_ring_all_reduce(fn, world_sizes=(2, 3), timeout: float = 30.0,
+                          skip: bool = False) -> None:
+    """Visible check of exercise ring_all_reduce (compares with dist.all_reduce)."""
+    run_check(ALL_REDUCE, fn, world_sizes, timeout=timeout, skip=skip)
+
+
+def check_ring_all_gather(fn, world_sizes=(2, 3), timeout: float = 30.0,
+                          skip: bool = False) -> None:
+    """Visible check of exercise ring_all_gather (compares with dist.all_gather_into_tensor)."""
+    run_check(ALL_GATHER, fn, world_sizes, timeout=timeout, skip=skip)

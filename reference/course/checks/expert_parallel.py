@@ -1,0 +1,77 @@
+"""Visible self-checks of homework 05 (expert parallelism): feedback while you work, never the grade.
+
+    check_top_k_routing(top_k_routing)          # one PASS or FAIL line, with a hint
+    check_dispatch_combine(dispatch_combine)    # on 2 and 3 ranks
+
+Each check builds cases of the same kinds as the hidden checks, from a fixed public
+seed (the grader uses its own, private one), runs your function in fresh ranks
+started by `reference.runtime.launch` under the same rules (collectives switched
+off, except `all_to_all_single` for the dispatch), and compares with the course's
+router (`reference.expert_parallel.router.Router`) or with the single-process weighted sum of
+the experts' outputs. A wrong answer, an exception or a hang is printed, never
+raised, so the rest of the notebook keeps running. While grading, `skip=True` is
+passed and the check does nothing.
+"""
+from __future__ import annotations
+
+from reference.course.homework.expert_parallel import DISPATCH_COMBINE, TOP_K_ROUTING
+from reference.course.checks.runner import NOT_IMPLEMENTED, public_cases, run_cases, run_visible
+from reference.course.homework.scoring import ExerciseSpec
+
+__all__ = ["check_top_k_routing", "check_dispatch_combine", "run_case_check"]
+
+_HINTS = {
+    "not implemented": NOT_IMPLEMENTED,
+    "not allowed": "the only collective allowed here is dist.all_to_all_single",
+    "timed out": ("every rank must call all_to_all_single the same number of times, with "
+                  "splits that match: rank r's input_split_sizes[d] is rank d's "
+                  "output_split_sizes[r]"),
+    "most probable first": "probs.topk(k, dim=-1) gives the k largest, largest first",
+    "dropped assignments changed": "leave the weights alone; `kept` marks the drops",
+    "weights": "softmax over all E logits first, then pick the top k (and renormalise when k > 1)",
+    "capacity is": "an expert takes at most `capacity` assignments; the rest are dropped",
+    "kept=": ("order the assignments choice-major, (T, k) -> (k * T,), and count each "
+              "expert's assignments so far with a cumulative sum over a one-hot matrix"),
+    "ran on rank": "expert e lives on rank e // experts_per_rank: only that rank may call expert_fn(e, ...)",
+    "processed": "send each kept assignment's row once, to its expert's rank; skip the -1 entries",
+    "point-to-point": "dispatch and combine with dist.all_to_all_single (uneven splits)",
+    "wrong output": ("the combine all-to-all returns rows in the order you sent them; scatter them "
+                     "back to their tokens (index_add_) times their weights"),
+    "through all_to_all_single": "send each row only to the rank that holds its expert",
+    "returned": "check the return value against the contract in the exercise text",
+}
+
+
+def run_case_check(spec: ExerciseSpec, fn, world_sizes, what: str, timeout: float = 30.0,
+                   skip: bool = False) -> bool | None:
+    """Check `fn` as the answer to `spec`; print one line; True/False (None when skipped)."""
+    checked = 0
+
+    def attempt() -> str:
+        nonlocal checked
+        for world_size in world_sizes:
+            cases = public_cases(spec, world_size)
+            reason, _ = run_cases(spec, fn, world_size, cases, timeout, record_traffic=True)
+            if reason:
+                return reason
+            checked += len(cases)
+        return ""
+
+    return run_visible(spec, fn, attempt, lambda: f"{checked} cases equal {what}", _HINTS, skip)
+
+
+# The check_* functions print and return None, so a notebook cell shows only their line.
+
+def check_top_k_routing(fn, timeout: float = 30.0, skip: bool = False) -> None:
+    """Visible check of exercise top_k_routing (compares with reference.expert_parallel.router.Router)."""
+    run_case_check(TOP_K_ROUTING, fn, (1,), "the course's Router (indices, weights, keep mask)",
+                   timeout=timeout, skip=skip)
+
+
+def check_dispatch_combine(fn, world_sizes=(2, 3), timeout: float = 30.0,
+                           skip: bool = False) -> None:
+    """Visible check of exercise dispatch_combine (compares with the single-process sum)."""
+    sizes = " and ".join(str(w) for w in world_sizes)
+    run_case_check(DISPATCH_COMBINE, fn, world_sizes,
+                   f"the single-process MoE sum on {sizes} ranks, each expert on its own rank",
+                   timeout=timeout, skip=skip)

@@ -1,0 +1,141 @@
+"""The one runner every visible check uses: launch, describe a failure, print one line.
+
+A homework's check module supplies only what is its own: the exercise spec, its
+hint table and its words for success. This module does the rest, the same way for
+every homework:
+
+* `run_cases` starts `world_size` ranks (`reference.runtime.launch`), runs the
+  student's function on each rank's input of every case under the exercise's rules
+  (the forbidden collectives switched off), and judges the outputs against
+  `spec.expect` computed here; `record_traffic=True` adds each case's point-to-point
+  sends and receives to its output, for exercises that must be a ring or an
+  all-to-all;
+* `describe_launch_failure` turns a failed launch into one line for the student
+  (not implemented, not allowed, timed out, or the last lines of a traceback);
+* `report` prints PASS or FAIL with the hint whose key appears first in the
+  reason's first line (a traceback below it could match any key), and never raises:
+  `run_visible` wraps a check so that a broken function, or a broken check, is a
+  FAIL line and the notebook goes on.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from reference.course.homework.guard import exercise_rules
+from reference.course.homework.scoring import Case, ExerciseSpec, one_line
+from reference.runtime import RankError, RankTimeoutError, launch
+
+__all__ = ["VISIBLE_SEED", "NOT_IMPLEMENTED", "hint_for", "describe_launch_failure",
+           "run_cases", "report", "run_visible"]
+
+VISIBLE_SEED = 2024  # public; the grader draws its cases from a seed of its own
+
+NOT_IMPLEMENTED = "replace the `raise NotImplementedError` line with your code"
+
+
+def hint_for(reason: str, hints: Mapping[str, str]) -> str:
+    """The hint of the first key found in the reason's first line ("" when none)."""
+    first = reason.splitlines()[0] if reason else ""
+    return next((h for key, h in hints.items() if key in first), "")
+
+
+def describe_launch_failure(err: RankError, world_size: int, timeout: float,
+                            hang_hint: str = "") -> str:
+    """Why a visible check's launch failed, for the student: one line, then for an
+    exception the last lines of its traceback."""
+    if isinstance(err, RankTimeoutError):
+        return (f"on {world_size} ranks: timed out after {timeout:g} s; ranks {err.ranks} "
+                f"did not finish" + (f" ({hang_hint})" if hang_hint else ""))
+    summary = err.failures.get(err.rank) or str(err).splitlines()[0]
+    if summary.startswith("NotImplementedError"):
+        return "not implemented yet"
+    if summary.startswith("NotAllowedError"):
+        return one_line(summary.split(": ", 1)[-1]) + " (not allowed)"
+    where = "\n".join("     | " + line for line in err.traceback.strip().splitlines()[-6:])
+    return (f"on {world_size} ranks, rank {err.rank} raised {one_line(summary)}"
+            + (f"\n{where}" if where else ""))
+
+
+def _traffic(log) -> list:
+    return [[-1 if peer is None else int(peer), int(n)] for peer, n in log]
+
+
+def _rank_outputs(spec: ExerciseSpec, fn_bytes: bytes, inputs: dict, record_traffic: bool) -> dict:
+    """In each rank: the student's output for this rank's input of every case."""
+    rank = dist.get_rank()
+    outputs = {}
+    with exercise_rules(spec.id, spec.forbidden) as traffic:
+        fn = cloudpickle.loads(fn_bytes)  # only here, under the rules
+        for name, per_rank in inputs.items():
+            traffic.clear()
+            out = spec.call(fn, per_rank[rank])
+            if record_traffic:
+                out["sends"], out["recvs"] = _traffic(traffic.sends), _traffic(traffic.recvs)
+            outputs[name] = out
+    return outputs
+
+
+def run_cases(spec: ExerciseSpec, fn, world_size: int, cases: Sequence[Case], timeout: float,
+              hang_hint: str = "", record_traffic: bool = False) -> tuple[str, str]:
+    """("", "") when every case passes on `world_size` ranks, else (the first failure,
+    the part of it that should pick the hint: the judge's reason without the case's
+    name, which could match a key, or "" for an exception, whose traceback could).
+
+    What the student's code prints shows as "[rank r] ..." lines (the launch is not quiet)."""
+    inputs = {case.name: case.inputs for case in cases}
+    try:
+        ranks = launch(_rank_outputs, world_size, spec, cloudpickle.dumps(fn), inputs,
+                       record_traffic, timeout=timeout)
+    except RankError as err:
+        text = describe_launch_failure(err, world_size, timeout, hang_hint)
+        raised = not isinstance(err, RankTimeoutError) and text.startswith(f"on {world_size} ranks, rank")
+        return text, "" if raised else text
+    for case in cases:
+        reason = spec.judge(case.inputs, spec.expect(case.inputs),
+                            [r[case.name] for r in ranks], world_size)
+        if reason:
+            return f"on {world_size} ranks, {case.name}: {reason}", reason
+    return "", ""
+
+
+def public_cases(spec: ExerciseSpec, world_size: int, seed: int = VISIBLE_SEED) -> list[Case]:
+    """The visible check's cases: the hidden checks' kinds, drawn from a public seed."""
+    return spec.make_cases(torch.Generator().manual_seed(seed + world_size), world_size)
+
+
+def report(spec: ExerciseSpec, reason: str, success: str, hints: Mapping[str, str],
+           hint_key: str | None = None) -> bool:
+    """Print the one line (and the hint under a FAIL); True when `reason` is empty."""
+    if not reason:
+        print(f"PASS {spec.id}: {success}")
+        return True
+    hint = hint_for(reason if hint_key is None else hint_key, hints)
+    print(f"FAIL {spec.id}: {reason}" + (f"\n     hint: {hint}" if hint else ""))
+    return False
+
+
+def run_visible(spec: ExerciseSpec, fn, attempt: Callable[[], str | tuple[str, str]],
+                success: str | Callable[[], str], hints: Mapping[str, str],
+                skip: bool = False) -> bool | None:
+    """The frame of every visible check: skip while grading, refuse what is not a
+    function, run `attempt()` (the reason, or (reason, the text that picks the hint)),
+    and print the line. True/False, None when skipped; never raises."""
+    if skip:
+        print(f"skipped {spec.id}: the grader runs its own hidden checks")
+        return None
+    key = None
+    try:
+        if not callable(fn):
+            reason = f"expected a function, got {type(fn).__name__}"
+        else:
+            reason = attempt()
+            if isinstance(reason, tuple):
+                reason, key = reason
+    except Exception as exc:  # noqa: BLE001 - a check must never stop the notebook
+        reason = f"the check could not run your function: {one_line(f'{type(exc).__name__}: {exc}')}"
+        key = None
+    return report(spec, reason, success() if callable(success) else success, hints, key)

@@ -1,0 +1,167 @@
+"""Hidden checks of homework 00: ring all-reduce and ring all-gather from send/recv.
+
+The cases every world size gets (2, 3 and 4 ranks): random float32 tensors of
+shapes (1,), (5,), (7,) and (3, 5), and integer (int64) tensors of shapes (4,) and
+(2, 3). Most element counts do not divide by the world size, and (1,) leaves
+some ranks an empty chunk. Integer sums must be exact. Float sums are compared with
+rtol=1e-5, atol=1e-5 (not the course's 1e-6): the ring adds the ranks' values in
+its own order, which differs from the reference sum by a few float32 ulps of
+values near sqrt(world_size).
+
+Beyond the values, each case checks the ring itself from the recorded messages:
+every rank sends only to (rank + 1) % p, receives only from (rank - 1) % p, and
+sends no more elements than the algorithm needs.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from reference.course.homework.scoring import Case, ExerciseSpec
+
+__all__ = ["ALL_REDUCE", "ALL_GATHER", "EXERCISES", "make_cases", "FLOAT_TOLERANCE"]
+
+FLOAT_TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+FLOAT_SHAPES = ((1,), (5,), (7,), (3, 5))
+INT_SHAPES = ((4,), (2, 3))
+
+
+def make_cases(generator: torch.Generator, world_size: int) -> list[Case]:
+    cases = []
+    for shape in FLOAT_SHAPES:
+        cases.append(Case(f"float32 {shape}", [torch.randn(shape, generator=generator)
+                                               for _ in range(world_size)]))
+    for shape in INT_SHAPES:
+        cases.append(Case(f"int64 {shape}", [torch.randint(-1000, 1000, shape, generator=generator)
+                                             for _ in range(world_size)]))
+    return cases
+
+
+def _plain(value):
+    """A tensor the rank may send back (a plain copy), or None for anything else."""
+    return value.detach().clone() if type(value) is torch.Tensor else None
+
+
+# ------------------------------------------------------------------ calls (inside a rank)
+
+def call_all_reduce(fn, tensor: torch.Tensor) -> dict:
+    out = fn(tensor)
+    return {"tensor": tensor.detach().clone(), "returned": _plain(out),
+            "returned_type": type(out).__name__, "same": out is tensor}
+
+
+def call_all_gather(fn, tensor: torch.Tensor) -> dict:
+    before = tensor.clone()
+    out = fn(tensor)
+    return {"returned": _plain(out), "returned_type": type(out).__name__,
+            "input_changed": not torch.equal(before, tensor)}
+
+
+# ------------------------------------------------------------------ judges (in the grader)
+
+def ring_pattern(outputs: list, world_size: int, limit: int) -> str:
+    """"" when every rank sent only to its next rank, received only from its previous
+    one and sent at most `limit` elements; otherwise why not."""
+    if world_size > 1 and not any(o["sends"] for o in outputs):
+        return "no message went through torch.distributed send/isend"
+    for rank, out in enumerate(outputs):
+        nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
+        for peer, _ in out["sends"]:
+            if peer != nxt:
+                return (f"not a ring: rank {rank} sent to rank {peer} (a ring sends only to "
+                        f"the next rank, {nxt})")
+        for peer, _ in out["recvs"]:
+            if peer != prev:
+                source = "any rank" if peer == -1 else f"rank {peer}"
+                return (f"not a ring: rank {rank} received from {source} (a ring receives only "
+                        f"from the previous rank, {prev})")
+        sent = sum(n for _, n in out["sends"])
+        if sent > limit:
+            return f"rank {rank} sent {sent} elements; the ring needs at most {limit}"
+    return ""
+
+
+def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
+    if got.dtype.is_floating_point:
+        if torch.allclose(got, want, **FLOAT_TOLERANCE):
+            return ""
+        return f"max abs error {(got.double() - want.double()).abs().max().item():.3g}"
+    return "" if torch.equal(got, want) else (
+        f"{int((got != want).sum())} of {want.numel()} elements differ")
+
+
+def expect_all_reduce(inputs: list) -> list:
+    # Exact for integers; float64 accumulation for floats (the truth, not another rounding).
+    total = torch.stack([t.double() for t in inputs]).sum(0).to(inputs[0].dtype)
+    return [total] * len(inputs)
+
+
+def torch_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """torch.distributed's own answer (inside a rank, before the rules are set)."""
+    out = tensor.clone()
+    dist.all_reduce(out)
+    return out
+
+
+def judge_all_reduce(inputs: list, expected: list, outputs: list, world_size: int) -> str:
+    for rank, (out, want) in enumerate(zip(outputs, expected)):
+        got = out["tensor"]
+        if out["returned"] is None:
+            return (f"rank {rank} returned {out['returned_type']}, not the tensor "
+                    f"(ring_all_reduce works in place and returns its argument)")
+        if got.shape != want.shape or got.dtype != want.dtype:
+            return f"rank {rank}: the tensor became {got.dtype} {tuple(got.shape)}"
+        if torch.equal(got, inputs[rank]) and world_size > 1:
+            return f"rank {rank}: the input tensor was not changed (the sum must be written in place)"
+        if error := _mismatch(got, want):
+            return f"rank {rank}: wrong sum ({error})"
+        if not out["same"] and not torch.equal(out["returned"], got):
+            return f"rank {rank} returned a tensor other than its reduced input"
+    n = inputs[0].numel()
+    # Reduce-scatter then all-gather: each rank sends p - 1 chunks twice.
+    return ring_pattern(outputs, world_size, 2 * (world_size - 1) * math.ceil(n / world_size))
+
+
+def expect_all_gather(inputs: list) -> list:
+    return [torch.cat(inputs, dim=0)] * len(inputs)
+
+
+def torch_all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """torch.distributed's own answer (inside a rank, before the rules are set)."""
+    out = tensor.new_empty((dist.get_world_size() * tensor.shape[0], *tensor.shape[1:]))
+    dist.all_gather_into_tensor(out, tensor)
+    return out
+
+
+def judge_all_gather(inputs: list, expected: list, outputs: list, world_size: int) -> str:
+    for rank, (out, want) in enumerate(zip(outputs, expected)):
+        got = out["returned"]
+        if got is None:
+            return f"rank {rank} returned {out['returned_type']}, not a tensor"
+        if got.shape != want.shape or got.dtype != want.dtype:
+            return (f"rank {rank} returned {got.dtype} {tuple(got.shape)}; expected {want.dtype} "
+                    f"{tuple(want.shape)} (the ranks' tensors concatenated along dim 0)")
+        if not torch.equal(got, want):
+            blocks = [r for r, (g, w) in enumerate(zip(got.chunk(world_size),
+                                                       want.chunk(world_size)))
+                      if not torch.equal(g, w)]
+            return (f"rank {rank}: wrong values in the block(s) of rank(s) {blocks} "
+                    f"(block r must be rank r's tensor)")
+        if out["input_changed"]:
+            return f"rank {rank} changed its input tensor (all-gather must leave it as it was)"
+    # Each rank forwards p - 1 tensors around the ring.
+    return ring_pattern(outputs, world_size, (world_size - 1) * inputs[0].numel())
+
+
+ALL_REDUCE = ExerciseSpec(
+    id="ring_all_reduce", title="ring all-reduce from send/recv", difficulty="★★☆ medium",
+    world_sizes=(2, 3, 4), make_cases=make_cases, call=call_all_reduce,
+    expect=expect_all_reduce, judge=judge_all_reduce, reference=torch_all_reduce)
+ALL_GATHER = ExerciseSpec(
+    id="ring_all_gather", title="ring all-gather from send/recv", difficulty="★☆☆ easy",
+    world_sizes=(2, 3, 4), make_cases=make_cases, call=call_all_gather,
+    expect=expect_all_gather, judge=judge_all_gather, reference=torch_all_gather)
+HOMEWORK_ID = "00_collectives"
+EXERCISES = (ALL_REDUCE, ALL_GATHER)

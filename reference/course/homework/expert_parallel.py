@@ -1,0 +1,325 @@
+"""Hidden checks of homework 05: top-k routing with capacity, and all-to-all dispatch and combine.
+
+Exercise `top_k_routing` (one process, all collectives off): the student routes the
+(T, E) logits of one sequence and is compared with `reference.expert_parallel.router.Router`
+itself, given an identity gate so that its logits are exactly the case's logits.
+Cases: random tie-free logits (every two logits of a token at least 0.3 * scale
+apart, so no float tie decides a choice), k = 1 (Switch: raw probability), 2 and 3,
+one token, capacity large enough to keep everything, and logits skewed towards a
+few experts so that first and second choices compete for the same slots. Indices
+and the keep mask must be equal; weights within rtol=1e-5, atol=1e-6.
+
+Exercise `dispatch_combine` (2 and 4 ranks, only `all_to_all_single` allowed): each
+rank holds its own tokens, their expert assignments (-1 = dropped at capacity) and
+weights; the expert function the grader hands in records where it runs and on how
+many rows. The result must equal the grader's single-process sum
+``out[t] = sum_j w[t, j] * f(e[t, j], x[t])``; every expert must run only on the
+rank that holds it, on exactly the rows that chose it; no point-to-point message,
+and no more all-to-all traffic than the rows need. Cases: uneven token counts per
+rank, every token to one expert (empty splits), dropped assignments and a token
+that lost all of them, a rank with no tokens, k = 3.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from reference.expert_parallel.router import Router
+from reference.course.homework.guard import COLLECTIVES
+from reference.course.homework.scoring import Case, ExerciseSpec
+
+__all__ = ["TOP_K_ROUTING", "DISPATCH_COMBINE", "EXERCISES", "reference_routing", "expert_fn_value",
+           "make_routing_cases", "make_dispatch_cases"]
+
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+# ------------------------------------------------------------------ exercise 1: routing
+
+
+def tie_free_logits(generator, T: int, E: int, scale: float) -> torch.Tensor:
+    """(T, E) logits whose values in a row are a shuffled 0..E-1 plus noise in [0, 0.7):
+    random order, yet any two at least 0.3 * scale apart, so top-k never meets a tie."""
+    ranks = torch.stack([torch.randperm(E, generator=generator) for _ in range(T)]).float()
+    return (ranks + 0.7 * torch.rand(T, E, generator=generator)) * scale  # (T, E)
+
+
+# (name, T, E, k, capacity, experts pushed to the top of every token's choices, or None)
+ROUTING_SHAPES = (
+    ("T=8 E=4 k=2 capacity=4", 8, 4, 2, 4, None),
+    ("T=12 E=4 k=2 capacity=3, experts 0 and 1 favoured", 12, 4, 2, 3, (0, 1)),
+    ("T=7 E=5 k=1 capacity=2 (Switch)", 7, 5, 1, 2, None),
+    ("T=9 E=6 k=3 capacity=4", 9, 6, 3, 4, None),
+    ("T=1 E=3 k=2 capacity=1", 1, 3, 2, 1, None),
+    ("T=10 E=4 k=2 capacity=10 (no drop)", 10, 4, 2, 10, None),
+    ("T=16 E=8 k=2 capacity=2, expert 3 favoured", 16, 8, 2, 2, (3,)),
+)
+
+
+def make_routing_cases(generator: torch.Generator, world_size: int) -> list[Case]:
+    cases = []
+    for name, T, E, k, capacity, favourites in ROUTING_SHAPES:
+        scale = 0.3 + 1.2 * float(torch.rand((), generator=generator))
+        logits = tie_free_logits(generator, T, E, scale)
+        for rank, expert in enumerate(favourites or ()):
+            # Shifted above every other logit by at least 0.3 * scale: still tie-free.
+            # The second half of the tokens ranks the favourites the other way round, so
+            # one token's second choice competes with another's first for the same slots.
+            logits[: T // 2, expert] += (len(favourites) - rank) * E * scale
+            logits[T // 2:, expert] += (rank + 1) * E * scale
+        cases.append(Case(name, [{"logits": logits, "k": k, "capacity": capacity}] * world_size))
+    return cases
+
+
+def reference_routing(logits: torch.Tensor, k: int, capacity: int) -> dict:
+    """The course's router on these logits: an identity gate makes its logits exactly these."""
+    T, E = logits.shape
+    # capacity_factor chosen so that ceil(factor * T * k / E) is `capacity` again.
+    router = Router(E, E, k, capacity_factor=capacity * E / (T * k))
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.eye(E))
+        routing = router(logits.unsqueeze(0))  # one group (1, T, E)
+    assert routing.capacity == min(capacity, T), (routing.capacity, capacity)
+    return {"expert_idx": routing.expert_idx[0], "weights": routing.weights[0],
+            "kept": routing.kept[0]}
+
+
+def _plain(value):
+    """A tensor the rank may send back (a detached copy), or None for anything else."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else None
+
+
+def call_routing(fn, case: dict) -> dict:
+    out = fn(case["logits"].clone(), case["k"], case["capacity"])
+    parts = list(out) if isinstance(out, (tuple, list)) else []
+    return {"returned_type": type(out).__name__, "parts": [_plain(p) for p in parts],
+            "part_types": [type(p).__name__ for p in parts]}
+
+
+def expect_routing(inputs: list) -> list:
+    return [reference_routing(c["logits"], c["k"], c["capacity"]) for c in inputs]
+
+
+def _check_part(got, want: torch.Tensor, name: str, kind: str) -> str:
+    if got is None:
+        return f"{name} is not a tensor"
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return (f"{name} is {got.dtype} {tuple(got.shape)}; expected {want.dtype} "
+                f"{tuple(want.shape)} ({kind})")
+    return ""
+
+
+def judge_routing(inputs: list, expected: list, outputs: list, world_size: int) -> str:
+    case, want, out = inputs[0], expected[0], outputs[0]
+    if len(out["parts"]) != 3:
+        return (f"returned {out['returned_type']} of {len(out['parts'])} items; expected the "
+                f"tuple (expert_idx, weights, kept)")
+    got = dict(zip(("expert_idx", "weights", "kept"), out["parts"]))
+    kinds = {"expert_idx": "int64 (T, k)", "weights": "float32 (T, k)", "kept": "bool (T, k)"}
+    for name in got:
+        if why := _check_part(got[name], want[name], name, kinds[name]):
+            return why
+    k, capacity = case["k"], case["capacity"]
+    if not torch.equal(got["expert_idx"], want["expert_idx"]):
+        t = int((got["expert_idx"] != want["expert_idx"]).any(dim=1).nonzero()[0])
+        return (f"token {t}: experts {got['expert_idx'][t].tolist()}, expected "
+                f"{want['expert_idx'][t].tolist()} (the {k} most probable, most probable first)")
+    bad = ~torch.isclose(got["weights"], want["weights"], **TOLERANCE)
+    if bad.any():
+        if not bad[want["kept"]].any():
+            return ("weights of dropped assignments changed: return the router's weights "
+                    "before capacity (`kept` alone says what was dropped)")
+        t = int(bad.any(dim=1).nonzero()[0])
+        rule = ("k = 1 keeps the raw softmax probability (Switch)" if k == 1 else
+                "the chosen softmax probabilities renormalised to sum to 1 (GShard)")
+        return (f"token {t}: weights {[round(w, 4) for w in got['weights'][t].tolist()]}, expected "
+                f"{[round(w, 4) for w in want['weights'][t].tolist()]} ({rule})")
+    if not torch.equal(got["kept"], want["kept"]):
+        per_expert = torch.bincount(got["expert_idx"][got["kept"]], minlength=case["logits"].shape[1])
+        if int(per_expert.max()) > capacity:
+            e = int(per_expert.argmax())
+            return f"expert {e} keeps {int(per_expert[e])} assignments; its capacity is {capacity}"
+        t, j = (got["kept"] != want["kept"]).nonzero()[0].tolist()
+        return (f"token {t}, choice {j}: kept={bool(got['kept'][t, j])}, expected "
+                f"{bool(want['kept'][t, j])} (slots go to every first choice in position "
+                f"order, then every second choice, ...)")
+    return ""
+
+
+def reference_routing_call(case: dict) -> dict:
+    return reference_routing(case["logits"], case["k"], case["capacity"])
+
+
+# ------------------------------------------------------------------ exercise 2: dispatch and combine
+
+
+def expert_fn_value(e: int, rows: torch.Tensor) -> torch.Tensor:
+    """What expert e computes in the checks: nonlinear, row by row, different for each expert."""
+    return torch.sin(rows * (e + 1)) + e  # (n, C)
+
+
+def _assignments(generator, n: int, n_experts: int, k: int) -> torch.Tensor:
+    """(n, k) int64: k different experts for each token."""
+    if n == 0:
+        return torch.empty(0, k, dtype=torch.long)
+    return torch.stack([torch.randperm(n_experts, generator=generator)[:k] for _ in range(n)])
+
+
+def make_dispatch_cases(generator: torch.Generator, world_size: int) -> list[Case]:
+    P = world_size
+
+    def rank_input(n, C, epr, k, drop=0.0, everyone_to=None, drop_first=False):
+        tokens = torch.randn(n, C, generator=generator)
+        expert_idx = _assignments(generator, n, epr * P, k)
+        if everyone_to is not None:
+            expert_idx[:, 0] = everyone_to
+        if drop:
+            expert_idx[torch.rand(n, k, generator=generator) < drop] = -1
+        if drop_first and n:
+            expert_idx[0] = -1  # this token lost all its assignments: its output is 0
+        weights = torch.rand(n, k, generator=generator) * 0.9 + 0.1  # (n, k)
+        if k > 1:  # GShard's renormalised weights; k = 1 keeps a raw probability below 1 (Switch)
+            weights = weights / weights.sum(dim=1, keepdim=True)
+        return {"tokens": tokens, "expert_idx": expert_idx, "weights": weights,
+                "experts_per_rank": epr}
+
+    def sizes(low, high):
+        return [int(torch.randint(low, high + 1, (), generator=generator)) for _ in range(P)]
+
+    return [
+        Case("k=2, 2 experts per rank, uneven tokens per rank",
+             [rank_input(n, 4, 2, 2) for n in sizes(2, 7)]),
+        Case("k=1, every token to expert 0 (empty splits)",
+             [rank_input(n, 3, 1, 1, everyone_to=0) for n in sizes(1, 5)]),
+        Case("k=2, dropped assignments (-1), a token dropped entirely",
+             [rank_input(n, 4, 2, 2, drop=0.3, drop_first=(r == 0))
+              for r, n in enumerate(sizes(3, 6))]),
+        Case("k=2, the last rank has no tokens",
+             [rank_input(0 if r == P - 1 else n, 2, 1, 2) for r, n in enumerate(sizes(2, 5))]),
+        Case("k=3, 3 experts per rank",
+             [rank_input(n, 3, 3, 3) for n in sizes(1, 6)]),
+    ]
+
+
+# Taken when this module is imported in a rank, before the exercise rules are set.
+_GROUP_ALL_TO_ALL_SINGLE = next(k.__dict__["all_to_all_single"] for k in dist.ProcessGroup.__mro__
+                                if "all_to_all_single" in k.__dict__)
+
+
+@contextlib.contextmanager
+def all_to_all_single_allowed(log: list):
+    """Let `dist.all_to_all_single` through for the student's call, recording each call's
+    (elements sent, elements received) in `log`.
+
+    It goes through the ProcessGroup method of the same name: whatever the rules left
+    there (the method, or a refusal when they switch off every collective method)
+    is put back afterwards."""
+    before = dist.ProcessGroup.__dict__.get("all_to_all_single")
+
+    def recorded(self, output, input, *args, **kwargs):
+        log.append((int(input.numel()), int(output.numel())))
+        return _GROUP_ALL_TO_ALL_SINGLE(self, output, input, *args, **kwargs)
+
+    dist.ProcessGroup.all_to_all_single = recorded
+    try:
+        yield log
+    finally:
+        if before is None:  # the method was inherited: uncover it again
+            del dist.ProcessGroup.all_to_all_single
+        else:
+            dist.ProcessGroup.all_to_all_single = before
+
+
+def call_dispatch_combine(fn, case: dict) -> dict:
+    ran = []  # [expert, rows] per call of the expert function on this rank
+
+    def expert_fn(e, rows):
+        ran.append([int(e), int(rows.shape[0])])
+        return expert_fn_value(int(e), rows)
+
+    traffic = []
+    with all_to_all_single_allowed(traffic):
+        out = fn(case["tokens"].clone(), case["expert_idx"].clone(), case["weights"].clone(),
+                 case["experts_per_rank"], expert_fn)
+    return {"returned": _plain(out), "returned_type": type(out).__name__, "ran": ran,
+            "all_to_all": [list(t) for t in traffic]}
+
+
+def expect_dispatch_combine(inputs: list) -> list:
+    """The single-process answer: every token's weighted sum over its kept experts (float64)."""
+    results = []
+    for case in inputs:
+        x, idx, w = case["tokens"].double(), case["expert_idx"], case["weights"].double()
+        out = torch.zeros_like(x)  # (N, C)
+        for j in range(idx.shape[1]):
+            for e in idx[:, j].unique().tolist():
+                if e >= 0:
+                    rows = idx[:, j] == e
+                    out[rows] += w[rows, j, None] * expert_fn_value(e, x[rows])
+        results.append(out.float())
+    return results
+
+
+def judge_dispatch_combine(inputs: list, expected: list, outputs: list, world_size: int) -> str:
+    epr, C = inputs[0]["experts_per_rank"], inputs[0]["tokens"].shape[1]
+    E = epr * world_size
+    chosen = torch.bincount(torch.cat([c["expert_idx"].reshape(-1) for c in inputs]) + 1,
+                            minlength=E + 1)[1:]  # (E,) kept assignments per expert, all ranks
+    for rank, (out, want) in enumerate(zip(outputs, expected)):
+        got = out["returned"]
+        if got is None:
+            return f"rank {rank} returned {out['returned_type']}, not a tensor"
+        if got.shape != want.shape or got.dtype != want.dtype:
+            return (f"rank {rank} returned {got.dtype} {tuple(got.shape)}; expected {want.dtype} "
+                    f"{tuple(want.shape)} (one row per token of this rank)")
+        for e, n in out["ran"]:
+            if not rank * epr <= e < (rank + 1) * epr:
+                return (f"expert {e} ran on rank {rank}, but it lives on rank {e // epr}: send "
+                        f"its rows there")
+        if out.get("sends") or out.get("recvs"):
+            return f"rank {rank} used point-to-point messages: send the rows with all_to_all_single"
+    ran = torch.zeros(E, dtype=torch.long)
+    for out in outputs:
+        for e, n in out["ran"]:
+            if 0 <= e < E:
+                ran[e] += n
+    if not torch.equal(ran, chosen):
+        e = int((ran != chosen).nonzero()[0])
+        return (f"expert {e} processed {int(ran[e])} rows; {int(chosen[e])} kept assignments "
+                f"chose it (each assignment's row once, dropped ones never)")
+    for rank, (out, want) in enumerate(zip(outputs, expected)):
+        got = out["returned"]
+        bad = ~torch.isclose(got, want, **TOLERANCE).all(dim=1)
+        if bad.any():
+            t = int(bad.nonzero()[0])
+            return (f"rank {rank}, token {t}: wrong output (max abs error "
+                    f"{(got[t] - want[t]).abs().max().item():.3g}); each token's row must come "
+                    f"back to its own position, as the weighted sum of its experts' outputs")
+        # Rows out (dispatch) plus rows back (combine), with room for counts, ids and positions.
+        n_out = int((inputs[rank]["expert_idx"] >= 0).sum())
+        n_in = int(chosen[rank * epr:(rank + 1) * epr].sum())
+        limit = (n_out + n_in) * (C + 2) + 4 * (E + world_size)
+        sent = sum(s for s, _ in out["all_to_all"])
+        if sent > limit:
+            return (f"rank {rank} sent {sent} elements through all_to_all_single; its rows need "
+                    f"about {(n_out + n_in) * C} (send each row only to its expert's rank)")
+    return ""
+
+
+def reference_dispatch_combine(case: dict) -> torch.Tensor:
+    return expect_dispatch_combine([case])[0]
+
+
+TOP_K_ROUTING = ExerciseSpec(
+    id="top_k_routing", title="top-k routing with capacity", difficulty="★★☆ medium",
+    world_sizes=(1,), make_cases=make_routing_cases, call=call_routing,
+    expect=expect_routing, judge=judge_routing, reference=reference_routing_call)
+DISPATCH_COMBINE = ExerciseSpec(
+    id="dispatch_combine", title="dispatch and combine with all-to-all", difficulty="★★★ hard",
+    world_sizes=(2, 4), make_cases=make_dispatch_cases, call=call_dispatch_combine,
+    expect=expect_dispatch_combine, judge=judge_dispatch_combine,
+    reference=reference_dispatch_combine,
+    forbidden=tuple(c for c in COLLECTIVES if c != "all_to_all_single"))
+HOMEWORK_ID = "05_expert_parallel"
+EXERCISES = (TOP_K_ROUTING, DISPATCH_COMBINE)

@@ -1,0 +1,217 @@
+"""Score one exercise: run the student's function on fresh ranks and judge the results here.
+
+The trust boundary is the point of this module. The student's function arrives as
+cloudpickle bytes, and is unpickled (which may run code) only inside ranks
+started by `reference.runtime.launch(..., safe_results=True)`, so a rank can send
+back nothing but tensors, numbers, strings and containers of them. The inputs
+come from a seed only the grader knows; each rank reads its own inputs from a
+file and deletes it, and all ranks pass a barrier before any student code is
+loaded, so no rank can read another's inputs. The expected answers are computed
+by `spec.expect` in the grader's own process, from the inputs it generated.
+
+One launch per world size runs every case of the exercise. When it fails:
+  * NotImplementedError: the exercise is not done; no further launches.
+  * timeout (a rank waits for a message nobody sends): the remaining world sizes
+    are not tried (each would cost a full timeout).
+  * any other exception: each case is run alone, so that partial credit is exact.
+Each case is one point; every lost point carries a one-line reason.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from reference.runtime import RankError, RankTimeoutError, launch
+from reference.course.homework.guard import COLLECTIVES, exercise_rules
+
+__all__ = ["Case", "ExerciseSpec", "ExerciseScore", "score_exercise", "one_line"]
+
+
+@dataclass
+class Case:
+    """One input per rank, e.g. name "float32 (5,)" and `world_size` tensors."""
+    name: str
+    inputs: list
+
+
+@dataclass(frozen=True)
+class ExerciseSpec:
+    """What the grader needs to know about one exercise.
+
+    make_cases(generator, world_size) -> list[Case]  in the grader (seeded, private)
+    call(student_fn, tensor) -> dict of plain data    in a rank, around the student's call
+    expect(inputs) -> expected output per rank        in the grader (the hidden checks)
+    reference(tensor) -> expected output              in a rank, torch.distributed's own
+                                                      collective (the visible checks)
+    judge(inputs, expected, outputs, world_size) -> str   "" passes, else why not
+    """
+    id: str
+    title: str
+    difficulty: str
+    world_sizes: tuple
+    make_cases: Callable
+    call: Callable
+    expect: Callable
+    judge: Callable
+    reference: Callable
+    forbidden: tuple = COLLECTIVES
+
+
+@dataclass
+class ExerciseScore:
+    id: str
+    points: int
+    max: int
+    reason: str = ""
+    failures: list = field(default_factory=list)  # one line per lost point
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "points": self.points, "max": self.max, "reason": self.reason,
+                "failures": list(self.failures)}
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """Text from an untrusted source, made fit for one line of a report."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _generator(seed: int, exercise: str, world_size: int) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}/{exercise}/{world_size}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def _rank_entry(spec: ExerciseSpec, fn_bytes: bytes, input_dir: str) -> dict:
+    """Runs in each rank: take this rank's inputs, hide them, then run the student's code."""
+    rank = dist.get_rank()
+    path = os.path.join(input_dir, f"rank{rank}.pt")
+    cases = torch.load(path, weights_only=True)  # {case name: this rank's tensor}
+    os.remove(path)
+    dist.barrier()  # every rank has taken and deleted its file: nothing left to read
+    os.chdir(input_dir)
+    results = {}
+    # The rules go in first: names the student's code imports resolve to the guarded ones.
+    with exercise_rules(spec.id, spec.forbidden) as traffic:
+        fn = cloudpickle.loads(fn_bytes)
+        for name, tensor in cases.items():
+            traffic.clear()
+            out = spec.call(fn, tensor)
+            out["sends"] = [[-1 if p is None else int(p), int(n)] for p, n in traffic.sends]
+            out["recvs"] = [[-1 if p is None else int(p), int(n)] for p, n in traffic.recvs]
+            results[name] = out
+    return results
+
+
+def _launch_cases(spec, fn_bytes, world_size, cases, timeout, cleanup):
+    """{case name: per-rank outputs} for `cases` run in one launch."""
+    input_dir = tempfile.mkdtemp(prefix="grade-inputs-")
+    try:
+        for rank in range(world_size):
+            torch.save({c.name: c.inputs[rank] for c in cases},
+                       os.path.join(input_dir, f"rank{rank}.pt"))
+        results = launch(_rank_entry, world_size, spec, fn_bytes, input_dir, timeout=timeout,
+                         quiet=True, safe_results=True)
+    finally:
+        shutil.rmtree(input_dir, ignore_errors=True)
+        if cleanup is not None:
+            cleanup()
+    if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
+        raise RankError("a rank returned something other than the results of its cases")
+    return {c.name: [r.get(c.name) for r in results] for c in cases}
+
+
+def _judge(spec, case, outputs, world_size) -> str:
+    if any(not isinstance(o, dict) for o in outputs):
+        return "a rank returned no result for this case"
+    try:
+        return spec.judge(case.inputs, spec.expect(case.inputs), outputs, world_size)
+    except Exception as exc:  # noqa: BLE001 - malformed outputs from a rank fail the case
+        return f"malformed result ({one_line(type(exc).__name__ + ': ' + str(exc), 120)})"
+
+
+def _error_text(err: RankError) -> str:
+    summary = (getattr(err, "failures", None) or {}).get(err.rank)
+    return one_line(summary or str(err).splitlines()[0])
+
+
+def _timeout_text(timeout, world_size):
+    return (f"timed out after {timeout:g} s on {world_size} ranks (a rank waits for a message "
+            f"that is never sent?)")
+
+
+def score_exercise(spec: ExerciseSpec, fn_bytes: bytes | None, seed: int, timeout: float,
+                   missing: str = "not defined by the notebook",
+                   cleanup: Callable[[], None] | None = None) -> ExerciseScore:
+    """Points for `spec` earned by the pickled function `fn_bytes` (None: `missing` says why).
+
+    `cleanup` runs after every launch (the grader kills processes a rank left behind)."""
+    plan = [(ws, spec.make_cases(_generator(seed, spec.id, ws), ws)) for ws in spec.world_sizes]
+    lost: list[tuple[int, str, str]] = []  # (world size, case name, reason)
+    stop = None if fn_bytes is not None else missing
+    for world_size, cases in plan:
+        if stop:
+            lost += [(world_size, c.name, stop) for c in cases]
+            continue
+        try:
+            outputs = _launch_cases(spec, fn_bytes, world_size, cases, timeout, cleanup)
+            lost += [(world_size, c.name, why) for c in cases
+                     if (why := _judge(spec, c, outputs[c.name], world_size))]
+            continue
+        except RankTimeoutError:
+            stop = _timeout_text(timeout, world_size)
+        except RankError as err:
+            text = _error_text(err)
+            if text.startswith("NotImplementedError"):
+                stop = "not implemented (raises NotImplementedError)"
+            elif text.startswith("NotAllowedError"):
+                stop = text  # a forbidden collective: every case would call it again
+            elif len(cases) == 1:
+                lost.append((world_size, cases[0].name, f"raised {text}"))
+                continue
+        if stop:
+            lost += [(world_size, c.name, stop) for c in cases]
+            continue
+        # Some case raised: run each alone to find which.
+        for case in cases:
+            try:
+                out = _launch_cases(spec, fn_bytes, world_size, [case], timeout, cleanup)
+                why = _judge(spec, case, out[case.name], world_size)
+            except RankTimeoutError:
+                why = stop = _timeout_text(timeout, world_size)
+            except RankError as err:
+                why = f"raised {_error_text(err)}"
+            if why:
+                lost.append((world_size, case.name, why))
+            if stop:
+                lost += [(world_size, c.name, stop) for c in cases[cases.index(case) + 1:]]
+                break
+    total = sum(len(cases) for _, cases in plan)
+    return ExerciseScore(id=spec.id, points=total - len(lost), max=total,
+                         reason=summarize(lost, total),
+                         failures=[f"{ws} ranks, {name}: {why}" for ws, name, why in lost])
+
+
+def summarize(lost: list, total: int, limit: int = 300) -> str:
+    """One line: each kind of reason once (its first instance), with the cases it cost.
+
+    Reasons that differ only in their numbers (ranks, errors, counts) are one kind."""
+    if not lost:
+        return ""
+    groups: dict[str, tuple[str, list[str]]] = {}
+    for ws, name, why in lost:
+        kind = re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", why)
+        groups.setdefault(kind, (why, []))[1].append(f"{ws} ranks {name}")
+    if len(groups) == 1 and len(lost) == total:
+        return one_line(lost[0][2], limit)  # one reason for every case: no list needed
+    parts = [f"{why} [{len(cases)} case{'s' * (len(cases) > 1)}: {', '.join(cases[:2])}"
+             f"{', …' if len(cases) > 2 else ''}]" for why, cases in groups.values()]
+    return one_line("; ".join(parts), limit)

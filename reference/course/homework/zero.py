@@ -1,0 +1,149 @@
+"""Hidden checks of homework 02: one ZeRO stage 1 optimizer, built from an inner optimizer.
+
+Each case is a small MLP (weights from the grader's seed, the same on every rank)
+trained for 3 steps, each rank on its own batch of 3 examples per step. The ranks
+call the student's ``zero1_optimizer(params, optimizer_class, **kwargs)`` once, then
+per step: clear the gradients, local backward, ``step()``. The grader trains the same
+model in one process with ``optimizer_class`` on the whole batch (the ranks' batches
+concatenated) and compares every parameter on every rank after the 3 steps.
+
+Tolerance rtol=1e-5, atol=1e-5 (not the course's 1e-6): Adam divides each gradient
+by its own running magnitude, so the last-bit difference between a mean computed by
+a collective and one computed by a single backward, in an element whose gradient is
+tiny, can move that element by up to the learning rate times a small fraction.
+
+The cases: AdamW with a parameter count that does not divide by the world size
+(padding), AdamW with weight decay and other betas, SGD with momentum (the optimizer
+class is the caller's), and a one-parameter model on more ranks than it has numbers
+(some ranks own only padding). Beyond the values, each rank's inner optimizer must
+hold one tensor of S = ceil(Psi / N) numbers and state tensors of S numbers only:
+the optimizer state is sharded, which is the point of stage 1. Only all-reduce,
+reduce-scatter and all-gather are allowed.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from reference.course.homework.data_parallel import BATCH, build_mlp, collectives_allowed, full_batch_loss, model_case
+from reference.course.homework.guard import COLLECTIVES
+from reference.course.homework.scoring import Case, ExerciseSpec
+
+__all__ = ["ZERO1", "EXERCISES", "OPTIMIZERS", "TOLERANCE"]
+
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+STEPS = 3
+OPTIMIZERS = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
+ALLOWED = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+           "_reduce_scatter_base", "all_gather", "all_gather_into_tensor", "all_gather_single",
+           "_all_gather_base")
+_GROUP_METHODS = ("allreduce", "reduce_scatter", "reduce_scatter_single", "_reduce_scatter_base",
+                  "allgather", "all_gather_single", "_allgather_base")
+
+
+def _kwargs(case: dict) -> dict:
+    # Saved as plain data: betas travel as a list.
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in case["kwargs"].items()}
+
+
+def _case(generator, world_size, sizes, optimizer, kwargs, bias=True, divisible=None) -> list:
+    def numel(sizes):
+        return sum(a * b + b * bias for a, b in zip(sizes[:-1], sizes[1:]))
+
+    if divisible is not None:
+        # Widen the input by i and the output by j, the smallest (i, j) for which Psi does
+        # (or does not) divide by N. Each step of i adds sizes[1] numbers, of j sizes[-2] + 1
+        # (with bias): two coprime steps, so some (i, j) < (N, N) reaches every residue.
+        sizes = next(s for s in ([sizes[0] + i, *sizes[1:-1], sizes[-1] + j]
+                                 for i in range(world_size) for j in range(world_size))
+                     if (numel(s) % world_size == 0) == divisible)
+    inputs = model_case(generator, world_size, sizes, bias=bias, optimizer=optimizer, kwargs=kwargs)
+    for rank_input in inputs:  # STEPS batches per rank, not data_parallel's 2
+        rank_input["x"] = torch.randn(STEPS, BATCH, sizes[0], generator=generator)
+        rank_input["y"] = torch.randn(STEPS, BATCH, sizes[-1], generator=generator)
+    return inputs
+
+
+def make_cases(generator, world_size) -> list:
+    sizes = lambda: [int(v) for v in torch.randint(2, 7, (3,), generator=generator)]  # noqa: E731
+    return [
+        Case("AdamW, Psi not divisible by N", _case(
+            generator, world_size, sizes(), "AdamW", {"lr": 0.01}, divisible=False)),
+        Case("AdamW, weight decay", _case(
+            generator, world_size, sizes(), "AdamW",
+            {"lr": 0.02, "betas": [0.8, 0.95], "weight_decay": 0.1}, divisible=True)),
+        Case("SGD with momentum", _case(
+            generator, world_size, sizes(), "SGD", {"lr": 0.1, "momentum": 0.9})),
+        Case("one number on every rank or fewer", _case(
+            generator, world_size, [1, 1], "AdamW", {"lr": 0.05}, bias=False)),
+    ]
+
+
+def call(fn, case: dict) -> dict:
+    model = build_mlp(case)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with collectives_allowed(_GROUP_METHODS):
+        returned = fn(params, OPTIMIZERS[case["optimizer"]], **_kwargs(case))
+        if not (isinstance(returned, tuple) and len(returned) == 2 and callable(returned[0])
+                and isinstance(returned[1], torch.optim.Optimizer)):
+            return {"returned": type(returned).__name__}
+        step, inner = returned
+        for s in range(STEPS):
+            for p in params:
+                p.grad = None
+            full_batch_loss(model, case["x"][s], case["y"][s]).backward()
+            step()
+    shard = [int(p.numel()) for group in inner.param_groups for p in group["params"]]
+    state = [int(t.numel()) for st in inner.state.values() for t in st.values()
+             if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return {"returned": "tuple", "inner": type(inner).__name__, "shard": shard, "state": state,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def expect(inputs: list) -> dict:
+    case = inputs[0]
+    model = build_mlp(case)
+    optimizer = OPTIMIZERS[case["optimizer"]](model.parameters(), **_kwargs(case))
+    for s in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        x = torch.cat([r["x"][s] for r in inputs])
+        y = torch.cat([r["y"][s] for r in inputs])
+        full_batch_loss(model, x, y).backward()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def judge(inputs, expected, outputs, world_size) -> str:
+    psi = sum(t.numel() for t in expected.values())
+    shard_numel = math.ceil(psi / world_size)  # S
+    want_class = inputs[0]["optimizer"]
+    for rank, out in enumerate(outputs):
+        if out["returned"] != "tuple":
+            return (f"rank {rank} returned {out['returned']}, not (step, inner): a function and "
+                    f"the inner torch.optim optimizer")
+        if out["inner"] != want_class:
+            return f"rank {rank}: the inner optimizer is {out['inner']}, not {want_class} (optimizer_class)"
+        if out["shard"] != [shard_numel]:
+            return (f"rank {rank}: the inner optimizer holds tensors of {out['shard']} numbers; "
+                    f"ZeRO-1 gives it one tensor, this rank's shard of S = ceil({psi} / "
+                    f"{world_size}) = {shard_numel}")
+        if any(n != shard_numel for n in out["state"]):
+            return (f"rank {rank}: optimizer state tensors of {out['state']} numbers; each must "
+                    f"cover only the shard ({shard_numel})")
+        for name, want in expected.items():
+            got = out["params"][name]
+            if not torch.allclose(got, want, **TOLERANCE):
+                error = (got - want).abs().max().item()
+                return (f"rank {rank}: after {STEPS} steps {name} differs from one process "
+                        f"training on the whole batch (max abs error {error:.3g})")
+    return ""
+
+
+ZERO1 = ExerciseSpec(
+    id="zero1_optimizer", title="a ZeRO-1 optimizer step", difficulty="★★☆ medium",
+    world_sizes=(2, 4), make_cases=make_cases, call=call, expect=expect, judge=judge,
+    reference=None,  # the course's version, reference.zero.ZeroOptimizer, is a class
+    forbidden=tuple(c for c in COLLECTIVES if c not in ALLOWED))
+HOMEWORK_ID = "02_zero_fsdp"
+EXERCISES = (ZERO1,)

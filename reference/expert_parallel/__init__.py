@@ -1,0 +1,38 @@
+"""Expert parallelism: a mixture of experts, its experts spread over the ranks.
+
+    from reference.expert_parallel import MoE, ExpertParallelMoE, moe_factory
+    dense = GPT(config, ffn_factory=moe_factory(n_experts=8, k=2))   # one process
+    layer = ExpertParallelMoE.from_dense(moe, mesh.ep_group)          # E / ep experts per rank
+
+Where each part lives:
+
+* `reference.expert_parallel.router`: the gate, top-k routing (Switch k = 1,
+  GShard k = 2), capacity and dropping, the load-balancing and z losses, and the
+  dispatch plan (`sort_by_expert`, `combine`);
+* `reference.expert_parallel.moe`: `MoE`, the single-process oracle, and
+  `ExpertParallelMoE`, which sends each token to the rank holding its expert and
+  back; composition with data parallelism (`moe_all_reduce_gradients`: dense
+  parameters over dp, experts over the expert-data-parallel group);
+* `reference.expert_parallel.comms`: the all-to-all with its backward, and the
+  bytes it moves per step;
+* `reference.expert_parallel.viz` and `viz_extra`: loads, routes, the all-to-all
+  drawn from real routes, memory per rank, the gate and balance over training.
+
+With E experts on P ranks each rank stores E / P of the expert weights (the
+1/8 of the article's claim at 8 ranks).
+"""
+from reference.expert_parallel.comms import all_to_all, all_to_all_bytes_per_step, exchange_counts
+from reference.expert_parallel.moe import (
+    Expert, ExpertParallelMoE, MoE, MoEStats, expert_parameters, moe_all_reduce_gradients,
+    moe_factory, shard_experts,
+)
+from reference.expert_parallel.router import (
+    DispatchPlan, Router, Routing, combine, expert_capacity, sort_by_expert,
+)
+
+__all__ = [
+    "Expert", "MoEStats", "MoE", "ExpertParallelMoE", "moe_factory", "shard_experts",
+    "expert_parameters", "moe_all_reduce_gradients",
+    "Router", "Routing", "DispatchPlan", "expert_capacity", "sort_by_expert", "combine",
+    "all_to_all", "exchange_counts", "all_to_all_bytes_per_step",
+]

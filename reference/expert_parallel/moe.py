@@ -1,0 +1,269 @@
+"""Mixture of experts, on one process and with its experts spread over ranks.
+
+A mixture-of-experts (MoE) feed-forward layer holds E expert MLPs instead of
+one. A router (`reference.expert_parallel.router`) sends each token to k of them; the
+token's output is the weighted sum of its experts' outputs. Parameters grow
+with E while each token still pays for only k MLPs.
+
+* `MoE` is the single-process layer: the oracle every parallel version is
+  checked against. It fills the GPT's feed-forward slot (`moe_factory`).
+* `ExpertParallelMoE` splits the experts over the ranks of an expert-parallel
+  (``ep``) group, E / P consecutive experts per rank, so each rank stores 1/P
+  of the expert weights. Each rank routes its own tokens, sends them to the
+  ranks holding their experts with an all-to-all, runs its experts on what it
+  received and sends the results back (`reference.expert_parallel.comms`).
+  ``ExpertParallelMoE.from_dense(moe, group)`` copies a `MoE`'s weights, so its
+  results equal the oracle's.
+
+Both return ``(output, aux_loss)`` and keep a `MoEStats` of the last forward in
+``layer.last_stats`` (``layer.last_dropped`` is the number of dropped
+assignments). With expert parallelism the statistics are this rank's tokens.
+
+Composition with data parallelism (the mesh carves ``ep`` out of ``dp``): the
+router and every other dense parameter is replicated on all ``dp`` ranks,
+while an expert is replicated only on the ``edp`` ranks (same ep_rank).
+`moe_all_reduce_gradients` averages each kind over its own group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from reference import comms
+from reference.expert_parallel.comms import all_to_all, exchange_counts
+from reference.model import MLP, GPTConfig, init_weights
+from reference.expert_parallel.router import Router, check_routing_args, combine, sort_by_expert
+
+__all__ = ["Expert", "MoEStats", "MoE", "ExpertParallelMoE", "moe_factory", "shard_experts",
+           "expert_parameters", "moe_all_reduce_gradients"]
+
+
+class Expert(nn.Module):
+    """One expert: the GPT's MLP, C -> d_ff -> C with a GELU between (names as in `model.MLP`)."""
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool = True):
+        super().__init__()
+        self.c_fc = nn.Linear(d_model, d_ff, bias=bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))  # (n, d_ff) inside, (n, C) out
+
+
+@dataclass
+class MoEStats:
+    """Routing statistics of one forward (detached; this rank's tokens under expert parallelism)."""
+
+    tokens_per_expert: torch.Tensor  # (E,) assignments choosing each expert, before capacity
+    kept_per_expert: torch.Tensor    # (E,) assignments each expert processed
+    dropped: int                     # assignments dropped at capacity
+    dropped_tokens: int              # tokens that lost all k of their assignments (output 0)
+    capacity: int                    # slots per expert per group (one sequence)
+    balance_loss: float              # Switch load-balancing loss, without its coefficient
+    z_loss: float                    # router z-loss, without its coefficient
+    expert_idx: torch.Tensor         # (G, T, k) chosen experts
+    kept: torch.Tensor               # (G, T, k) bool, the assignment got a slot
+    send_counts: Optional[torch.Tensor] = None  # (P,) rows dispatched to each ep rank (self included)
+    recv_counts: Optional[torch.Tensor] = None  # (P, E // P) rows received per source rank and local expert
+
+
+def _as_groups(x: torch.Tensor, d_model: int) -> torch.Tensor:
+    """(B, T, C) stays, one routing group per sequence; (N, C) becomes one group (1, N, C)."""
+    if x.dim() not in (2, 3) or x.shape[-1] != d_model:
+        raise ValueError(f"MoE input must be (B, T, {d_model}) or (N, {d_model}), got {tuple(x.shape)}")
+    return x if x.dim() == 3 else x.unsqueeze(0)
+
+
+class _MoELayer(nn.Module):
+    """What the oracle and the expert-parallel layer share: router, shared expert, forward."""
+
+    def __init__(self, d_model: int, d_ff: int, n_experts: int, k: int = 2,
+                 capacity_factor: Optional[float] = 1.25, *, shared_expert: bool = False,
+                 normalize_weights: Optional[bool] = None, balance_coef: float = 0.01,
+                 z_coef: float = 0.001, bias: bool = True, n_local_experts: Optional[int] = None):
+        super().__init__()
+        check_routing_args(n_experts, k, capacity_factor)
+        # Everything needed to build the same layer again (from_dense uses it).
+        self.hparams = dict(d_model=d_model, d_ff=d_ff, n_experts=n_experts, k=k,
+                            capacity_factor=capacity_factor, shared_expert=shared_expert,
+                            normalize_weights=normalize_weights, balance_coef=balance_coef,
+                            z_coef=z_coef, bias=bias)
+        self.d_model, self.n_experts, self.k = d_model, n_experts, k
+        self.router = Router(d_model, n_experts, k, capacity_factor, normalize_weights=normalize_weights,
+                             balance_coef=balance_coef, z_coef=z_coef)
+        n_local = n_experts if n_local_experts is None else n_local_experts
+        self.experts = nn.ModuleList(Expert(d_model, d_ff, bias) for _ in range(n_local))
+        # A shared expert sees every token, as in DeepSeekMoE; it is dense (not split by ep).
+        self.shared_expert = Expert(d_model, d_ff, bias) if shared_expert else None
+        self.last_stats: Optional[MoEStats] = None
+
+    @property
+    def last_dropped(self) -> Optional[int]:
+        """Assignments dropped at capacity in the last forward (None before the first)."""
+        return None if self.last_stats is None else self.last_stats.dropped
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, C) or (N, C) -> (output of the same shape, aux_loss 0-dim)."""
+        groups = _as_groups(x, self.d_model)  # (G, T, C)
+        routing = self.router(groups)
+        plan = sort_by_expert(routing)
+        tokens = groups.reshape(-1, self.d_model)  # (G*T, C)
+        expert_out, comm_stats = self._run_experts(tokens[plan.token_idx], plan)  # (n, C), plan order
+        y = combine(expert_out, plan, tokens.shape[0])  # (G*T, C)
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(tokens)
+        self.last_stats = MoEStats(
+            tokens_per_expert=routing.tokens_per_expert(), kept_per_expert=routing.kept_per_expert(),
+            dropped=routing.dropped, dropped_tokens=int((~routing.kept).all(dim=-1).sum()),
+            capacity=routing.capacity,
+            balance_loss=float(routing.balance_loss.detach()), z_loss=float(routing.z_loss.detach()),
+            expert_idx=routing.expert_idx.detach(), kept=routing.kept.detach(), **comm_stats)
+        return y.view(x.shape), routing.aux_loss
+
+    def _run_experts(self, rows: torch.Tensor, plan) -> tuple[torch.Tensor, dict]:
+        """rows (n, C) sorted by expert -> (expert outputs (n, C) in the same order, extra stats)."""
+        raise NotImplementedError
+
+
+class MoE(_MoELayer):
+    """Single-process mixture-of-experts feed-forward layer: the oracle.
+
+    ``MoE(d_model, d_ff, n_experts, k=2, capacity_factor=1.25)``; see
+    `reference.expert_parallel.router` for routing, capacity (per sequence) and the
+    auxiliary losses (``balance_coef``, ``z_coef``). ``shared_expert=True`` adds
+    one expert that every token goes through. ``normalize_weights`` defaults to
+    k > 1 (GShard renormalises top-2; Switch keeps the top-1 probability).
+    """
+
+    def _run_experts(self, rows: torch.Tensor, plan) -> tuple[torch.Tensor, dict]:
+        # rows (n, C) sorted by expert: expert e takes the e-th block of plan.counts.
+        blocks = rows.split(plan.counts.tolist())
+        return torch.cat([expert(block) for expert, block in zip(self.experts, blocks)]), {}
+
+
+class ExpertParallelMoE(_MoELayer):
+    """The MoE with its experts split over the ranks of `group` (the ep group).
+
+    Group rank r holds experts ``r * E / P ... (r + 1) * E / P - 1`` (``expert_ids``);
+    the router and the shared expert are whole on every rank. Same arguments as
+    `MoE`, plus ``group``; `from_dense` copies an existing `MoE`.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, n_experts: int, k: int = 2,
+                 capacity_factor: Optional[float] = 1.25, *, group=None, **kwargs):
+        check_routing_args(n_experts, k, capacity_factor)
+        ep = dist.get_world_size(group)
+        if n_experts % ep != 0:
+            raise ValueError(
+                f"n_experts={n_experts} does not divide by ep={ep} (world_size="
+                f"{dist.get_world_size()}): every expert-parallel rank must hold the same "
+                f"number of experts")
+        super().__init__(d_model, d_ff, n_experts, k, capacity_factor,
+                         n_local_experts=n_experts // ep, **kwargs)
+        self.ep_group, self.ep_size, self.ep_rank = group, ep, dist.get_rank(group)
+        self.n_local_experts = n_experts // ep
+        first = self.ep_rank * self.n_local_experts
+        self.expert_ids = list(range(first, first + self.n_local_experts))
+
+    @classmethod
+    def from_dense(cls, moe: MoE, group=None) -> "ExpertParallelMoE":
+        """This rank's share of `moe`: the same router and shared expert, its experts copied."""
+        with torch.random.fork_rng(devices=[]):  # the throw-away init must not move the caller's RNG
+            layer = cls(**moe.hparams, group=group)
+        layer.router.load_state_dict(moe.router.state_dict())
+        for local, global_id in zip(layer.experts, layer.expert_ids):
+            local.load_state_dict(moe.experts[global_id].state_dict())
+        if moe.shared_expert is not None:
+            layer.shared_expert.load_state_dict(moe.shared_expert.state_dict())
+        return layer.to(next(moe.parameters()).device)
+
+    def extra_repr(self) -> str:
+        return f"ep_rank={self.ep_rank}, ep={self.ep_size}, expert_ids={self.expert_ids}"
+
+    def _run_experts(self, rows: torch.Tensor, plan) -> tuple[torch.Tensor, dict]:
+        P, E_l, group = self.ep_size, self.n_local_experts, self.ep_group
+        recv_counts = exchange_counts(plan.counts, group)  # (P, E_l): rows from rank s for my expert l
+        send_splits = plan.counts.view(P, E_l).sum(dim=1).tolist()  # rows to each rank
+        recv_splits = recv_counts.sum(dim=1).tolist()  # rows from each rank
+        # Dispatch: (n, C) sorted by expert -> (sum(recv_splits), C), by source rank then local expert.
+        received = all_to_all(rows, recv_splits, send_splits, group)
+        blocks = list(received.split(recv_counts.reshape(-1).tolist()))  # block (s, l) at s * E_l + l
+        for l, expert in enumerate(self.experts):
+            mine = [s * E_l + l for s in range(P)]
+            out = expert(torch.cat([blocks[i] for i in mine]))  # all of expert l's rows at once
+            for i, piece in zip(mine, out.split([blocks[i].shape[0] for i in mine])):
+                blocks[i] = piece
+        # Combine: the results go back to their tokens' ranks, arriving in plan order.
+        returned = all_to_all(torch.cat(blocks), send_splits, recv_splits, group)  # (n, C)
+        return returned, dict(send_counts=torch.tensor(send_splits), recv_counts=recv_counts)
+
+
+def moe_factory(n_experts: int, k: int = 2, capacity_factor: Optional[float] = 1.25, *,
+                layers: Optional[Iterable[int]] = None, **kwargs):
+    """A `GPT` ``ffn_factory`` that puts a `MoE` in the given layers (all by default).
+
+    ``GPT(config, ffn_factory=moe_factory(8, k=2))``. The MoE gets the dense
+    MLP's GPT-2 initialisation; layers not listed keep a dense `MLP`
+    (Switch and GShard alternate dense and MoE layers).
+    """
+    check_routing_args(n_experts, k, capacity_factor)
+    chosen = None if layers is None else set(layers)
+
+    def factory(config: GPTConfig, layer: int) -> nn.Module:
+        if chosen is not None and layer not in chosen:
+            ffn = MLP(config)
+        else:
+            ffn = MoE(config.n_embd, config.d_ff, n_experts, k, capacity_factor,
+                      bias=config.bias, **kwargs)
+        init_weights(ffn, config)
+        return ffn
+
+    return factory
+
+
+def shard_experts(model: nn.Module, group=None) -> nn.Module:
+    """Replace every `MoE` inside `model` by its `ExpertParallelMoE` share, in place; returns `model`.
+
+    Call it on every rank of `group` with identical models (each keeps its own experts).
+    """
+    if type(model) is MoE:
+        return ExpertParallelMoE.from_dense(model, group)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is MoE:
+                setattr(parent, name, ExpertParallelMoE.from_dense(child, group))
+    return model
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of the experts of every MoE layer in `model` (not router, not shared expert)."""
+    return [p for m in model.modules() if isinstance(m, _MoELayer) for p in m.experts.parameters()]
+
+
+def moe_all_reduce_gradients(model: nn.Module, dp_group, edp_group) -> None:
+    """Average gradients for data parallelism with experts; call after backward, before the step.
+
+    * dense parameters (router, attention, shared expert ...): mean over `dp_group`;
+    * expert parameters: **sum** over `edp_group`, then divide by the dp size.
+      Expert e's gradient on its rank already holds the contributions of the
+      tokens of every rank in its ep group (the all-to-all's backward brought
+      them back), so the sum over the edp replicas covers all dp ranks once;
+      dividing by dp, not edp, turns it into the same mean the dense
+      parameters get.
+
+    Both groups come from the mesh (``mesh.dp_group``, ``mesh.edp_group``); with
+    plain `MoE` layers (no expert parallelism) pass the dp group twice. Parameters
+    without a gradient are skipped: every rank must have the same ones.
+    """
+    dp = dist.get_world_size(dp_group)
+    experts = {id(p) for p in expert_parameters(model)}
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        comms.all_reduce(p.grad, group=edp_group if id(p) in experts else dp_group)
+        p.grad.div_(dp)

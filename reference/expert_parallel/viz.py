@@ -1,0 +1,140 @@
+"""Pictures of mixture-of-experts routing: loads, routes, the all-to-all, memory.
+
+Each function returns a ``matplotlib.figure.Figure`` (no pyplot state), drawn
+once as the last expression of a notebook cell, like the pictures of
+`reference.viz`. Inputs are what `MoE` and `ExpertParallelMoE` record in
+``layer.last_stats`` (tensors, arrays or lists).
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence, Union
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+
+from reference.viz import _Figure, _fmt_bytes
+
+__all__ = ["plot_tokens_per_expert", "plot_routing", "plot_all_to_all", "plot_expert_memory"]
+
+# Counts may be a list, a numpy array or a torch tensor (converted with _array).
+Counts = Union[Sequence[int], np.ndarray]
+
+
+def _array(x) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def plot_tokens_per_expert(counts: Union[Counts, Mapping[str, Counts]], *,
+                           capacity: Optional[int] = None, title: str = "tokens per expert") -> Figure:
+    """Bars of assignments per expert; pass ``{"before": c0, "after": c1}`` to compare runs.
+
+    `capacity`, when given, is drawn as a dashed line: the slots each expert
+    has for the whole batch (capacity per group times the number of groups).
+    The dotted line is the perfectly balanced load, total / E.
+    """
+    series = dict(counts) if isinstance(counts, Mapping) else {"tokens": counts}
+    series = {label: _array(c).reshape(-1) for label, c in series.items()}
+    n_experts = max(len(c) for c in series.values())
+    fig = _Figure(figsize=(max(5.0, 0.45 * n_experts * len(series) + 2.0), 3.4), layout="constrained")
+    ax = fig.add_subplot()
+    width = 0.8 / len(series)
+    colours = colormaps["tab10"].colors
+    for j, (label, c) in enumerate(series.items()):
+        x = np.arange(len(c)) - 0.4 + width * (j + 0.5)
+        ax.bar(x, c, width=width, color=colours[j % 10], label=label)
+        ax.axhline(c.sum() / len(c), color=colours[j % 10], ls=":", lw=1)
+    if capacity is not None:
+        ax.axhline(capacity, color="black", ls="--", lw=1, label=f"capacity ({capacity})")
+    ax.set_xticks(range(n_experts))
+    ax.set_xlabel("expert")
+    ax.set_ylabel("assignments")
+    ax.set_title(title, fontsize=10)
+    if len(series) > 1 or capacity is not None:
+        ax.legend(fontsize=8)
+    return fig
+
+
+def plot_routing(expert_idx: Counts, kept: Optional[Counts] = None, n_experts: Optional[int] = None, *,
+                 title: str = "routes of one sequence") -> Figure:
+    """One sequence's routes: a column per token, a row per expert.
+
+    `expert_idx` (T, k) as in ``stats.expert_idx[g]``, `kept` (T, k) bool. A
+    first choice is a dark cell, a second a lighter one (and so on); an
+    assignment dropped at capacity is crossed out.
+    """
+    idx = _array(expert_idx)
+    if idx.ndim != 2:
+        raise ValueError(f"expert_idx must be (T, k) for one sequence, got shape {idx.shape}")
+    keep = np.ones_like(idx, dtype=bool) if kept is None else _array(kept).astype(bool)
+    T, k = idx.shape
+    E = int(idx.max()) + 1 if n_experts is None else n_experts
+    fig = _Figure(figsize=(max(4.0, 0.3 * T + 1.5), max(2.0, 0.3 * E + 1.0)), layout="constrained")
+    ax = fig.add_subplot()
+    shades = colormaps["Blues"](np.linspace(0.85, 0.35, k))
+    for t in range(T):
+        for j in range(k):
+            e = idx[t, j]
+            ax.add_patch(Rectangle((t, e), 1, 1, facecolor=shades[j], edgecolor="white", lw=1))
+            if not keep[t, j]:
+                ax.plot([t + 0.1, t + 0.9], [e + 0.1, e + 0.9], color="crimson", lw=1.5)
+                ax.plot([t + 0.1, t + 0.9], [e + 0.9, e + 0.1], color="crimson", lw=1.5)
+    ax.set_xlim(0, T)
+    ax.set_ylim(E, 0)
+    ax.set_xticks(np.arange(T) + 0.5, [str(t) for t in range(T)], fontsize=7)
+    ax.set_yticks(np.arange(E) + 0.5, [f"expert {e}" for e in range(E)], fontsize=8)
+    ax.set_xlabel("token position")
+    dropped = int((~keep).sum())
+    ax.set_title(f"{title} (k={k}; {dropped} dropped)", fontsize=10)
+    return fig
+
+
+def plot_all_to_all(send_counts: Counts, *, title: str = "all-to-all: rows sent") -> Figure:
+    """The dispatch as a matrix: entry [s, d] is the rows ep rank s sends to ep rank d.
+
+    Build it from every rank's ``stats.send_counts`` (stacked in rank order).
+    The diagonal stays on its rank and costs no communication; the combine
+    sends the transpose back.
+    """
+    m = _array(send_counts)
+    if m.ndim != 2 or m.shape[0] != m.shape[1]:
+        raise ValueError(f"send_counts must be a square (P, P) matrix, got shape {m.shape}")
+    P = m.shape[0]
+    fig = _Figure(figsize=(1.0 * P + 2.2, 0.9 * P + 1.2), layout="constrained")
+    ax = fig.add_subplot()
+    image = ax.imshow(m, cmap="Oranges", vmin=0)
+    for s in range(P):
+        for d in range(P):
+            ax.text(d, s, str(int(m[s, d])), ha="center", va="center", fontsize=9,
+                    fontweight="bold" if s != d else "normal")
+    ax.set_xticks(range(P), [f"to {d}" for d in range(P)])
+    ax.set_yticks(range(P), [f"rank {s}" for s in range(P)])
+    crossing = int(m.sum() - np.trace(m))
+    ax.set_title(f"{title}\n{crossing} of {int(m.sum())} rows cross ranks", fontsize=10)
+    fig.colorbar(image, ax=ax, shrink=0.8)
+    return fig
+
+
+def plot_expert_memory(expert_bytes: Sequence[int], dense_bytes: Sequence[int], *,
+                       title: str = "parameter bytes per rank") -> Figure:
+    """Stacked bars per rank: expert parameters (split by ep) over the replicated dense ones."""
+    experts, dense = _array(expert_bytes).reshape(-1), _array(dense_bytes).reshape(-1)
+    if experts.shape != dense.shape:
+        raise ValueError(f"one value per rank in each: {experts.shape} expert vs {dense.shape} dense")
+    ranks = np.arange(len(experts))
+    fig = _Figure(figsize=(max(4.0, 0.6 * len(ranks) + 2.0), 3.2), layout="constrained")
+    ax = fig.add_subplot()
+    ax.bar(ranks, dense, color="#9e9e9e", label="dense (replicated)")
+    ax.bar(ranks, experts, bottom=dense, color="#e6851e", label="experts (split)")
+    for r in ranks:
+        ax.text(r, dense[r] + experts[r], _fmt_bytes(dense[r] + experts[r]), ha="center",
+                va="bottom", fontsize=7)
+    ax.set_xticks(ranks, [str(r) for r in ranks])
+    ax.set_xlabel("rank")
+    ax.set_ylabel("bytes")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    return fig

@@ -1,0 +1,61 @@
+"""Pipeline parallelism: stages, schedules as data, one executor, measured bubbles.
+
+The model's layers are cut into stages, one (or, interleaved, several) per
+rank; a batch is cut into m micro-batches that flow through the stages
+forward and back, activations going down the pipeline and their gradients
+coming back up by point-to-point messages. A *schedule* says in which order
+each rank runs its forwards (F), backwards (B), sends and receives; it is
+plain data, checked before it runs, drawn, and run by one executor:
+
+    from reference.pipeline_parallel import (build_schedule, split_stages,
+                                             local_stages, run_pipeline)
+    schedule = build_schedule("1f1b", pp=4, m=8)         # validated: complete, no deadlock
+    schedule.actions(0)       # rank 0: [F0, SEND_F0->1, F1, SEND_F1->1, ...]
+    schedule.bubble_fraction(), schedule.peak_in_flight(0), schedule.plot()
+
+    # on every rank (inside reference.runtime.launch):
+    mesh = Mesh(pp=4).build_groups()                      # reference.mesh.Mesh
+    tied = build_embedding_group(mesh)                   # once: wte and lm_head's two copies
+    stages = local_stages(split_stages(model, 4), 4, mesh.pp_rank)
+    result = run_pipeline(schedule, stages, idx, targets, group=mesh.pp_group, tied_group=tied)
+    result.loss               # mean over micro-batches, on the last stage
+    result.trace              # every action with its start and end
+
+Where each part lives:
+
+* `reference.pipeline_parallel.actions`: the six actions (`Action`, `OPS`) and
+  `ScheduleError`, the words every other module speaks;
+* `reference.pipeline_parallel.schedules`: `Schedule`, `build_schedule` (naive,
+  GPipe, 1F1B, interleaved 1F1B) and the textbook `bubble_formula`;
+* `reference.pipeline_parallel.check`: `validate` (completeness, message matching,
+  deadlock), the ideal timeline `simulate`, and `bubble_of` any timeline;
+* `reference.pipeline_parallel.stage`: `plan_stages` / `split_stages` (by layers or by
+  parameters, embedding and head optionally on stages of their own),
+  `GPTStage`, the tied embedding's gradient sum across the first and last stage,
+  and `DelayedStage` (a stage that takes a fixed time, to time schedules on a laptop);
+* `reference.pipeline_parallel.executor`: `run_pipeline`, batched point-to-point
+  messages, activation checkpointing, trace and stored-activation bytes;
+* `reference.pipeline_parallel.viz`: timelines and the bubble against its formula;
+* `reference.pipeline_parallel.widgets`: the schedule explorer (pp, m, kind and
+  virtual stages -> timeline and bubble).
+"""
+from reference.pipeline_parallel.check import TraceEvent, bubble_of, simulate, validate
+from reference.pipeline_parallel.executor import PipelineResult, run_pipeline
+from reference.pipeline_parallel.schedules import (KINDS, OPS, Action, Schedule, ScheduleError, bubble_formula,
+                                 build_schedule)
+from reference.pipeline_parallel.stage import (DelayedStage, GPTStage, StageSpec, build_embedding_group, local_stages,
+                             plan_stages, split_stages, sync_tied_grads)
+from reference.pipeline_parallel.viz import plot_bubble_curve, plot_timeline
+
+__all__ = [
+    # schedules as data
+    "Action", "Schedule", "ScheduleError", "build_schedule", "bubble_formula", "KINDS", "OPS",
+    "validate", "simulate", "bubble_of", "TraceEvent",
+    # stages
+    "StageSpec", "plan_stages", "GPTStage", "split_stages", "local_stages", "DelayedStage",
+    "build_embedding_group", "sync_tied_grads",
+    # the executor
+    "run_pipeline", "PipelineResult",
+    # pictures
+    "plot_timeline", "plot_bubble_curve",
+]

@@ -1,0 +1,40 @@
+"""The vocabulary of pipeline schedules: the six actions a rank can take, and the error
+a wrong schedule raises. Shared by the schedules, the checker and the executor.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+__all__ = ["Action", "ScheduleError", "COMPUTE", "COMM", "OPS"]
+
+COMPUTE = ("F", "B")
+COMM = ("RECV_F", "SEND_F", "RECV_B", "SEND_B")
+OPS = COMPUTE + COMM
+
+
+class ScheduleError(ValueError):
+    """A schedule is incomplete, inconsistent or deadlocks; the message names the rank and action."""
+
+
+class Action(NamedTuple):
+    """One thing a rank does: ``op`` on micro-batch ``mb`` of its chunk ``chunk``.
+
+    ``peer`` is the pipeline rank at the other end of a SEND/RECV (None for F and B).
+    """
+
+    op: str
+    mb: int
+    chunk: int = 0
+    peer: Optional[int] = None
+
+    @property
+    def is_comm(self) -> bool:
+        return self.op in COMM
+
+    def __str__(self) -> str:
+        text = f"{self.op}{self.mb}" + (f".c{self.chunk}" if self.chunk else "")
+        if self.peer is not None:
+            text += f"{'->' if self.op.startswith('SEND') else '<-'}{self.peer}"
+        return text
+
+    __repr__ = __str__

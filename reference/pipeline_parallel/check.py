@@ -1,0 +1,217 @@
+"""Proving a pipeline schedule right before it runs, and its ideal timeline.
+
+`validate(schedule)` checks, without starting a process:
+
+1. every rank's list is complete: each F and B of every (micro-batch, chunk)
+   exactly once, each with the receives and sends its stage needs, in an order
+   that can work (receive before F, F before its send and before B, ...), each
+   message addressed to the rank that holds the neighbouring stage;
+2. every message has a partner: the k-th send from rank a to rank b is the
+   k-th receive on b from a (point-to-point messages between two ranks arrive
+   in the order they were sent), and it carries what the receiver expects;
+3. no deadlock: all ranks are simulated together. A rank runs its steps in
+   order; a communication step (consecutive SEND/RECV, issued together) finishes
+   only once every partner has *reached* its own matching step. Counting a send
+   as finished only when its receiver is there is the strict rule (large
+   messages under NCCL and gloo do wait for the receiver), so a schedule that
+   passes cannot hang whatever the library buffers. If no rank can move, the
+   error names each stuck rank, its action and the action it waits for.
+
+The same simulation, with F taking ``t_f`` and B ``t_b`` and messages free,
+gives the ideal timeline that `Schedule.plot` draws and `bubble_of` measures;
+the executor's measured trace has the same form (`TraceEvent` lists per rank).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from reference.pipeline_parallel.actions import COMM, OPS, Action, ScheduleError
+
+# `Schedule` (reference.pipeline_parallel.schedules) appears only in annotations, as a
+# string: that module imports this one to validate, so importing it back would be a cycle.
+
+__all__ = ["TraceEvent", "validate", "simulate", "bubble_of"]
+
+
+class TraceEvent(NamedTuple):
+    """One action of one rank, from ``start`` to ``end`` (seconds, or the simulation's units)."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+def _where(rank, index, action) -> str:
+    return f"rank {rank} action #{index} {action}"
+
+
+def _check_rank(s: "Schedule", rank: int) -> None:
+    """Completeness and local order of one rank's list."""
+    pp, m, v, last = s.pp, s.m, s.virtual, s.n_stages - 1
+    seen: dict[tuple, int] = {}
+    for i, a in enumerate(s.actions(rank)):
+        here = _where(rank, i, a)
+        if a.op not in OPS:
+            raise ScheduleError(f"{here}: unknown op {a.op!r}; expected one of {', '.join(OPS)}")
+        if not 0 <= a.mb < m or not 0 <= a.chunk < v:
+            raise ScheduleError(f"{here}: micro-batch {a.mb} / chunk {a.chunk} out of range "
+                                f"(m={m}, virtual={v})")
+        stage = s.stage(rank, a.chunk)
+        if a.op in COMM:
+            towards = stage + 1 if a.op in ("SEND_F", "RECV_B") else stage - 1
+            if not 0 <= towards <= last:
+                raise ScheduleError(f"{here}: stage {stage} has no stage {towards} to talk to "
+                                    f"({s.n_stages} stages)")
+            if a.peer != towards % pp:
+                raise ScheduleError(f"{here}: stage {towards} lives on rank {towards % pp}, "
+                                    f"not on rank {a.peer}")
+        elif a.peer is not None:
+            raise ScheduleError(f"{here}: {a.op} is computed locally and takes no peer")
+        key = (a.op, a.mb, a.chunk)
+        if key in seen:
+            raise ScheduleError(f"{here}: repeats action #{seen[key]}")
+        seen[key] = i
+    for mb in range(m):
+        for c in range(v):
+            stage = s.stage(rank, c)
+            need = ["F", "B"] + (["RECV_F", "SEND_B"] if stage > 0 else []) \
+                + (["SEND_F", "RECV_B"] if stage < last else [])
+            for op in need:
+                if (op, mb, c) not in seen:
+                    raise ScheduleError(f"rank {rank} never runs {Action(op, mb, c)} "
+                                        f"(stage {stage} of {s.n_stages}, pp={pp}, m={m})")
+            # each pair must come in this order on the rank
+            for before, after in (("RECV_F", "F"), ("F", "SEND_F"), ("F", "B"),
+                                  ("RECV_B", "B"), ("B", "SEND_B")):
+                i, j = seen.get((before, mb, c)), seen.get((after, mb, c))
+                if i is not None and j is not None and i > j:
+                    acts = s.actions(rank)
+                    raise ScheduleError(f"{_where(rank, j, acts[j])} comes before "
+                                        f"{acts[i]} (action #{i}), which it needs")
+
+
+def _match(s: "Schedule") -> dict:
+    """Pair every send with its receive: (rank, action index) -> (peer, peer's action index)."""
+    sends: dict[tuple, list] = {}
+    recvs: dict[tuple, list] = {}
+    for r in range(s.pp):
+        for i, a in enumerate(s.actions(r)):
+            if a.op.startswith("SEND"):
+                sends.setdefault((r, a.peer), []).append((r, i, a))
+            elif a.op.startswith("RECV"):
+                recvs.setdefault((a.peer, r), []).append((r, i, a))
+    partner = {}
+    for channel in sorted(set(sends) | set(recvs)):
+        out, inn = sends.get(channel, []), recvs.get(channel, [])
+        for k in range(max(len(out), len(inn))):
+            if k >= len(inn):
+                r, i, a = out[k]
+                raise ScheduleError(f"{_where(r, i, a)} has no matching receive on rank {a.peer}")
+            if k >= len(out):
+                r, i, a = inn[k]
+                raise ScheduleError(f"{_where(r, i, a)} has no matching send on rank {a.peer}")
+            (sr, si, sa), (rr, ri, ra) = out[k], inn[k]
+            step = 1 if sa.op == "SEND_F" else -1
+            if (ra.op[4:] != sa.op[4:] or ra.mb != sa.mb
+                    or s.stage(rr, ra.chunk) != s.stage(sr, sa.chunk) + step):
+                raise ScheduleError(
+                    f"{_where(rr, ri, ra)} would receive {sa} ({_where(sr, si, sa)}): messages "
+                    f"from rank {sr} to rank {rr} arrive in the order they are sent, and the "
+                    f"two ranks list them in different orders")
+            partner[(sr, si)] = (rr, ri)
+            partner[(rr, ri)] = (sr, si)
+    return partner
+
+
+def _run(s: "Schedule", t_f: float, t_b: float, partner: dict) -> list[list[TraceEvent]]:
+    """Simulate all ranks together; raise ScheduleError on a deadlock."""
+    steps = [s.steps(r) for r in range(s.pp)]
+    # action index -> (step index) on each rank, to find where a partner waits
+    step_of = []
+    for r in range(s.pp):
+        idx, table = 0, {}
+        for k, step in enumerate(steps[r]):
+            for _ in step:
+                table[idx] = k
+                idx += 1
+        step_of.append(table)
+    first_index = [[0] for _ in range(s.pp)]
+    for r in range(s.pp):
+        for step in steps[r][:-1]:
+            first_index[r].append(first_index[r][-1] + len(step))
+
+    pos, clock = [0] * s.pp, [0.0] * s.pp
+    reached = {(r, 0): 0.0 for r in range(s.pp)}  # (rank, step) -> time the rank got there
+    events: list[list[TraceEvent]] = [[] for _ in range(s.pp)]
+    moved = True
+    while moved:
+        moved = False
+        for r in range(s.pp):
+            while pos[r] < len(steps[r]):
+                k = pos[r]
+                step = steps[r][k]
+                reached.setdefault((r, k), clock[r])
+                if not step[0].is_comm:
+                    a = step[0]
+                    d = (t_f if a.op == "F" else t_b) / s.virtual
+                    events[r].append(TraceEvent(r, a, clock[r], clock[r] + d))
+                    clock[r] += d
+                else:
+                    waits = [partner[(r, first_index[r][k] + j)] for j in range(len(step))]
+                    where = [(q, step_of[q][i]) for q, i in waits]
+                    if any(pos[q] < kq for q, kq in where):
+                        break  # a partner has not posted its side yet
+                    end = max([clock[r]] + [reached[w] for w in where])
+                    events[r] += [TraceEvent(r, a, clock[r], end) for a in step]
+                    clock[r] = end
+                pos[r] += 1
+                moved = True
+    stuck = [r for r in range(s.pp) if pos[r] < len(steps[r])]
+    if stuck:
+        lines = []
+        for r in stuck:
+            k = pos[r]
+            for j, a in enumerate(steps[r][k]):
+                q, qi = partner[(r, first_index[r][k] + j)]
+                if pos[q] < step_of[q][qi]:
+                    i = first_index[r][k] + j
+                    lines.append(f"{_where(r, i, a)} waits for rank {q}, which has not reached "
+                                 f"its action #{qi} {s.actions(q)[qi]}")
+                    break
+        raise ScheduleError(f"deadlock in {s!r}: no rank can move.\n  " + "\n  ".join(lines))
+    return events
+
+
+def validate(s: "Schedule") -> None:
+    """Raise ScheduleError unless the schedule is complete and free of deadlock."""
+    for r in range(s.pp):
+        _check_rank(s, r)
+    _run(s, 1.0, 2.0, _match(s))
+
+
+def simulate(s: "Schedule", t_f: float = 1.0, t_b: float = 2.0) -> list[list[TraceEvent]]:
+    """The ideal timeline of a valid schedule: a list per rank of `TraceEvent`.
+
+    A chunk's F takes ``t_f / virtual`` and its B ``t_b / virtual`` (it holds
+    1/virtual of the rank's layers); a message costs nothing but waiting for
+    its partner."""
+    if t_f <= 0 or t_b <= 0:
+        raise ValueError(f"t_f and t_b must be positive, got t_f={t_f}, t_b={t_b}")
+    for r in range(s.pp):
+        _check_rank(s, r)
+    return _run(s, t_f, t_b, _match(s))
+
+
+def bubble_of(timeline) -> float:
+    """Idle share of a timeline (simulated or measured): 1 - busy / (ranks * makespan).
+
+    Busy time is the time spent in F and B; everything else, waiting for a
+    message included, is bubble. The makespan runs from the first event on any
+    rank to the last."""
+    events = [e for rank in timeline for e in rank]
+    if not events:
+        raise ValueError("the timeline has no events")
+    span = max(e.end for e in events) - min(e.start for e in events)
+    busy = sum(e.end - e.start for e in events if e.action.op in ("F", "B"))
+    return 1.0 - busy / (len(timeline) * span) if span > 0 else 0.0

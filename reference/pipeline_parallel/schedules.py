@@ -1,0 +1,258 @@
+"""Pipeline schedules as plain data: for every rank, the ordered list of its actions.
+
+A pipeline of ``pp`` ranks runs ``m`` micro-batches through ``pp * virtual``
+model stages. Rank ``r`` holds the chunks ``c = 0 .. virtual-1``, chunk ``c``
+being model stage ``s = c * pp + r`` (Megatron-LM's interleaved layout; with
+``virtual = 1`` rank r simply holds stage r). A schedule says, for every rank,
+in which order to do six kinds of action:
+
+    F       forward of micro-batch mb on chunk c
+    B       backward of micro-batch mb on chunk c
+    RECV_F  receive the activation that F needs from the previous stage
+    SEND_F  send F's output to the next stage
+    RECV_B  receive the gradient of F's output from the next stage
+    SEND_B  send the gradient of F's input to the previous stage
+
+Nothing else is decided at run time: the executor walks the list. Consecutive
+communication actions form one *step* and are issued together (one
+``batch_isend_irecv``), which is how a rank can send its activation forward and
+receive a gradient back at the same moment without either pair of ranks waiting
+on the other (Megatron's ``send_forward_recv_backward``).
+
+The schedules (the order of F and B; the communication follows from it):
+
+* ``naive``: one micro-batch at a time, forward through every stage and back
+  before the next starts. With m = 1 this is a model merely split over ranks:
+  only one rank works at any moment, a bubble of (p - 1) / p.
+* ``gpipe`` (Huang et al., 2019): all m forwards, then all m backwards. Bubble
+  (p - 1) / (m + p - 1), but every stage holds the activations of all m.
+* ``1f1b`` (PipeDream-Flush, Narayanan et al., 2021): stage r runs p - r - 1
+  warm-up forwards, then alternates one forward and one backward, then drains
+  the backwards. Same bubble as GPipe, but stage r holds at most p - r.
+* ``interleaved`` 1F1B (Narayanan et al., 2021, section 2.2): each rank holds
+  ``virtual`` chunks; forwards go round in groups of p micro-batches per chunk
+  (all m when m < p). The bubble shrinks to (p - 1) / (v m + p - 1) when m is
+  a multiple of p, for v times more messages.
+
+The checker (`Schedule.validate`) and the simulated timeline live in
+`reference.pipeline_parallel.check`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from reference.pipeline_parallel.actions import COMM, COMPUTE, OPS, Action, ScheduleError  # noqa: F401 (re-exported)
+from reference.pipeline_parallel.check import bubble_of, simulate, validate
+from reference.pipeline_parallel.viz import plot_timeline
+
+__all__ = ["Action", "Schedule", "ScheduleError", "build_schedule", "bubble_formula", "KINDS", "OPS"]
+
+KINDS = ("naive", "gpipe", "1f1b", "interleaved")
+def _check_args(kind, pp, m, virtual):
+    for name, value in (("pp", pp), ("m", m), ("virtual", virtual)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r} "
+                             f"(kind={kind!r}, pp={pp!r}, m={m!r}, virtual={virtual!r})")
+    if kind not in KINDS:
+        raise ValueError(f"unknown schedule kind {kind!r}; expected one of {', '.join(KINDS)}")
+    if kind == "interleaved":
+        if virtual < 2 or pp < 2:
+            raise ValueError(f"interleaved needs virtual >= 2 chunks per rank and pp >= 2, "
+                             f"got pp={pp}, virtual={virtual} (m={m})")
+        g = _round_size(pp, m)
+        if m % g:
+            raise ValueError(f"interleaved runs micro-batches in rounds of {g}: m={m} must be a "
+                             f"multiple of pp={pp} or smaller than it (virtual={virtual})")
+    elif virtual != 1:
+        raise ValueError(f"{kind!r} has one chunk per rank: virtual must be 1, got {virtual} "
+                         f"(pp={pp}, m={m}); use kind='interleaved' for virtual stages")
+
+
+def _round_size(pp: int, m: int) -> int:
+    """Micro-batches per round of the interleaved schedule: pp, or all of them when m < pp."""
+    return m if m < pp else pp
+
+
+def _compute_groups(kind: str, pp: int, m: int, virtual: int, rank: int) -> list[list[tuple]]:
+    """This rank's F and B as (op, mb, chunk), in order, in groups run back to back
+    (the messages of a group are exchanged after it, in one step)."""
+    if kind == "naive":
+        return [[(op, i, 0)] for i in range(m) for op in ("F", "B")]
+    if kind == "gpipe":
+        return [[("F", i, 0)] for i in range(m)] + [[("B", i, 0)] for i in range(m)]
+    if kind == "1f1b":
+        warmup = min(pp - rank - 1, m)  # forwards in flight before the first backward arrives
+        order = [("F", i, 0) for i in range(warmup)]
+        for i in range(m - warmup):  # steady state: one forward, one backward
+            order += [("F", warmup + i, 0), ("B", i, 0)]
+        order += [("B", i, 0) for i in range(m - warmup, m)]
+        return [[x] for x in order]
+    # interleaved: the k-th forward (backward) of this rank, counted over all chunks
+    g = _round_size(pp, m)
+    total = m * virtual
+
+    def fwd(k):
+        within = k % (g * virtual)
+        return ("F", (k // (g * virtual)) * g + within % g, within // g)
+
+    def bwd(k):
+        within = k % (g * virtual)
+        return ("B", (k // (g * virtual)) * g + within % g, virtual - 1 - within // g)
+
+    # Warm-up: the forwards of the other chunks of the first round, plus two per
+    # stage still ahead of this rank (the activation going there and its
+    # gradient coming back), as in Megatron-LM and torch.distributed.pipelining.
+    warmup = min((virtual - 1) * g + 2 * (pp - 1 - rank), total)
+    # In the steady state a forward and a backward run back to back and their
+    # four messages (two sends, the next two receives) travel in one step, as
+    # Megatron's send_forward_backward_recv_forward_backward does. Exchanging
+    # between the two instead lets two neighbours each wait, in a send, for the
+    # other's receive: with chunks the activations and gradients of different
+    # chunks cross between the same two ranks in both directions.
+    return ([[fwd(k)] for k in range(warmup)]
+            + [[fwd(warmup + k), bwd(k)] for k in range(total - warmup)]
+            + [[bwd(k)] for k in range(total - warmup, total)])
+
+
+def _with_comms(groups, pp: int, virtual: int, rank: int) -> list[Action]:
+    """Add the messages: after each group, one step with the group's sends and the
+    receives the next group needs (sends of activations, then of gradients, then
+    the receives, in that order on every rank)."""
+    last = pp * virtual - 1
+    prev_rank, next_rank = (rank - 1) % pp, (rank + 1) % pp
+
+    def recvs(group):
+        out = []
+        for op, mb, c in group:
+            s = c * pp + rank
+            if op == "F" and s > 0:
+                out.append(Action("RECV_F", mb, c, prev_rank))
+            if op == "B" and s < last:
+                out.append(Action("RECV_B", mb, c, next_rank))
+        return out
+
+    def sends(group):
+        out = []
+        for op, mb, c in group:
+            s = c * pp + rank
+            if op == "F" and s < last:
+                out.append(Action("SEND_F", mb, c, next_rank))
+            if op == "B" and s > 0:
+                out.append(Action("SEND_B", mb, c, prev_rank))
+        return sorted(out, key=lambda a: a.op != "SEND_F")
+
+    actions = recvs(groups[0]) if groups else []
+    for i, group in enumerate(groups):
+        actions += [Action(*x) for x in group]
+        actions += sends(group) + (recvs(groups[i + 1]) if i + 1 < len(groups) else [])
+    return actions
+
+
+class Schedule:
+    """Every rank's action list, plus what can be read from it without running it.
+
+    Build one with :func:`build_schedule`, or from hand-written lists with
+    ``Schedule(pp, m, {rank: [Action, ...]}, virtual=..., kind="custom")``.
+    """
+
+    def __init__(self, pp: int, m: int, actions_by_rank, virtual: int = 1, kind: str = "custom"):
+        self.kind, self.pp, self.m, self.virtual = kind, pp, m, virtual
+        missing = [r for r in range(pp) if r not in actions_by_rank]
+        if missing:
+            raise ScheduleError(f"{kind} schedule (pp={pp}, m={m}) has no action list for ranks {missing}")
+        self._actions = {r: [a if isinstance(a, Action) else Action(*a) for a in actions_by_rank[r]]
+                         for r in range(pp)}
+        self._validated = False
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.virtual
+
+    def stage(self, rank: int, chunk: int) -> int:
+        """Model stage held by ``rank`` as its chunk ``chunk``."""
+        return chunk * self.pp + rank
+
+    def actions(self, rank: int) -> list[Action]:
+        """Rank ``rank``'s actions in order (a copy)."""
+        if rank not in self._actions:
+            raise ValueError(f"rank {rank} is not in a pipeline of pp={self.pp} ranks")
+        return list(self._actions[rank])
+
+    def steps(self, rank: int) -> list[list[Action]]:
+        """The actions grouped as the executor issues them: each F or B alone,
+        each run of consecutive communication actions together."""
+        out: list[list[Action]] = []
+        for a in self.actions(rank):
+            if a.is_comm and out and out[-1][0].is_comm:
+                out[-1].append(a)
+            else:
+                out.append([a])
+        return out
+
+    def peak_in_flight(self, rank: int) -> int:
+        """Most micro-batches (per chunk) whose activations rank holds at once:
+        one more after each F, one fewer after its B."""
+        held = peak = 0
+        for a in self.actions(rank):
+            held += (a.op == "F") - (a.op == "B")
+            peak = max(peak, held)
+        return peak
+
+    # The checks, the timeline and the picture live in check.py and viz.py.
+    def validate(self) -> "Schedule":
+        """Prove every rank's list complete and the whole schedule free of deadlock.
+
+        Raises `ScheduleError` naming the rank and the action; returns the schedule."""
+        if not self._validated:
+            validate(self)
+            self._validated = True
+        return self
+
+    def simulate(self, t_f: float = 1.0, t_b: float = 2.0):
+        """The ideal timeline: F takes ``t_f / virtual``, B ``t_b / virtual``, messages
+        are free. A list per rank of `TraceEvent`; see `reference.pipeline_parallel.check`."""
+        return simulate(self, t_f, t_b)
+
+    def bubble_fraction(self, t_f: float = 1.0, t_b: float = 2.0) -> float:
+        """Idle share of the ideal timeline: 1 - busy / (pp * makespan)."""
+        return bubble_of(self.simulate(t_f, t_b))
+
+    def plot(self, t_f: float = 1.0, t_b: float = 2.0, ax=None, title: Optional[str] = None):
+        """The ideal timeline as a figure: ranks as rows, F and B as labelled boxes."""
+        if title is None:
+            v = f", v={self.virtual}" if self.virtual > 1 else ""
+            title = (f"{self.kind}: pp={self.pp}, m={self.m}{v}, "
+                     f"bubble {self.bubble_fraction(t_f, t_b):.0%}")
+        return plot_timeline(self.simulate(t_f, t_b), title=title, ax=ax,
+                             xlabel=f"time (a stage's forward takes {t_f:g}, its backward {t_b:g})")
+
+    def __repr__(self) -> str:
+        return f"Schedule({self.kind}, pp={self.pp}, m={self.m}, virtual={self.virtual})"
+
+
+def build_schedule(kind: str, pp: int, m: int, virtual: int = 1) -> Schedule:
+    """The ``kind`` schedule ("naive", "gpipe", "1f1b", "interleaved") for ``pp`` ranks and
+    ``m`` micro-batches, ``virtual`` chunks per rank (interleaved only); validated."""
+    _check_args(kind, pp, m, virtual)
+    actions = {r: _with_comms(_compute_groups(kind, pp, m, virtual, r), pp, virtual, r)
+               for r in range(pp)}
+    return Schedule(pp, m, actions, virtual, kind).validate()
+
+
+def bubble_formula(kind: str, pp: int, m: int, virtual: int = 1) -> float:
+    """The textbook bubble fraction: idle time over total time, when F and B of
+    every stage take the same time on every rank and messages are free.
+
+    naive: (p - 1) / p, whatever m. gpipe and 1f1b: (p - 1) / (m + p - 1).
+    interleaved: (p - 1) / (v m + p - 1) when m is a multiple of p. With fewer
+    micro-batches than ranks (m < p) a micro-batch comes back to rank 0 for its
+    next chunk before rank 0 has anything else to do, and the bubble is
+    1 - v m / (v p + m - 1): interleaving pays only once m >= p.
+    """
+    _check_args(kind, pp, m, virtual)
+    if kind == "naive":
+        return (pp - 1) / pp
+    v = virtual
+    # v * m chunk-passes of busy time per rank, out of v * max(m, p) + min(m, p) - 1
+    # chunk-pass times in all (for v = 1: m + p - 1).
+    return 1.0 - v * m / (v * max(m, pp) + min(m, pp) - 1)

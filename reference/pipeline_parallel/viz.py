@@ -1,0 +1,95 @@
+"""Pictures of pipeline schedules: timelines and the bubble against its formula.
+
+A timeline (simulated by `Schedule.simulate` or measured by `run_pipeline`) is
+a list per rank of `TraceEvent`. `plot_timeline` draws one row per rank, rank 0
+on top, and one box per forward (light) or backward (dark) labelled with its
+micro-batch, in that micro-batch's colour, so a reader can follow micro-batch 3
+down the stages and back up. In an interleaved schedule the chunk is the
+hatching. White space is the bubble.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from matplotlib.patches import Patch, Rectangle
+
+from reference.pipeline_parallel.check import bubble_of
+from reference.viz import _CATEGORICAL, _Figure, _lighten
+
+__all__ = ["plot_timeline", "plot_bubble_curve"]
+
+_HATCHES = ["", "//", "..", "xx", "\\\\", "++", "oo", "--"]
+
+
+def _new_axes(ax, size):
+    if ax is not None:
+        return ax.figure, ax
+    fig = _Figure(figsize=size)
+    return fig, fig.add_subplot()
+
+
+def plot_timeline(timeline, title: Optional[str] = None, ax=None, xlabel: str = "time",
+                  show_comm: bool = False):
+    """Ranks as rows, each F and B a coloured box from its start to its end.
+
+    ``show_comm=True`` also draws, as a thin grey bar, the time a rank spent in
+    a communication step (waiting for its partner included)."""
+    n_ranks = len(timeline)
+    events = [e for row in timeline for e in row]
+    if not events:
+        raise ValueError("the timeline has no events")
+    t0 = min(e.start for e in events)
+    span = max(e.end for e in events) - t0 or 1.0
+    n_mb = 1 + max(e.action.mb for e in events)
+    n_chunks = 1 + max(e.action.chunk for e in events)
+    n_boxes = max(sum(e.action.op in ("F", "B") for e in row) for row in timeline)
+    fig, ax = _new_axes(ax, (min(16, 3 + 0.3 * n_boxes), 0.55 * n_ranks + 1.4))
+    fontsize = 8 if n_boxes <= 24 else 6 if n_boxes <= 48 else 0
+    for e in events:
+        a, x, w = e.action, e.start - t0, e.end - e.start
+        if a.op in ("F", "B"):
+            rgb = _CATEGORICAL[2 * (a.mb % (len(_CATEGORICAL) // 2))]
+            face = _lighten(rgb, 0.55) if a.op == "F" else _lighten(rgb, 0.05)
+            ax.add_patch(Rectangle((x, e.rank + 0.1), w, 0.8, facecolor=face, edgecolor="black",
+                                   lw=0.6, hatch=_HATCHES[a.chunk % len(_HATCHES)]))
+            if fontsize and w / span > 0.012:
+                ax.text(x + w / 2, e.rank + 0.5, f"{a.op}{a.mb}", ha="center", va="center",
+                        fontsize=fontsize)
+        elif show_comm and w > 0:
+            ax.add_patch(Rectangle((x, e.rank + 0.85), w, 0.1, facecolor="0.6", lw=0))
+    ax.set_xlim(0, span)
+    ax.set_ylim(n_ranks, 0)  # rank 0 on top
+    ax.set_yticks([r + 0.5 for r in range(n_ranks)], [f"rank {r}" for r in range(n_ranks)])
+    ax.set_xlabel(xlabel)
+    ax.tick_params(left=False)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    legend = [Patch(facecolor="0.85", edgecolor="black", label="forward"),
+              Patch(facecolor="0.45", edgecolor="black", label="backward")]
+    legend += [Patch(facecolor="white", edgecolor="black", hatch=_HATCHES[c], label=f"chunk {c}")
+               for c in range(n_chunks)] if n_chunks > 1 else []
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    if title is None:
+        title = f"{n_mb} micro-batches on {n_ranks} ranks: bubble {bubble_of(timeline):.0%}"
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_bubble_curve(ms: Sequence[int], measured: dict, pp: int, formula=None, ax=None,
+                      title: Optional[str] = None):
+    """Measured bubble fractions (``{label: [one per m]}``) as points against a
+    formula (default (p - 1) / (m + p - 1)) drawn as a line, as m grows."""
+    fig, ax = _new_axes(ax, (6, 3.6))
+    formula = formula or (lambda m: (pp - 1) / (m + pp - 1))
+    fine = [ms[0] + (ms[-1] - ms[0]) * i / 200 for i in range(201)]
+    ax.plot(fine, [formula(m) for m in fine], color="black", lw=1.2, label="(p-1)/(m+p-1)")
+    for i, (label, values) in enumerate(measured.items()):
+        ax.plot(ms, values, "o--", color=_CATEGORICAL[2 * i], label=label)
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("bubble fraction")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8, frameon=False)
+    ax.set_title(title or f"bubble against m, pp={pp}", fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,332 @@
+"""Start N ranks from a notebook cell, a test or a script.
+
+    results = launch(fn, 4, x)        # fn(x) on 4 processes, torch.distributed ready
+
+`launch` gives every rank a process group (gloo on CPU, NCCL with one GPU per rank
+when there are enough GPUs), runs `fn(*args)` on each, and returns the list of
+per-rank return values. Under `torchrun` the same call runs `fn` on the ranks
+torchrun started, so one notebook or script serves a laptop and a GPU node.
+
+How the ranks are started, and why. `python bench/launch_methods.py` launches 2
+ranks from a caller that already used OpenMP (as a kernel has), each rank running
+a matmul on two threads; on a 2-core CPU machine it printed:
+
+    method       first launch  next (median)
+    forkserver          1.32s          0.15s
+    spawn               1.29s          1.15s
+    fork                 HANG
+
+* `spawn` starts a fresh interpreter per rank and re-imports torch every time.
+  Plain pickle cannot send it a function defined in a notebook cell (it looks
+  the function up by name in `__main__`, which the new interpreter lacks).
+* `fork` copies the caller. Once the caller has run an OpenMP parallel region, a
+  forked rank running more than one intra-op thread deadlocks inside the OpenMP
+  runtime (the HANG above), and a forked rank cannot use CUDA once the caller
+  initialised it.
+* `forkserver` (chosen) forks each rank from a small clean server process that
+  imported torch but never ran an op or touched CUDA: neither problem can occur,
+  and after the first launch a rank starts in a fraction of a second. The
+  function travels as a cloudpickle payload, which serialises functions defined
+  in `__main__` (a notebook cell) by value.
+
+Rendezvous uses a `FileStore` in a fresh temporary folder per launch, so launches
+running side by side never share a port or a store. Each rank's stdout and
+stderr (C++ logs included: the file descriptors are redirected) go to a file and
+are printed by the caller after the run, rank by rank, each line prefixed with
+`[rank r]`, so notebook output never interleaves at random.
+
+Failure handling. A rank that raises writes its traceback and exits; the caller
+stops every other rank within a second and raises one `RankError` showing the
+first failure that is not a communication error (a peer's "connection closed"
+is a consequence, not a cause). A rank that finishes waits for the caller's
+release before tearing down its connections, so a rank that skips a collective
+leaves its peers hanging there instead of failing them; at `timeout` the caller
+dumps every unfinished rank's Python stack, kills it and raises
+`RankTimeoutError` naming the ranks that did not finish. Ranks stay in the
+caller's process group (Jupyter's interrupt signals the whole group) and are
+killed in a `finally`, so an interrupted kernel leaves nothing behind.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import linecache
+import multiprocessing as mp
+import multiprocessing.connection
+import multiprocessing.spawn as mp_spawn
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import types
+
+import cloudpickle
+import torch
+
+from reference.runtime.errors import RankError, RankTimeoutError, failure_error, hang_stacks, read_text
+from reference.runtime.backend import default_threads, launch_under_torchrun, resolve_backend, under_torchrun
+from reference.runtime.rank import RANK_MARKER, rank_main
+
+__all__ = ["launch", "RankError", "RankTimeoutError", "kill_processes"]
+
+# ----------------------------------------------------------------------------- helpers
+
+# ----------------------------------------------------------------------------- in the caller
+
+# torch._dynamo is imported by the first optimizer.step(): preloading it saves every rank
+# several seconds.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "reference.runtime.rank"]
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, plus: module objects of a ModuleType subclass travel by name.
+
+    torch registers some config modules (torch.distributed.config, say) as
+    instances of a ModuleType subclass; cloudpickle would try to copy them by
+    value and fail on any function that uses `dist` and reads an attribute that
+    happens to share such a module's name (`stage.config`)."""
+
+    def reducer_override(self, obj):
+        if (isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType
+                and sys.modules.get(obj.__name__) is obj):
+            return importlib.import_module, (obj.__name__,)
+        return super().reducer_override(obj)
+
+
+def _dumps(obj) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+_START_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _without_main_module():
+    """Start processes that do not re-import the caller's `__main__`.
+
+    multiprocessing makes each new process import the parent's main module (as
+    `__mp_main__`) so that pickled references into it resolve. Ranks need none:
+    their function travels by value. Skipping it saves every rank a re-import
+    (pytest, a grader, a training script) and makes launch work where `__main__`
+    is no file at all (`python -c`, `python -`)."""
+    original = mp_spawn.get_preparation_data
+
+    def without_main(name):
+        data = original(name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        return data
+
+    with _START_LOCK:
+        mp_spawn.get_preparation_data = without_main
+        try:
+            yield
+        finally:
+            mp_spawn.get_preparation_data = original
+
+
+def _context(start_method):
+    if start_method not in ("forkserver", "spawn", "fork"):
+        raise ValueError(f"start_method must be 'forkserver', 'spawn' or 'fork', got {start_method!r}")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        # Import torch once in the server; every rank forked from it starts warm.
+        # (Only takes effect before the server's first start.)
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def kill_processes(procs: list, grace: float = 0.0) -> None:
+    """SIGKILL (after SIGTERM and `grace` seconds if grace > 0) and reap psutil processes."""
+    import psutil
+
+    procs = [p for p in procs if p.pid != os.getpid()]
+    if grace > 0:
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        _, procs = psutil.wait_procs(procs, timeout=grace)
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=5)  # reaps our own children among them
+
+
+def _kill_tree(procs, grace=1.0):
+    """SIGTERM each rank and its descendants, then SIGKILL what is left after `grace` s."""
+    import psutil
+
+    victims = []
+    for p in procs:
+        if p.pid is None:
+            continue
+        try:
+            proc = psutil.Process(p.pid)
+            victims += proc.children(recursive=True) + [proc]
+        except psutil.NoSuchProcess:
+            pass
+    kill_processes(victims, grace=grace)
+    for p in procs:
+        if p.pid is not None:
+            p.join(timeout=grace)
+
+
+def _print_logs(workdir, world_size):
+    for rank in range(world_size):
+        text = read_text(os.path.join(workdir, f"rank{rank}.log"))
+        for line in text.splitlines():
+            print(f"[rank {rank}] {line}")
+    sys.stdout.flush()
+
+
+def _load_result(path, rank, safe_results):
+    if safe_results:
+        try:
+            return torch.load(path, weights_only=True)
+        except Exception as exc:  # the rank returned something other than plain data
+            raise RankError(f"rank {rank} returned a value that safe_results=True does not "
+                            f"accept (only tensors, numbers, strings, lists, tuples and "
+                            f"dicts): {str(exc).splitlines()[0]}", rank=rank) from None
+    with open(path, "rb") as f:
+        return cloudpickle.load(f)
+
+# A traceback frame ('line 3, in f') or a faulthandler frame ('line 3 in f').
+_DYNAMIC_FRAME = re.compile(r'File "<dynamic-code>", line (\d+)(,?) in (\w+)(\n|$)', re.M)
+
+
+def _with_source_lines(err, fn):
+    """Point the ranks' traceback frames back at the caller's source.
+
+    cloudpickle renames the file of every function it sends by value (a notebook
+    cell's, say) to "<dynamic-code>", so the rank's traceback has no source lines.
+    The caller still has the code objects: match frames by function name."""
+    codes = {}
+
+    def add(code):
+        codes.setdefault(code.co_name, code)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                add(const)
+
+    main = sys.modules.get("__main__")
+    for obj in [fn, *(vars(main).values() if main else [])]:
+        code = getattr(obj, "__code__", None)
+        if isinstance(code, types.CodeType):
+            add(code)
+
+    def source(match):
+        number, comma, name, end = match.groups()
+        code = codes.get(name)
+        if code is None:
+            return match.group(0)
+        frame = f'File "{code.co_filename}", line {number}{comma} in {name}'
+        line = linecache.getline(code.co_filename, int(number)).strip()
+        return frame + (f"\n    {line}" if line and comma else "") + end
+
+    if isinstance(err, RankTimeoutError):
+        stacks = {r: _DYNAMIC_FRAME.sub(source, s) for r, s in err.stacks.items()}
+        return RankTimeoutError(_DYNAMIC_FRAME.sub(source, str(err)), err.ranks, stacks)
+    return RankError(_DYNAMIC_FRAME.sub(source, str(err)), rank=err.rank,
+                     traceback_text=_DYNAMIC_FRAME.sub(source, err.traceback),
+                     failures=err.failures)
+
+
+def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 300.0,
+           threads: int | None = None, quiet: bool = False, safe_results: bool = False,
+           start_method: str = "forkserver"):
+    """Run `fn(*args)` on `world_size` ranks with torch.distributed initialised.
+
+    Returns the list of the ranks' return values (index = rank). Raises `RankError`
+    when a rank fails and `RankTimeoutError` when ranks are still running after
+    `timeout` seconds. `threads` sets intra-op threads per rank (default: the cores
+    shared out, at least one). `quiet=True` hides the ranks' output.
+    `safe_results=True` reads results with `torch.load(weights_only=True)`, so ranks
+    running untrusted code can only return tensors, numbers, strings and containers.
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if timeout is None or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if under_torchrun():
+        return launch_under_torchrun(fn, world_size, args, backend)
+    if RANK_MARKER in os.environ:
+        raise RuntimeError("launch was called inside a rank: start ranks from the caller only")
+    backend = resolve_backend(backend, world_size, start_method)
+    threads = threads or default_threads(world_size)
+    ctx = _context(start_method)
+    payload = _dumps((fn, args))
+    context = (dict(os.environ), os.getcwd(), list(sys.path))
+    workdir = tempfile.mkdtemp(prefix="launch-")
+    procs, writers, exits, exit_times = [], [], {}, {}
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=rank_main, name=f"rank{rank}",
+                            args=(rank, world_size, payload, context, workdir, backend, threads,
+                                  timeout, reader, safe_results))
+            with _without_main_module():
+                p.start()
+            reader.close()
+            procs.append(p)
+            writers.append(writer)
+        deadline = time.monotonic() + timeout
+        first_failure = None
+        while True:
+            now = time.monotonic()
+            for rank, p in enumerate(procs):
+                if rank not in exits and p.exitcode is not None:
+                    exits[rank], exit_times[rank] = p.exitcode, now
+            done = [r for r in range(world_size)
+                    if os.path.exists(os.path.join(workdir, f"result{r}.pt"))]
+            failed = [r for r, c in exits.items() if c != 0]
+            if failed and first_failure is None:
+                first_failure = now
+            if len(done) == world_size:
+                for w in writers:
+                    w.send("release")
+                for p in procs:
+                    p.join(timeout=10)
+                break
+            # Give the peers a moment to report, then stop everyone.
+            if first_failure is not None and (now - first_failure > 1.0
+                                              or len(exits) == world_size):
+                raise _with_source_lines(failure_error(workdir, world_size, exits, exit_times),
+                                         fn)
+            if now > deadline:
+                hung = [r for r in range(world_size) if r not in done and r not in exits]
+                for r in hung:
+                    try:
+                        os.kill(procs[r].pid, signal.SIGUSR1)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(0.5)  # let faulthandler write the stacks
+                stacks = hang_stacks(workdir, hung)
+                finished = sorted(set(range(world_size)) - set(hung))
+                where = "".join(f"\n\nrank {r} was waiting in:\n{s}" for r, s in stacks.items())
+                raise _with_source_lines(RankTimeoutError(
+                    f"ranks {hung} of {world_size} did not finish within {timeout:g} s "
+                    f"(finished: {finished}). A rank that skips a collective its peers entered, "
+                    f"or waits for a message nobody sends, hangs them all.{where}",
+                    ranks=hung, stacks=stacks), fn)
+            alive = [p.sentinel for r, p in enumerate(procs) if r not in exits]
+            multiprocessing.connection.wait(alive, timeout=0.05)
+        return [_load_result(os.path.join(workdir, f"result{r}.pt"), r, safe_results)
+                for r in range(world_size)]
+    finally:
+        for w in writers:
+            w.close()  # a rank still waiting sees end of file and exits
+        _kill_tree(procs)
+        if not quiet:
+            _print_logs(workdir, world_size)
+        shutil.rmtree(workdir, ignore_errors=True)

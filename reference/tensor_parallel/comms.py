@@ -1,0 +1,244 @@
+"""The communication of tensor parallelism, as autograd functions.
+
+Megatron-LM (Shoeybi et al., 2019) writes a tensor-parallel layer as local math
+between two conjugate operators:
+
+    f   identity in forward,  all-reduce in backward   (enters a TP region)
+    g   all-reduce in forward, identity in backward    (leaves a TP region)
+
+Why conjugate: in Y = X A with A split by columns, every rank reads the whole X,
+so the gradient of X is the *sum* of each rank's contribution (f's backward
+all-reduce); in Z = Y B with B split by rows, every rank holds a partial Z that
+must be *summed* (g's forward all-reduce), and the sum's gradient is the same
+dZ on every rank (g's backward identity).
+
+Sequence parallelism (Korthikanti et al., 2022) splits the LayerNorm and
+dropout regions along the sequence, so the replicated (B, T, C) tensors around
+a TP region become (B, T // tp, C) shards. An all-reduce is a reduce-scatter
+followed by an all-gather, so f and g split in two:
+
+    g -> reduce-scatter in forward, all-gather in backward  (TP region -> sequence shards)
+    f -> all-gather in forward, reduce-scatter in backward  (sequence shards -> TP region)
+
+and the bytes each rank sends are unchanged: 2 (N-1)/N S for an all-reduce,
+(N-1)/N S for each half.
+
+Also here: gather/scatter along the last (hidden) dimension, used when a
+column-parallel layer must hand back its whole output, and the sequence split
+that enters the sequence-parallel region without communicating.
+
+Every collective goes through `reference.comms`, so a `comms.meter()` counts it.
+With a group of one rank every operator is the identity and sends nothing.
+The activations are batch-first, (B, T, C), so the sequence dimension is 1.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from reference import comms
+
+__all__ = [
+    "SEQ_DIM",
+    "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region", "f", "g",
+    "gather_from_tensor_parallel_region", "scatter_to_tensor_parallel_region",
+    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "all_gather_along", "reduce_scatter_along", "split_along",
+]
+
+SEQ_DIM = 1  # activations are (B, T, C)
+
+
+# ---------------------------------------------------------------------------
+# The collectives along one dimension (no autograd; used by the functions below)
+# ---------------------------------------------------------------------------
+def _size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _check_divisible(x: torch.Tensor, dim: int, n: int, what: str) -> None:
+    if x.shape[dim] % n:
+        raise ValueError(
+            f"cannot {what} a tensor of shape {tuple(x.shape)} along dim {dim}: its size "
+            f"{x.shape[dim]} does not divide by the tensor-parallel size tp={n}"
+            + (" (sequence parallelism needs the sequence length to divide by tp)"
+               if dim == SEQ_DIM else ""))
+
+
+def all_gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`, rank order: (.., n, ..) -> (.., tp * n, ..)."""
+    n = _size(group)
+    if n == 1:
+        return x
+    # all_gather_into_tensor concatenates along dim 0: move `dim` there and back.
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((n * x0.shape[0],) + x0.shape[1:])
+    comms.all_gather_into_tensor(out, x0, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum `x` over the ranks and keep this rank's slice along `dim`: (.., n, ..) -> (.., n // tp, ..)."""
+    n = _size(group)
+    if n == 1:
+        return x
+    _check_divisible(x, dim, n, "reduce-scatter")
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((x0.shape[0] // n,) + x0.shape[1:])
+    comms.reduce_scatter_tensor(out, x0, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def split_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's slice of `x` along `dim` (no communication): (.., n, ..) -> (.., n // tp, ..)."""
+    n = _size(group)
+    if n == 1:
+        return x
+    _check_divisible(x, dim, n, "split")
+    return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if _size(group) == 1:
+        return x
+    # A fresh buffer: the all-reduce writes in place, and x may be needed by autograd.
+    out = x.contiguous().clone()
+    comms.all_reduce(out, group=group)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Megatron's f and g
+# ---------------------------------------------------------------------------
+class _CopyToRegion(torch.autograd.Function):
+    """f: identity forward, all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Megatron's f, placed where a replicated tensor enters a TP region: (..) -> (..)."""
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Megatron's g, placed where partial sums leave a TP region: (..) -> (..) summed."""
+    return _ReduceFromRegion.apply(x, group)
+
+
+f = copy_to_tensor_parallel_region
+g = reduce_from_tensor_parallel_region
+
+
+# ---------------------------------------------------------------------------
+# Gather and scatter along the hidden (last) dimension
+# ---------------------------------------------------------------------------
+class _GatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_along(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_along(grad, -1, ctx.group), None
+
+
+class _ScatterLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split_along(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_along(grad, -1, ctx.group), None
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather along the last dim forward, split backward: (.., C // tp) -> (.., C)."""
+    return _GatherLastDim.apply(x, group)
+
+
+def scatter_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Split along the last dim forward, all-gather backward: (.., C) -> (.., C // tp)."""
+    return _ScatterLastDim.apply(x, group)
+
+
+# ---------------------------------------------------------------------------
+# Sequence parallelism: along the sequence dimension
+# ---------------------------------------------------------------------------
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return split_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_along(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Each rank's TP region used the whole sequence; the gradient of this
+        # rank's tokens is the sum over ranks of their rows: a reduce-scatter.
+        return reduce_scatter_along(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_along(grad, ctx.dim, ctx.group), None, None
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
+    """Enter the sequence-parallel region: keep this rank's tokens, (B, T, C) -> (B, T // tp, C).
+
+    No communication forward (every rank holds the whole tensor); all-gather backward."""
+    return _ScatterSeq.apply(x, group, dim)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
+    """f under sequence parallelism: all-gather forward, reduce-scatter backward.
+
+    (B, T // tp, C) -> (B, T, C)."""
+    return _GatherSeq.apply(x, group, dim)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
+    """g under sequence parallelism: reduce-scatter forward, all-gather backward.
+
+    (B, T, C) partial sums -> (B, T // tp, C) summed."""
+    return _ReduceScatterSeq.apply(x, group, dim)

@@ -1,0 +1,238 @@
+"""Megatron's tensor-parallel linear layers and the attention built from them.
+
+A linear layer computes Y = X A (nn.Linear stores A transposed: weight = A^T,
+shape (out, in)). Split A across the tp ranks of a group in one of two ways:
+
+* **by columns** (`ColumnParallelLinear`): rank r holds A_r, the columns
+  [r * out/tp, (r+1) * out/tp), i.e. those rows of ``weight``. It reads the whole
+  X and computes its own slice of the output, Y_r = X A_r. No communication
+  forward; f (all-reduce backward) sums the ranks' parts of dX.
+* **by rows** (`RowParallelLinear`): rank r holds rows [r * in/tp, ...) of A,
+  i.e. those columns of ``weight``. It reads only its slice X_r of the input and
+  computes a partial sum X_r A_r; g (all-reduce forward) adds the ranks' partial
+  sums, after which the (replicated) bias is added once.
+
+Column then row is Megatron's MLP, Z = GeLU(X A) B: the GeLU acts on each rank's
+own columns, so the pair needs one all-reduce forward (g) and one backward (f).
+Attention is the same pair with heads as the columns
+(`reference.tensor_parallel.attention`).
+
+With ``sequence_parallel=True`` the input of a column layer and the output of a
+row layer are sequence shards (B, T // tp, C): f becomes an all-gather (reduce-
+scatter backward) and g a reduce-scatter (all-gather backward). A row layer's bias
+then meets only this rank's tokens, so its gradient must be summed over the TP
+group after backward, like a LayerNorm's: it is marked ``sequence_parallel``.
+
+``regather_input=True`` is Megatron's memory-saving form of the sequence-parallel
+column layer: it keeps only the (B, T // tp, C) shard of its input for backward
+and all-gathers it again there, one more all-gather per column layer in backward
+in exchange for never keeping a full (B, T, C) activation.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from reference.tensor_parallel.comms import (
+    SEQ_DIM,
+    all_gather_along,
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_along,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_shard", "row_shard"]
+
+
+# ---------------------------------------------------------------------------
+# Which slice of a dense weight each rank holds
+# ---------------------------------------------------------------------------
+def column_shard(t: torch.Tensor, tp_rank: int, tp: int, chunks: int = 1) -> torch.Tensor:
+    """Rank `tp_rank`'s rows of a weight (out, in) or bias (out,) under a column split.
+
+    With ``chunks=k`` the out dimension is k blocks laid side by side (c_attn's
+    [q | k | v]); each block is split across the ranks and the rank's pieces are
+    concatenated, so rank r holds [q_r | k_r | v_r]: whole heads of each.
+    """
+    out = t.shape[0]
+    if out % (tp * chunks):
+        raise ValueError(f"a column split needs the output size {out} to divide by "
+                         f"tp={tp} x chunks={chunks} = {tp * chunks}")
+    return torch.cat([block.chunk(tp, dim=0)[tp_rank] for block in t.chunk(chunks, dim=0)], dim=0)
+
+
+def row_shard(weight: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
+    """Rank `tp_rank`'s columns of a weight (out, in) under a row split of A = weight^T."""
+    if weight.shape[1] % tp:
+        raise ValueError(f"a row split needs the input size {weight.shape[1]} to divide by tp={tp}")
+    return weight.chunk(tp, dim=1)[tp_rank]
+
+
+def _place(group) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _keep_frozen(layer: nn.Module, dense: nn.Module) -> None:
+    """A frozen dense parameter stays frozen in its shard (requires_grad copied by name)."""
+    dense_params = dict(dense.named_parameters())
+    for name, p in layer.named_parameters():
+        p.requires_grad_(dense_params[name].requires_grad)
+
+
+def _init_like_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
+    # nn.Linear's distribution, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), with the
+    # dense layer's fan_in (a shard's own width would change the scale).
+    bound = 1.0 / math.sqrt(fan_in)
+    with torch.no_grad():
+        weight.uniform_(-bound, bound)
+        if bias is not None:
+            bias.uniform_(-bound, bound)
+
+
+# ---------------------------------------------------------------------------
+# Sequence-parallel column GEMM that all-gathers its input again in backward
+# ---------------------------------------------------------------------------
+class _RegatherLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)  # the shard (B, T // tp, in), not the gathered input
+        return F.linear(all_gather_along(x, SEQ_DIM, group), weight, bias)  # (B, T, out // tp)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: (B, T, out // tp)
+        x, weight = ctx.saved_tensors
+        total = all_gather_along(x, SEQ_DIM, ctx.group)  # (B, T, in), gathered once more
+        grad_x = reduce_scatter_along(grad @ weight, SEQ_DIM, ctx.group)  # (B, T // tp, in)
+        grad2d = grad.reshape(-1, grad.shape[-1])
+        grad_w = grad2d.t() @ total.reshape(-1, total.shape[-1])  # (out // tp, in)
+        grad_b = grad2d.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+# ---------------------------------------------------------------------------
+# The layers
+# ---------------------------------------------------------------------------
+class ColumnParallelLinear(nn.Module):
+    """Y_r = X A_r: this rank's ``out // tp`` output features.
+
+    Input (.., in) replicated, or (B, T // tp, in) with ``sequence_parallel``.
+    Output (.., out // tp), or (.., out) with ``gather_output=True``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group, *, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 regather_input: bool = False, chunks: int = 1):
+        super().__init__()
+        tp, self.tp_rank = _place(group)
+        if out_features % (tp * chunks):
+            raise ValueError(f"ColumnParallelLinear: out_features={out_features} must divide by "
+                             f"tp={tp} x chunks={chunks} = {tp * chunks}")
+        if regather_input and not sequence_parallel:
+            raise ValueError("regather_input=True only applies with sequence_parallel=True")
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.tp, self.chunks = group, tp, chunks
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.regather_input = regather_input
+        self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))  # (out // tp, in)
+        self.bias = nn.Parameter(torch.empty(out_features // tp)) if bias else None
+        _init_like_linear(self.weight, self.bias, in_features)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, group, gather_output: bool = False, *,
+                   sequence_parallel: bool = False, regather_input: bool = False,
+                   chunks: int = 1) -> "ColumnParallelLinear":
+        """This rank's columns of `linear`'s A, copied, so the TP layer computes the same function."""
+        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
+                    gather_output=gather_output, sequence_parallel=sequence_parallel,
+                    regather_input=regather_input, chunks=chunks)
+        with torch.no_grad():
+            layer.weight.copy_(column_shard(linear.weight, layer.tp_rank, layer.tp, chunks))
+            if linear.bias is not None:
+                layer.bias.copy_(column_shard(linear.bias, layer.tp_rank, layer.tp, chunks))
+        _keep_frozen(layer, linear)
+        return layer.to(linear.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel and self.regather_input:
+            y = _RegatherLinear.apply(x, self.weight, self.bias, self.group)
+        else:
+            if self.sequence_parallel:
+                x = gather_from_sequence_parallel_region(x, self.group)  # (B, T, in)
+            else:
+                x = copy_to_tensor_parallel_region(x, self.group)  # f
+            y = F.linear(x, self.weight, self.bias)  # (.., out // tp)
+        if not self.gather_output:
+            return y
+        y = gather_from_tensor_parallel_region(y, self.group)  # (.., tp * out // tp), rank-major
+        if self.chunks > 1:
+            # Rank-major [q_0 k_0 v_0 | q_1 k_1 v_1] back to the dense [q_0 q_1 | k_0 k_1 | v_0 v_1].
+            w = self.out_features // (self.tp * self.chunks)
+            y = y.unflatten(-1, (self.tp, self.chunks, w)).transpose(-3, -2).flatten(-3)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(this rank: {self.out_features // self.tp}), tp={self.tp}, chunks={self.chunks}, "
+                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """Z = sum_r X_r A_r + b: this rank's ``in // tp`` input features, partial sums added by g.
+
+    Input (.., in // tp) with ``input_is_parallel=True`` (a column layer's output),
+    else (.., in) replicated and split here. Output (.., out) replicated, or
+    (B, T // tp, out) with ``sequence_parallel``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group, *, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False):
+        super().__init__()
+        tp, self.tp_rank = _place(group)
+        if in_features % tp:
+            raise ValueError(f"RowParallelLinear: in_features={in_features} must divide by tp={tp}")
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.tp = group, tp
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))  # (out, in // tp)
+        # The bias is whole on every rank and added once, after the reduction.
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        _init_like_linear(self.weight, self.bias, in_features)
+        if self.bias is not None and sequence_parallel:
+            self.bias.sequence_parallel = True  # its gradient sees only this rank's tokens
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, group, input_is_parallel: bool = True, *,
+                   sequence_parallel: bool = False) -> "RowParallelLinear":
+        """This rank's rows of `linear`'s A (columns of its weight), copied; the bias copied whole."""
+        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
+                    input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel)
+        with torch.no_grad():
+            layer.weight.copy_(row_shard(linear.weight, layer.tp_rank, layer.tp))
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        _keep_frozen(layer, linear)
+        return layer.to(linear.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, self.group)  # (.., in // tp)
+        partial = F.linear(x, self.weight)  # (.., out): this rank's term of the sum
+        if self.sequence_parallel:
+            z = reduce_scatter_to_sequence_parallel_region(partial, self.group)  # (B, T // tp, out)
+        else:
+            z = reduce_from_tensor_parallel_region(partial, self.group)  # g
+        return z if self.bias is None else z + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (this rank: {self.in_features // self.tp}), "
+                f"out_features={self.out_features}, tp={self.tp}, "
+                f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}")

@@ -1,0 +1,164 @@
+"""The vocabulary split across the TP group: embedding in, cross-entropy out.
+
+The token embedding (V, C) and the output layer C -> V are the largest matrices
+of a small GPT, and the logits (B, T, V) the largest activation. Megatron splits
+the vocabulary: rank r holds the contiguous block of token ids
+[r * V_pad / tp, (r+1) * V_pad / tp), where V_pad is V rounded up to a multiple
+of tp (the padding rows are zero and never used: no input id reaches them, and
+the loss leaves their logits out of the softmax).
+
+`VocabParallelEmbedding` looks up only the ids in its block (zeros elsewhere) and
+sums over the ranks with g: each id is found on exactly one rank.
+
+`vocab_parallel_cross_entropy` computes the loss from vocab-sharded logits
+(B, T, V_pad / tp) without ever assembling the (B, T, V) tensor. Per token,
+
+    loss = log(sum_v exp(z_v - m)) - (z_target - m),     m = max_v z_v
+
+and each of the three pieces is a reduction over the vocabulary, so each rank
+reduces over its own columns and one all-reduce finishes the job:
+
+    m          all-reduce MAX of the local maxima         (B * T floats)
+    z_target   all-reduce SUM; only the owner contributes (B * T floats)
+    sum exp    all-reduce SUM of the local sums           (B * T floats)
+
+Three all-reduces of B * T floats in forward instead of an all-gather of
+B * T * V; backward needs no communication: d loss / d z_v = softmax_v - [v = target],
+and each rank holds the softmax of its own columns.
+
+With tied weights the output layer is column-parallel over the vocabulary and
+shares this rank's embedding shard (the same Parameter), so both uses add into
+one gradient, as in the dense model.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from reference import comms
+from reference.tensor_parallel.comms import reduce_from_tensor_parallel_region
+
+__all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy", "padded_vocab_size"]
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """V rounded up to a multiple of tp, so every rank holds the same number of ids."""
+    return -(-vocab_size // tp) * tp
+
+
+def _check_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"{what} must lie in [0, {vocab_size}), got values in "
+                         f"[{int(ids.min())}, {int(ids.max())}]")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token ids (B, T) -> embeddings (B, T, C), this rank holding V_pad / tp rows of the table."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group):
+        super().__init__()
+        tp, tp_rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group, self.tp = group, tp
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.num_embeddings_padded = padded_vocab_size(num_embeddings, tp)
+        per_rank = self.num_embeddings_padded // tp
+        self.vocab_start_index = tp_rank * per_rank
+        self.vocab_end_index = self.vocab_start_index + per_rank
+        self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim))  # (V_pad / tp, C)
+        with torch.no_grad():
+            nn.init.normal_(self.weight)  # nn.Embedding's N(0, 1)
+            self._zero_padding()
+
+    def _zero_padding(self) -> None:
+        pad_from = max(0, self.num_embeddings - self.vocab_start_index)
+        self.weight[pad_from:].zero_()
+
+    @classmethod
+    def from_dense(cls, embedding: nn.Embedding, group) -> "VocabParallelEmbedding":
+        """This rank's rows of `embedding`'s table, copied (padding rows zero)."""
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group)
+        with torch.no_grad():
+            rows = embedding.weight[layer.vocab_start_index:layer.vocab_end_index]
+            layer.weight.zero_()
+            layer.weight[: rows.shape[0]].copy_(rows)
+        layer.weight.requires_grad_(embedding.weight.requires_grad)
+        return layer.to(embedding.weight.device)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        _check_ids(idx, self.num_embeddings, "token ids")
+        outside = (idx < self.vocab_start_index) | (idx >= self.vocab_end_index)  # (B, T)
+        local = (idx - self.vocab_start_index).masked_fill(outside, 0)
+        emb = F.embedding(local, self.weight)  # (B, T, C), rows of other ranks' ids wrong ...
+        emb = emb.masked_fill(outside.unsqueeze(-1), 0.0)  # ... so zeroed
+        return reduce_from_tensor_parallel_region(emb, self.group)  # g: each id found on one rank
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings} (padded {self.num_embeddings_padded}, this rank "
+                f"[{self.vocab_start_index}, {self.vocab_end_index})), {self.embedding_dim}, tp={self.tp}")
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, group, vocab_start, vocab_size):
+        # logits (N, V_local): this rank's columns; targets (N,) global ids.
+        v_local = logits.shape[-1]
+        logits = logits.clone()
+        pad_from = vocab_size - vocab_start  # local index of the first padding column
+        if pad_from < v_local:
+            logits[:, max(0, pad_from):] = float("-inf")  # padding is not part of the vocabulary
+
+        m = logits.max(dim=-1).values  # (N,)
+        comms.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        logits -= m.unsqueeze(-1)  # shifted: exp never overflows
+
+        mine = (targets >= vocab_start) & (targets < vocab_start + v_local)  # (N,)
+        local_t = (targets - vocab_start).masked_fill(~mine, 0)
+        z_target = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        comms.all_reduce(z_target, group=group)  # only the owner of each target adds a term
+
+        exp = logits.exp_()  # (N, V_local), in place: the shifted logits are no longer needed
+        sum_exp = exp.sum(dim=-1)
+        comms.all_reduce(sum_exp, group=group)
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))  # this rank's columns of the softmax
+        ctx.save_for_backward(softmax, mine, local_t)
+        return sum_exp.log() - z_target  # (N,)
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # grad_loss (N,)
+        softmax, mine, local_t = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows[mine], local_t[mine]] -= 1.0  # softmax - one_hot(target), on the owner's columns
+        return grad * grad_loss.unsqueeze(-1), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, group,
+                                 vocab_size: int | None = None, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of vocab-sharded logits (.., V_pad / tp) against global target ids (..).
+
+    `vocab_size` is the true vocabulary V when V_pad > V: the padding columns are
+    left out of the softmax (default: no padding). ``reduction="mean"`` gives the
+    token mean (as `reference.model.lm_loss`), ``"none"`` the loss of every token.
+    The same value on every rank of the group.
+    """
+    if reduction not in ("mean", "none"):
+        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+    tp, tp_rank = dist.get_world_size(group), dist.get_rank(group)
+    v_local = logits_shard.shape[-1]
+    if vocab_size is None:
+        vocab_size = v_local * tp
+    if padded_vocab_size(vocab_size, tp) != tp * v_local:
+        raise ValueError(f"vocab_size={vocab_size} on tp={tp} ranks pads to "
+                         f"{padded_vocab_size(vocab_size, tp)} columns, but the logits have "
+                         f"{v_local} per rank ({tp * v_local} in all)")
+    if logits_shard.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {tuple(logits_shard.shape)} and targets {tuple(targets.shape)} "
+                         f"must agree on every dimension but the last")
+    _check_ids(targets, vocab_size, "targets")
+    losses = _VocabParallelCrossEntropy.apply(
+        logits_shard.reshape(-1, v_local), targets.reshape(-1), group, tp_rank * v_local, vocab_size)
+    losses = losses.view(targets.shape)
+    return losses.mean() if reduction == "mean" else losses

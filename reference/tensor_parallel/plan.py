@@ -1,0 +1,226 @@
+"""The plan that turns the plain GPT into its tensor-parallel version, from outside.
+
+`apply_tensor_parallel(model, mesh)` swaps modules following `TP_PLAN` (and
+`SP_PLAN` with sequence parallelism); `allreduce_sequence_parallel_grads` sums the
+gradients of the parameters that see only this rank's tokens under SP. The
+communication per block is tabled in `reference.tensor_parallel`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from reference import comms
+from reference.model import MLP, GPT
+from reference.tensor_parallel.comms import (
+    scatter_to_sequence_parallel_region,
+)
+from reference.tensor_parallel.attention import ParallelCausalSelfAttention
+from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from reference.tensor_parallel.loss import VocabParallelEmbedding, padded_vocab_size, vocab_parallel_cross_entropy
+from reference.tensor_parallel.rng import ShardedDropout, TensorParallelRNG
+
+__all__ = ["apply_tensor_parallel", "allreduce_sequence_parallel_grads", "TP_PLAN", "SP_PLAN",
+           "SequenceParallelScatter"]
+
+# What each module of reference.model.GPT becomes; "*" stands for one block index.
+TP_PLAN: tuple[tuple[str, str], ...] = (
+    ("wte", "vocab_embedding"),     # token rows split; g sums the one rank that has each id
+    ("h.*.attn", "attention"),      # heads split: c_attn column (q|k|v by head), c_proj row
+    ("h.*.ffn.c_fc", "column"),     # f, then X A_r
+    ("h.*.ffn.c_proj", "row"),      # Y_r B_r, then g
+    ("lm_head", "vocab_head"),      # column split over the vocabulary, wte's shard if tied
+)
+
+# Added with sequence_parallel=True: the regions between TP regions hold sequence shards.
+SP_PLAN: tuple[tuple[str, str], ...] = (
+    ("drop", "sequence_scatter"),   # the residual stream becomes (B, T // tp, C) here
+    ("h.*.ln_1", "sequence_norm"),  # LayerNorm on this rank's tokens; grads summed over TP
+    ("h.*.ln_2", "sequence_norm"),
+    ("h.*.ffn.dropout", "sharded_dropout"),
+    ("ln_f", "sequence_norm"),
+)
+
+
+class SequenceParallelScatter(nn.Module):
+    """Enter the sequence-parallel region: (B, T, C) -> (B, T // tp, C), then dropout of the shard."""
+
+    def __init__(self, group, dropout: nn.Module):
+        super().__init__()
+        self.group, self.dropout = group, dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(scatter_to_sequence_parallel_region(x, self.group))
+
+
+@dataclass
+class _Context:
+    group: object
+    tp: int
+    sequence_parallel: bool
+    regather_input: bool
+    rng: TensorParallelRNG
+    vocab_size: int
+    tied: bool
+    embedding: VocabParallelEmbedding | None = None
+
+
+def _vocab_embedding(m: nn.Embedding, c: _Context) -> nn.Module:
+    c.embedding = VocabParallelEmbedding.from_dense(m, c.group)
+    return c.embedding
+
+
+def _attention(m, c: _Context) -> nn.Module:
+    return ParallelCausalSelfAttention.from_dense(
+        m, c.group, sequence_parallel=c.sequence_parallel, regather_input=c.regather_input, rng=c.rng)
+
+
+def _column(m: nn.Linear, c: _Context) -> nn.Module:
+    return ColumnParallelLinear.from_dense(m, c.group, gather_output=False,
+                                           sequence_parallel=c.sequence_parallel,
+                                           regather_input=c.regather_input)
+
+
+def _row(m: nn.Linear, c: _Context) -> nn.Module:
+    return RowParallelLinear.from_dense(m, c.group, input_is_parallel=True,
+                                        sequence_parallel=c.sequence_parallel)
+
+
+def _vocab_head(m: nn.Linear, c: _Context) -> nn.Module:
+    # The output layer C -> V_pad, split like the embedding; logits stay (B, T, V_pad / tp).
+    padded = nn.Linear(m.in_features, padded_vocab_size(c.vocab_size, c.tp), bias=False,
+                       device=m.weight.device)
+    with torch.no_grad():
+        padded.weight.zero_()
+        padded.weight[: c.vocab_size].copy_(m.weight)
+    padded.weight.requires_grad_(m.weight.requires_grad)
+    head = ColumnParallelLinear.from_dense(padded, c.group, gather_output=False,
+                                           sequence_parallel=c.sequence_parallel,
+                                           regather_input=c.regather_input)
+    if c.tied:
+        head.weight = c.embedding.weight  # one Parameter: both uses add into its gradient
+    return head
+
+
+def _sequence_scatter(m: nn.Dropout, c: _Context) -> nn.Module:
+    return SequenceParallelScatter(c.group, ShardedDropout(m.p, c.rng))
+
+
+def _sequence_norm(m: nn.LayerNorm, c: _Context) -> nn.Module:
+    for p in m.parameters():
+        p.sequence_parallel = True  # found by allreduce_sequence_parallel_grads
+    return m
+
+
+def _sharded_dropout(m: nn.Dropout, c: _Context) -> nn.Module:
+    return ShardedDropout(m.p, c.rng)
+
+
+STYLES: dict[str, Callable[[nn.Module, _Context], nn.Module]] = {
+    "vocab_embedding": _vocab_embedding, "attention": _attention, "column": _column,
+    "row": _row, "vocab_head": _vocab_head, "sequence_scatter": _sequence_scatter,
+    "sequence_norm": _sequence_norm, "sharded_dropout": _sharded_dropout,
+}
+
+
+def _pattern(p: str) -> re.Pattern:
+    return re.compile("^" + re.escape(p).replace(r"\*", r"[^.]+") + "$")
+
+
+def _check_divisible(model: GPT, mesh) -> None:
+    cfg, tp = model.config, mesh.tp
+    sizes = dict(n_head=cfg.n_head, n_embd=cfg.n_embd, d_ff=cfg.d_ff)
+    bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
+    if bad:
+        raise ValueError(
+            f"tensor parallelism tp={tp} must divide n_head={cfg.n_head}, n_embd={cfg.n_embd} and "
+            f"d_ff={cfg.d_ff}; {', '.join(bad)} do not (mesh pp={mesh.pp}, dp={mesh.dp}, "
+            f"tp={mesh.tp}, ep={mesh.ep}, world_size={mesh.world_size})")
+    for i, block in enumerate(model.h):
+        if not isinstance(block.ffn, MLP):
+            raise ValueError(f"apply_tensor_parallel splits the dense MLP; block {i} has an ffn of "
+                             f"type {type(block.ffn).__name__}")
+
+
+def _route_loss_to_vocab_parallel(model: GPT, c: _Context) -> None:
+    """model(idx, targets) keeps working: the loss is computed from the sharded logits.
+
+    The dense forward would hand the (B, T, V_pad / tp) logits to a dense
+    cross-entropy; a pre-hook takes the targets away from it, and a hook after
+    the forward computes `vocab_parallel_cross_entropy` instead.
+    """
+    held = {}
+
+    def take_targets(module, args, kwargs):
+        held["targets"] = args[1] if len(args) > 1 else kwargs.pop("targets", None)
+        return args[:1], kwargs
+
+    def vocab_parallel_loss(module, args, kwargs, output):
+        targets = held.pop("targets", None)
+        if targets is None:
+            return output
+        logits, _ = output
+        loss = vocab_parallel_cross_entropy(logits, targets, c.group, vocab_size=c.vocab_size)
+        module.last_lm_loss = loss.detach()
+        return logits, loss  # the dense ffn has no aux loss (checked in apply)
+
+    model.register_forward_pre_hook(take_targets, with_kwargs=True)
+    model.register_forward_hook(vocab_parallel_loss, with_kwargs=True)
+
+
+def apply_tensor_parallel(model: GPT, mesh, sequence_parallel: bool = False, *,
+                          regather_input: bool = False, seed: int = 0) -> GPT:
+    """Split `model` (a `reference.model.GPT`) in place across ``mesh.group("tp")``; returns it.
+
+    Every rank of the TP group calls this on a model with the same weights.
+    Afterwards ``model(idx)`` returns this rank's vocab shard of the logits,
+    (B, T, V_pad / tp), and ``model(idx, targets)`` the same loss as the dense
+    model (computed by `vocab_parallel_cross_entropy`). With
+    ``sequence_parallel=True`` call `allreduce_sequence_parallel_grads` after
+    each backward. `seed` seeds the dropout stream of sharded regions
+    (``seed + 2718 + tp_rank``); the default stream is the caller's. A no-op
+    when ``mesh.tp == 1``.
+    """
+    if not isinstance(model, GPT):
+        raise TypeError(f"apply_tensor_parallel expects a reference.model.GPT, got {type(model).__name__}")
+    _check_divisible(model, mesh)
+    if mesh.tp == 1:
+        return model
+    device = model.wte.weight.device
+    c = _Context(group=mesh.group("tp"), tp=mesh.tp, sequence_parallel=sequence_parallel,
+                 regather_input=regather_input, rng=TensorParallelRNG(seed, mesh.tp_rank, device),
+                 vocab_size=model.config.vocab_size,
+                 tied=model.lm_head.weight is model.wte.weight)
+    plan = TP_PLAN + (SP_PLAN if sequence_parallel else ())
+    for pattern, style in plan:
+        matcher = _pattern(pattern)
+        for name, module in list(model.named_modules()):
+            if matcher.match(name):
+                model.set_submodule(name, STYLES[style](module, c))
+    model.tp_rng = c.rng
+    _route_loss_to_vocab_parallel(model, c)
+    return model
+
+
+def allreduce_sequence_parallel_grads(model: nn.Module, tp_group) -> None:
+    """Sum over the TP group the gradients of parameters marked ``sequence_parallel``.
+
+    Under sequence parallelism a LayerNorm (and a row-parallel bias) meets only
+    this rank's tokens, so its gradient is this rank's part of the sum. One
+    all-reduce of all of them, flattened together. Call after backward, before
+    the optimizer (and before clipping).
+    """
+    grads = [p.grad for p in model.parameters()
+             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads or torch.distributed.get_world_size(tp_group) == 1:
+        return
+    flat = torch.cat([gr.reshape(-1) for gr in grads])
+    comms.all_reduce(flat, group=tp_group)
+    offset = 0
+    for gr in grads:
+        gr.copy_(flat[offset: offset + gr.numel()].view_as(gr))
+        offset += gr.numel()

@@ -1,0 +1,35 @@
+"""ZeRO and FSDP: data parallelism that shards the training state instead of replicating it.
+
+    from reference.zero import ZeroOptimizer, FSDP
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)  # ZeRO-1/2
+    model = FSDP(GPT(config))                                                    # ZeRO-3
+
+The three stages of Rajbhandari et al. (2020), each keeping 1/N of something per rank:
+stage 1 the optimizer state (P_os), stage 2 the gradients too (P_os+g), stage 3
+the parameters as well (P_os+g+p). Where each part lives:
+
+* `reference.zero.shard`: the flat, padded layout every stage stores parameters in
+  (`FlatLayout`: Psi numbers padded to P = N * S, rank r owning shard r);
+* `reference.zero.optimizer`: `ZeroOptimizer`, stages 1 and 2, a drop-in for the
+  optimizer of a model every rank holds whole; its docstring has the bytes and
+  the memory table;
+* `reference.zero.fsdp` and `reference.zero.fsdp_unit`: `FSDP`, stage 3, one unit
+  per block, all-gathered just before it runs (with prefetch), mixed precision and
+  CPU offload;
+* `reference.zero.viz`: what each rank holds at each stage, measured bytes against
+  the formula, the memory calculator's picture;
+* `reference.zero.widgets`: the memory calculator, an ipywidgets explorer of the
+  formulas in `reference.memory`.
+
+The formulas themselves (bytes per rank for each stage and precision) live in
+`reference.memory`, in the core, because the 3D GPT and the performance lab use
+them too. Pictures and widgets are imported from their modules (they load
+matplotlib and ipywidgets, which a rank does not need).
+"""
+from reference.zero.fsdp import FSDP
+from reference.zero.optimizer import ZeroOptimizer
+from reference.zero.shard import FlatLayout, trainable_unique
+
+__all__ = [
+    "ZeroOptimizer", "FSDP", "FlatLayout", "trainable_unique",
+]

@@ -1,0 +1,258 @@
+"""ZeRO stage 3 (P_os+g+p), also known as fully sharded data parallelism (FSDP).
+
+Each rank keeps only 1/N of every parameter, gradient and optimizer state. The
+model is cut into units, one per GPT block `model.h[i]` plus a root unit holding
+the rest (embeddings, final LayerNorm, and the tied `lm_head`, which must share
+a unit with `wte` because it is the same tensor). A training step then runs:
+
+    forward    root: all-gather            (embedding, then head at the end)
+               block i: all-gather  ->  compute  ->  free
+    backward   root: all-gather again      (held until the end of backward)
+               block i: all-gather again  ->  compute gradients  ->  free,
+                        reduce-scatter its gradients into the shard
+    step       any torch.optim optimizer over `fsdp.parameters()` (the shards)
+
+While block i computes, block i+1's all-gather (i-1's in backward) is already
+on the wire: a prefetch, so communication overlaps compute. Per step each rank
+sends, per unit of P numbers, (N-1)/N P for each of the two all-gathers and for
+the reduce-scatter: 3 (N-1)/N P in all, 1.5 times the 2 (N-1)/N P of plain data
+parallelism's all-reduce. That is the price of holding 1/N of the parameters.
+
+Hooks do the work, so the model's own code is unchanged: a forward pre-hook
+gathers a block, a forward hook frees it and hooks the block's outputs, whose
+gradient hook fires just before the block's backward and gathers it again; a
+hook on each parameter's gradient accumulation counts the unit's gradients and
+reduce-scatters once all have arrived; a callback at the end of backward
+finishes what is pending. Frozen parameters are not sharded: every rank keeps
+them whole and they are never communicated.
+
+    fsdp = FSDP(GPT(config))
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)
+    _, loss = fsdp(x, y); loss.backward(); opt.step(); opt.zero_grad()
+    weights = fsdp.full_state_dict()       # the whole model, for inspection
+
+Limit: every rank must use the same parameters in a step (a unit whose use
+depends on the data, as in a mixture of experts, would leave ranks in different
+collectives). See `reference.zero.fsdp_unit` for the mixed-precision and
+offload options.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from reference.runtime import device as rank_device
+from reference.zero.fsdp_unit import FSDPUnit
+
+__all__ = ["FSDP"]
+
+
+class FSDP(nn.Module):
+    """Shard `module`'s parameters over `group` by unit, gather them only while used.
+
+    `units`: the submodules to shard separately, in the order the forward calls
+    them (default: `module.h`, GPT's blocks, when it exists); everything else
+    forms the root unit. `mixed_precision=True` computes in bf16 on fp32 master
+    shards; `offload=True` keeps master shards, gradients and optimizer state
+    on the CPU. `prefetch=False` turns off the overlap (for comparison).
+    """
+
+    def __init__(self, module: nn.Module, group=None, units: Iterable[nn.Module] | None = None,
+                 mixed_precision: bool = False, offload: bool = False, prefetch: bool = True):
+        super().__init__()
+        self.module = module
+        self.group, self.prefetch = group, prefetch
+        dev = rank_device()
+        module.to(dev)
+        param_dtype = torch.bfloat16 if mixed_precision else None
+        if units is None:
+            units = list(module.h) if isinstance(getattr(module, "h", None), nn.ModuleList) else []
+        units = list(units)
+
+        # Assign each trainable parameter to exactly one unit. A tensor reached
+        # from two units (a weight tied across blocks) goes to the root, which
+        # is whole for the entire forward and backward.
+        owner: dict[int, int] = {}
+        for i, sub in enumerate(units):
+            for p in sub.parameters():
+                if p.requires_grad:
+                    owner[id(p)] = i if owner.get(id(p), i) == i else -1
+        root_params, unit_params, seen = [], [[] for _ in units], set()
+        for name, p in module.named_parameters(remove_duplicate=True):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            i = owner.get(id(p), -1)
+            (root_params if i < 0 else unit_params[i]).append(p)
+
+        if not root_params and not any(unit_params):
+            raise ValueError("FSDP got a module with no trainable parameter: nothing to shard")
+        self.units: list[FSDPUnit] = []
+        self.block_units: list[FSDPUnit] = []
+        for i, (sub, params) in enumerate(zip(units, unit_params)):
+            if not params:
+                continue
+            unit = FSDPUnit(f"unit{i}", params, group, dev, param_dtype, offload)
+            self.block_units.append(unit)
+            sub.register_forward_pre_hook(self._make_pre_forward(unit))
+            sub.register_forward_hook(self._make_post_forward(unit))
+        self.root = FSDPUnit("root", root_params, group, dev, param_dtype, offload) if root_params else None
+        self.units = ([self.root] if self.root else []) + self.block_units
+        # The shards (S,) per unit, registered as this module's own parameters.
+        self.shards = nn.ParameterList([u.shard for u in self.units])
+
+        for unit in self.units:
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(self._make_grad_ready(unit))
+        self._ready: dict[int, int] = {}      # id(unit) -> params whose grad arrived
+        self._pending = []                    # finish() of reduce-scatters in flight
+        self._backward_gathered: set[int] = set()
+        self._callback_queued = False
+
+    # ------------------------------------------------------------------ what the optimizer sees
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The shards only (`shards.0`, ...): build the optimizer on these."""
+        for i, p in enumerate(self.shards):
+            yield f"{prefix}{'.' if prefix else ''}shards.{i}", p
+
+    def parameters(self, recurse: bool = True):
+        for _, p in self.named_parameters():
+            yield p
+
+    # ------------------------------------------------------------------ forward
+    def _next(self, unit, step):
+        i = self.block_units.index(unit) + step
+        return self.block_units[i] if 0 <= i < len(self.block_units) else None
+
+    def _prefetch(self, unit):
+        if self.prefetch and unit is not None:
+            unit.gather(async_op=True)
+
+    def _use(self, unit, following):
+        """Make `unit` whole (waiting for its prefetch), and start fetching `following`."""
+        unit.gather()  # no-op when a prefetch is already on the way
+        self._prefetch(following)
+        unit.wait_gather()
+
+    def _make_pre_forward(self, unit):
+        def hook(module, args):
+            self._use(unit, self._next(unit, +1))
+        return hook
+
+    def _make_post_forward(self, unit):
+        def hook(module, args, output):
+            unit.free()
+            self._hook_outputs(output, unit)
+        return hook
+
+    def forward(self, *args, **kwargs):
+        if self.root is not None:
+            self._use(self.root, self.block_units[0] if self.block_units else None)
+        elif self.block_units:
+            self._prefetch(self.block_units[0])
+        try:
+            output = self.module(*args, **kwargs)
+        finally:
+            if self.root is not None:
+                self.root.free()
+        if self.root is not None:
+            self._hook_outputs(output, self.root)
+        elif torch.is_grad_enabled():
+            self._hook_outputs(output, None)
+        return output
+
+    # ------------------------------------------------------------------ backward
+    def _hook_outputs(self, output, unit):
+        """Gather `unit` again when the gradient of its outputs arrives (just before its backward)."""
+        if not torch.is_grad_enabled():
+            return
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        for t in tensors:
+            t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
+
+    def _pre_backward(self, unit):
+        if not self._callback_queued:
+            # Runs once autograd has finished the whole backward pass.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+        if unit is None or id(unit) in self._backward_gathered:
+            return
+        self._backward_gathered.add(id(unit))
+        if unit is self.root:
+            following = self.block_units[-1] if self.block_units else None
+        else:
+            following = self._next(unit, -1)
+        self._use(unit, following)
+
+    def _make_grad_ready(self, unit):
+        def hook(param):
+            count = self._ready.get(id(unit), 0) + 1
+            self._ready[id(unit)] = count
+            if count == len(unit.params):
+                self._reduce(unit)
+        return hook
+
+    def _reduce(self, unit):
+        self._ready[id(unit)] = -1  # reduced: later grads of this backward are not expected
+        unit.free()
+        self._pending.append(unit.reduce_grads(async_op=True))
+
+    def _finish_backward(self):
+        # Units with a parameter that got no gradient (unused in this step)
+        # never completed their count: reduce them now, in unit order, which
+        # is the same on every rank.
+        for unit in self.units:
+            if self._ready.get(id(unit), 0) >= 0 and id(unit) in self._backward_gathered:
+                self._reduce(unit)
+        for finish in self._pending:
+            finish()
+        for unit in self.units:
+            unit.free()
+        self._pending, self._ready = [], {}
+        self._backward_gathered = set()
+        self._callback_queued = False
+
+    # ------------------------------------------------------------------ inspection
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the module, whole, in the master dtype, as fresh CPU tensors.
+
+        Keys are the module's own names (a tied weight once, under its first
+        name); frozen parameters are included as they are.
+        """
+        values: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            flat = unit.full_flat()
+            for p, v in zip(unit.params, unit.layout.views(flat, unit.shapes)):
+                values[id(p)] = v.cpu().clone()
+        # (A frozen parameter is never freed, so reading it directly is safe.)
+        return {name: values[id(p)] if id(p) in values else p.detach().cpu().clone()
+                for name, p in self.module.named_parameters(remove_duplicate=True)}
+
+    def state_dict(self, *args, **kwargs):
+        raise RuntimeError("FSDP's module parameters are freed between uses, so state_dict() "
+                           "would save empty tensors: use fsdp.full_state_dict() for the whole "
+                           "model, or the shards in fsdp.parameters()")
+
+    @contextlib.contextmanager
+    def summon_full_params(self):
+        """Inside the block every module parameter is whole (compute dtype); freed on exit.
+
+        For reading; changes made inside are not written back to the shards.
+        """
+        for unit in self.units:
+            unit.gather()
+        try:
+            yield self.module
+        finally:
+            for unit in self.units:
+                unit.free()
+
+    def extra_repr(self) -> str:
+        n = dist.get_world_size(self.group)
+        return f"units={len(self.units)}, dp_size={n}, prefetch={self.prefetch}"
