@@ -31,15 +31,26 @@ once, even when many tensors view it (ZeRO-1's module gradients and its shard
 gradient share one buffer). Optimizer state of a parameter's own shape (Adam's
 moments: the K of the formula) is `optimizer_state`; anything else (Adam's
 `step` counter, one number per tensor) is reported apart as `other`.
+
+The table above is what a rank holds between steps. Inside a step the gradients
+peak higher: `zero_peak_grad_bytes` is that peak for `ZeroOptimizer` (stage 1
+holds its full buffer, stage 2 its shard plus one bucket being reduced), and
+`PeakMemory` measures a peak: the most bytes alive at once among the tensors
+created inside a block of code.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import torch
+import weakref
 
-__all__ = ["Precision", "MemoryBytes", "model_state_bytes", "measure", "human_bytes", "STAGE_NAMES"]
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["Precision", "MemoryBytes", "model_state_bytes", "measure", "human_bytes", "STAGE_NAMES",
+           "zero_peak_grad_bytes", "PeakMemory"]
 
 STAGE_NAMES = {0: "data parallel", 1: "ZeRO-1 (P_os)", 2: "ZeRO-2 (P_os+g)", 3: "ZeRO-3 (P_os+g+p)"}
 
@@ -134,6 +145,89 @@ def model_state_bytes(num_params: int, dp: int, stage: int,
     )
 
 
+def zero_peak_grad_bytes(num_params: int, dp: int, stage: int, bucket_numel: int | None = None,
+                         grad_bytes: int = 4) -> int:
+    """Peak bytes of gradient a rank of `ZeroOptimizer` holds through backward and step.
+
+    With S = ceil(Psi / N) and P = N * S (one flat buffer, padded):
+
+    * stage 1, g (P + S): the full gradient buffer, which the module's `.grad`
+      are views of, and the (S,) output of the reduce-scatter in `step()`;
+    * stage 2, g (S + B): its shard of the gradient and the one bucket of B
+      numbers being filled and reduce-scattered during backward
+      (`bucket_numel`, the largest bucket; default P, a single bucket).
+
+    Not counted: autograd's own working memory at the same moment, i.e. the
+    gradient just computed and not yet copied into the bucket (one parameter's)
+    and the activations' gradients. Reducing everything once in `step()`
+    instead, after backward, would hold every module gradient (Psi), a flat
+    copy of them (P) and the shard (S) together: about g (2P + S).
+    """
+    if stage not in (1, 2):
+        raise ValueError(f"zero_peak_grad_bytes covers ZeroOptimizer's stages 1 and 2, got stage={stage!r}")
+    if not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp must be a positive int, got {dp!r}")
+    if num_params < 0:
+        raise ValueError(f"num_params must be >= 0, got {num_params!r}")
+    shard = -(-num_params // dp)  # S
+    padded = dp * shard           # P
+    if stage == 1:
+        return grad_bytes * (padded + shard)
+    bucket = padded if bucket_numel is None else bucket_numel
+    if not 0 < bucket <= padded:
+        raise ValueError(f"bucket_numel must be in 1..P={padded} (the padded flat buffer), "
+                         f"got {bucket_numel!r}")
+    return grad_bytes * (shard + bucket)
+
+
+class PeakMemory(TorchDispatchMode):
+    """The most bytes alive at once among the tensors created inside the block.
+
+        with memory.PeakMemory() as peak:
+            loss.backward()
+            optimizer.step()
+        peak.peak_bytes     # the maximum, over the block, of the bytes below
+        peak.live_bytes     # bytes created in the block and still alive
+
+    Every operator that runs inside the block (forward, backward, optimizer,
+    collectives; a dispatch mode sees them all) is watched: a result whose
+    storage is new (not one of the operator's inputs' storages, which views and
+    in-place results share) is counted until that storage is freed. What existed
+    before the block is not counted, even when it is freed inside it: the peak
+    is of the new tensors alone, not of the whole process. Memory an operator
+    takes and gives back inside itself (a kernel's workspace, a collective's
+    internal buffers) is not seen. The device does not matter: the bytes are
+    the tensors' own.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._alive: dict[tuple[str, int], weakref.ref] = {}
+
+    def _freed(self, key, nbytes, _ref=None) -> None:
+        self.live_bytes -= nbytes
+        self._alive.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {_storage_key(t)[:2] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = _storage_key(t)[:2]   # (device, address)
+            nbytes = storage.nbytes()
+            if nbytes == 0 or key in inputs or key in self._alive:
+                continue
+            # The callback runs when the storage itself is freed, whatever tensors viewed it.
+            self._alive[key] = weakref.ref(storage, lambda ref, key=key, n=nbytes: self._freed(key, n, ref))
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return out
+
+
 # ---------------------------------------------------------------------------- measured
 
 def _storage_key(t: torch.Tensor):
@@ -144,9 +238,9 @@ def _storage_key(t: torch.Tensor):
 def _optimizers(obj) -> list[torch.optim.Optimizer]:
     if obj is None:
         return []
-    if isinstance(obj, torch.optim.Optimizer):
+    if isinstance(obj, torch.optim.Optimizer):  # ZeroOptimizer too: its groups and state are its inner's
         return [obj]
-    inner = getattr(obj, "optimizer", None)  # ZeroOptimizer and other wrappers
+    inner = getattr(obj, "optimizer", None)  # other wrappers
     if isinstance(inner, torch.optim.Optimizer):
         return [inner]
     if isinstance(obj, Iterable):

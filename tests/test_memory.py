@@ -1,12 +1,13 @@
 """reference.memory: the ZeRO paper's formulas, and the bytes a live model really holds.
 
 The distributed checks (measured bytes of ZeRO-1/2/3 on 2 and 4 ranks equal the
-formulas) are in test_zero.py; here the formulas themselves and the measurement
-on one process.
+formulas, and the peak of ZeRO-2's gradients inside a step) are in test_zero.py and
+test_zero_peak.py; here the formulas themselves and the measurements on one process.
 """
 import pytest
 import torch
 
+from reference import memory
 from reference.memory import MemoryBytes, Precision, human_bytes, measure, model_state_bytes
 from reference.model import GPT, GPTConfig
 
@@ -98,3 +99,29 @@ def test_human_bytes():
     assert human_bytes(512) == "512 B"
     assert human_bytes(1536) == "1.50 KiB"
     assert human_bytes(3 * 2 ** 30) == "3.00 GiB"
+
+
+def test_peak_formula_and_bad_input():
+    assert memory.zero_peak_grad_bytes(10, 4, 1) == 4 * (12 + 3)     # P = 12, S = 3
+    assert memory.zero_peak_grad_bytes(10, 4, 2) == 4 * (3 + 12)     # one bucket of P
+    assert memory.zero_peak_grad_bytes(10, 4, 2, bucket_numel=5, grad_bytes=2) == 2 * (3 + 5)
+    with pytest.raises(ValueError, match="stages 1 and 2, got stage=3"):
+        memory.zero_peak_grad_bytes(10, 4, 3)
+    with pytest.raises(ValueError, match="bucket_numel must be in 1..P=12"):
+        memory.zero_peak_grad_bytes(10, 4, 2, bucket_numel=13)
+
+
+def test_peak_memory_counts_new_storages_until_freed():
+    a = torch.ones(100)                      # made before: never counted
+    with memory.PeakMemory() as peak:
+        b = a * 2                            # 400 B
+        view = b[10:]                        # a view: no new storage
+        a.add_(1)                            # in place: nothing new
+        c = torch.empty(50)                  # 200 B
+        del b                                # the view keeps b's storage alive
+        assert peak.live_bytes == 600
+        del view, c
+        assert peak.live_bytes == 0
+        d = torch.zeros(25)                  # 100 B, after the frees
+    assert (peak.peak_bytes, peak.live_bytes) == (600, 100)
+    del d

@@ -38,6 +38,10 @@ CONFIGS = {
     "uneven": GPTConfig.tiny(n_embd=9, n_head=3),
 }
 FROZEN = ("wpe.weight", "h.0.ln_1.weight")  # frozen in the "uneven" runs
+# Stage 2 with buckets of at most 1024 numbers (4 KiB): several per model, some
+# crossing a shard boundary; the default cap (25 MiB) makes one bucket of everything.
+SMALL_BUCKET = 1024
+SMALL_BUCKET_MB = SMALL_BUCKET * 4 / 2**20
 
 
 def _model(name):
@@ -94,12 +98,12 @@ def _train(name, make, opt_kind="adamw"):
     return dict(params=params, comm=m.records(), mem=mem, losses=losses)
 
 
-def _zero(stage):
+def _zero(stage, **options):
     def make(model, opt_kind):
         if opt_kind == "adamw":
-            return model, ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=LR)
+            return model, ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=LR, **options)
         return model, ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=stage,
-                                    lr=0.1, momentum=0.9)
+                                    lr=0.1, momentum=0.9, **options)
     return make
 
 
@@ -187,6 +191,7 @@ def _rank_body():
     for name in ("even", "uneven"):
         out[name, "zero1"] = _train(name, _zero(1))
         out[name, "zero2"] = _train(name, _zero(2))
+        out[name, "zero2_buckets"] = _train(name, _zero(2, bucket_cap_mb=SMALL_BUCKET_MB))
         out[name, "fsdp"] = _train(name, _fsdp())
         out[name, "ddp_bytes"] = _ddp_bytes(name)
     out["even", "zero1_sgd"] = _train("even", _zero(1), "sgd")
@@ -225,7 +230,7 @@ def _assert_params_equal(got, want, tol=TOL):
 # ---------------------------------------------------------------------------
 # Parity
 # ---------------------------------------------------------------------------
-PARITY = [(name, v) for name in ("even", "uneven") for v in ("zero1", "zero2", "fsdp")] + \
+PARITY = [(name, v) for name in ("even", "uneven") for v in ("zero1", "zero2", "zero2_buckets", "fsdp")] + \
     [("even", "fsdp_no_prefetch"), ("even", "fsdp_offload")]
 
 
@@ -247,7 +252,7 @@ def test_frozen_parameters_untouched(run):
     n, results = run
     start = _params(_model("uneven"))
     for rank in range(n):
-        for variant in ("zero1", "zero2", "fsdp"):
+        for variant in ("zero1", "zero2", "zero2_buckets", "fsdp"):
             params = results[rank]["uneven", variant]["params"]
             for k in FROZEN:
                 assert torch.equal(params[k], start[k]), (variant, k)
@@ -328,8 +333,9 @@ def test_memory_per_rank_equals_formula(run, name):
     # but every rank holds them whole, in fp32.
     frozen = 4 * sum(p.numel() for p in _model(name).parameters() if not p.requires_grad)
     for rank in range(n):
-        got = {v: results[rank][name, v]["mem"] for v in ("zero1", "zero2", "fsdp")}
-        for stage, variant, u in ((1, "zero1", [psi]), (2, "zero2", [psi]), (3, "fsdp", units)):
+        got = {v: results[rank][name, v]["mem"] for v in ("zero1", "zero2", "zero2_buckets", "fsdp")}
+        for stage, variant, u in ((1, "zero1", [psi]), (2, "zero2", [psi]), (2, "zero2_buckets", [psi]),
+                                  (3, "fsdp", units)):
             want = memory.model_state_bytes(psi, n, stage, units=u)
             assert (got[variant].params - frozen, got[variant].grads, got[variant].optimizer_state) == \
                 (want.params, want.grads, want.optimizer_state), (variant, got[variant], want)
@@ -352,11 +358,17 @@ def test_bytes_per_step(run, name):
         res = results[rank]
         ddp = res[name, "ddp_bytes"]
         rows = {v: {(r["op"], r["calls"]): r["sent_bytes"] for r in res[name, v]["comm"]}
-                for v in ("zero1", "zero2", "fsdp")}
+                for v in ("zero1", "zero2", "zero2_buckets", "fsdp")}
         S = FlatLayout([psi], n).shard_numel
         for v in ("zero1", "zero2"):
             # one reduce-scatter and one all-gather of the padded buffer, (N-1)/N * 4P each
             assert rows[v] == {("reduce_scatter", 1): 4 * (n - 1) * S, ("all_gather", 1): 4 * (n - 1) * S}
+        # Stage 2 in buckets: one reduce-scatter per bucket, sending every piece but its
+        # own; the buckets cover the P numbers once, so the same bytes in total.
+        numels = [p.numel() for p in _model(name).parameters() if p.requires_grad]
+        n_buckets = len(FlatLayout(numels, n).buckets(SMALL_BUCKET))
+        assert n_buckets > 2
+        assert rows["zero2_buckets"] == {("reduce_scatter", n_buckets): 4 * (n - 1) * S, ("all_gather", 1): 4 * (n - 1) * S}
         # per unit: all-gather in forward, again in backward, one reduce-scatter
         S_units = sum(FlatLayout([u], n).shard_numel for u in units)
         k = len(units)
@@ -366,6 +378,7 @@ def test_bytes_per_step(run, name):
         if name == "even":  # no padding: the formulas' exact ratios
             assert ddp == Fraction(2 * (n - 1), n) * 4 * psi
             assert sum(rows["zero1"].values()) == sum(rows["zero2"].values()) == ddp
+            assert sum(rows["zero2_buckets"].values()) == ddp
             assert Fraction(zero3, ddp) == Fraction(3, 2)
         else:  # padding adds fewer than N numbers per flat buffer
             assert 0 < sum(rows["zero1"].values()) - ddp < 2 * 4 * n

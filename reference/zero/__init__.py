@@ -9,10 +9,15 @@ stage 1 the optimizer state (P_os), stage 2 the gradients too (P_os+g), stage 3
 the parameters as well (P_os+g+p). Where each part lives:
 
 * `reference.zero.shard`: the flat, padded layout every stage stores parameters in
-  (`FlatLayout`: Psi numbers padded to P = N * S, rank r owning shard r);
+  (`FlatLayout`: Psi numbers padded to P = N * S, rank r owning shard r), and its
+  buckets (`FlatBucket`);
 * `reference.zero.optimizer`: `ZeroOptimizer`, stages 1 and 2, a drop-in for the
-  optimizer of a model every rank holds whole; its docstring has the bytes and
-  the memory table;
+  optimizer of a model every rank holds whole (a `torch.optim.Optimizer`, so LR
+  schedulers and `state_dict` work); its docstring has the bytes and the
+  memory table;
+* `reference.zero.reducer`: stage 2's gradient path, `BucketReducer`: buckets of
+  the flat layout reduce-scattered from gradient hooks during backward, so a
+  rank holds its shard and one bucket of gradient at most;
 * `reference.zero.fsdp` and `reference.zero.fsdp_unit`: `FSDP`, stage 3, one unit
   per block, all-gathered just before it runs (with prefetch), mixed precision and
   CPU offload;
@@ -23,13 +28,15 @@ the parameters as well (P_os+g+p). Where each part lives:
 
 The formulas themselves (bytes per rank for each stage and precision) live in
 `reference.memory`, in the core, because the 3D GPT and the performance lab use
-them too. Pictures and widgets are imported from their modules (they load
-matplotlib and ipywidgets, which a rank does not need).
+them too; so do the peak of gradient memory inside a step
+(`memory.zero_peak_grad_bytes`) and its measurement (`memory.PeakMemory`).
+Pictures and widgets are imported from their modules (they load matplotlib and
+ipywidgets, which a rank does not need).
 """
 from reference.zero.fsdp import FSDP
 from reference.zero.optimizer import ZeroOptimizer
-from reference.zero.shard import FlatLayout, trainable_unique
+from reference.zero.shard import FlatBucket, FlatLayout, trainable_unique
 
 __all__ = [
-    "ZeroOptimizer", "FSDP", "FlatLayout", "trainable_unique",
+    "ZeroOptimizer", "FSDP", "FlatLayout", "FlatBucket", "trainable_unique",
 ]

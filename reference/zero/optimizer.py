@@ -14,7 +14,7 @@ gradients and the optimizer state of the whole model. ZeRO (Rajbhandari et al.,
 Stages 1 and 2 are `ZeroOptimizer`, a drop-in for the optimizer of a model that
 every rank holds whole. It stores the trainable parameters in the flat, padded
 layout of `reference.zero.shard` (Psi numbers padded to P = N * S, rank r owning
-shard r of S numbers) and does, per `step()`:
+shard r of S numbers) and does, per step:
 
     reduce-scatter the gradients (averaged)   each rank: (N-1)/N * P numbers sent
     inner optimizer step on its own shard      state only for S numbers
@@ -22,25 +22,44 @@ shard r of S numbers) and does, per `step()`:
 
 Together 2 (N-1)/N * P, exactly the all-reduce of plain data parallelism
 (an all-reduce *is* a reduce-scatter followed by an all-gather): sharding the
-optimizer costs no extra communication. Stage 1 keeps a full-size gradient
-buffer (the module's `.grad`s are views into it) and stage 2 does not; that is
-the whole difference between them, as in the paper's memory table:
+optimizer costs no extra communication. Where the gradients live is the whole
+difference between the two stages, as in the paper's memory table:
+
+* stage 1 keeps a full-size gradient buffer (the module's `.grad`s are views of
+  it) and reduce-scatters it in one call, in `step()`;
+* stage 2 keeps only its shard's gradient. It reduce-scatters bucket by bucket
+  from hooks *during backward* (`reference.zero.reducer`), freeing each
+  module gradient as soon as it is copied into its bucket: one call per bucket,
+  the same bytes in total.
 
     bytes per rank, fp32 Adam     params    grads     optimizer state
     plain data parallel           4 Psi     4 Psi     8 Psi
     stage 1                       4 P       4 P       8 S
     stage 2                       4 P       4 S       8 S
 
-(`reference.memory` holds these formulas and measures the real tensors.)
+(`reference.memory` holds these formulas and measures the real tensors.) Inside a
+step, stage 2 also holds the one bucket being reduced, B numbers: its gradient
+memory peaks at 4 (S + B) bytes (`memory.zero_peak_grad_bytes`), against 4 (P + S)
+for stage 1. `bucket_cap_mb` sets B: smaller buckets lower the peak, at the price
+of more, smaller collectives (more latency, the alpha of the cost model).
 
-Honest limits. The reduce-scatter runs once, in `step()`, over the whole flat
-buffer, so in stage 2 the full gradient still exists at the end of backward;
-DeepSpeed reduces bucket by bucket during backward so it never does. What
-stage 2 frees here is the gradient memory held between the reduction and the
-next backward. The inner optimizer sees each rank's shard as one 1-D tensor, so
-any `torch.optim` class works, but only element-wise ones (SGD, Adam, AdamW,
-Adagrad, RMSprop) give the same numbers as unsharded training; an optimizer
-that uses a tensor's shape or norm (Adafactor, LBFGS) would see the shard's.
+`ZeroOptimizer` is a `torch.optim.Optimizer`: its `param_groups` *are* the inner
+optimizer's groups (the same dicts), so an LR scheduler that writes `lr` (or
+OneCycleLR's `betas`) there changes what the inner step uses; `state_dict()` is
+this rank's shard of the state, with the layout it belongs to.
+
+Honest limits. Stage 2 communicates once per backward: several backwards before
+one step (gradient accumulation) send the bytes above once each, as DeepSpeed's
+stage 2 does. Autograd's own memory comes on top of the peak above: the gradient
+it has just computed, before the hook copies it into the bucket (one parameter's),
+and the activations' gradients. The one-bucket bound assumes backward produces
+the gradients roughly in reverse order of the parameters, as a stack of layers
+does: a gradient that arrives before its bucket's turn waits in `.grad`. The
+inner optimizer sees each rank's shard as one
+1-D tensor, so any `torch.optim` class works, but only element-wise ones (SGD,
+Adam, AdamW, Adagrad, RMSprop) give the same numbers as unsharded training; an
+optimizer that uses a tensor's shape or norm (Adafactor, LBFGS) would see the
+shard's.
 """
 from __future__ import annotations
 
@@ -51,12 +70,13 @@ import torch.distributed as dist
 
 from reference import comms
 from reference.zero.fsdp import FSDP
+from reference.zero.reducer import BucketReducer
 from reference.zero.shard import FlatLayout, trainable_unique
 
 __all__ = ["ZeroOptimizer", "FSDP", "FlatLayout"]
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(torch.optim.Optimizer):
     """ZeRO stage 1 or 2 around any `torch.optim` optimizer class.
 
         opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)
@@ -66,21 +86,25 @@ class ZeroOptimizer:
     tied weight reached twice (stored once). Every rank must hold the same model;
     at construction the trainable parameters are broadcast from the group's rank
     0, so they start equal even if the ranks initialised them differently. After
-    `step()` every rank holds all the updated parameters.
+    `step()` every rank holds all the updated parameters. `bucket_cap_mb` (MiB,
+    stage 2 only) caps the buckets reduced during backward.
 
     Attributes: `optimizer` (the inner optimizer, over this rank's shard only),
     `shard` (that 1-D parameter, S numbers), `layout` (the `FlatLayout`),
-    `flat_param` (the P numbers the module's parameters are views of).
+    `flat_param` (the P numbers the module's parameters are views of), and for
+    stage 2 `buckets` (the `FlatBucket`s, bucket 0 reduced first).
     """
 
     def __init__(self, params: Iterable[torch.Tensor], optimizer_class, stage: int = 1,
-                 group=None, **optimizer_kwargs):
+                 group=None, bucket_cap_mb: float = 25, **optimizer_kwargs):
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer implements ZeRO stages 1 and 2, got stage={stage!r}; "
                              f"stage 3 shards the parameters too: use reference.zero.FSDP")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass "
                             f"(e.g. torch.optim.AdamW), got {optimizer_class!r}")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
         self.params, self.frozen = trainable_unique(params)
         if not self.params:
             raise ValueError("ZeroOptimizer got no trainable parameter (all frozen or none given)")
@@ -108,13 +132,35 @@ class ZeroOptimizer:
         # updates the module's numbers in place.
         self.shard = torch.nn.Parameter(self.layout.shard(self.flat_param, self.dp_rank))
         self.optimizer = optimizer_class([self.shard], **optimizer_kwargs)
+        # torch.optim.Optimizer's own set-up (step hooks, the profiler's names),
+        # then one set of groups and one state, the inner optimizer's.
+        super().__init__([self.shard], self.optimizer.defaults)
+        self._share_inner()
 
-        # Stage 1 keeps a full gradient buffer (P,); the module's .grad are
-        # views of it, so autograd accumulates into it in place.
         self.flat_grad = None
+        self.reducer = None
+        self.gradients_reduced = False  # set by reduce_gradients(), cleared by step() / zero_grad()
         if stage == 1:
+            # Stage 1 keeps a full gradient buffer (P,); the module's .grad are
+            # views of it, so autograd accumulates into it in place.
             self.flat_grad = torch.zeros_like(self.flat_param)
             self._bind_grad_views()
+        else:
+            cap_numel = max(1, int(bucket_cap_mb * 2**20) // self.flat_param.element_size())
+            self.reducer = BucketReducer(self.params, self.layout, self.shard, group, cap_numel)
+
+    def _share_inner(self) -> None:
+        # The same list of the same dicts: what a scheduler writes into
+        # self.param_groups (lr, betas, ...) is what the inner step reads.
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+        self.defaults = self.optimizer.defaults
+        self._groups_shared = True
+
+    @property
+    def buckets(self):
+        """Stage 2's buckets (`FlatBucket`s of the flat layout), in the order they are reduced."""
+        return self.reducer.buckets if self.reducer is not None else []
 
     # ------------------------------------------------------------------ gradients
     def _bind_grad_views(self):
@@ -125,36 +171,39 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Reduce-scatter the averaged gradient into this rank's shard (`shard.grad`).
+        """Leave the averaged gradient of this rank's shard in `shard.grad` (called by `step()`).
 
-        Called by `step()`. Stage 1 reduces inside its full buffer and leaves the
-        rest of it holding this rank's own (unreduced) gradient; stage 2 frees
-        every full gradient and keeps only `shard.grad` (S,).
+        Stage 1 reduce-scatters inside its full buffer and leaves the rest of it
+        holding this rank's own (unreduced) gradient. Stage 2 has already reduced
+        during backward; here it only reduces gradients set by hand in `.grad`,
+        which no backward hook saw. Call it yourself to clip the shard's gradient
+        before `step()` (`reference.parallel.clip`); `step()` then does not reduce
+        again (`gradients_reduced` says so until the next `step()` or `zero_grad()`).
         """
+        if self.gradients_reduced:
+            return
+        self.gradients_reduced = True
+        if self.stage == 2:
+            self.reducer.finish()
+            self.reducer.reduce_leftovers()
+            return
         grads = [p.grad for p in self.params]
-        if self.stage == 1:
-            flat = self.layout.flatten(grads, self.flat_grad)  # views already in place: no copy
-            self._bind_grad_views()  # in case zero_grad(set_to_none) or the user replaced a .grad
-        else:
-            flat = self.layout.flatten(grads, torch.empty_like(self.flat_param))
-            for p in self.params:
-                p.grad = None
+        flat = self.layout.flatten(grads, self.flat_grad)  # views already in place: no copy
+        self._bind_grad_views()  # in case zero_grad(set_to_none) or the user replaced a .grad
         reduced = torch.empty(self.layout.shard_numel, dtype=flat.dtype, device=flat.device)  # (S,)
         # Each rank receives the mean over ranks of its shard: ZeRO's
         # reduce-scatter, the first half of data parallelism's all-reduce.
         comms.reduce_scatter_tensor(reduced, flat, op=dist.ReduceOp.AVG, group=self.group)
-        if self.stage == 1:
-            self.shard.grad.copy_(reduced)
-        else:
-            self.shard.grad = reduced
+        self.shard.grad.copy_(reduced)
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Reduce-scatter gradients, update this rank's shard, all-gather the parameters."""
+        """Reduce-scatter gradients (stage 1), update this rank's shard, all-gather the parameters."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure: run backward before step()")
-        self.reduce_gradients()
+        self.reduce_gradients()  # a no-op when the caller already reduced (to clip)
         self.optimizer.step()
+        self.gradients_reduced = False
         # The input is a copy: the output buffer contains the shard itself, and
         # a collective whose input and output overlap is not portable.
         comms.all_gather_into_tensor(self.flat_param, self.shard.detach().clone(), group=self.group)
@@ -164,8 +213,9 @@ class ZeroOptimizer:
 
         Stage 1 zeroes its full buffer in place whatever `set_to_none` says: the
         buffer is the gradient memory stage 1 keeps (the paper's 4 Psi bytes).
-        Stage 2 drops every gradient, or zeroes them with `set_to_none=False`.
+        Stage 2 drops its shard's gradient, or zeroes it with `set_to_none=False`.
         """
+        self.gradients_reduced = False
         if self.stage == 1:
             self.flat_grad.zero_()
             self._bind_grad_views()
@@ -176,19 +226,35 @@ class ZeroOptimizer:
             elif p.grad is not None:
                 p.grad.zero_()
 
-    # ------------------------------------------------------------------ the inner optimizer
-    @property
-    def param_groups(self):
-        """The inner optimizer's groups (one, over the shard): set `lr` here, as schedulers do."""
-        return self.optimizer.param_groups
+    # ------------------------------------------------------------------ saving
+    def state_dict(self) -> dict:
+        """This rank's state: the inner optimizer's (its shard only), and the layout it belongs to.
 
-    def state_dict(self):
-        """This rank's inner optimizer state (its shard only)."""
-        return self.optimizer.state_dict()
+        Save one per rank; load it into the same rank of the same layout.
+        """
+        state = self.optimizer.state_dict()
+        state["zero"] = dict(dp_rank=self.dp_rank, dp_size=self.dp_size, numel=self.layout.numel)
+        return state
 
-    def load_state_dict(self, state_dict) -> None:
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        saved = state_dict.pop("zero", None)
+        mine = dict(dp_rank=self.dp_rank, dp_size=self.dp_size, numel=self.layout.numel)
+        if saved is not None and saved != mine:
+            raise ValueError(f"this state holds the shard of dp_rank={saved['dp_rank']} of "
+                             f"dp_size={saved['dp_size']} over {saved['numel']} numbers; this "
+                             f"optimizer is dp_rank={self.dp_rank} of dp_size={self.dp_size} "
+                             f"over {self.layout.numel}")
         self.optimizer.load_state_dict(state_dict)
+        self._share_inner()  # loading gives the inner optimizer new group dicts
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_groups_shared", False):
+            raise ValueError("ZeroOptimizer keeps all its parameters in one flat buffer and one "
+                             "group: build it over every parameter at once")
+        super().add_param_group(param_group)  # torch.optim.Optimizer.__init__'s own group, replaced
 
     def __repr__(self) -> str:
+        buckets = f", buckets={len(self.buckets)}" if self.stage == 2 else ""
         return (f"ZeroOptimizer(stage={self.stage}, dp_rank={self.dp_rank}, dp_size={self.dp_size}, "
-                f"{self.layout}, inner={type(self.optimizer).__name__})")
+                f"{self.layout}{buckets}, inner={type(self.optimizer).__name__})")

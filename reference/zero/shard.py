@@ -21,16 +21,41 @@ data-parallel size N, and cut into N equal shards. Rank r owns shard r.
   need: one call moves the whole buffer, and each rank's share of the bytes is
   (N - 1) / N of it, the figure the ZeRO paper counts.
 
+ZeRO-2 reduces the gradients bucket by bucket during backward. A bucket
+(`FlatBucket`) is a contiguous range of the flat buffer, whole tensors only,
+planned from the end (`FlatLayout.buckets`), because backward produces the last
+layers' gradients first. A bucket may cross shard boundaries: its *pieces*
+(`FlatLayout.pieces`) are its intersections with the N shards, some empty.
+
+    flat   | p0 ....... | p1 ... | p2 ............... | pad |   (shards as above)
+           |<----- bucket 1 ---->|<------ bucket 0 -------->|
+    pieces of bucket 0: rank 0 none, rank 1 [o2, 2S), rank 2 [2S, P)
+
 `FlatLayout` holds this arithmetic and nothing else; the ZeRO optimizer keeps one
 layout for all its parameters, FSDP one per unit (block).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FlatLayout", "trainable_unique"]
+__all__ = ["FlatLayout", "FlatBucket", "trainable_unique"]
+
+
+@dataclass(frozen=True)
+class FlatBucket:
+    """Elements [start, end) of the flat buffer, holding the whole tensors `tensors` (indices)."""
+
+    index: int
+    start: int
+    end: int
+    tensors: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
 
 
 def trainable_unique(params: Iterable[torch.Tensor]) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
@@ -101,6 +126,32 @@ class FlatLayout:
                 out[o:o + n].copy_(t.reshape(-1))
         out[self.numel:].zero_()
         return out
+
+    def buckets(self, cap_numel: int) -> list[FlatBucket]:
+        """Contiguous ranges covering [0, P), at most `cap_numel` elements each, last tensor first.
+
+        Bucket 0 ends at P and holds the last tensors, whose gradients backward
+        produces first, and the padding (fewer than N numbers, beyond the cap).
+        A tensor is never cut: one larger than the cap gets a bucket of its own.
+        """
+        if isinstance(cap_numel, bool) or not isinstance(cap_numel, int) or cap_numel < 1:
+            raise ValueError(f"cap_numel must be a positive int (elements per bucket), got {cap_numel!r}")
+        buckets: list[FlatBucket] = []
+        end, members = self.padded_numel, []
+        for i in reversed(range(len(self.numels))):
+            if members and end - self.offsets[i] > cap_numel:  # tensor i would overflow the bucket
+                start = self.offsets[members[-1]]
+                buckets.append(FlatBucket(len(buckets), start, end, tuple(reversed(members))))
+                end, members = start, []
+            members.append(i)
+        start = 0  # the last bucket planned starts where the buffer does
+        buckets.append(FlatBucket(len(buckets), start, end, tuple(reversed(members))))
+        return buckets
+
+    def pieces(self, bucket: FlatBucket) -> list[tuple[int, int]]:
+        """Per rank r, [lo, hi): the part of `bucket` inside shard r (lo == hi when none)."""
+        clamp = lambda x: min(max(x, bucket.start), bucket.end)
+        return [tuple(clamp(x) for x in self.shard_range(r)) for r in range(self.world_size)]
 
     def __repr__(self) -> str:
         return (f"FlatLayout(tensors={len(self.numels)}, numel={self.numel}, N={self.world_size}, "

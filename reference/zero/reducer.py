@@ -1,0 +1,195 @@
+"""ZeRO-2's gradient path: reduce-scatter bucket by bucket from hooks, during backward.
+
+Stage 2 keeps only its shard of the averaged gradient (S numbers). Reducing once,
+after backward, would first need every module gradient (Psi numbers) and a flat
+copy of them (P) alive together. DeepSpeed instead reduces during backward, and
+so does `BucketReducer`:
+
+    backward produces    ... p7.grad  p6.grad | p5.grad  p4.grad | ...
+    flat layout          | ...  bucket 1      |    bucket 0      | pad |
+
+* A bucket is a contiguous range of the flat layout (`FlatLayout.buckets`),
+  whole tensors only, planned from the end because backward produces the last
+  layers' gradients first.
+* A hook on each parameter (``register_post_accumulate_grad_hook``) fires once
+  its gradient is complete. The gradient is copied into the bucket's buffer,
+  one (B,) tensor, and the parameter's ``.grad`` is freed at once.
+* When every gradient of the bucket is in, the bucket is reduce-scattered: rank
+  r receives the mean over ranks of the bucket's piece inside shard r (pieces
+  differ in size, some are empty) and keeps it in its shard's gradient. The
+  buffer is freed before the next bucket's is made.
+
+So at any moment a rank holds its shard's gradient and at most one bucket:
+`reference.memory.zero_peak_grad_bytes`. Collectives on a group must be issued in
+the same order on every rank, so buckets are reduced strictly in bucket order; a
+gradient that arrives before its bucket's turn stays in ``.grad`` until then. A
+gradient that never arrives (a parameter unused in this backward) counts as
+zeros: a callback at the end of backward reduces what is left.
+
+Bytes: a reduce-scatter of L numbers with uneven pieces costs a rank, in the
+ring algorithm, every piece but its own: 4 (L - l_r) bytes. Over the buckets,
+which cover the P numbers once, that is 4 (P - S) = (N-1)/N * 4P per backward,
+exactly the single reduce-scatter of stage 1. Several backwards before one step
+(gradient accumulation) communicate once each and add into the shard.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from reference import comms
+from reference.zero.shard import FlatLayout
+
+__all__ = ["BucketReducer", "reduce_scatter_pieces"]
+
+
+def reduce_scatter_pieces(output: torch.Tensor, pieces: list[torch.Tensor], group=None) -> None:
+    """Rank r receives into `output` the mean over ranks of `pieces[r]` (pieces of any sizes).
+
+    `torch.distributed.reduce_scatter` with a list: gloo runs it as it is, NCCL as
+    one reduce per owner when the sizes differ. Metered as a reduce-scatter whose
+    rank sends every piece but its own, as the ring would.
+    """
+    rank = dist.get_rank(group)
+    nbytes = [p.numel() * p.element_size() for p in pieces]
+    comms.record("reduce_scatter", group, sum(nbytes), sum(nbytes) - nbytes[rank])
+    dist.reduce_scatter(output, list(pieces), op=dist.ReduceOp.AVG, group=group)
+
+
+def _grad_ready(reducer_ref, index: int, param) -> None:
+    # A weak reference, so that a dropped optimizer does not live on through its hooks.
+    reducer = reducer_ref()
+    if reducer is not None:
+        reducer._grad_ready(index)
+
+
+def _remove_hooks(handles) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
+class BucketReducer:
+    """Reduce-scatter the gradients of `params`, laid out by `layout`, into `shard.grad` (S,).
+
+    `cap_numel`: the most numbers per bucket. Every rank must build it over the
+    same parameters and run the same backwards.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, shard: torch.nn.Parameter,
+                 group, cap_numel: int):
+        self.params, self.layout, self.shard, self.group = params, layout, shard, group
+        self.rank = dist.get_rank(group)
+        self.buckets = layout.buckets(cap_numel)
+        self._bucket_of = {i: b.index for b in self.buckets for i in b.tensors}
+        self._open = False
+        handles = []
+        me = weakref.ref(self)
+        for i, p in enumerate(params):
+            handles.append(p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, me, i)))
+        self._handles = handles
+        weakref.finalize(self, _remove_hooks, handles)
+
+    @property
+    def bucket_numel(self) -> int:
+        """The largest bucket: the B of the peak memory formula."""
+        return max(b.numel for b in self.buckets)
+
+    # ------------------------------------------------------------------ one backward
+    def _open_round(self, in_backward: bool) -> None:
+        self._open = True
+        self._arrived = [set() for _ in self.buckets]  # tensors whose gradient is complete
+        self._current = 0                               # buckets before it are reduced
+        self._buffer = None                             # the current bucket's (B,), made on demand
+        self._filled: set[int] = set()                  # tensors already copied into it
+        # Accumulate (a second backward before step) or write each piece straight
+        # into a fresh shard gradient: the buckets cover the shard exactly once.
+        self._accumulate = self.shard.grad is not None
+        if not self._accumulate:
+            self.shard.grad = torch.empty_like(self.shard)  # (S,)
+        if in_backward:
+            # Runs once autograd has finished the whole backward pass.
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def _grad_ready(self, i: int) -> None:
+        """Hook: parameter i's gradient is complete."""
+        if not self._open:
+            self._open_round(in_backward=True)
+        b = self._bucket_of[i]
+        if b < self._current:
+            raise RuntimeError(f"the gradient of parameter {i} arrived after its bucket {b} was reduced: "
+                               f"one backward must produce each gradient once")
+        self._arrived[b].add(i)
+        if b == self._current:
+            self._stash(i)
+        self._reduce_ready()
+
+    def _stash(self, i: int) -> None:
+        """Copy parameter i's gradient into the current bucket's buffer and free the gradient."""
+        bucket = self.buckets[self._current]
+        if self._buffer is None:
+            p0 = self.params[i]
+            self._buffer = torch.empty(bucket.numel, dtype=p0.dtype, device=p0.device)  # (B,)
+            if bucket.end > self.layout.numel:  # the padding (bucket 0 only) stays zero
+                self._buffer[self.layout.numel - bucket.start:].zero_()
+        p, o = self.params[i], self.layout.offsets[i] - bucket.start
+        self._buffer[o:o + p.numel()].copy_(p.grad.reshape(-1))
+        p.grad = None
+        self._filled.add(i)
+
+    def _reduce_ready(self, final: bool = False) -> None:
+        """Reduce, in bucket order, every bucket whose gradients are all in (all of them if `final`)."""
+        while self._current < len(self.buckets):
+            bucket = self.buckets[self._current]
+            if not final and len(self._arrived[bucket.index]) < len(bucket.tensors):
+                return
+            for i in bucket.tensors:
+                if i not in self._filled and self.params[i].grad is not None:
+                    self._stash(i)  # set outside a hook (by hand, or before this backward)
+            if self._buffer is None:  # nothing arrived here: reduce zeros
+                self._buffer = torch.zeros(bucket.numel, dtype=self.shard.dtype, device=self.shard.device)
+            for i in bucket.tensors:
+                if i not in self._filled:  # no gradient on this rank: contributes zeros
+                    o, n = self.layout.offsets[i] - bucket.start, self.layout.numels[i]
+                    self._buffer[o:o + n].zero_()
+            self._reduce(bucket)
+            self._buffer, self._filled = None, set()
+            self._current += 1
+            if self._current < len(self.buckets):  # gradients that came early move in now
+                for i in sorted(self._arrived[self._current]):
+                    self._stash(i)
+
+    def _reduce(self, bucket) -> None:
+        start, ranges = bucket.start, self.layout.pieces(bucket)
+        pieces = [self._buffer[lo - start:hi - start] for lo, hi in ranges]  # N views, some empty
+        lo, hi = ranges[self.rank]
+        s0 = self.layout.shard_range(self.rank)[0]
+        mine = self.shard.grad[lo - s0:hi - s0]  # (hi - lo,) view of this rank's shard gradient
+        if self._accumulate:
+            out = torch.empty_like(mine)
+            reduce_scatter_pieces(out, pieces, self.group)
+            mine.add_(out)
+        else:
+            reduce_scatter_pieces(mine, pieces, self.group)
+
+    def finish(self) -> None:
+        """Reduce every bucket not yet reduced in this backward (end of backward; safe to call again)."""
+        if self._open:
+            self._reduce_ready(final=True)
+            self._open = False
+
+    def reduce_leftovers(self) -> None:
+        """Reduce gradients that reached `.grad` without a hook (set by hand), if any.
+
+        Every rank must agree: a rank with such gradients runs collectives the
+        others must join.
+        """
+        if any(p.grad is not None for p in self.params):
+            self._open_round(in_backward=False)
+            self.finish()
+
+    def remove_hooks(self) -> None:
+        _remove_hooks(self._handles)
