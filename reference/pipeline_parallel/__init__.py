@@ -33,8 +33,10 @@ Where each part lives:
   parameters, embedding and head optionally on stages of their own),
   `GPTStage`, the tied embedding's gradient sum across the first and last stage,
   and `DelayedStage` (a stage that takes a fixed time, to time schedules on a laptop);
-* `reference.pipeline_parallel.executor`: `run_pipeline`, batched point-to-point
-  messages, activation checkpointing, trace and stored-activation bytes;
+* `reference.pipeline_parallel.executor`: `run_pipeline`, activation
+  checkpointing, trace and stored-activation bytes;
+* `reference.pipeline_parallel.messages`: the executor's batched point-to-point
+  messages, sized from the stages' actual outputs by a handshake on micro-batch 0;
 * `reference.pipeline_parallel.viz`: timelines and the bubble against its formula;
 * `reference.pipeline_parallel.widgets`: the schedule explorer (pp, m, kind and
   virtual stages -> timeline and bubble).

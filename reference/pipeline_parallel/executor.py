@@ -4,19 +4,26 @@
 rank's steps of the schedule (`Schedule.steps`) and does exactly what they say:
 
 * F: forward the micro-batch through the chunk's stage; keep what backward
-  needs; on the last stage compute the micro-batch's loss, divided by m so the
+  needs; on the last stage compute the micro-batch's loss with the stage's own
+  ``loss`` (`GPTStage.loss`: the vocab-parallel cross-entropy when the head is
+  split over the vocabulary by tensor parallelism), divided by m so the
   gradients add up to those of the full-batch mean;
 * B: backward from the received output gradient (or from the loss);
 * a run of SEND/RECV: one ``batch_isend_irecv`` holding all of them, waited on
-  together. Shapes are known in advance, (B / m, T, C), so a receive needs no
-  handshake. Every message is recorded in the open communication meters as a
-  "send" or "recv" on the pipeline group.
+  together, metered (`reference.pipeline_parallel.messages`). What a message
+  holds is read from the stage's actual output, never assumed: (B / m, T / tp, C)
+  under sequence parallelism, bf16 from a stage that hands on bf16; a handshake
+  on micro-batch 0 tells the receiver.
 
 Activation checkpointing (``checkpoint=True``, or one flag per local chunk): F
 runs without building the autograd graph and keeps only the stage's input; B
-runs the forward again, with the random state F saw, then backward. Stored
-bytes fall from the whole stage's activations to its input, for one more
-forward per micro-batch.
+runs the forward again, with the random state F saw, then backward. "The
+random state" is every stream the stage draws dropout masks from: the default
+generator (and the GPU's), and under tensor parallelism the per-rank stream of
+sharded regions (`reference.tensor_parallel.rng.RNGStates`); a recomputation
+with other masks would differentiate another network than the one whose output
+was sent on. Stored bytes fall from the whole stage's activations to its input,
+for one more forward per micro-batch.
 
 Measured, not assumed: every action's start and end (seconds from a common
 start; the ranks meet at a barrier first) go into ``result.trace``, and the
@@ -34,11 +41,12 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from reference.comms.metering import record
 from reference.model import lm_loss
 from reference.pipeline_parallel.check import TraceEvent
+from reference.pipeline_parallel.messages import Mailbox
 from reference.pipeline_parallel.schedules import Schedule
 from reference.pipeline_parallel.stage import sync_tied_grads
+from reference.tensor_parallel.rng import RNGStates
 
 __all__ = ["run_pipeline", "PipelineResult"]
 
@@ -87,18 +95,13 @@ class _SavedBytes:
         self._hooks.__exit__(*exc)
 
 
-def _rng_state(device):
-    return (torch.get_rng_state(),
-            torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
 def _run_stage(stage, x, last: bool, target, m: int, loss_fn):
     """Forward one micro-batch: (out, aux, scaled loss or None, loss or None)."""
     out = stage(x)
     out, aux = out if isinstance(out, tuple) else (out, None)
     if not last:
         return out, aux, None, None
-    loss = loss_fn(out, target)
+    loss = (loss_fn or getattr(stage, "loss", None) or lm_loss)(out, target)
     total = loss if aux is None else loss + aux
     return out, aux, total / m, loss  # / m: the mean over micro-batches
 
@@ -106,7 +109,7 @@ def _run_stage(stage, x, last: bool, target, m: int, loss_fn):
 def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
                  inputs: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None,
                  *, group=None, checkpoint: Union[bool, Sequence[bool]] = False, tied_group=None,
-                 batch_shape: Optional[tuple] = None, loss_fn: Callable = lm_loss) -> PipelineResult:
+                 batch_shape: Optional[tuple] = None, loss_fn: Optional[Callable] = None) -> PipelineResult:
     """Run this rank's part of ``schedule`` on the full batch ``inputs`` (B, T) -> ``targets`` (B, T).
 
     ``stages``: this rank's stage modules indexed by chunk (`local_stages`).
@@ -115,6 +118,8 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
     passes ``batch_shape=(B, T)``. Gradients accumulate into the stages'
     ``.grad`` (zero them before); with ``tied_group`` (`build_embedding_group`) the
     tied embedding's gradient is summed over its two copies at the end.
+    ``loss_fn(logits, targets)``: the last stage's loss; by default the stage's
+    own ``loss`` method (`GPTStage.loss`), else `lm_loss`.
     Returns a `PipelineResult`; its ``loss`` is the mean over the m micro-batches.
     """
     schedule.validate()
@@ -146,24 +151,18 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
     shape = next((t.shape for t in (inputs, targets) if t is not None), batch_shape)
     if shape is None:
         raise ValueError(f"pipeline rank {rank} got neither inputs nor targets: pass batch_shape=(B, T)")
-    B, T = shape
+    B = shape[0]  # (B, T): micro-batches cut along B
     if B % m:
         raise ValueError(f"the batch of {B} sequences does not split into m={m} equal micro-batches")
     params = [p for st in stages for p in st.parameters()]
-    dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
     device = params[0].device if params else torch.device("cpu")
-    n_embd = getattr(getattr(stages[0], "config", None), "n_embd", None)
-    if n_embd is None:
-        raise ValueError("a stage module needs a .config with n_embd: the width of the messages")
-    act_shape = (B // m, T, n_embd)  # (B / m, T, C): every message's shape
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
     # clone: a micro-batch's own storage, so its bytes are counted alone
     mb_in = [t.to(device).clone() for t in inputs.split(B // m)] if inputs is not None else None
     mb_tgt = [t.to(device).clone() for t in targets.split(B // m)] if targets is not None else None
 
     held: dict = {}      # (mb, chunk) -> what B needs
-    arrived: dict = {}   # (op, mb, chunk) -> received activation ("F") or output gradient ("B")
-    outbox: dict = {}    # (op, mb, chunk) -> tensor waiting to be sent
+    mail = Mailbox(group, rank, device)
     losses, result = [], PipelineResult(loss=None)
     held_bytes = 0
 
@@ -173,12 +172,12 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
         if s == 0:
             x = mb_in[mb]  # (B / m, T) token ids
         else:
-            x = arrived.pop(("F", mb, c)).requires_grad_()  # (B / m, T, C)
+            x = mail.take("F", mb, c).requires_grad_()  # (B / m, T, C), or (B / m, T / tp, C) under SP
         target = mb_tgt[mb] if s == last_stage else None
         entry = {"x": x}
         with _SavedBytes(param_ptrs) as saved:
             if flags[c]:
-                entry["rng"] = _rng_state(device)
+                entry["rng"] = RNGStates.capture(st, device)  # every stream F draws from
                 with torch.no_grad():
                     out, _, _, loss = _run_stage(st, x, s == last_stage, target, m, loss_fn)
             else:
@@ -191,7 +190,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
         if loss is not None:
             losses.append(loss.detach())
         if s < last_stage:
-            outbox[("F", mb, c)] = out.detach()
+            mail.post("F", mb, c, out.detach())
         entry["bytes"] = saved.bytes
         held[(mb, c)] = entry
         held_bytes += saved.bytes
@@ -205,14 +204,14 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
         entry = held.pop((mb, c))
         x = entry["x"]
         if flags[c]:  # recompute the forward with the random state F saw
-            cpu_state, dev_state = entry["rng"]
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                    _SavedBytes(param_ptrs, exclude=[x]) as again:
-                torch.set_rng_state(cpu_state)
-                if dev_state is not None:
-                    torch.cuda.set_rng_state(dev_state, device)
-                out, aux, total, _ = _run_stage(st, x, s == last_stage,
-                                                mb_tgt[mb] if s == last_stage else None, m, loss_fn)
+            now = RNGStates.capture(st, device)
+            entry["rng"].restore()  # the same dropout masks as the forward that was sent on
+            try:
+                with _SavedBytes(param_ptrs, exclude=[x]) as again:
+                    out, aux, total, _ = _run_stage(st, x, s == last_stage,
+                                                    mb_tgt[mb] if s == last_stage else None, m, loss_fn)
+            finally:
+                now.restore()  # the streams go on as if nothing had been drawn again
             result.recompute_bytes = max(result.recompute_bytes, again.bytes)
             result.peak_activation_bytes = max(result.peak_activation_bytes, held_bytes + again.bytes)
         else:
@@ -220,7 +219,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
         if s == last_stage:
             tensors, grads = [total], [None]
         else:
-            tensors, grads = [out], [arrived.pop(("B", mb, c))]
+            tensors, grads = [out], [mail.take("B", mb, c)]
             if aux is not None and aux.requires_grad:  # the stage's share of the aux loss
                 tensors.append(aux)
                 grads.append(torch.full_like(aux, 1.0 / m))
@@ -228,24 +227,8 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
         if keep:
             torch.autograd.backward([t for t, _ in keep], [g for _, g in keep])
         if s > 0:
-            outbox[("B", mb, c)] = x.grad if x.grad is not None else torch.zeros_like(x)
+            mail.post("B", mb, c, x.grad if x.grad is not None else torch.zeros_like(x))
         held_bytes -= entry["bytes"]
-
-    def exchange(step):
-        ops = []
-        for a in step:
-            key = (a.op[-1], a.mb, a.chunk)
-            if a.op.startswith("SEND"):
-                t = outbox.pop(key).contiguous()
-                record("send", group, t.numel() * t.element_size(), t.numel() * t.element_size())
-                ops.append(dist.P2POp(dist.isend, t, group=group, group_peer=a.peer))
-            else:
-                t = torch.empty(act_shape, dtype=dtype, device=device)
-                arrived[key] = t
-                record("recv", group, t.numel() * t.element_size(), 0)
-                ops.append(dist.P2POp(dist.irecv, t, group=group, group_peer=a.peer))
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
 
     if not alone and pp > 1:
         dist.barrier(group=group)  # a common start, so the ranks' traces line up
@@ -255,7 +238,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
         start = time.perf_counter() - t0
         a = step[0]
         if a.is_comm:
-            exchange(step)
+            mail.exchange(step)
         elif a.op == "F":
             forward(a.mb, a.chunk)
         else:

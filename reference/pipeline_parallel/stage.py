@@ -39,7 +39,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from reference import comms
-from reference.model import GPT, Block, GPTConfig
+from reference.model import GPT, Block, GPTConfig, lm_loss
+from reference.tensor_parallel.loss import VocabParallelLMHead
 
 __all__ = ["StageSpec", "plan_stages", "GPTStage", "split_stages", "local_stages",
            "DelayedStage", "build_embedding_group", "sync_tied_grads"]
@@ -180,8 +181,17 @@ class GPTStage(nn.Module):
             x, block_aux = block(x)  # (B, T, C)
             aux = aux + block_aux
         if self.spec.head:
-            x = GPT.head(self, x)  # (B, T, V)
+            x = GPT.head(self, x)  # (B, T, V), or this rank's (B, T, V_pad / tp) under TP
         return x, aux
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The head stage's loss: `lm_loss`, or the vocab-parallel cross-entropy when
+        `apply_tensor_parallel` split lm_head over the vocabulary (the logits are then
+        this rank's columns, and a dense loss on them would be wrong)."""
+        head = getattr(self, "lm_head", None)
+        if isinstance(head, VocabParallelLMHead):
+            return head.loss(logits, targets)
+        return lm_loss(logits, targets)
 
     def extra_repr(self) -> str:
         return str(self.spec)
@@ -240,6 +250,10 @@ class DelayedStage(nn.Module):
     def forward(self, x):
         out, aux = self.stage(x)
         return _Sleep.apply(out, self.forward_s, self.backward_s), aux
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The wrapped stage's loss (`lm_loss` if it has none)."""
+        return getattr(self.stage, "loss", lm_loss)(logits, targets)
 
 
 def build_embedding_group(mesh) -> Optional[object]:

@@ -26,9 +26,21 @@ Three all-reduces of B * T floats in forward instead of an all-gather of
 B * T * V; backward needs no communication: d loss / d z_v = softmax_v - [v = target],
 and each rank holds the softmax of its own columns.
 
+As `F.cross_entropy`, targets equal to ``ignore_index`` (-100) are left out: their
+loss is 0, their gradient row is 0, and the mean is over the other tokens. Every
+rank holds the same targets, so the count needs no communication.
+
+Precision, as in Megatron-LM: whatever the logits' dtype (bf16 under autocast),
+the shard is upcast and the max, the exponentials, their sums and the three
+all-reduces run in fp32 (a sum of V exponentials in bf16, 8 significant bits,
+is off in the third digit). The loss is returned in fp32; the gradient flows
+back in the logits' own dtype.
+
 With tied weights the output layer is column-parallel over the vocabulary and
 shares this rank's embedding shard (the same Parameter), so both uses add into
-one gradient, as in the dense model.
+one gradient, as in the dense model. `VocabParallelLMHead` is that output layer:
+it knows the true V, so it scores its own logits (`loss`) and, for sampling,
+gathers them whole (`gather`: every rank must draw the same next token).
 """
 from __future__ import annotations
 
@@ -38,9 +50,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from reference import comms
-from reference.tensor_parallel.comms import reduce_from_tensor_parallel_region
+from reference.tensor_parallel.comms import (
+    gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
+)
+from reference.tensor_parallel.layers import ColumnParallelLinear
 
-__all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy", "padded_vocab_size"]
+__all__ = ["VocabParallelEmbedding", "VocabParallelLMHead", "vocab_parallel_cross_entropy",
+           "padded_vocab_size"]
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -48,9 +64,11 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-def _check_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(f"{what} must lie in [0, {vocab_size}), got values in "
+def _check_ids(ids: torch.Tensor, vocab_size: int, what: str, ignore_index: int | None = None) -> None:
+    real = ids if ignore_index is None else ids[ids != ignore_index]
+    if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab_size):
+        allowed = "" if ignore_index is None else f" or equal ignore_index={ignore_index}"
+        raise ValueError(f"{what} must lie in [0, {vocab_size}){allowed}, got values in "
                          f"[{int(ids.min())}, {int(ids.max())}]")
 
 
@@ -101,48 +119,55 @@ class VocabParallelEmbedding(nn.Module):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, group, vocab_start, vocab_size):
-        # logits (N, V_local): this rank's columns; targets (N,) global ids.
-        v_local = logits.shape[-1]
-        logits = logits.clone()
+    def forward(ctx, logits, targets, group, vocab_start, vocab_size, ignore_index):
+        # logits (N, V_local): this rank's columns, any float dtype; targets (N,) global ids.
+        ctx.dtype = logits.dtype
+        z = logits.to(torch.float32, copy=True)  # Megatron's upcast: every reduction in fp32
+        v_local = z.shape[-1]
         pad_from = vocab_size - vocab_start  # local index of the first padding column
         if pad_from < v_local:
-            logits[:, max(0, pad_from):] = float("-inf")  # padding is not part of the vocabulary
+            z[:, max(0, pad_from):] = float("-inf")  # padding is not part of the vocabulary
 
-        m = logits.max(dim=-1).values  # (N,)
+        m = z.max(dim=-1).values  # (N,)
         comms.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        logits -= m.unsqueeze(-1)  # shifted: exp never overflows
+        z -= m.unsqueeze(-1)  # shifted: exp never overflows
 
-        mine = (targets >= vocab_start) & (targets < vocab_start + v_local)  # (N,)
+        valid = targets != ignore_index  # (N,): the same on every rank
+        mine = valid & (targets >= vocab_start) & (targets < vocab_start + v_local)  # (N,)
         local_t = (targets - vocab_start).masked_fill(~mine, 0)
-        z_target = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        z_target = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
         comms.all_reduce(z_target, group=group)  # only the owner of each target adds a term
 
-        exp = logits.exp_()  # (N, V_local), in place: the shifted logits are no longer needed
+        exp = z.exp_()  # (N, V_local) fp32, in place: the shifted logits are no longer needed
         sum_exp = exp.sum(dim=-1)
         comms.all_reduce(sum_exp, group=group)
 
         softmax = exp.div_(sum_exp.unsqueeze(-1))  # this rank's columns of the softmax
-        ctx.save_for_backward(softmax, mine, local_t)
-        return sum_exp.log() - z_target  # (N,)
+        ctx.save_for_backward(softmax, mine, local_t, valid)
+        return (sum_exp.log() - z_target).masked_fill(~valid, 0.0)  # (N,) fp32; 0 where ignored
 
     @staticmethod
     def backward(ctx, grad_loss):  # grad_loss (N,)
-        softmax, mine, local_t = ctx.saved_tensors
+        softmax, mine, local_t, valid = ctx.saved_tensors
         grad = softmax.clone()
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows[mine], local_t[mine]] -= 1.0  # softmax - one_hot(target), on the owner's columns
-        return grad * grad_loss.unsqueeze(-1), None, None, None, None
+        grad *= (grad_loss * valid).unsqueeze(-1)  # an ignored row gets no gradient
+        return grad.to(ctx.dtype), None, None, None, None, None  # back in the logits' dtype
 
 
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, group,
-                                 vocab_size: int | None = None, reduction: str = "mean") -> torch.Tensor:
+                                 vocab_size: int | None = None, reduction: str = "mean",
+                                 ignore_index: int = -100) -> torch.Tensor:
     """Cross-entropy of vocab-sharded logits (.., V_pad / tp) against global target ids (..).
 
     `vocab_size` is the true vocabulary V when V_pad > V: the padding columns are
-    left out of the softmax (default: no padding). ``reduction="mean"`` gives the
-    token mean (as `reference.model.lm_loss`), ``"none"`` the loss of every token.
-    The same value on every rank of the group.
+    left out of the softmax (default: no padding). Targets equal to
+    `ignore_index` count for nothing, as in `F.cross_entropy`. ``reduction="mean"``
+    gives the mean over the other tokens (as `reference.model.lm_loss`; NaN when
+    every target is ignored), ``"none"`` the loss of every token (0 where ignored).
+    Computed in fp32 and returned in fp32 whatever the logits' dtype; the gradient
+    comes back in the logits' dtype. The same value on every rank of the group.
     """
     if reduction not in ("mean", "none"):
         raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
@@ -157,8 +182,53 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
     if logits_shard.shape[:-1] != targets.shape:
         raise ValueError(f"logits {tuple(logits_shard.shape)} and targets {tuple(targets.shape)} "
                          f"must agree on every dimension but the last")
-    _check_ids(targets, vocab_size, "targets")
+    _check_ids(targets, vocab_size, "targets", ignore_index)
     losses = _VocabParallelCrossEntropy.apply(
-        logits_shard.reshape(-1, v_local), targets.reshape(-1), group, tp_rank * v_local, vocab_size)
-    losses = losses.view(targets.shape)
-    return losses.mean() if reduction == "mean" else losses
+        logits_shard.reshape(-1, v_local), targets.reshape(-1), group, tp_rank * v_local,
+        vocab_size, ignore_index)
+    losses = losses.view(targets.shape)  # fp32
+    if reduction == "none":
+        return losses
+    return losses.sum() / (targets != ignore_index).sum()  # the mean over the counted tokens
+
+
+class VocabParallelLMHead(ColumnParallelLinear):
+    """The output layer C -> V split over the vocabulary: (.., C) -> logits (.., V_pad / tp).
+
+    A column-parallel linear whose columns are the token ids [r * V_pad / tp, ...);
+    its rows past V (the padding) are zero. It knows the true V, so it can score
+    its own logits (`loss`) and put them together (`gather`). Build it with
+    `from_dense_head`.
+    """
+
+    vocab_size: int
+
+    @classmethod
+    def from_dense_head(cls, linear: nn.Linear, group, *, sequence_parallel: bool = False,
+                        regather_input: bool = False) -> "VocabParallelLMHead":
+        """This rank's vocabulary block of the dense `linear` (C -> V), padded to V_pad."""
+        vocab = linear.out_features
+        padded = nn.Linear(linear.in_features, padded_vocab_size(vocab, dist.get_world_size(group)),
+                           bias=linear.bias is not None, device=linear.weight.device)
+        with torch.no_grad():
+            for name, dense in linear.named_parameters():
+                pad = getattr(padded, name)
+                pad.zero_()
+                pad[:vocab].copy_(dense)
+                pad.requires_grad_(dense.requires_grad)
+        head = cls.from_dense(padded, group, gather_output=False, sequence_parallel=sequence_parallel,
+                              regather_input=regather_input)
+        head.vocab_size = vocab
+        return head
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """`vocab_parallel_cross_entropy` of this head's logits (.., V_pad / tp): 0-dim, fp32."""
+        return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_size,
+                                            ignore_index=ignore_index)
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        """(.., V_pad / tp) -> the whole logits (.., V), padding dropped: one all-gather of them."""
+        return gather_from_tensor_parallel_region(logits, self.group)[..., : self.vocab_size]
+
+    def extra_repr(self) -> str:
+        return f"vocab_size={self.vocab_size}, " + super().extra_repr()

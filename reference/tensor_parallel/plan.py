@@ -4,6 +4,13 @@
 `SP_PLAN` with sequence parallelism); `allreduce_sequence_parallel_grads` sums the
 gradients of the parameters that see only this rank's tokens under SP. The
 communication per block is tabled in `reference.tensor_parallel`.
+
+The model's forward is left as it is; two hooks around it adapt what it returns.
+In training, the logits stay split over the vocabulary and the loss is the
+vocab-parallel cross-entropy. In eval mode without targets (generation,
+evaluation) the logits are gathered whole, so that sampling draws the same token
+on every rank: ranks that sampled from their own shards would feed different ids
+to the vocab-parallel embedding, and their copies would drift apart silently.
 """
 from __future__ import annotations
 
@@ -16,12 +23,10 @@ import torch.nn as nn
 
 from reference import comms
 from reference.model import MLP, GPT
-from reference.tensor_parallel.comms import (
-    scatter_to_sequence_parallel_region,
-)
+from reference.tensor_parallel.comms import SEQ_DIM, scatter_to_sequence_parallel_region
 from reference.tensor_parallel.attention import ParallelCausalSelfAttention
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from reference.tensor_parallel.loss import VocabParallelEmbedding, padded_vocab_size, vocab_parallel_cross_entropy
+from reference.tensor_parallel.loss import VocabParallelEmbedding, VocabParallelLMHead
 from reference.tensor_parallel.rng import ShardedDropout, TensorParallelRNG
 
 __all__ = ["apply_tensor_parallel", "allreduce_sequence_parallel_grads", "TP_PLAN", "SP_PLAN",
@@ -47,13 +52,23 @@ SP_PLAN: tuple[tuple[str, str], ...] = (
 
 
 class SequenceParallelScatter(nn.Module):
-    """Enter the sequence-parallel region: (B, T, C) -> (B, T // tp, C), then dropout of the shard."""
+    """Enter the sequence-parallel region: (B, T, C) -> (B, T // tp, C), then dropout of the shard.
+
+    In eval mode a length T that tp does not divide is padded at the end with zero
+    vectors up to the next multiple (generation grows the context one token at a
+    time): attention is causal, so no real token sees the padding, and the model's
+    hook drops the padded positions of the logits. In training T must divide.
+    """
 
     def __init__(self, group, dropout: nn.Module):
         super().__init__()
         self.group, self.dropout = group, dropout
+        self.tp = torch.distributed.get_world_size(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pad = -x.shape[SEQ_DIM] % self.tp
+        if pad and not self.training:
+            x = torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=SEQ_DIM)  # (B, T_pad, C)
         return self.dropout(scatter_to_sequence_parallel_region(x, self.group))
 
 
@@ -64,7 +79,6 @@ class _Context:
     sequence_parallel: bool
     regather_input: bool
     rng: TensorParallelRNG
-    vocab_size: int
     tied: bool
     embedding: VocabParallelEmbedding | None = None
 
@@ -92,15 +106,8 @@ def _row(m: nn.Linear, c: _Context) -> nn.Module:
 
 def _vocab_head(m: nn.Linear, c: _Context) -> nn.Module:
     # The output layer C -> V_pad, split like the embedding; logits stay (B, T, V_pad / tp).
-    padded = nn.Linear(m.in_features, padded_vocab_size(c.vocab_size, c.tp), bias=False,
-                       device=m.weight.device)
-    with torch.no_grad():
-        padded.weight.zero_()
-        padded.weight[: c.vocab_size].copy_(m.weight)
-    padded.weight.requires_grad_(m.weight.requires_grad)
-    head = ColumnParallelLinear.from_dense(padded, c.group, gather_output=False,
-                                           sequence_parallel=c.sequence_parallel,
-                                           regather_input=c.regather_input)
+    head = VocabParallelLMHead.from_dense_head(m, c.group, sequence_parallel=c.sequence_parallel,
+                                               regather_input=c.regather_input)
     if c.tied:
         head.weight = c.embedding.weight  # one Parameter: both uses add into its gradient
     return head
@@ -147,11 +154,14 @@ def _check_divisible(model: GPT, mesh) -> None:
 
 
 def _route_loss_to_vocab_parallel(model: GPT, c: _Context) -> None:
-    """model(idx, targets) keeps working: the loss is computed from the sharded logits.
+    """model(idx, targets) keeps working, and model.generate(...) samples what the dense model would.
 
     The dense forward would hand the (B, T, V_pad / tp) logits to a dense
     cross-entropy; a pre-hook takes the targets away from it, and a hook after
-    the forward computes `vocab_parallel_cross_entropy` instead.
+    the forward computes `vocab_parallel_cross_entropy` instead. In eval mode
+    without targets (`GPT.generate`, `reference.train.evaluate`) the caller
+    wants the logits themselves: the hook gathers them whole, (B, T, V), the
+    same on every rank, so every rank samples the same next token.
     """
     held = {}
 
@@ -161,10 +171,12 @@ def _route_loss_to_vocab_parallel(model: GPT, c: _Context) -> None:
 
     def vocab_parallel_loss(module, args, kwargs, output):
         targets = held.pop("targets", None)
-        if targets is None:
-            return output
         logits, _ = output
-        loss = vocab_parallel_cross_entropy(logits, targets, c.group, vocab_size=c.vocab_size)
+        T = (args[0] if args else kwargs["idx"]).shape[1]
+        logits = logits[:, :T]  # drop the positions SequenceParallelScatter padded (eval only)
+        if targets is None:
+            return (logits if module.training else module.lm_head.gather(logits)), None
+        loss = module.lm_head.loss(logits, targets)
         module.last_lm_loss = loss.detach()
         return logits, loss  # the dense ffn has no aux loss (checked in apply)
 
@@ -177,9 +189,13 @@ def apply_tensor_parallel(model: GPT, mesh, sequence_parallel: bool = False, *,
     """Split `model` (a `reference.model.GPT`) in place across ``mesh.group("tp")``; returns it.
 
     Every rank of the TP group calls this on a model with the same weights.
-    Afterwards ``model(idx)`` returns this rank's vocab shard of the logits,
-    (B, T, V_pad / tp), and ``model(idx, targets)`` the same loss as the dense
-    model (computed by `vocab_parallel_cross_entropy`). With
+    Afterwards, in training mode, ``model(idx)`` returns this rank's vocab shard
+    of the logits, (B, T, V_pad / tp), and ``model(idx, targets)`` the same loss
+    as the dense model (`vocab_parallel_cross_entropy`, -100 targets ignored).
+    In eval mode ``model(idx)`` returns the whole logits (B, T, V), gathered, so
+    ``model.generate(...)`` with the same seeded generator on every rank draws
+    the dense model's tokens on every rank; under sequence parallelism eval mode
+    also pads a length that tp does not divide. With
     ``sequence_parallel=True`` call `allreduce_sequence_parallel_grads` after
     each backward. `seed` seeds the dropout stream of sharded regions
     (``seed + 2718 + tp_rank``); the default stream is the caller's. A no-op
@@ -193,7 +209,6 @@ def apply_tensor_parallel(model: GPT, mesh, sequence_parallel: bool = False, *,
     device = model.wte.weight.device
     c = _Context(group=mesh.group("tp"), tp=mesh.tp, sequence_parallel=sequence_parallel,
                  regather_input=regather_input, rng=TensorParallelRNG(seed, mesh.tp_rank, device),
-                 vocab_size=model.config.vocab_size,
                  tied=model.lm_head.weight is model.wte.weight)
     plan = TP_PLAN + (SP_PLAN if sequence_parallel else ())
     for pattern, style in plan:

@@ -18,6 +18,13 @@ Megatron-LM keeps a second generator state for the shards, seeded with
 ``seed + 2718 + tp_rank``, and swaps it in around sharded dropout. The default
 stream is left exactly where it was, so the replicated draws of all ranks stay
 in step whatever the shards drew. `TensorParallelRNG.fork()` is that swap.
+
+Activation checkpointing runs a forward a second time in backward, and that
+recomputation must drop exactly the elements the first forward dropped, or the
+gradient belongs to another network than the output sent on. `RNGStates`
+captures every stream a module's forward draws from (the default CPU
+generator, the GPU's when the module runs on one, and the state of every
+`TensorParallelRNG` its layers hold) so the recomputation can replay them.
 """
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["TensorParallelRNG", "ShardedDropout", "TP_SEED_OFFSET"]
+__all__ = ["TensorParallelRNG", "ShardedDropout", "RNGStates", "TP_SEED_OFFSET"]
 
 TP_SEED_OFFSET = 2718  # Megatron-LM's offset between the default and the TP seed
 
@@ -74,8 +81,45 @@ class TensorParallelRNG:
             self._state = _get_state(self.device)
             _set_state(self.device, saved)
 
+    def get_state(self) -> torch.Tensor:
+        """Where this stream stands (a copy): the next `fork()` draws from here."""
+        return self._state.clone()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self._state = state.clone()
+
     def __repr__(self) -> str:
         return f"TensorParallelRNG(seed={self.seed}, device={self.device})"
+
+
+class RNGStates:
+    """The state of every generator a forward of `module` draws from, to replay it.
+
+    ``RNGStates.capture(module, device)`` before the first forward;
+    ``states.restore()`` before running it again (activation checkpointing),
+    and a second capture taken just before lets the streams go on afterwards as
+    if the recomputation had drawn nothing. The `TensorParallelRNG` streams are
+    found as attributes of the module's layers (`ShardedDropout`, the parallel
+    attention).
+    """
+
+    def __init__(self, cpu: torch.Tensor, gpu: tuple | None, trackers: list):
+        self.cpu, self.gpu, self.trackers = cpu, gpu, trackers
+
+    @classmethod
+    def capture(cls, module: nn.Module, device: torch.device | str = "cpu") -> "RNGStates":
+        device = torch.device(device)
+        gpu = (device, torch.cuda.get_rng_state(device)) if device.type == "cuda" else None
+        found = {id(v): v for m in module.modules() for v in vars(m).values()
+                 if isinstance(v, TensorParallelRNG)}
+        return cls(torch.get_rng_state(), gpu, [(t, t.get_state()) for t in found.values()])
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.gpu is not None:
+            torch.cuda.set_rng_state(self.gpu[1], self.gpu[0])
+        for tracker, state in self.trackers:
+            tracker.set_state(state)
 
 
 class ShardedDropout(nn.Dropout):
