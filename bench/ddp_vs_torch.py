@@ -42,14 +42,14 @@ from reference import comms
 from reference.data import synthetic_batch
 from reference.data_parallel import DDP, naive_all_reduce_gradients
 from reference.model import GPT, GPTConfig
-from reference.runtime import launch
+from reference.runtime import device, launch
 from reference.train import make_optimizer
 
 VARIANTS = ("ours", "torch", "ours 1MiB", "naive")
 
 
 def _build(variant: str, cfg: GPTConfig):
-    model = GPT.from_config_seed(cfg, 0)
+    model = GPT.from_config_seed(cfg, 0).to(device())  # the rank's GPU under NCCL, else the CPU
     if variant == "ours":
         return DDP(model)
     if variant == "ours 1MiB":
@@ -67,7 +67,7 @@ def _bench(cfg_name: str, batch_per_rank: int, steps: int, warmup: int):
     times = {v: [] for v in VARIANTS}
     for step in range(warmup + steps):
         x, y = synthetic_batch(batch_per_rank * world, cfg.block_size, seed=0, step=step)
-        x, y = x.chunk(world)[rank], y.chunk(world)[rank]  # (B / N, T) each
+        x, y = x.chunk(world)[rank].to(device()), y.chunk(world)[rank].to(device())  # (B / N, T) each
         # Rotate the order each step, so no variant always runs right after another.
         for v in VARIANTS[step % len(VARIANTS):] + VARIANTS[:step % len(VARIANTS)]:
             model, opt = models[v], opts[v]
@@ -78,7 +78,9 @@ def _bench(cfg_name: str, batch_per_rank: int, steps: int, warmup: int):
                 naive_all_reduce_gradients(model)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            if device().type == "cuda":
+                torch.cuda.synchronize()  # GPU work is asynchronous: time it to its end
+            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device())
             comms.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
             if step >= warmup:
                 times[v].append(elapsed.item())

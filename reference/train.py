@@ -51,16 +51,40 @@ def train_step(
     x: torch.Tensor,
     y: torch.Tensor,
     grad_clip: Optional[float] = None,
+    mesh=None,
 ) -> float:
-    """One optimizer step on the batch (x, y); returns the loss (lm loss + aux losses) as a float."""
+    """One optimizer step on the batch (x, y); returns the loss (lm loss + aux losses) as a float.
+
+    ``grad_clip`` clips the gradients' norm. In one process that is torch's
+    ``clip_grad_norm_``. Inside a rank of a parallel run each rank holds only part of
+    the gradients (a slice, a stage, a shard), and a per-rank norm would scale each
+    part differently: pass the run's ``mesh`` and the global norm is used
+    (`reference.parallel.clip`, with the model's gradients already synchronised).
+    """
     _, loss = model(x, y)
     loss.backward()
     if grad_clip is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        _clip(model, grad_clip, mesh)
     optimizer.step()
     # set_to_none frees the gradient memory between steps, as PyTorch does by default.
     optimizer.zero_grad(set_to_none=True)
     return loss.item()
+
+
+def _clip(model: nn.Module, max_norm: float, mesh) -> None:
+    if mesh is None:
+        import torch.distributed as dist  # only asked, never used to communicate here
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                f"grad_clip={max_norm} inside a run of {dist.get_world_size()} ranks: each rank "
+                f"would clip by the norm of its own gradients only; pass mesh= (the run's "
+                f"reference.mesh.Mesh) so the norm is taken over the whole model")
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return
+    from reference.parallel.clip import clip_grad_norm_  # the composing layer, loaded only here
+
+    clip_grad_norm_(model, max_norm, mesh)
 
 
 @torch.no_grad()

@@ -248,7 +248,7 @@ def _notebook_claims():
 
 @pytest.fixture(scope="module")
 def claims():
-    return launch(_notebook_claims, 2, timeout=90.0)
+    return launch(_notebook_claims, 2, backend="gloo", timeout=90.0)  # CPU tensors and tolerances
 
 
 def test_a_real_ddp_step_launches_every_bucket_inside_backward_and_draws(claims, no_pyplot_figures):

@@ -113,3 +113,47 @@ def test_oracle_imports_no_distributed_course_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = set(eval(out.stdout))
     assert loaded == {"reference", "reference.model", "reference.data", "reference.train"}, loaded
+
+
+# ------------------------------------------------------------ clipping in a parallel run
+CLIP = 0.05  # the tiny GPT's first gradient norm is about 1.5: clipping scales it down
+
+
+def _sgd_step(model, mesh=None):
+    """One train_step with plain SGD (AdamW would hide a rescaled gradient: its first step is
+    scale-invariant), on a fixed batch; returns the loss."""
+    x, y = synthetic_batch(4, 16, seed=3)
+    return train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), x, y, grad_clip=CLIP, mesh=mesh)
+
+
+def _tensor_parallel_step():
+    import torch.distributed as dist
+
+    from reference.mesh import Mesh
+    from reference.tensor_parallel import apply_tensor_parallel
+
+    mesh = Mesh(tp=dist.get_world_size()).build_groups()
+    model = apply_tensor_parallel(GPT.from_config_seed(GPTConfig.tiny(), 0), mesh)
+    try:  # without the mesh each rank would clip by the norm of its own slices
+        _sgd_step(apply_tensor_parallel(GPT.from_config_seed(GPTConfig.tiny(), 0), mesh))
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    _sgd_step(model, mesh)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, refused
+
+
+def test_train_step_clips_by_the_global_norm_on_tensor_parallel_ranks():
+    from reference.runtime import launch
+    from test_tensor_parallel_gpt import dense_shard  # this rank's slice of a dense tensor
+
+    dense = GPT.from_config_seed(GPTConfig.tiny(), 0)
+    _sgd_step(dense)  # one process: torch's clip_grad_norm_
+    want = dict(dense.named_parameters())
+    for rank, (params, refused) in enumerate(launch(_tensor_parallel_step, 2, backend="gloo", timeout=120, quiet=True)):
+        for name, p in params.items():
+            # SGD with lr 1 moves each weight by its clipped gradient: fp32, the TP sums in
+            # another order, a few ulps apart.
+            torch.testing.assert_close(p, dense_shard(name, want[name].detach(), rank, 2, 256),
+                                       rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
+        assert "pass mesh=" in refused and "grad_clip=0.05 inside a run of 2 ranks" in refused

@@ -210,7 +210,7 @@ def _claims():
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"dp{n}")
 def claims(request):
-    return request.param, launch(_claims, request.param, timeout=180, quiet=True)
+    return request.param, launch(_claims, request.param, backend="gloo", timeout=180, quiet=True)  # CPU tensors
 
 
 def test_data_parallel_memory_does_not_shrink_with_ranks(claims):

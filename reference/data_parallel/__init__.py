@@ -1,7 +1,7 @@
 """Data parallelism: every rank holds the whole model and a slice of the batch.
 
     from reference.data_parallel import DDP, naive_all_reduce_gradients
-    model = DDP(GPT(config), bucket_cap_mb=1)    # inside a rank of reference.runtime.launch
+    model = DDP(GPT(config).to(device()), bucket_cap_mb=1)   # inside a rank; device from reference.runtime
     loss = lm_loss(model(idx), targets); loss.backward()   # buckets all-reduced during backward
 
 Where each part lives:
@@ -12,6 +12,10 @@ Where each part lives:
   for gradient accumulation, an overlap trace of each step);
 * `reference.data_parallel.buckets`: how gradients are grouped into buckets, the
   layout alone (`plan_buckets`, `format_buckets`), testable without processes;
+* `reference.data_parallel.device`: the wrapped module must sit on the device its
+  process group communicates (`reference.runtime.device()`: the GPU under NCCL,
+  the CPU under gloo), and the step's clock on that device (CUDA events on a GPU,
+  where ``work.wait()`` returns before the all-reduce has run);
 * `reference.data_parallel.viz`: one step drawn, the overlap of all-reduces with
   backward from a real trace, and why data parallelism alone stops scaling.
 

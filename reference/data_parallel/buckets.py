@@ -62,6 +62,9 @@ def plan_buckets(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
     `first_cap_bytes` (default: `cap_bytes`) caps bucket 0 alone. A small first
     bucket, as PyTorch's DDP uses (1 MiB), starts communication as soon as the
     last layers' gradients exist instead of after a whole `cap_bytes` of them.
+    A cap of 0 gives every parameter a bucket of its own (PyTorch's DDP with
+    ``bucket_cap_mb=0``): one all-reduce per parameter, as naive DP, but
+    launched from inside backward.
 
     `named_parameters` is in registration order (``module.named_parameters()``,
     which lists a tied parameter once). Frozen parameters (``requires_grad``
@@ -71,8 +74,8 @@ def plan_buckets(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
     """
     first_cap_bytes = cap_bytes if first_cap_bytes is None else first_cap_bytes
     for name, value in (("cap_bytes", cap_bytes), ("first_cap_bytes", first_cap_bytes)):
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0 (0: one bucket per parameter), got {value!r}")
     trainable = [(n, p) for n, p in named_parameters if p.requires_grad]
     buckets: list[Bucket] = []
     current: Bucket | None = None
@@ -80,11 +83,12 @@ def plan_buckets(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
         if p.layout != torch.strided:
             raise ValueError(f"parameter {name!r} has layout {p.layout}; DDP buckets hold dense tensors only")
         size = p.numel() * p.element_size()
+        cap = first_cap_bytes if current is not None and current.index == 0 else cap_bytes
         starts_new = (
             current is None
             or p.dtype != current.dtype
             or p.device != current.device
-            or (current.params and current.nbytes + size > (first_cap_bytes if current.index == 0 else cap_bytes))
+            or (current.params and (cap == 0 or current.nbytes + size > cap))
         )
         if starts_new:
             current = Bucket(index=len(buckets), dtype=p.dtype, device=p.device)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 import weakref
 
 import torch
@@ -33,6 +32,7 @@ import torch.nn as nn
 
 from reference import comms
 from reference.data_parallel.buckets import Bucket, format_buckets, plan_buckets
+from reference.data_parallel.device import StepClock, check_module_device
 
 __all__ = ["naive_all_reduce_gradients", "DDP", "Bucket", "plan_buckets", "format_buckets"]
 
@@ -75,11 +75,16 @@ class DDP(nn.Module):
 
     * Wrapping broadcasts every parameter (frozen ones too) and buffer from the
       group's first rank, so all replicas start equal.
+    * The module must already be on the device the group communicates:
+      ``reference.runtime.device()``, the rank's GPU under NCCL, the CPU under
+      gloo (``DDP(model.to(device()))``); anything else is an error naming the
+      tensor (see `reference.data_parallel.device`).
     * Buckets of at most `bucket_cap_mb` MiB (2**20 bytes), last parameter
       first; ``ddp.buckets`` lists each bucket's parameter names and sizes.
       As in PyTorch, bucket 0 is capped at `first_bucket_cap_mb` (1 MiB) so
-      that the first all-reduce starts early in backward. Frozen parameters
-      get no bucket and are never communicated.
+      that the first all-reduce starts early in backward, and a cap of 0
+      gives every parameter a bucket of its own. Frozen parameters get no
+      bucket and are never communicated.
     * A hook on each parameter (``register_post_accumulate_grad_hook``) marks
       its gradient ready; it fires once per backward even for a tied weight
       used twice, after both uses are summed. Buckets are launched strictly in
@@ -105,18 +110,25 @@ class DDP(nn.Module):
       zero, exactly as a single process would.
     * ``ddp.trace`` records the last synchronised step: when forward ended, when
       each bucket's all-reduce was launched, when backward ended, and when each
-      wait started and ended (``time.perf_counter`` seconds).
+      wait started and ended (``time.perf_counter`` seconds). On a GPU these
+      are the moments the GPU reached those points (CUDA events, resolved with
+      one synchronisation per step); ``trace=False`` records nothing.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, group=None,
-                 find_unused_parameters: bool = False, first_bucket_cap_mb: float = 1):
+                 find_unused_parameters: bool = False, first_bucket_cap_mb: float = 1,
+                 trace: bool = True):
         super().__init__()
         for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
+            # 0 is allowed, as in PyTorch: one bucket per parameter.
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name} must be a number of MiB >= 0 (0: one bucket per "
+                                 f"parameter), got {value!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DDP needs torch.distributed initialised: build it inside a function "
                                "run by reference.runtime.launch (or under torchrun)")
+        device = check_module_device(module, group)
+        self._clock = StepClock(device) if trace else None
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -126,8 +138,8 @@ class DDP(nn.Module):
         self._sync_this_backward = True  # decided by the latest forward
         self._broadcast_module_states()
 
-        cap_bytes = max(1, int(bucket_cap_mb * 2**20))
-        first_cap_bytes = min(cap_bytes, max(1, int(first_bucket_cap_mb * 2**20)))
+        cap_bytes = int(bucket_cap_mb * 2**20)
+        first_cap_bytes = min(cap_bytes, int(first_bucket_cap_mb * 2**20))
         self.buckets: list[Bucket] = plan_buckets(module.named_parameters(), cap_bytes, first_cap_bytes)
         # One flat communication buffer per bucket, reused every step: (bucket.numel,)
         self._flat = [torch.zeros(b.numel, dtype=b.dtype, device=b.device) for b in self.buckets]
@@ -137,7 +149,7 @@ class DDP(nn.Module):
         self._pending: list[set[int]] = []  # positions in each bucket still waiting for a gradient
         self._next_bucket = 0  # buckets before it have been launched
         self._work: list = []
-        self._forward_end: float | None = None
+        self._forward_end = None  # a moment of self._clock
         self.trace: list[dict] = []
 
         self._hook_handles = []
@@ -165,7 +177,8 @@ class DDP(nn.Module):
         if torch.is_grad_enabled():
             self._sync_this_backward = self.require_backward_grad_sync
         out = self.module(*args, **kwargs)
-        self._forward_end = time.perf_counter()
+        if self._clock is not None:
+            self._forward_end = self._clock.now()
         return out
 
     @contextlib.contextmanager
@@ -178,9 +191,10 @@ class DDP(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
-    def _event(self, event: str, bucket: int | None = None, at: float | None = None) -> None:
-        self.trace.append({"event": event, "bucket": bucket,
-                           "time": time.perf_counter() if at is None else at})
+    def _event(self, event: str, bucket: int | None = None, at=None) -> None:
+        if self._clock is not None:
+            self.trace.append({"event": event, "bucket": bucket,
+                               "time": self._clock.now() if at is None else at})
 
     def _open_step(self) -> None:
         """First gradient of a synchronised backward: reset the step, queue the end-of-backward callback."""
@@ -254,6 +268,8 @@ class DDP(nn.Module):
                     p.grad = mean.clone()
                 k += 1
         self._step_open = False
+        if self._clock is not None:
+            self._clock.resolve(self.trace)  # GPU events -> perf_counter seconds
 
     def _count_users(self) -> torch.Tensor:
         """Per bucketed parameter, the number of ranks holding a gradient for it: (n_params,) int32."""

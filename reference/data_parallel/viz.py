@@ -99,8 +99,9 @@ def plot_overlap(traces, title: str | None = None, same_clock: bool = False):
     bucket i's all-reduce and ends when the wait for it returned; the part
     before backward ended (light) ran under backward's computation, the part
     after (red) is time the step spent waiting. The trace knows only these
-    moments: an all-reduce whose wait returned at once had finished somewhere
-    inside its light bar.
+    moments: on the CPU an all-reduce whose wait returned at once had finished
+    somewhere inside its light bar; on a GPU the moments are when the GPU got
+    there (CUDA events), so a bar ends when its all-reduce had really finished.
 
     Each rank's time starts when its own forward ended. With ``same_clock=True``
     every rank is drawn from the earliest forward end instead, which shows how
