@@ -1,0 +1,38 @@
+"""Composing the parallelisms: one GPT trained with dp x tp x pp (+ ep, ZeRO) at once.
+
+    from reference.parallel import ParallelConfig, parallelize, train_step
+    pm = parallelize(GPT(config), mesh, ParallelConfig.debug_3d())   # this rank's part
+    result = train_step(pm, pm.make_optimizer(torch.optim.AdamW, lr=1e-3), idx, targets)
+
+This is the layer above every parallelism package: it may import all of them, and none
+of them imports it. Where each part lives:
+
+* `reference.parallel.config`: `ParallelConfig`, the degrees and options of a run,
+  validated against the world size and the model before any rank starts;
+* `reference.parallel.parallelize`: `parallelize(model, mesh, config)`, tensor, expert
+  and pipeline parallelism applied from outside in a fixed order (`ParallelGPT`);
+* `reference.parallel.step`: `train_step`, one training step for any combination
+  (pipeline schedule, gradient synchronisation, clipping, optimizer);
+* `reference.parallel.clip`: `clip_grad_norm_`, the global gradient norm over every
+  shard counted once (tensor-parallel slices, pipeline stages, tied embeddings, data-
+  parallel replicas, ZeRO and FSDP shards, experts), and `mark_parallel_params`;
+* `reference.parallel.gather`: `full_state_dict`, every split undone, on every rank;
+* `reference.parallel.estimate`: memory, bubble and bytes per GPU of a configuration,
+  from formulas; `reference.parallel.explorer`: which configurations fit a cluster;
+* `reference.parallel.golden`: the debug run's committed losses;
+* `reference.parallel.viz`: a composed step drawn rank by rank, costs of configurations.
+
+Pictures and widgets (`viz`, `explorer`) and the golden run are imported from their
+modules: they load matplotlib and ipywidgets, which a rank does not need.
+"""
+from reference.parallel.clip import clip_grad_norm_, mark_parallel_params
+from reference.parallel.config import ParallelConfig
+from reference.parallel.estimate import estimate
+from reference.parallel.gather import full_state_dict
+from reference.parallel.parallelize import ParallelGPT, parallelize
+from reference.parallel.step import StepResult, train_step
+
+__all__ = [
+    "ParallelConfig", "parallelize", "ParallelGPT", "train_step", "StepResult",
+    "clip_grad_norm_", "mark_parallel_params", "full_state_dict", "estimate",
+]

@@ -1,0 +1,208 @@
+"""`ParallelConfig`: how one training run is spread over its ranks, checked before any starts.
+
+    config = ParallelConfig.debug_3d()                 # dp 2 x tp 2 x pp 2 = 8 ranks
+    config.validate(8, GPTConfig.tiny(n_layer=4), batch=(8, 32))   # raises, naming every value
+
+The degrees follow the mesh (`reference.mesh.Mesh`): world = dp x tp x pp, with ep carved
+out of dp (the experts of one MoE layer are split over ep ranks; the ranks holding the
+same experts form the expert-data-parallel group). Inside dp, `zero_stage` shards the
+training state (0 = plain data parallelism, 1 = optimizer state, 2 = and gradients,
+3 = and parameters). The pipeline runs `microbatches` micro-batches per step with
+`schedule` ("gpipe", "1f1b", or "interleaved" with `virtual_stages` chunks per rank).
+
+Why ZeRO-3 (and ZeRO-2) are refused with pp > 1, as DeepSpeed's pipeline engine does:
+a pipeline runs m micro-batches per step, each forward and backward on every stage. ZeRO-3
+would all-gather each stage's parameters again for every micro-batch (2 m gathers a step
+instead of 2), and ZeRO-2 would reduce-scatter the gradient after every micro-batch's
+backward instead of once. Both multiply the data-parallel traffic by m; with a pipeline,
+ZeRO-1 (the optimizer state, touched once a step) is what pays.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Optional, Union
+
+__all__ = ["ParallelConfig", "SCHEDULES", "PRECISIONS"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees and options of one parallel run. Presets: `single`, `data_parallel`,
+    `debug_3d`, `moe_4d`, `article_175b`; `with_(**changes)` gives a modified copy."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1                       # carved out of dp: ep divides dp
+    zero_stage: int = 0               # 0-3, inside dp
+    sequence_parallel: bool = False   # Megatron SP inside each tp group (no-op at tp = 1)
+    virtual_stages: int = 1           # model chunks per pipeline rank (interleaved 1F1B)
+    microbatches: int = 1             # per step, per data-parallel rank
+    schedule: str = "1f1b"
+    activation_checkpointing: bool = False
+    precision: str = "fp32"           # "bf16" autocast, or "fp16" with dynamic loss scaling
+    embedding_stage: bool = False     # embedding and head on pipeline stages of their own
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def single(cls) -> "ParallelConfig":
+        """One process: every degree 1 (the reference run)."""
+        return cls()
+
+    @classmethod
+    def data_parallel(cls, dp: int, zero_stage: int = 0) -> "ParallelConfig":
+        return cls(dp=dp, zero_stage=zero_stage)
+
+    @classmethod
+    def debug_3d(cls) -> "ParallelConfig":
+        """dp 2 x tp 2 x pp 2 on 8 ranks, SP on, 1F1B over 2 micro-batches: every kind of
+        group and message on a laptop."""
+        return cls(dp=2, tp=2, pp=2, sequence_parallel=True, microbatches=2)
+
+    @classmethod
+    def moe_4d(cls) -> "ParallelConfig":
+        """dp 2 (ep 2 inside it) x tp 2 x pp 2 on 8 ranks: experts on top of 3D."""
+        return cls(dp=2, tp=2, pp=2, ep=2, microbatches=2)
+
+    @classmethod
+    def article_175b(cls) -> "ParallelConfig":
+        """The article's GPT-3 175B layout on 1024 GPUs: DP 32 x TP 8 x PP 4."""
+        return cls(dp=32, tp=8, pp=4, zero_stage=1, sequence_parallel=True, microbatches=16,
+                   activation_checkpointing=True, precision="bf16")
+
+    def with_(self, **changes) -> "ParallelConfig":
+        return replace(self, **changes)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: replicas of each expert."""
+        return self.dp // self.ep if self.ep and self.dp % self.ep == 0 else 0
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def mesh(self):
+        """The `reference.mesh.Mesh` of these degrees (groups not built yet)."""
+        from reference.mesh import Mesh
+
+        return Mesh(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        extras = [f"zero={self.zero_stage}" if self.zero_stage else "",
+                  "sp" if self.sequence_parallel and self.tp > 1 else "",
+                  f"{self.schedule} m={self.microbatches}" if self.pp > 1 else "",
+                  f"v={self.virtual_stages}" if self.virtual_stages > 1 else "",
+                  "ckpt" if self.activation_checkpointing else "",
+                  self.precision if self.precision != "fp32" else "",
+                  "emb-stage" if self.embedding_stage else ""]
+        return " ".join(parts + [e for e in extras if e])
+
+    # ------------------------------------------------------------------ checks
+    def validate(self, world_size: int, model_config=None,
+                 batch: Union[int, tuple, None] = None, n_experts: Optional[int] = None
+                 ) -> "ParallelConfig":
+        """Raise ValueError listing every inconsistency, each naming the values involved.
+
+        ``model_config`` a `GPTConfig`; ``batch`` the global batch size B or (B, T);
+        ``n_experts`` the experts per MoE layer (None: a dense model). Returns self."""
+        problems = self._problems(world_size, model_config, batch, n_experts)
+        if problems:
+            raise ValueError(f"invalid parallel configuration ({self}, world_size={world_size}):\n  - "
+                             + "\n  - ".join(problems))
+        return self
+
+    def _problems(self, world_size, cfg, batch, n_experts) -> list[str]:
+        out = []
+        ints = dict(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep,
+                    virtual_stages=self.virtual_stages, microbatches=self.microbatches)
+        bad = [f"{k}={v!r}" for k, v in ints.items()
+               if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+        if bad:
+            return [f"degrees and counts must be positive ints: {', '.join(bad)}"]
+        if self.dp * self.tp * self.pp != world_size:
+            out.append(f"dp={self.dp} x tp={self.tp} x pp={self.pp} = "
+                       f"{self.dp * self.tp * self.pp}, but world_size={world_size}")
+        if self.dp % self.ep:
+            out.append(f"ep={self.ep} must divide dp={self.dp} (experts are carved out of the "
+                       f"data-parallel ranks)")
+        if self.zero_stage not in (0, 1, 2, 3):
+            out.append(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        elif self.zero_stage >= 2 and self.pp > 1:
+            out.append(f"zero_stage={self.zero_stage} with pp={self.pp}: a pipeline would "
+                       f"{'all-gather the parameters' if self.zero_stage == 3 else 'reduce-scatter the gradients'}"
+                       f" once per micro-batch (m={self.microbatches}); use zero_stage 0 or 1 "
+                       f"with a pipeline, as DeepSpeed does")
+        if self.zero_stage == 2 and self.sequence_parallel and self.tp > 1:
+            out.append(f"zero_stage=2 with sequence_parallel and tp={self.tp}: ZeRO-2 reduce-scatters "
+                       f"each gradient during backward, before the LayerNorms' sequence-parallel "
+                       f"gradients are summed over tp; use zero_stage 1 with sequence parallelism")
+        if self.zero_stage and self.ep > 1:
+            out.append(f"zero_stage={self.zero_stage} with ep={self.ep}: experts and dense "
+                       f"parameters are reduced over different groups; use zero_stage=0 with experts")
+        if self.schedule not in SCHEDULES:
+            out.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.precision not in PRECISIONS:
+            out.append(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            out.append(f"virtual_stages={self.virtual_stages} needs schedule='interleaved', "
+                       f"got {self.schedule!r}")
+        if self.schedule == "interleaved":
+            if self.pp < 2 or self.virtual_stages < 2:
+                out.append(f"schedule='interleaved' needs pp >= 2 and virtual_stages >= 2, got "
+                           f"pp={self.pp}, virtual_stages={self.virtual_stages}")
+            elif self.microbatches >= self.pp and self.microbatches % self.pp:
+                out.append(f"interleaved runs micro-batches in rounds of pp: microbatches="
+                           f"{self.microbatches} must be a multiple of pp={self.pp} (or below it)")
+        if self.schedule == "1f1b" and 1 < self.pp and self.microbatches < self.pp:
+            out.append(f"1F1B with microbatches={self.microbatches} < pp={self.pp} never reaches "
+                       f"its steady state (the bubble is the naive split's); use microbatches >= pp")
+        if cfg is not None:
+            out += self._model_problems(cfg)
+        if batch is not None:
+            B, T = (batch, None) if isinstance(batch, int) else tuple(batch)
+            if B % (self.dp * self.microbatches):
+                out.append(f"global batch {B} does not divide into dp={self.dp} x microbatches="
+                           f"{self.microbatches} = {self.dp * self.microbatches} equal micro-batches")
+            if T is not None and cfg is not None and T > cfg.block_size:
+                out.append(f"sequence length T={T} exceeds block_size={cfg.block_size}")
+            if (T is not None and self.sequence_parallel and self.tp > 1 and T % self.tp):
+                out.append(f"sequence parallelism splits the sequence: T={T} is not a multiple "
+                           f"of tp={self.tp}")
+        if n_experts is not None and self.ep > 1 and n_experts % self.ep:
+            out.append(f"n_experts={n_experts} is not a multiple of ep={self.ep}")
+        if n_experts is None and self.ep > 1:
+            out.append(f"ep={self.ep} needs a model with experts (pass n_experts)")
+        return out
+
+    def _model_problems(self, cfg) -> list[str]:
+        out = []
+        tp = self.tp
+        if cfg.n_head % tp:
+            out.append(f"n_head={cfg.n_head} is not a multiple of tp={tp} (heads are split)")
+        if cfg.d_ff % tp:
+            out.append(f"d_ff={cfg.d_ff} is not a multiple of tp={tp} (the MLP is split by columns)")
+        # the vocabulary is padded up to a multiple of tp (padded_vocab_size): always fine
+        blocks_stages = self.n_stages - (2 if self.embedding_stage else 0)
+        if self.embedding_stage and self.pp * self.virtual_stages < 3:
+            out.append(f"embedding_stage needs at least 3 stages (embedding, blocks, head), got "
+                       f"pp={self.pp} x virtual_stages={self.virtual_stages} = {self.n_stages}")
+        elif cfg.n_layer < max(blocks_stages, 1):
+            out.append(f"n_layer={cfg.n_layer} < pp={self.pp} x virtual_stages="
+                       f"{self.virtual_stages}{' - 2 (embedding and head stages)' if self.embedding_stage else ''}"
+                       f" = {blocks_stages}: a stage would hold no block")
+        return out

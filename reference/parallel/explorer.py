@@ -1,0 +1,120 @@
+"""Choose a configuration: which (dp, tp, pp, zero, m) fit a model on a cluster, and their costs.
+
+    rows = feasible_configs(GPT3_175B, n_gpus=1024, gpus_per_node=8, device_bytes=80e9,
+                            global_batch=1536)
+    explorer = config_explorer()        # the same as an ipywidgets explorer
+
+`feasible_configs` tries every factorisation n_gpus = dp x tp x pp with tp inside a node
+(tp <= gpus_per_node: TP communicates in every layer, so it needs the node's fast links),
+tp dividing the heads, pp dividing the layers, ZeRO 0-1 with a pipeline and 0-3 without
+one (`ParallelConfig`'s rule), micro-batches of `micro_batch` sequences, with and without
+full activation recomputation; it keeps those whose memory per GPU (`estimate`) fits, sorted
+by bubble, then by the bytes each GPU sends across nodes. The explorer shows the first rows
+as a table; like the course's other explorers it works with no frontend (`.html` holds the
+table of the current settings).
+"""
+from __future__ import annotations
+
+import html
+
+import ipywidgets as widgets
+
+from reference.memory import human_bytes
+from reference.model import GPTConfig
+from reference.parallel.config import ParallelConfig
+from reference.parallel.estimate import estimate
+
+__all__ = ["MODELS", "feasible_configs", "ConfigExplorer", "config_explorer"]
+
+MODELS = {
+    "GPT-3 175B": GPTConfig(vocab_size=50257, block_size=2048, n_layer=96, n_head=96, n_embd=12288),
+    "GPT-3 13B": GPTConfig(vocab_size=50257, block_size=2048, n_layer=40, n_head=40, n_embd=5120),
+    "GPT-3 6.7B": GPTConfig(vocab_size=50257, block_size=2048, n_layer=32, n_head=32, n_embd=4096),
+    "GPT-3 1.3B": GPTConfig(vocab_size=50257, block_size=2048, n_layer=24, n_head=32, n_embd=2048),
+}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def feasible_configs(model: GPTConfig, n_gpus: int, gpus_per_node: int = 8,
+                     device_bytes: float = 80e9, global_batch: int = 1536,
+                     micro_batch: int = 1) -> list[dict]:
+    rows = []
+    for tp in _divisors(n_gpus):
+        if tp > gpus_per_node or model.n_head % tp or model.d_ff % tp:
+            continue
+        for pp in _divisors(n_gpus // tp):
+            if model.n_layer % pp:
+                continue
+            dp = n_gpus // (tp * pp)
+            if global_batch % (dp * micro_batch):
+                continue
+            m = global_batch // (dp * micro_batch)
+            if pp > 1 and m < pp:
+                continue
+            for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
+                for ckpt in (False, True):
+                    config = ParallelConfig(dp=dp, tp=tp, pp=pp, zero_stage=zero, microbatches=m,
+                                            sequence_parallel=tp > 1, activation_checkpointing=ckpt,
+                                            precision="bf16")
+                    e = estimate(model, config, micro_batch=micro_batch, global_batch=global_batch)
+                    if e.fits(device_bytes):
+                        rows.append(dict(config=config, estimate=e, memory=e.total_bytes,
+                                         bubble=e.bubble, cross_node=e.bytes_per_step["dp"]
+                                         + e.bytes_per_step["pp"], inside=e.bytes_per_step["tp"]))
+    rows.sort(key=lambda r: (round(r["bubble"], 3), r["cross_node"], r["memory"]))
+    return rows
+
+
+def _table(rows: list[dict], limit: int) -> str:
+    head = ("dp", "tp", "pp", "ZeRO", "m", "recompute", "memory / GPU", "bubble",
+            "sent across nodes", "sent inside a node")
+    cells = ["<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
+    for r in rows[:limit]:
+        c = r["config"]
+        values = (c.dp, c.tp, c.pp, c.zero_stage, c.microbatches,
+                  "full" if c.activation_checkpointing else "none", human_bytes(r["memory"]),
+                  f"{r['bubble']:.1%}", human_bytes(r["cross_node"]), human_bytes(r["inside"]))
+        cells.append("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in values) + "</tr>")
+    return "<table>" + "".join(cells) + "</table>"
+
+
+class ConfigExplorer(widgets.VBox):
+    """Model, GPUs, GPU memory and global batch -> the configurations that fit, best first."""
+
+    def __init__(self, model: str = "GPT-3 175B", n_gpus: int = 1024, device_gb: int = 80,
+                 global_batch: int = 1536, limit: int = 8):
+        if model not in MODELS:
+            raise ValueError(f"model must be one of {list(MODELS)}, got {model!r}")
+        self.limit = limit
+        self.model = widgets.Dropdown(options=list(MODELS), value=model, description="model")
+        self.n_gpus = widgets.SelectionSlider(options=[2 ** k for k in range(3, 13)], value=n_gpus,
+                                              description="GPUs")
+        self.device = widgets.Dropdown(options=[24, 40, 80, 141], value=device_gb, description="GB / GPU")
+        self.batch = widgets.Dropdown(options=[256, 512, 1024, 1536, 2048], value=global_batch,
+                                      description="batch")
+        self.summary = widgets.HTML()
+        self.output = widgets.HTML()
+        for control in (self.model, self.n_gpus, self.device, self.batch):
+            control.observe(lambda _change: self.update(), names="value")
+        super().__init__([widgets.HBox([self.model, self.n_gpus]),
+                          widgets.HBox([self.device, self.batch]), self.summary, self.output])
+        self.update()
+
+    def update(self) -> None:
+        self.rows = feasible_configs(MODELS[self.model.value], self.n_gpus.value,
+                                     device_bytes=self.device.value * 1e9,
+                                     global_batch=self.batch.value)
+        self.summary.value = (f"<b>{len(self.rows)}</b> configurations fit {self.model.value} on "
+                              f"{self.n_gpus.value} GPUs of {self.device.value} GB "
+                              f"(8 per node); the first {min(self.limit, len(self.rows))}, "
+                              f"smallest bubble first:")
+        self.output.value = _table(self.rows, self.limit) if self.rows else \
+            "<i>nothing fits: more GPUs, more memory per GPU, or a smaller model</i>"
+        self.html = self.output.value
+
+
+def config_explorer(**kwargs) -> ConfigExplorer:
+    return ConfigExplorer(**kwargs)

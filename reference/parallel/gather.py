@@ -1,0 +1,90 @@
+"""Gather a parallel model back into the plain GPT's parameters, on every rank.
+
+`full_state_dict(pm)` undoes each split of `parallelize`, in reverse order:
+
+* tensor parallelism: a column-parallel weight is all-gathered along its output rows (a
+  fused q|k|v layer chunk by chunk, so that q, k and v come back whole), a row-parallel
+  weight along its input columns, the vocab-parallel embedding and head along the
+  vocabulary, then cut back from V_pad to V; replicated tensors (LayerNorms, row biases)
+  are taken as they are;
+* expert parallelism: each rank's experts are renamed from local to global indices
+  (expert l of ep rank r is expert r * E / ep + l) and collected over the ep group;
+* the pipeline: each stage's names are collected over the pp group;
+* ZeRO-3: `FSDP.full_state_dict`. (Data-parallel replicas hold equal values.)
+
+Keys are the plain GPT's own (`h.3.attn.c_attn.weight`), values CPU tensors: what
+`GPT.load_state_dict` takes, and what the parity tests compare with one process.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from reference.expert_parallel import ExpertParallelMoE
+from reference.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+__all__ = ["full_state_dict"]
+
+
+def _gather(t: torch.Tensor, group, dim: int, chunks: int = 1) -> torch.Tensor:
+    """All-gather ``t`` over ``group`` along ``dim``; with ``chunks`` each rank's piece is
+    ``chunks`` sub-blocks (q|k|v), and the result puts all ranks' block 0 first, and so on."""
+    n = dist.get_world_size(group)
+    pieces = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(pieces, t.contiguous(), group=group)
+    if chunks == 1:
+        return torch.cat(pieces, dim=dim)
+    split = [p.chunk(chunks, dim=dim) for p in pieces]  # [rank][chunk]
+    return torch.cat([split[r][c] for c in range(chunks) for r in range(n)], dim=dim)
+
+
+def _tensor_parallel_full(module_of: dict, name: str, p: torch.Tensor, tp_group, vocab: int):
+    owner = module_of[name.rsplit(".", 1)[0]]
+    leaf = name.rsplit(".", 1)[1]
+    if isinstance(owner, VocabParallelEmbedding):
+        return _gather(p, tp_group, 0)[:vocab]
+    if isinstance(owner, ColumnParallelLinear):
+        full = _gather(p, tp_group, 0, owner.chunks)
+        return full[:vocab] if name.startswith("lm_head.") else full
+    if isinstance(owner, RowParallelLinear) and leaf == "weight":
+        return _gather(p, tp_group, 1)
+    return p  # replicated over tp (LayerNorms, row-parallel biases, experts, router)
+
+
+def _expert_names(stage) -> dict[str, str]:
+    """Local expert parameter names -> global ones, for this rank's ExpertParallelMoE layers."""
+    renames = {}
+    for mod_name, mod in stage.named_modules():
+        if isinstance(mod, ExpertParallelMoE):
+            for local, global_id in enumerate(mod.expert_ids):
+                for pname, _ in mod.experts[local].named_parameters():
+                    renames[f"{mod_name}.experts.{local}.{pname}"] = f"{mod_name}.experts.{global_id}.{pname}"
+    return renames
+
+
+@torch.no_grad()
+def full_state_dict(pm) -> dict[str, torch.Tensor]:
+    """The plain GPT's parameters from a `ParallelGPT`, whole, on every rank (collective:
+    every rank of the mesh calls it)."""
+    if pm.fsdp is not None:
+        return pm.fsdp.full_state_dict()
+    mesh = pm.mesh
+    tp_group = mesh.group("tp") if mesh.tp > 1 else None
+    mine: dict[str, torch.Tensor] = {}
+    for stage in pm.stages:
+        module_of = dict(stage.named_modules())
+        renames = _expert_names(stage) if mesh.ep > 1 else {}
+        for name, p in stage.named_parameters():
+            value = p.detach()
+            if tp_group is not None:
+                value = _tensor_parallel_full(module_of, name, value, tp_group, pm.model_config.vocab_size)
+            mine[renames.get(name, name)] = value.cpu().clone()
+    for dim in ("ep", "pp"):
+        if getattr(mesh, dim) > 1:
+            parts = [None] * getattr(mesh, dim)
+            dist.all_gather_object(parts, mine, group=mesh.group(dim))
+            merged: dict[str, torch.Tensor] = {}
+            for part in parts:
+                merged.update(part)
+            mine = merged
+    return mine  # a GPTStage names its blocks by the model's index (h.<i>.*), as the GPT does

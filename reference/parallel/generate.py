@@ -1,0 +1,92 @@
+"""Sampling from a parallel model: every rank draws the same tokens as the plain GPT would.
+
+    tokens = generate(pm, prompt, max_new_tokens=20, temperature=1.0,
+                      generator=torch.Generator().manual_seed(0))   # on every rank
+
+One token at a time, the context runs down the pipeline: the first stage embeds it, each
+stage sends its output to the rank of the next stage (point to point, inside the pp
+group), and the last stage's logits, split over the vocabulary by tensor parallelism, are
+gathered whole (`VocabParallelLMHead.gather`). The last stage samples exactly as
+`GPT.generate` does, from a generator in the same state on every rank, and broadcasts the
+token up the pipeline, so every rank appends the same token. Under sequence parallelism a
+context whose length tp does not divide is padded at the end in eval mode; attention is
+causal, so no real position sees the padding, and the logits are read at the last real one.
+Data-parallel replicas do the same work on the same prompt. (Only the last stage's
+generator draws; the other stages' generators are left as they were.)
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from reference.tensor_parallel.loss import VocabParallelLMHead
+
+__all__ = ["generate"]
+
+
+def _logits_of_last_position(pm, context: torch.Tensor, device) -> Optional[torch.Tensor]:
+    """Run ``context`` (B, T) through the pipeline; (B, V) on the last stage, None elsewhere."""
+    mesh, config = pm.mesh, pm.config
+    B, T = context.shape
+    tp = mesh.tp
+    t_msg = -(-T // tp) if config.sequence_parallel and tp > 1 else T  # (B, T / tp, C) under SP
+    C = pm.model_config.n_embd
+    pp_ranks = mesh.group_ranks_of(mesh.rank, "pp") if mesh.pp > 1 else [mesh.rank]
+    out = None
+    for s in range(config.n_stages):
+        owner, chunk = s % mesh.pp, s // mesh.pp
+        if owner != mesh.pp_rank:
+            continue
+        stage = pm.stages[chunk]
+        if s == 0:
+            x = context.to(device)
+        else:
+            x = torch.empty(B, t_msg, C, device=device)
+            dist.recv(x, src=pp_ranks[(s - 1) % mesh.pp], group=mesh.group("pp"))
+        out, _ = stage(x)
+        if s < config.n_stages - 1:
+            dist.send(out.contiguous(), dst=pp_ranks[(s + 1) % mesh.pp], group=mesh.group("pp"))
+    if not pm.is_last_stage:
+        return None
+    head = pm.stages[-1].lm_head
+    logits = head.gather(out) if isinstance(head, VocabParallelLMHead) else out  # (B, T', V)
+    return logits[:, T - 1, :]  # the last real position (padding, if any, lies after it)
+
+
+@torch.no_grad()
+def generate(pm, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """`GPT.generate` for a `ParallelGPT`: (B, T) -> (B, T + max_new_tokens), on every rank."""
+    from reference.runtime import device as rank_device
+
+    if pm.fsdp is not None:  # ZeRO-3: the wrapped GPT gathers its own parameters
+        return pm.fsdp.module.generate(idx, max_new_tokens, temperature, top_k, generator)
+    device = rank_device()
+    was_training = [st.training for st in pm.stages]
+    pm.eval()
+    block = pm.model_config.block_size
+    idx = idx.to(device)
+    try:
+        for _ in range(max_new_tokens):
+            logits = _logits_of_last_position(pm, idx[:, -block:], device)
+            token = torch.empty(idx.shape[0], 1, dtype=torch.long, device=device)
+            if logits is not None:  # the last stage samples, as GPT.generate does
+                if temperature == 0:
+                    token = logits.argmax(dim=-1, keepdim=True)
+                else:
+                    logits = logits / temperature
+                    if top_k is not None:
+                        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                        logits = logits.masked_fill(logits < kth, float("-inf"))
+                    token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            if pm.mesh.pp > 1:  # the last stage's token, to every stage
+                last = pm.mesh.group_ranks_of(pm.mesh.rank, "pp")[-1]
+                dist.broadcast(token, src=last, group=pm.mesh.group("pp"))
+            idx = torch.cat([idx, token], dim=1)
+    finally:
+        for st, mode in zip(pm.stages, was_training):
+            st.train(mode)
+    return idx

@@ -1,0 +1,149 @@
+"""`parallelize(model, mesh, config)`: the plain GPT, made this rank's part of a 3D (4D) run.
+
+Every rank builds the same plain `GPT` (same seed) and calls `parallelize` with the
+same `ParallelConfig`. The model's code is untouched: each parallelism is applied from
+outside, in a fixed order, each step the identity when its degree is 1:
+
+1. **tensor parallelism** (+ sequence parallelism) first: it replaces modules inside
+   every block (the attention's and MLP's linears, the embedding, the head) while the
+   model is still whole, so the swap sees every block and names stay the model's own;
+2. **expert parallelism**: each MoE layer keeps only this rank's experts. After TP,
+   because TP does not touch the experts, and before the pipeline cut, which must see
+   the final modules it hands out;
+3. **the pipeline split**: the (now TP- and EP-sharded) model is cut into
+   pp x virtual_stages stages and this rank keeps its chunks; with tied weights the
+   first and last stages form the "embedding group" that sums the tied gradient;
+4. **activation checkpointing**: a property of how the executor runs each local stage
+   (recompute its forward in backward), so it applies to the stages once they exist;
+5. **data parallelism / ZeRO** last: it wraps what this rank finally holds (its local
+   stages' parameters) and averages gradients over the ranks that hold the same shard,
+   the dp group (experts over the expert-data-parallel group). Wrapping earlier would
+   wrap parameters that TP, EP or the pipeline then replace or drop.
+
+ZeRO-3 is the exception that changes how the forward runs (parameters all-gathered per
+block), so it applies to pp = 1, tp = 1 only (see `ParallelConfig`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from reference.expert_parallel import MoE, expert_parameters, shard_experts
+from reference.model import GPT
+from reference.parallel.config import ParallelConfig
+from reference.pipeline_parallel import (build_embedding_group, build_schedule, local_stages,
+                                         split_stages)
+from reference.tensor_parallel import apply_tensor_parallel
+from reference.zero import FSDP, ZeroOptimizer
+
+__all__ = ["ParallelGPT", "parallelize", "count_experts"]
+
+
+def count_experts(model: nn.Module) -> Optional[int]:
+    """Experts per MoE layer of `model` (None for a dense model)."""
+    sizes = {len(m.experts) for m in model.modules() if type(m) is MoE}
+    if len(sizes) > 1:
+        raise ValueError(f"MoE layers with different numbers of experts: {sorted(sizes)}")
+    return sizes.pop() if sizes else None
+
+
+@dataclass
+class ParallelGPT:
+    """What one rank holds after `parallelize`: its stages (chunks), groups and schedule."""
+
+    config: ParallelConfig
+    mesh: object
+    model_config: object
+    stages: list                     # this rank's pipeline chunks (GPTStage), or [FSDP] for ZeRO-3
+    schedule: object                 # the pipeline schedule (a pipeline of 1 when pp = 1)
+    tied_group: Optional[object] = None
+    fsdp: Optional[FSDP] = None      # ZeRO-3: the wrapped whole model
+    has_experts: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.mesh.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.mesh.pp_rank == self.mesh.pp - 1
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's distinct parameters (a tied weight once)."""
+        seen, out = set(), []
+        for module in self.stages:
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def named_parameters(self):
+        seen = set()
+        for module in self.stages:
+            for name, p in module.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        return [p for module in self.stages for p in expert_parameters(module)]
+
+    def train(self, mode: bool = True) -> "ParallelGPT":
+        for module in self.stages:
+            module.train(mode)
+        return self
+
+    def eval(self) -> "ParallelGPT":
+        return self.train(False)
+
+    def make_optimizer(self, optimizer_class=torch.optim.AdamW, **kwargs):
+        """The optimizer of this rank's parameters: ZeRO's sharded one for zero_stage 1-2,
+        a plain one otherwise (ZeRO-3's FSDP already holds only its shards)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.config.zero_stage in (1, 2) and self.mesh.dp > 1:
+            return ZeroOptimizer(params, optimizer_class, stage=self.config.zero_stage,
+                                 group=self.mesh.group("dp"), **kwargs)
+        return optimizer_class(params, **kwargs)
+
+
+def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: int = 0) -> ParallelGPT:
+    """Apply ``config`` to ``model`` on this rank (every rank calls it; ``mesh.build_groups()``
+    must have run). ``batch`` (B, T), when given, is validated too. Returns a `ParallelGPT`."""
+    if not isinstance(model, GPT):
+        raise TypeError(f"parallelize expects a reference.model.GPT, got {type(model).__name__}")
+    n_experts = count_experts(model)
+    config.validate(mesh.world_size, model.config, batch=batch, n_experts=n_experts)
+    if (mesh.dp, mesh.tp, mesh.pp, mesh.ep) != (config.dp, config.tp, config.pp, config.ep):
+        raise ValueError(f"the mesh ({mesh}) and the config ({config}) disagree on the degrees")
+    if config.zero_stage == 3 and (config.pp > 1 or config.tp > 1):
+        raise ValueError(f"zero_stage=3 is supported with pp=1 and tp=1 only, got pp={config.pp}, "
+                         f"tp={config.tp}: FSDP flattens each block's parameters, which loses the "
+                         f"tensor-parallel marks and the stage cut")
+    # 1. tensor (+ sequence) parallelism: swaps modules inside the whole model
+    apply_tensor_parallel(model, mesh, sequence_parallel=config.sequence_parallel, seed=seed)
+    # 2. expert parallelism: each MoE layer keeps this rank's experts
+    if config.ep > 1:
+        shard_experts(model, mesh.group("ep"))
+    schedule_kind = config.schedule if config.pp > 1 else "gpipe"
+    schedule = build_schedule(schedule_kind, config.pp, config.microbatches,
+                              virtual=config.virtual_stages)
+    common = dict(config=config, mesh=mesh, model_config=model.config, schedule=schedule,
+                  has_experts=n_experts is not None)
+    if config.zero_stage == 3 and mesh.dp > 1:
+        # 5 (ZeRO-3): FSDP wraps the whole model; it runs as one "stage" without the executor
+        wrapped = FSDP(model, group=mesh.group("dp"))
+        return ParallelGPT(stages=[wrapped], fsdp=wrapped, **common)
+    # 3. the pipeline cut (a pipeline of one stage when pp = 1)
+    stages = split_stages(model, config.pp, config.virtual_stages,
+                          embedding_stage=config.embedding_stage, head_stage=config.embedding_stage)
+    mine = local_stages(stages, config.pp, mesh.pp_rank)
+    tied = build_embedding_group(mesh) if config.pp > 1 else None
+    # 4. activation checkpointing is the executor's per-chunk flag (see `train_step`);
+    # 5. data parallelism / ZeRO: the optimizer (`make_optimizer`) and `train_step`'s
+    #    gradient averaging act on exactly these local parameters.
+    return ParallelGPT(stages=mine, tied_group=tied, **common)

@@ -1,0 +1,196 @@
+"""One training step for any combination of dp, tp, pp, ep and ZeRO.
+
+    pm = parallelize(GPT(config), mesh, ParallelConfig.debug_3d())
+    optimizer = pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    result = train_step(pm, optimizer, idx, targets)        # idx, targets: the GLOBAL batch
+    result.loss                                              # the global mean, on every rank
+
+What happens, in order, on every rank:
+
+1. its data: the global batch (B, T) split over the dp ranks, B / dp sequences each (the
+   tp ranks of one dp rank see the same sequences; only the first pipeline stage reads the
+   ids and only the last the targets);
+2. the pipeline schedule over `microbatches` micro-batches (`run_pipeline`; a pipeline of one
+   stage when pp = 1), gradients accumulating in `.grad` across micro-batches, with the
+   tied embedding's gradient summed over the first and last stage, under autocast for bf16;
+3. gradient synchronisation, once per step, after the last micro-batch's backward (no
+   reduction before it: that is what `no_sync` buys DDP): the sequence-parallel gradients
+   summed over tp, then dense gradients averaged over dp and expert gradients over the
+   expert-data-parallel group (ZeRO-1/2 do their own reduce-scatter in `step()`);
+4. global-norm clipping over every shard (`reference.parallel.clip`), when asked;
+5. the optimizer step;
+6. the loss made the global mean on every rank: the last stage's mean over micro-batches,
+   averaged over dp and sent to every pipeline rank.
+
+`StepResult.trace` lists what the rank did with start and end times (the pipeline's F, B and
+messages, then the gradient reduction and the optimizer step), for `plot_step`.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from reference import comms
+from reference.expert_parallel import moe_all_reduce_gradients
+from reference.model import lm_loss
+from reference.pipeline_parallel import run_pipeline
+from reference.tensor_parallel import allreduce_sequence_parallel_grads, vocab_parallel_cross_entropy
+
+__all__ = ["StepResult", "StepEvent", "train_step", "local_batch"]
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One thing a rank did in a step: ``kind`` in F, B, SEND, RECV, reduce, optimizer."""
+
+    kind: str
+    label: str
+    start: float
+    end: float
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor                       # the global mean loss (0-dim, fp32), on every rank
+    grad_norm: Optional[torch.Tensor] = None  # before clipping, when clipping was asked
+    trace: list = field(default_factory=list)
+    peak_activation_bytes: int = 0
+
+
+def local_batch(pm, idx: torch.Tensor, targets: torch.Tensor):
+    """This rank's share of the global batch: rows [dp_rank * B/dp, (dp_rank + 1) * B/dp)."""
+    B = idx.shape[0]
+    dp, r = pm.mesh.dp, pm.mesh.dp_rank
+    if B % (dp * pm.config.microbatches):
+        raise ValueError(f"global batch {B} does not divide into dp={dp} x microbatches="
+                         f"{pm.config.microbatches}")
+    rows = slice(r * (B // dp), (r + 1) * (B // dp))
+    return idx[rows], targets[rows]
+
+
+def _autocast(precision: str, device: torch.device):
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision == "fp16":
+        return torch.autocast(device.type, dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+def _loss_fn(pm):
+    if pm.mesh.tp == 1:
+        return lm_loss
+    group, vocab = pm.mesh.group("tp"), pm.model_config.vocab_size
+
+    def loss(logits_shard, targets):  # (B/m, T, V_pad / tp): the vocab stays split
+        return vocab_parallel_cross_entropy(logits_shard, targets, group, vocab)
+    return loss
+
+
+def _run_fsdp(pm, idx, targets, device):
+    """ZeRO-3 (pp = 1): micro-batches through the FSDP-wrapped model, gradients accumulating."""
+    model, m = pm.fsdp, pm.config.microbatches
+    losses = []
+    for x, y in zip(idx.split(idx.shape[0] // m), targets.split(targets.shape[0] // m)):
+        with _autocast(pm.config.precision, device):
+            logits, _ = model(x.to(device))
+            loss = lm_loss(logits, y.to(device))
+        (loss / m).backward()
+        losses.append(loss.detach().float())
+    return torch.stack(losses).mean()
+
+
+def _synchronise_gradients(pm, optimizer) -> None:
+    mesh = pm.mesh
+    if mesh.tp > 1 and pm.config.sequence_parallel:
+        for stage in pm.stages:
+            allreduce_sequence_parallel_grads(stage, mesh.group("tp"))
+    if mesh.dp == 1 or pm.fsdp is not None or pm.config.zero_stage in (1, 2):
+        return  # nothing to average, or the ZeRO optimizer / FSDP reduce-scatters itself
+    if pm.has_experts:
+        edp = mesh.group("edp") if mesh.ep > 1 else mesh.group("dp")
+        for stage in pm.stages:
+            moe_all_reduce_gradients(stage, mesh.group("dp"), edp)
+        return
+    # Dense: one flat all-reduce of every gradient (the bucket is the whole model here:
+    # the step's reduction runs after the last backward, so there is nothing to overlap).
+    grads = [p.grad for p in pm.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comms.all_reduce(flat, group=mesh.group("dp"))
+    flat /= mesh.dp
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _global_loss(pm, loss: Optional[torch.Tensor], device) -> torch.Tensor:
+    mesh = pm.mesh
+    value = (loss.detach().float() if loss is not None else torch.zeros((), device=device)).clone()
+    if mesh.world_size == 1:
+        return value.cpu()
+    value = value.reshape(1).to(device)
+    if mesh.pp > 1:  # the last stage has it: send it up the pipeline
+        last = mesh.group_ranks_of(mesh.rank, "pp")[-1]
+        comms.broadcast(value, src=last, group=mesh.group("pp"))
+    if mesh.dp > 1:
+        comms.all_reduce(value, group=mesh.group("dp"))
+        value /= mesh.dp
+    return value.reshape(()).cpu()
+
+
+def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
+               max_norm: Optional[float] = None) -> StepResult:
+    """One step on the global batch ``idx``, ``targets`` (B, T), the same on every rank."""
+    from reference.runtime import device as rank_device
+
+    device = rank_device()
+    x, y = local_batch(pm, idx, targets)
+    optimizer.zero_grad(set_to_none=True)
+    trace: list[StepEvent] = []
+    t0 = time.perf_counter()
+    peak = 0
+    if pm.fsdp is not None:
+        loss = _run_fsdp(pm, x, y, device)
+        trace.append(StepEvent("F", "forward and backward", 0.0, time.perf_counter() - t0))
+    else:
+        offset = time.perf_counter() - t0  # the executor's clock starts about here
+        with _autocast(pm.config.precision, device):
+            result = run_pipeline(
+                pm.schedule, pm.stages,
+                x.to(device) if pm.is_first_stage else None,
+                y.to(device) if pm.is_last_stage else None,
+                group=pm.mesh.group("pp") if pm.mesh.pp > 1 else None,
+                checkpoint=pm.config.activation_checkpointing, tied_group=pm.tied_group,
+                batch_shape=tuple(x.shape), loss_fn=_loss_fn(pm))
+        loss, peak = result.loss, result.peak_activation_bytes
+        for e in result.trace:
+            kind = e.action.op if e.action.op in ("F", "B") else e.action.op.split("_")[0]
+            trace.append(StepEvent(kind, str(e.action), offset + e.start, offset + e.end))
+    start = time.perf_counter() - t0
+    _synchronise_gradients(pm, optimizer)
+    trace.append(StepEvent("reduce", "gradients", start, time.perf_counter() - t0))
+    norm = None
+    if max_norm is not None:
+        from reference.parallel.clip import clip_grad_norm_
+
+        if pm.config.zero_stage in (1, 2) and pm.mesh.dp > 1:
+            optimizer.reduce_gradients()  # the shards' averaged gradients; step() won't redo it
+            norm = clip_grad_norm_(optimizer, max_norm, pm.mesh)
+        else:
+            norm = clip_grad_norm_(pm.stages, max_norm, pm.mesh)
+    start = time.perf_counter() - t0
+    optimizer.step()
+    trace.append(StepEvent("optimizer", "step", start, time.perf_counter() - t0))
+    return StepResult(loss=_global_loss(pm, loss, device), grad_norm=norm, trace=trace,
+                      peak_activation_bytes=peak)
+
+
+def barrier_all(mesh) -> None:
+    """Every rank of the mesh waits for the others (between measured steps)."""
+    if mesh.world_size > 1:
+        dist.barrier()

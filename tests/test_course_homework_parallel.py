@@ -1,0 +1,67 @@
+"""Homework 06's hidden checks take points from wrong answers, and say why.
+
+Every wrong answer is the solution notebook's own function with one change, scored
+directly with `score_exercise` (tests/test_course_homework.py grades the notebooks).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import cloudpickle
+import nbformat
+import pytest
+
+from reference.course.homework.parallel import MESH_GROUPS, PARAMETERS_PER_RANK
+from reference.course.homework.scoring import score_exercise
+
+SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "06_3d_parallel.ipynb"
+pytestmark = pytest.mark.timeout(300)
+
+
+def _variant(exercise: str, *edits) -> bytes:
+    nb = nbformat.read(SOLUTION, as_version=4)
+    source = next(c.source for c in nb.cells
+                  if c.cell_type == "code" and c.metadata.get("course", {}).get("exercise") == exercise)
+    for old, new in edits:
+        assert old in source, old
+        source = source.replace(old, new, 1)
+    namespace = {"__name__": "student"}  # pickled by value, like a notebook's function
+    exec(source, namespace)
+    return cloudpickle.dumps(namespace[exercise])
+
+
+def _score(spec, *edits):
+    return score_exercise(spec, _variant(spec.id, *edits), seed=1, timeout=60)
+
+
+def test_solutions_score_full_marks():
+    for spec in (MESH_GROUPS, PARAMETERS_PER_RANK):
+        score = _score(spec)
+        assert (score.points, score.reason) == (score.max, "") and score.max >= 5, spec.id
+
+
+def test_tp_outermost_loses_every_case_with_tp_above_one():
+    score = _score(MESH_GROUPS, ("tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)",
+                                 "pp_rank, dp_rank, tp_rank = rank % pp, (rank // pp) % dp, rank // (pp * dp)"))
+    assert 0 < score.points < score.max and "groups" in score.reason
+
+
+def test_ep_outermost_inside_dp_loses_the_expert_cases():
+    score = _score(MESH_GROUPS, ('"ep": dp_rank % ep, "edp": dp_rank // ep',
+                                 '"ep": dp_rank // (dp // ep), "edp": dp_rank % (dp // ep)'))
+    assert score.points < score.max and ("ep groups" in score.reason or "edp groups" in score.reason)
+
+
+def test_forgetting_the_tied_copy_loses_the_pipelined_tied_cases():
+    score = _score(PARAMETERS_PER_RANK, ("if not (tied and stage == 0):", "if not tied:"))
+    assert 0 < score.points < score.max and "holds" in score.reason
+
+
+def test_unpadded_vocabulary_loses_the_padded_case():
+    score = _score(PARAMETERS_PER_RANK, ("vocab_shard = -(-V // tp)", "vocab_shard = V // tp"))
+    assert 0 < score.points < score.max and "holds" in score.reason
+
+
+def test_extra_layers_on_the_first_stages_lose_the_uneven_cases():
+    score = _score(PARAMETERS_PER_RANK, ("1 if stage >= pp - extra else 0", "1 if stage < extra else 0"))
+    assert 0 < score.points < score.max

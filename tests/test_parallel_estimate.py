@@ -1,0 +1,126 @@
+"""The cost formulas of `reference.parallel.estimate` against the tiny model's real numbers,
+and the article's 175B configuration analysed with them."""
+import pytest
+import torch
+
+from reference.model import GPT, GPTConfig
+from reference.parallel.config import ParallelConfig
+from reference.parallel.estimate import activation_bytes_per_block, block_params, estimate, stage_params
+from reference.runtime import launch
+
+CFG = GPTConfig.tiny(n_layer=4, block_size=16)
+GPT3 = GPTConfig(vocab_size=50257, block_size=2048, n_layer=96, n_head=96, n_embd=12288)
+
+
+def test_block_and_model_parameter_counts():
+    model = GPT(CFG)
+    block = sum(p.numel() for p in model.h[0].parameters())
+    assert block_params(CFG.n_embd, CFG.d_ff) == block == 12 * 32 ** 2 + 13 * 32
+    whole = ParallelConfig()
+    assert stage_params(CFG, whole, 0) == sum(p.numel() for p in model.parameters())
+    # GPT-3: 96 (12 h^2 + 13 h) + V h + s h + 2 h = 174.6B
+    assert stage_params(GPT3, whole, 0) == pytest.approx(174.6e9, rel=1e-3)
+
+
+def test_activation_formulas_are_the_papers():
+    s, b, h, a = 2048, 1, 12288, 96
+    assert activation_bytes_per_block(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
+    sp = activation_bytes_per_block(s, b, h, a, tp=8, sequence_parallel=True)
+    no_sp = activation_bytes_per_block(s, b, h, a, tp=8)
+    assert sp < no_sp < activation_bytes_per_block(s, b, h, a)
+    assert activation_bytes_per_block(s, b, h, a, 8, True, "full") == 2 * s * b * h / 8
+
+
+def test_the_article_175b_configuration():
+    """DP 32 x TP 8 x PP 4, bf16 mixed Adam, 1536 sequences of 2048 tokens, micro-batch 1:
+    without ZeRO the first stage's model states alone (16 bytes x 5.5B) exceed 80 GB."""
+    base = ParallelConfig.article_175b().with_(zero_stage=0, activation_checkpointing=False)
+    rows = {}
+    for zero in (0, 1):
+        for ckpt in (False, True):
+            e = estimate(GPT3, base.with_(zero_stage=zero, activation_checkpointing=ckpt),
+                         micro_batch=1, global_batch=1536)
+            rows[(zero, ckpt)] = e
+    assert rows[(0, False)].params_per_gpu == pytest.approx(5.54e9, rel=0.01)
+    assert rows[(0, False)].model_states.model_states == pytest.approx(89e9, rel=0.01)
+    assert not rows[(0, True)].fits()
+    assert rows[(1, False)].model_states.model_states == pytest.approx(24e9, rel=0.03)
+    assert rows[(1, False)].activations == pytest.approx(34e9, rel=0.03)  # 4 micro-batches held
+    assert rows[(1, True)].activations < 1e9
+    sent = rows[(1, False)].bytes_per_step
+    assert sent["tp"] > 100e9 and sent["tp"] > 10 * (sent["dp"] + sent["pp"])
+    assert rows[(1, False)].fits() and rows[(1, True)].memory_gb < rows[(1, False)].memory_gb
+    assert rows[(0, False)].bubble == pytest.approx(3 / (48 + 3))
+
+
+def _measure(configs):
+    from reference import comms
+    from reference.parallel.parallelize import parallelize
+    from reference.parallel.step import train_step
+
+    out = []
+    for config in configs:
+        torch.manual_seed(0)
+        mesh = config.mesh().build_groups()
+        pm = parallelize(GPT(CFG), mesh, config)
+        opt = pm.make_optimizer(torch.optim.SGD, lr=0.1)
+        idx = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+        with comms.meter() as m:
+            train_step(pm, opt, idx, idx)
+        sent = {dim: m.sent_bytes(op, group=comms.group_label(mesh.group(dim)))
+                for dim, op in (("dp", "all_reduce"), ("pp", "send")) if getattr(mesh, dim) > 1}
+        out.append((mesh.pp_rank, sum(p.numel() for p in pm.parameters()), sent))
+    return out
+
+
+@pytest.mark.parametrize("world_size, configs", [
+    (4, [ParallelConfig(dp=2, pp=2, microbatches=2), ParallelConfig(tp=2, pp=2, microbatches=2),
+         ParallelConfig(dp=2, tp=2)]),
+    (8, [ParallelConfig.debug_3d()]),
+])
+def test_parameters_and_bytes_per_rank_match_the_formulas(world_size, configs):
+    ranks = launch(_measure, world_size, configs, timeout=300)
+    for i, config in enumerate(configs):
+        b = 8 // (config.dp * config.microbatches)
+        e = estimate(CFG, config, micro_batch=b, global_batch=8, precision=None, act_bytes=4,
+                     grad_bytes=4)
+        for pp_rank, n_params, sent in (r[i] for r in ranks):
+            assert n_params == stage_params(CFG, config, pp_rank), config
+            if config.dp > 1:  # the gradients' all-reduce, 2 (d-1)/d x 4 bytes x params, and
+                # the loss's (4 bytes) to make it the global mean
+                d = config.dp
+                assert sent["dp"] == 2 * (d - 1) / d * 4 * n_params + 2 * (d - 1) / d * 4
+            if config.pp > 1:  # one activation or one gradient per micro-batch, S each
+                S = b * 16 * CFG.n_embd * 4 // (config.tp if config.sequence_parallel else 1)
+                assert sent["pp"] == config.microbatches * S == e.bytes_per_step["pp"]
+            if config.dp > 1 and pp_rank == 0:
+                assert sent["dp"] - 2 * (d - 1) / d * 4 == e.bytes_per_step["dp"]
+        assert e.params_per_gpu == stage_params(CFG, config, 0)
+
+
+def _held(cases):
+    from reference.parallel.parallelize import parallelize
+
+    out = []
+    for model, config in cases:
+        pm = parallelize(GPT(GPTConfig(**model)), config.mesh().build_groups(), config)
+        out.append(sum(p.numel() for p in pm.parameters()))
+    return out
+
+
+def test_stage_params_counts_untied_padded_and_uneven_models():
+    """Untied head, a vocabulary tp does not divide (padded), layers pp does not divide,
+    3 heads per rank: the formula equals what `parallelize` leaves on each rank."""
+    cases = [(dict(vocab_size=81, block_size=12, n_layer=3, n_head=4, n_embd=16, tie_weights=False),
+              ParallelConfig(tp=2, pp=2, microbatches=2)),
+             (dict(vocab_size=50, block_size=12, n_layer=5, n_head=4, n_embd=16),
+              ParallelConfig(tp=2, pp=2, microbatches=2)),
+             (dict(vocab_size=97, block_size=12, n_layer=4, n_head=6, n_embd=24),
+              ParallelConfig(dp=2, tp=2, microbatches=1)),
+             (dict(vocab_size=97, block_size=12, n_layer=4, n_head=6, n_embd=24, tie_weights=False),
+              ParallelConfig(dp=4))]
+    ranks = launch(_held, 4, cases, timeout=120)
+    for i, (model, config) in enumerate(cases):
+        mesh = config.mesh()
+        want = [stage_params(GPTConfig(**model), config, mesh.coords(r).pp) for r in range(4)]
+        assert [r[i] for r in ranks] == want, (model, config)

@@ -1,0 +1,138 @@
+"""The 3D GPT equals one process: every (dp, tp, pp) in {1, 2}^3, with and without SP, and more.
+
+Each combination trains K = 5 AdamW steps from the same initial weights (seed 0) on the
+same global batches as a single process, then gathers its parameters back into the plain
+GPT's (`full_state_dict`). The single process accumulates gradients over the same
+dp x microbatches chunks the parallel run splits the batch into (the MoE's balance loss
+is computed per chunk, so the chunks must match; for a dense model this is the
+full-batch gradient).
+
+Tolerances (fp32): losses rtol 1e-5; parameters atol 2e-6 (the TP reductions add the
+same numbers in another order, ~1e-7 relative per step, and AdamW with eps 1e-6
+turns a gradient difference of that size into a parameter difference of at most lr
+times it, over 5 steps). bf16: see `test_bf16_tracks_the_bf16_single_process`.
+
+One launch per world size runs all of that size's combinations in turn, to keep the
+8-rank cases quick (about 10-20 s each launch on a 2-core machine).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from reference.model import GPT, GPTConfig
+from reference.runtime import launch
+
+pytestmark = pytest.mark.timeout(600)
+
+K = 5
+LR, EPS = 1e-3, 1e-6
+CFG = GPTConfig.tiny(n_layer=4, block_size=16)
+B, T = 8, 16
+
+
+def batches(k: int = K, vocab: int = 256):
+    g = torch.Generator().manual_seed(1234)
+    data = torch.randint(0, vocab, (k, B, T + 1), generator=g)
+    return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+
+
+def single_process(config, chunks: int, cfg=CFG, ffn_factory=None, precision="fp32"):
+    """Losses and final parameters of one process accumulating over `chunks` chunks."""
+    torch.manual_seed(0)
+    model = GPT(cfg, ffn_factory=ffn_factory) if ffn_factory else GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for idx, tgt in batches():
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for x, y in zip(idx.chunk(chunks), tgt.chunk(chunks)):
+            with (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
+                  else contextlib.nullcontext()):
+                _, with_aux = model(x, y)  # the LM loss plus the MoE's aux loss (0 if dense)
+            (with_aux / chunks).backward()
+            total += model.last_lm_loss.float() / chunks
+        opt.step()
+        losses.append(float(total))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _rank(configs, cfg, ffn_factory):
+    from reference.parallel.gather import full_state_dict
+    from reference.parallel.parallelize import parallelize
+    from reference.parallel.step import train_step
+
+    out = []
+    for config in configs:
+        torch.manual_seed(0)  # the same initial weights on every rank, as in the single process
+        model = GPT(cfg, ffn_factory=ffn_factory) if ffn_factory else GPT(cfg)
+        mesh = config.mesh().build_groups()
+        pm = parallelize(model, mesh, config, batch=(B, T))
+        opt = pm.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+        losses = [float(train_step(pm, opt, idx, tgt).loss) for idx, tgt in batches()]
+        state = full_state_dict(pm)
+        out.append((losses, state if torch.distributed.get_rank() == 0 else None))
+    return out
+
+
+def run_all(world_size, configs, cfg=CFG, ffn_factory=None):
+    return launch(_rank, world_size, configs, cfg, ffn_factory, timeout=300)
+
+
+def assert_parity(config, ranks, i, expected_losses, expected_state, loss_rtol=1e-5, atol=2e-6):
+    losses = [r[i][0] for r in ranks]
+    for rank_losses in losses:  # every rank reports the same global mean
+        assert rank_losses == losses[0], f"{config}: ranks disagree on the loss"
+    got = torch.tensor(losses[0])
+    want = torch.tensor(expected_losses)
+    assert torch.allclose(got, want, rtol=loss_rtol, atol=0), f"{config}: {got} != {want}"
+    state = ranks[0][i][1]
+    for name, value in expected_state.items():
+        if name == "lm_head.weight" and name not in state:  # tied: the same tensor as wte
+            continue
+        assert name in state, f"{config}: {name} missing from the gathered model"
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=atol,
+                                   msg=lambda m: f"{config}: {name}: {m}")
+    return float((got - want).abs().max())
+
+
+def _combos(world_size):
+    from reference.parallel.config import ParallelConfig
+
+    out = []
+    for dp in (1, 2):
+        for tp in (1, 2):
+            for pp in (1, 2):
+                if dp * tp * pp != world_size:
+                    continue
+                for sp in ((False, True) if tp > 1 else (False,)):
+                    out.append(ParallelConfig(dp=dp, tp=tp, pp=pp, sequence_parallel=sp,
+                                              microbatches=2 if pp > 1 else 1))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_every_3d_combination_equals_one_process(world_size, record_property):
+    configs = _combos(world_size)
+    ranks = run_all(world_size, configs)
+    table = {}
+    for i, config in enumerate(configs):
+        losses, state = single_process(config, config.dp * config.microbatches)
+        table[str(config)] = assert_parity(config, ranks, i, losses, state)
+    record_property("max_loss_difference", table)
+    print(table)
+
+
+def test_zero_interleaved_checkpointing_equal_one_process():
+    from reference.parallel.config import ParallelConfig
+
+    configs = [ParallelConfig(dp=2, zero_stage=1, microbatches=2),
+               ParallelConfig(dp=2, zero_stage=3, microbatches=1),
+               ParallelConfig(pp=2, schedule="interleaved", virtual_stages=2, microbatches=2),
+               ParallelConfig(pp=2, activation_checkpointing=True, microbatches=2)]
+    ranks = run_all(2, configs)
+    for i, config in enumerate(configs):
+        losses, state = single_process(config, config.dp * config.microbatches)
+        assert_parity(config, ranks, i, losses, state)
