@@ -185,6 +185,9 @@ class ParallelConfig:
                            f"of tp={self.tp}")
         if n_experts is not None and self.ep > 1 and n_experts % self.ep:
             out.append(f"n_experts={n_experts} is not a multiple of ep={self.ep}")
+        if n_experts is not None and self.sequence_parallel and self.tp > 1:
+            out.append(f"sequence_parallel with experts (n_experts={n_experts}, tp={self.tp}): the "
+                       f"router's capacity is counted per whole sequence; use sequence_parallel=False")
         if n_experts is None and self.ep > 1:
             out.append(f"ep={self.ep} needs a model with experts (pass n_experts)")
         return out

@@ -69,10 +69,11 @@ def parallel_losses(config: ParallelConfig = CONFIG, steps: int = STEPS) -> list
     """Inside every rank of a launch of config.world_size ranks: the debug run, in parallel."""
     from reference.parallel.parallelize import parallelize
     from reference.parallel.step import train_step
+    from reference.runtime import device
 
     torch.manual_seed(0)
     mesh = config.mesh().build_groups()
-    pm = parallelize(GPT(MODEL), mesh, config, batch=BATCH)
+    pm = parallelize(GPT(MODEL).to(device()), mesh, config, batch=BATCH)
     opt = pm.make_optimizer(torch.optim.AdamW, lr=LR)
     return [float(train_step(pm, opt, idx, tgt).loss) for idx, tgt in debug_batches(steps)]
 

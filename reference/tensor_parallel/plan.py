@@ -138,7 +138,7 @@ def _pattern(p: str) -> re.Pattern:
     return re.compile("^" + re.escape(p).replace(r"\*", r"[^.]+") + "$")
 
 
-def _check_divisible(model: GPT, mesh) -> None:
+def _check_divisible(model: GPT, mesh, sequence_parallel: bool = False) -> None:
     cfg, tp = model.config, mesh.tp
     sizes = dict(n_head=cfg.n_head, n_embd=cfg.n_embd, d_ff=cfg.d_ff)
     bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
@@ -148,7 +148,15 @@ def _check_divisible(model: GPT, mesh) -> None:
             f"d_ff={cfg.d_ff}; {', '.join(bad)} do not (mesh pp={mesh.pp}, dp={mesh.dp}, "
             f"tp={mesh.tp}, ep={mesh.ep}, world_size={mesh.world_size})")
     for i, block in enumerate(model.h):
-        if not isinstance(block.ffn, MLP):
+        # A mixture of experts (an ffn with .experts) stays whole on every tp rank: its input
+        # is the replicated residual stream, so each tp rank computes the same experts (expert
+        # parallelism, not TP, splits them). Under SP its input would be a sequence shard and
+        # capacity, which is counted per sequence, would change: refused.
+        experts = getattr(block.ffn, "experts", None) is not None
+        if experts and sequence_parallel and tp > 1:
+            raise ValueError(f"block {i} has a mixture of experts, which routes whole sequences: "
+                             f"use sequence_parallel=False with experts (tp={tp})")
+        if not isinstance(block.ffn, MLP) and not experts:
             raise ValueError(f"apply_tensor_parallel splits the dense MLP; block {i} has an ffn of "
                              f"type {type(block.ffn).__name__}")
 
@@ -203,7 +211,7 @@ def apply_tensor_parallel(model: GPT, mesh, sequence_parallel: bool = False, *,
     """
     if not isinstance(model, GPT):
         raise TypeError(f"apply_tensor_parallel expects a reference.model.GPT, got {type(model).__name__}")
-    _check_divisible(model, mesh)
+    _check_divisible(model, mesh, sequence_parallel)
     if mesh.tp == 1:
         return model
     device = model.wte.weight.device
