@@ -17,6 +17,8 @@ of them imports it. Where each part lives:
   shard counted once (tensor-parallel slices, pipeline stages, tied embeddings, data-
   parallel replicas, ZeRO and FSDP shards, experts), and `mark_parallel_params`;
 * `reference.parallel.gather`: `full_state_dict`, every split undone, on every rank;
+* `reference.parallel.generate`: `generate`, sampling from the parallel model (the plain
+  model's tokens for the same seed);
 * `reference.parallel.estimate`: memory, bubble and bytes per GPU of a configuration,
   from formulas; `reference.parallel.explorer`: which configurations fit a cluster;
 * `reference.parallel.golden`: the debug run's committed losses;
@@ -29,10 +31,11 @@ from reference.parallel.clip import clip_grad_norm_, mark_parallel_params
 from reference.parallel.config import ParallelConfig
 from reference.parallel.estimate import estimate
 from reference.parallel.gather import full_state_dict
+from reference.parallel.generate import generate
 from reference.parallel.parallelize import ParallelGPT, parallelize
 from reference.parallel.step import StepResult, train_step
 
 __all__ = [
     "ParallelConfig", "parallelize", "ParallelGPT", "train_step", "StepResult",
-    "clip_grad_norm_", "mark_parallel_params", "full_state_dict", "estimate",
+    "clip_grad_norm_", "mark_parallel_params", "full_state_dict", "generate", "estimate",
 ]
