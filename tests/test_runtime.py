@@ -336,3 +336,103 @@ def test_function_defined_in_a_notebook_cell(tmp_path):
     out = nbformat.read(dst, as_version=4)
     text = "".join(o.get("text", "") for o in out.cells[1].outputs)
     assert "cell ok [10.0, 10.0]" in text
+
+
+# ----------------------------------------------------------------------------- the NCCL path, without a GPU
+
+def test_results_are_read_onto_the_cpu(monkeypatch):
+    """A rank's CUDA result must not start CUDA in the caller: every load maps to the CPU."""
+    calls, real_load = [], torch.load
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("map_location"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)  # in the caller only: the ranks are forked elsewhere
+    for safe in (False, True):
+        calls.clear()
+        results = launch(lambda: {"t": torch.ones(2)}, 2, safe_results=safe, quiet=True)
+        assert [r["t"].tolist() for r in results] == [[1.0, 1.0]] * 2
+        assert calls and all(c == "cpu" for c in calls), (safe, calls)
+
+
+def _note(path, what):
+    with open(path, "a") as f:
+        f.write(what + "\n")
+
+
+class _NotedWhenUnpickled:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return _note, (self.path, "unpickled")
+
+
+def test_the_rank_sets_its_gpu_before_unpickling(tmp_path, monkeypatch):
+    """Unpickling a CUDA tensor before set_device would put it, and a CUDA context, on cuda:0."""
+    import multiprocessing as mp
+
+    import cloudpickle
+
+    from reference.runtime.rank import rank_main
+
+    order = str(tmp_path / "order.txt")
+    # Forked from here, the rank keeps this fake set_device (the real one needs a GPU).
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: _note(order, f"set_device {d}"))
+    payload = cloudpickle.dumps((len, ([_NotedWhenUnpickled(order)],)))
+    ctx = mp.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+    context = (dict(os.environ), os.getcwd(), list(sys.path))
+    proc = ctx.Process(target=rank_main, args=(0, 1, payload, context, str(tmp_path), "nccl", 1,
+                                               5.0, reader, False))
+    proc.start()
+    reader.close()
+    try:
+        # Only the order matters; the rank may then fail to start NCCL without a GPU.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (not os.path.exists(order)
+                                               or len(open(order).read().splitlines()) < 2):
+            time.sleep(0.05)
+    finally:
+        writer.close()  # a rank waiting for the release sees end of file and exits
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    assert open(order).read().splitlines() == ["set_device 0", "unpickled"]
+
+
+def test_cuda_tensors_travel_to_the_rank_device(monkeypatch):
+    """A CUDA argument is sent as a CPU copy and rebuilt on the rank's current device."""
+    import cloudpickle
+
+    from reference.runtime import payload
+
+    rebuilt = []
+    layer, buffer = torch.nn.Linear(2, 3), torch.arange(3.0)
+    # No GPU here: these three tensors play CUDA tensors, and "the rank's device" is the CPU.
+    monkeypatch.setattr(payload, "_on_gpu", lambda obj: any(obj is t for t in (*layer.parameters(),
+                                                                               buffer)))
+    monkeypatch.setattr(payload, "_rank_device", lambda: rebuilt.append(1) or torch.device("cpu"))
+    fn, (got_layer, got_buffer) = cloudpickle.loads(payload.dumps((print, (layer, buffer))))
+    assert len(rebuilt) == 3  # weight, bias and the buffer, each rebuilt by on_rank_device
+    assert isinstance(got_layer.weight, torch.nn.Parameter) and got_layer.weight.requires_grad
+    assert not got_buffer.requires_grad
+    torch.testing.assert_close(got_layer.weight, layer.weight, rtol=0, atol=0)  # a copy: exact
+    torch.testing.assert_close(got_buffer, buffer, rtol=0, atol=0)
+
+
+def test_fork_does_not_ask_cuda_before_forking(monkeypatch):
+    """torch.cuda.is_available() starts CUDA here, and forked ranks then cannot use it."""
+    def refuse():
+        raise AssertionError("CUDA was queried before forking")
+
+    monkeypatch.setattr(torch.cuda, "is_available", refuse)
+    monkeypatch.setattr(torch.cuda, "device_count", refuse)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert runtime.resolve_backend("auto", 2, start_method="fork") == "gloo"
+    with pytest.raises(RuntimeError, match="backend='nccl' cannot start ranks with "
+                                           "start_method='fork'"):
+        runtime.resolve_backend("nccl", 2, start_method="fork")
+    assert launch(lambda: dist.get_rank(), 2, start_method="fork", threads=1,
+                  quiet=True) == [0, 1]

@@ -36,6 +36,7 @@ import torch.nn as nn
 from reference import comms
 from reference.expert_parallel.comms import all_to_all, exchange_counts
 from reference.model import MLP, GPTConfig, init_weights
+from reference.tensor_parallel.layers import check_init_seed, linear_init_
 from reference.expert_parallel.router import Router, check_routing_args, combine, sort_by_expert
 
 __all__ = ["Expert", "MoEStats", "MoE", "ExpertParallelMoE", "moe_factory", "shard_experts",
@@ -151,24 +152,58 @@ class ExpertParallelMoE(_MoELayer):
 
     Group rank r holds experts ``r * E / P ... (r + 1) * E / P - 1`` (``expert_ids``);
     the router and the shared expert are whole on every rank. Same arguments as
-    `MoE`, plus ``group``; `from_dense` copies an existing `MoE`.
+    `MoE`, plus ``group`` and ``seed``; `from_dense` copies an existing `MoE`.
+
+    Built directly, it holds the router, shared expert and experts ``expert_ids`` of
+    the `MoE` built on the CPU after `torch.manual_seed(seed)` (Megatron's
+    master-weight init); ``seed`` must be the same on every rank (the default 0 is).
     """
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, k: int = 2,
-                 capacity_factor: Optional[float] = 1.25, *, group=None, **kwargs):
+                 capacity_factor: Optional[float] = 1.25, *, group=None, seed: int = 0, **kwargs):
         check_routing_args(n_experts, k, capacity_factor)
+        check_init_seed("ExpertParallelMoE", seed)
         ep = dist.get_world_size(group)
         if n_experts % ep != 0:
             raise ValueError(
                 f"n_experts={n_experts} does not divide by ep={ep} (world_size="
                 f"{dist.get_world_size()}): every expert-parallel rank must hold the same "
                 f"number of experts")
-        super().__init__(d_model, d_ff, n_experts, k, capacity_factor,
-                         n_local_experts=n_experts // ep, **kwargs)
+        with torch.random.fork_rng(devices=[]):  # these draws are replaced by _draw_from_seed
+            super().__init__(d_model, d_ff, n_experts, k, capacity_factor,
+                             n_local_experts=n_experts // ep, **kwargs)
         self.ep_group, self.ep_size, self.ep_rank = group, ep, dist.get_rank(group)
         self.n_local_experts = n_experts // ep
         first = self.ep_rank * self.n_local_experts
         self.expert_ids = list(range(first, first + self.n_local_experts))
+        self._draw_from_seed(seed)
+
+    @torch.no_grad()
+    def _draw_from_seed(self, seed: int) -> None:
+        """Replay `MoE(...)`'s construction draws on a CPU generator seeded `seed`, in its order:
+        the router's gate, experts 0 .. E-1 (c_fc, c_proj: weight then bias), the shared
+        expert. Another rank's expert is drawn into scratch and dropped, so the stream
+        reaches each of this rank's experts exactly where MoE's does."""
+        gen = torch.Generator().manual_seed(seed)
+
+        def draw(linear: nn.Linear, keep: bool = True) -> None:
+            w = torch.empty_like(linear.weight, device="cpu")  # (out, in), on the CPU as MoE's
+            b = None if linear.bias is None else torch.empty_like(linear.bias, device="cpu")
+            linear_init_(w, b, gen)
+            if keep:  # copied to the parameter's device
+                linear.weight.copy_(w)
+                if b is not None:
+                    linear.bias.copy_(b)
+
+        draw(self.router.gate)
+        for e in range(self.n_experts):
+            mine = e in self.expert_ids
+            expert = self.experts[e - self.expert_ids[0]] if mine else self.experts[0]  # same shapes
+            for linear in (expert.c_fc, expert.c_proj):
+                draw(linear, keep=mine)
+        if self.shared_expert is not None:
+            draw(self.shared_expert.c_fc)
+            draw(self.shared_expert.c_proj)
 
     @classmethod
     def from_dense(cls, moe: MoE, group=None) -> "ExpertParallelMoE":

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from reference.runtime.rank import RANK_MARKER, process_group_backend
+from reference.runtime.seeds import seed_rank
 
 __all__ = ["default_threads", "resolve_backend", "device", "under_torchrun", "init_from_env",
            "launch_under_torchrun"]
@@ -34,10 +35,23 @@ def default_threads(world_size: int) -> int:
 
 
 def resolve_backend(backend: str, world_size: int, start_method: str = "forkserver") -> str:
-    """"auto" -> NCCL with one GPU per rank when there are at least `world_size` GPUs, else gloo."""
+    """"auto" -> NCCL with one GPU per rank when there are at least `world_size` GPUs, else gloo.
+
+    With ``start_method="fork"`` the caller's CUDA state is copied into the ranks,
+    and asking for the GPUs (`torch.cuda.is_available()`) starts the CUDA driver
+    in the caller, after which no forked rank can use CUDA. So for fork the GPUs
+    are counted only when CUDA is already initialised here (asking then costs
+    nothing more, and NCCL is refused below); otherwise "auto" is gloo without
+    asking, and "nccl" is refused."""
     if backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
-    # device_count() asks the driver without initialising CUDA in this process.
+    if start_method == "fork" and not torch.cuda.is_initialized():
+        if backend == "nccl":
+            raise RuntimeError(
+                "backend='nccl' cannot start ranks with start_method='fork': counting the GPUs "
+                "would start CUDA in this process, and a forked rank cannot use it then. Use "
+                "start_method='forkserver' (the default).")
+        return "gloo"
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
         backend = "nccl" if gpus >= world_size else "gloo"
@@ -90,12 +104,18 @@ def _destroy_process_group():
         dist.destroy_process_group()
 
 
-def launch_under_torchrun(fn, world_size, args, backend):
-    """torchrun started the ranks: run fn here and share every rank's result."""
+def launch_under_torchrun(fn, world_size, args, backend, seed=None):
+    """torchrun started the ranks: run fn here and share every rank's result.
+
+    An int `seed` seeds this rank as `launch` seeds its own ranks (`seed_rank`);
+    with None the generators stay as the script left them (a torchrun rank is a
+    fresh process, and the script may have seeded it on purpose)."""
     rank, size = init_from_env(backend)
     if size != world_size:
         raise ValueError(f"launch asked for world_size={world_size}, but torchrun started "
                          f"WORLD_SIZE={size} ranks: pass the same number to both")
+    if seed is not None:
+        seed_rank(seed, rank)
     result = fn(*args)
     results = [None] * size
     dist.all_gather_object(results, result)

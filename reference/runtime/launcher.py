@@ -27,7 +27,10 @@ a matmul on two threads; on a 2-core CPU machine it printed:
   imported torch but never ran an op or touched CUDA: neither problem can occur,
   and after the first launch a rank starts in a fraction of a second. The
   function travels as a cloudpickle payload, which serialises functions defined
-  in `__main__` (a notebook cell) by value.
+  in `__main__` (a notebook cell) by value (`reference.runtime.payload`).
+  Forked ranks inherit the server's random state, so each rank reseeds its
+  generators before running the function: fresh entropy, or `launch(...,
+  seed=s)` for a reproducible run (`reference.runtime.seeds`).
 
 Rendezvous uses a `FileStore` in a fresh temporary folder per launch, so launches
 running side by side never share a port or a store. Each rank's stdout and
@@ -49,8 +52,6 @@ killed in a `finally`, so an interrupted kernel leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import io
 import linecache
 import multiprocessing as mp
 import multiprocessing.connection
@@ -65,44 +66,19 @@ import threading
 import time
 import types
 
-import cloudpickle
-import torch
-
 from reference.runtime.errors import RankError, RankTimeoutError, failure_error, hang_stacks, read_text
 from reference.runtime.backend import default_threads, launch_under_torchrun, resolve_backend, under_torchrun
+from reference.runtime.payload import dumps, load_result
 from reference.runtime.rank import RANK_MARKER, rank_main
+from reference.runtime.seeds import check_seed
 
 __all__ = ["launch", "RankError", "RankTimeoutError", "kill_processes"]
-
-# ----------------------------------------------------------------------------- helpers
 
 # ----------------------------------------------------------------------------- in the caller
 
 # torch._dynamo is imported by the first optimizer.step(): preloading it saves every rank
 # several seconds.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "reference.runtime.rank"]
-
-
-class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, plus: module objects of a ModuleType subclass travel by name.
-
-    torch registers some config modules (torch.distributed.config, say) as
-    instances of a ModuleType subclass; cloudpickle would try to copy them by
-    value and fail on any function that uses `dist` and reads an attribute that
-    happens to share such a module's name (`stage.config`)."""
-
-    def reducer_override(self, obj):
-        if (isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType
-                and sys.modules.get(obj.__name__) is obj):
-            return importlib.import_module, (obj.__name__,)
-        return super().reducer_override(obj)
-
-
-def _dumps(obj) -> bytes:
-    buffer = io.BytesIO()
-    _Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
-    return buffer.getvalue()
-
 
 _START_LOCK = threading.Lock()
 
@@ -190,17 +166,6 @@ def _print_logs(workdir, world_size):
     sys.stdout.flush()
 
 
-def _load_result(path, rank, safe_results):
-    if safe_results:
-        try:
-            return torch.load(path, weights_only=True)
-        except Exception as exc:  # the rank returned something other than plain data
-            raise RankError(f"rank {rank} returned a value that safe_results=True does not "
-                            f"accept (only tensors, numbers, strings, lists, tuples and "
-                            f"dicts): {str(exc).splitlines()[0]}", rank=rank) from None
-    with open(path, "rb") as f:
-        return cloudpickle.load(f)
-
 # A traceback frame ('line 3, in f') or a faulthandler frame ('line 3 in f').
 _DYNAMIC_FRAME = re.compile(r'File "<dynamic-code>", line (\d+)(,?) in (\w+)(\n|$)', re.M)
 
@@ -244,7 +209,7 @@ def _with_source_lines(err, fn):
 
 def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 300.0,
            threads: int | None = None, quiet: bool = False, safe_results: bool = False,
-           start_method: str = "forkserver"):
+           start_method: str = "forkserver", seed: int | None = None):
     """Run `fn(*args)` on `world_size` ranks with torch.distributed initialised.
 
     Returns the list of the ranks' return values (index = rank). Raises `RankError`
@@ -253,19 +218,32 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 3
     shared out, at least one). `quiet=True` hides the ranks' output.
     `safe_results=True` reads results with `torch.load(weights_only=True)`, so ranks
     running untrusted code can only return tensors, numbers, strings and containers.
+
+    `seed` sets each rank's default random generators (torch's CPU and CUDA ones,
+    Python's `random`, numpy's global state) before `fn` runs. With `seed=None`
+    every rank starts from fresh entropy, different on every rank and in every
+    launch. With an int, rank r is seeded with `rank_seed(seed, r)` (a SHA-256
+    hash of both; see `reference.runtime.seeds`): the same numbers in every launch
+    with that seed, different on every rank. Under torchrun an int seed is applied
+    the same way; `seed=None` leaves the generators as the script set them.
+
+    Under NCCL each rank sets its GPU before it unpickles `fn` and `args`, and a
+    CUDA tensor among them arrives on that GPU; results come back with every
+    tensor on the CPU (`reference.runtime.payload`).
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if timeout is None or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    check_seed(seed)
     if under_torchrun():
-        return launch_under_torchrun(fn, world_size, args, backend)
+        return launch_under_torchrun(fn, world_size, args, backend, seed)
     if RANK_MARKER in os.environ:
         raise RuntimeError("launch was called inside a rank: start ranks from the caller only")
     backend = resolve_backend(backend, world_size, start_method)
     threads = threads or default_threads(world_size)
     ctx = _context(start_method)
-    payload = _dumps((fn, args))
+    payload = dumps((fn, args))
     context = (dict(os.environ), os.getcwd(), list(sys.path))
     workdir = tempfile.mkdtemp(prefix="launch-")
     procs, writers, exits, exit_times = [], [], {}, {}
@@ -274,7 +252,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 3
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(target=rank_main, name=f"rank{rank}",
                             args=(rank, world_size, payload, context, workdir, backend, threads,
-                                  timeout, reader, safe_results))
+                                  timeout, reader, safe_results, seed))
             with _without_main_module():
                 p.start()
             reader.close()
@@ -321,7 +299,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 3
                     ranks=hung, stacks=stacks), fn)
             alive = [p.sentinel for r, p in enumerate(procs) if r not in exits]
             multiprocessing.connection.wait(alive, timeout=0.05)
-        return [_load_result(os.path.join(workdir, f"result{r}.pt"), r, safe_results)
+        return [load_result(os.path.join(workdir, f"result{r}.pt"), r, safe_results)
                 for r in range(world_size)]
     finally:
         for w in writers:

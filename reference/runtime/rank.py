@@ -1,9 +1,11 @@
 """What runs inside each rank that `reference.runtime.launch` starts.
 
-The rank redirects its file descriptors 1 and 2 to its own log, joins the process
-group through a FileStore in the launch's folder, runs the function, and leaves
-either a result file or an error record for the caller. It then waits for the
-caller's release before closing its connections (see `reference.runtime`).
+The rank redirects its file descriptors 1 and 2 to its own log, sets its GPU
+(under NCCL) and seeds its generators before it unpickles the function (see
+`load_payload`), joins the process group through a FileStore in the launch's
+folder, runs the function, and leaves either a result file or an error record
+for the caller. It then waits for the caller's release before closing its
+connections (see `reference.runtime`).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import traceback
 import cloudpickle
 import torch
 import torch.distributed as dist
+
+from reference.runtime.seeds import seed_rank
 
 # Environment variable set inside ranks started by `launch` (never by torchrun).
 RANK_MARKER = "COURSE_LAUNCH_RANK"
@@ -50,8 +54,21 @@ def is_comm_error(exc: BaseException) -> bool:
     return any(p in text for p in _COMM_PATTERNS)
 
 
+def load_payload(rank, payload, backend, seed):
+    """This rank's device and random state, then its function and arguments (in this order).
+
+    Under NCCL the GPU is set first: unpickling a CUDA tensor creates the CUDA
+    context on the current device and rebuilds the tensor there
+    (`reference.runtime.payload`), so before `set_device` both would land on
+    cuda:0 in every rank."""
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    seed_rank(seed, rank)  # fresh entropy, or rank_seed(seed, rank)
+    return cloudpickle.loads(payload)
+
+
 def rank_main(rank, world_size, payload, context, workdir, backend, threads, timeout,
-               lifeline, safe_results):
+               lifeline, safe_results, seed=None):
     """Entry point of one rank (runs in the child process)."""
     # Every byte the rank writes, Python or C++, goes to its own log file.
     log = os.open(os.path.join(workdir, f"rank{rank}.log"),
@@ -95,11 +112,9 @@ def rank_main(rank, world_size, payload, context, workdir, backend, threads, tim
             if entry not in sys.path:
                 sys.path.insert(0, entry)
         os.chdir(cwd)
-        # After sys.path is the caller's: functions of importable modules travel by name.
-        fn, args = cloudpickle.loads(payload)
         torch.set_num_threads(threads)
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
+        # After sys.path is the caller's: functions of importable modules travel by name.
+        fn, args = load_payload(rank, payload, backend, seed)
         store = dist.FileStore(os.path.join(workdir, "store"), world_size)
         # The group's own timeout is longer than the caller's, so a hang is reported
         # by the caller (naming the unfinished ranks), not by a collective's timeout.

@@ -27,6 +27,12 @@ group after backward, like a LayerNorm's: it is marked ``sequence_parallel``.
 column layer: it keeps only the (B, T // tp, C) shard of its input for backward
 and all-gathers it again there, one more all-gather per column layer in backward
 in exchange for never keeping a full (B, T, C) activation.
+
+Initialisation. A layer built directly (not with ``from_dense``) follows
+Megatron's master-weight init: each rank draws the *whole* dense weight from a
+generator seeded with the layer's ``seed``, identical on every rank, and keeps
+its slice. The ranks then hold different slices of one weight, and the TP layer
+is exactly the dense ``nn.Linear`` that seed gives, for any tp.
 """
 from __future__ import annotations
 
@@ -49,7 +55,8 @@ from reference.tensor_parallel.comms import (
     scatter_to_tensor_parallel_region,
 )
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_shard", "row_shard"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_shard", "row_shard", "linear_init_",
+           "check_init_seed"]
 
 
 # ---------------------------------------------------------------------------
@@ -87,14 +94,40 @@ def _keep_frozen(layer: nn.Module, dense: nn.Module) -> None:
         p.requires_grad_(dense_params[name].requires_grad)
 
 
-def _init_like_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
-    # nn.Linear's distribution, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), with the
-    # dense layer's fan_in (a shard's own width would change the scale).
-    bound = 1.0 / math.sqrt(fan_in)
-    with torch.no_grad():
-        weight.uniform_(-bound, bound)
-        if bias is not None:
-            bias.uniform_(-bound, bound)
+def check_init_seed(owner: str, seed) -> None:
+    """A layer's init seed is an int; a bool or None here is a slip, not a choice."""
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"{owner}: seed must be an int (the same on every rank of the group), "
+                        f"got {seed!r}")
+
+
+@torch.no_grad()
+def linear_init_(weight: torch.Tensor, bias: torch.Tensor | None,
+                 generator: torch.Generator) -> None:
+    """nn.Linear's own initialisation (`reset_parameters`), drawn from `generator`.
+
+    The same calls in the same order, so a CPU generator seeded with s gives the
+    weights `torch.manual_seed(s); nn.Linear(in, out)` gets: weight then bias,
+    both U(-1/sqrt(in), 1/sqrt(in))."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=generator)  # (out, in)
+    if bias is not None:
+        fan_in = weight.shape[1]
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+        nn.init.uniform_(bias, -bound, bound, generator=generator)  # (out,)
+
+
+def _master_linear(in_features: int, out_features: int, bias: bool, seed: int, dtype):
+    """The dense layer's whole weight (out, in) and bias (out,), drawn from `seed`.
+
+    Megatron's master-weight init: every rank of the group draws the same full
+    weight on a CPU generator of its own (the default stream is not moved) and
+    keeps its slice, so the TP layer is the dense `nn.Linear` built on the CPU
+    after `torch.manual_seed(seed)`, cut up, whatever tp is. The full weight lives
+    only for the duration of the constructor."""
+    weight = torch.empty(out_features, in_features, dtype=dtype, device="cpu")
+    full_bias = torch.empty(out_features, dtype=dtype, device="cpu") if bias else None
+    linear_init_(weight, full_bias, torch.Generator().manual_seed(seed))
+    return weight, full_bias
 
 
 # ---------------------------------------------------------------------------
@@ -126,11 +159,16 @@ class ColumnParallelLinear(nn.Module):
 
     Input (.., in) replicated, or (B, T // tp, in) with ``sequence_parallel``.
     Output (.., out // tp), or (.., out) with ``gather_output=True``.
+
+    Built directly, the layer holds its slice of the weights `torch.manual_seed(seed)`
+    then ``nn.Linear(in, out)`` would draw (Megatron's master-weight init).
+    ``seed`` must be the same on every rank of the group (the default 0 is);
+    give each layer of a model its own. `from_dense` copies a dense layer instead.
     """
 
     def __init__(self, in_features: int, out_features: int, group, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
-                 regather_input: bool = False, chunks: int = 1):
+                 regather_input: bool = False, chunks: int = 1, seed: int = 0):
         super().__init__()
         tp, self.tp_rank = _place(group)
         if out_features % (tp * chunks):
@@ -138,13 +176,18 @@ class ColumnParallelLinear(nn.Module):
                              f"tp={tp} x chunks={chunks} = {tp * chunks}")
         if regather_input and not sequence_parallel:
             raise ValueError("regather_input=True only applies with sequence_parallel=True")
+        check_init_seed("ColumnParallelLinear", seed)
         self.in_features, self.out_features = in_features, out_features
         self.group, self.tp, self.chunks = group, tp, chunks
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.regather_input = regather_input
         self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))  # (out // tp, in)
         self.bias = nn.Parameter(torch.empty(out_features // tp)) if bias else None
-        _init_like_linear(self.weight, self.bias, in_features)
+        weight, full_bias = _master_linear(in_features, out_features, bias, seed, self.weight.dtype)
+        with torch.no_grad():  # this rank's rows of the master weight ([q_r | k_r | v_r] with chunks=3)
+            self.weight.copy_(column_shard(weight, self.tp_rank, tp, chunks))
+            if bias:
+                self.bias.copy_(column_shard(full_bias, self.tp_rank, tp, chunks))
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, group, gather_output: bool = False, *,
@@ -191,21 +234,29 @@ class RowParallelLinear(nn.Module):
     Input (.., in // tp) with ``input_is_parallel=True`` (a column layer's output),
     else (.., in) replicated and split here. Output (.., out) replicated, or
     (B, T // tp, out) with ``sequence_parallel``.
+
+    Built directly, it holds its slice of the weights of the ``nn.Linear(in, out)``
+    built after `torch.manual_seed(seed)`, as `ColumnParallelLinear` does.
     """
 
     def __init__(self, in_features: int, out_features: int, group, *, bias: bool = True,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False):
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, seed: int = 0):
         super().__init__()
         tp, self.tp_rank = _place(group)
         if in_features % tp:
             raise ValueError(f"RowParallelLinear: in_features={in_features} must divide by tp={tp}")
+        check_init_seed("RowParallelLinear", seed)
         self.in_features, self.out_features = in_features, out_features
         self.group, self.tp = group, tp
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))  # (out, in // tp)
         # The bias is whole on every rank and added once, after the reduction.
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        _init_like_linear(self.weight, self.bias, in_features)
+        weight, full_bias = _master_linear(in_features, out_features, bias, seed, self.weight.dtype)
+        with torch.no_grad():  # this rank's columns of the master weight, the bias whole
+            self.weight.copy_(row_shard(weight, self.tp_rank, tp))
+            if bias:
+                self.bias.copy_(full_bias)
         if self.bias is not None and sequence_parallel:
             self.bias.sequence_parallel = True  # its gradient sees only this rank's tokens
 

@@ -73,10 +73,17 @@ def _check_ids(ids: torch.Tensor, vocab_size: int, what: str, ignore_index: int 
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token ids (B, T) -> embeddings (B, T, C), this rank holding V_pad / tp rows of the table."""
+    """Token ids (B, T) -> embeddings (B, T, C), this rank holding V_pad / tp rows of the table.
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, group):
+    Built directly, the table is Megatron's master-weight init: every rank draws the whole
+    (V, C) table from ``seed`` on a generator of its own (the N(0, 1) of
+    ``torch.manual_seed(seed); nn.Embedding(V, C)``) and keeps its rows, so the tp ranks hold
+    different rows of one table, equal to the dense one for the same seed."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group, seed: int = 0):
         super().__init__()
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"VocabParallelEmbedding: seed must be an int, got {seed!r}")
         tp, tp_rank = dist.get_world_size(group), dist.get_rank(group)
         self.group, self.tp = group, tp
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -86,12 +93,11 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end_index = self.vocab_start_index + per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim))  # (V_pad / tp, C)
         with torch.no_grad():
-            nn.init.normal_(self.weight)  # nn.Embedding's N(0, 1)
-            self._zero_padding()
-
-    def _zero_padding(self) -> None:
-        pad_from = max(0, self.num_embeddings - self.vocab_start_index)
-        self.weight[pad_from:].zero_()
+            full = torch.empty(num_embeddings, embedding_dim)  # (V, C), only for this constructor
+            nn.init.normal_(full, generator=torch.Generator().manual_seed(seed))  # nn.Embedding's N(0, 1)
+            rows = full[self.vocab_start_index:self.vocab_end_index]
+            self.weight.zero_()  # padding rows (ids >= V) stay zero
+            self.weight[: rows.shape[0]].copy_(rows)
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, group) -> "VocabParallelEmbedding":
