@@ -13,6 +13,8 @@ of them imports it. Where each part lives:
   and pipeline parallelism applied from outside in a fixed order (`ParallelGPT`);
 * `reference.parallel.step`: `train_step`, one training step for any combination
   (pipeline schedule, gradient synchronisation, clipping, optimizer);
+* `reference.parallel.scaler`: `DynamicLossScaler`, fp16's loss scaling, every rank
+  agreeing on each skipped step;
 * `reference.parallel.clip`: `clip_grad_norm_`, the global gradient norm over every
   shard counted once (tensor-parallel slices, pipeline stages, tied embeddings, data-
   parallel replicas, ZeRO and FSDP shards, experts), and `mark_parallel_params`;

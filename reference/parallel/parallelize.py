@@ -34,6 +34,7 @@ import torch.nn as nn
 from reference.expert_parallel import MoE, expert_parameters, shard_experts
 from reference.model import GPT
 from reference.parallel.config import ParallelConfig
+from reference.parallel.scaler import DynamicLossScaler
 from reference.pipeline_parallel import (build_embedding_group, build_schedule, local_stages,
                                          split_stages)
 from reference.tensor_parallel import apply_tensor_parallel
@@ -62,6 +63,7 @@ class ParallelGPT:
     tied_group: Optional[object] = None
     fsdp: Optional[FSDP] = None      # ZeRO-3: the wrapped whole model
     has_experts: bool = False
+    scaler: Optional[object] = None  # fp16: the DynamicLossScaler train_step uses
     extra: dict = field(default_factory=dict)
 
     @property
@@ -133,7 +135,8 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
     schedule = build_schedule(schedule_kind, config.pp, config.microbatches,
                               virtual=config.virtual_stages)
     common = dict(config=config, mesh=mesh, model_config=model.config, schedule=schedule,
-                  has_experts=n_experts is not None)
+                  has_experts=n_experts is not None,
+                  scaler=DynamicLossScaler() if config.precision == "fp16" else None)
     if config.zero_stage == 3 and mesh.dp > 1:
         # 5 (ZeRO-3): FSDP wraps the whole model; it runs as one "stage" without the executor
         wrapped = FSDP(model, group=mesh.group("dp"))

@@ -60,6 +60,8 @@ class StepResult:
     grad_norm: Optional[torch.Tensor] = None  # before clipping, when clipping was asked
     trace: list = field(default_factory=list)
     peak_activation_bytes: int = 0
+    skipped: bool = False                    # fp16: an inf or NaN somewhere, the step was skipped
+    loss_scale: Optional[float] = None       # fp16: the scale this step used
 
 
 def local_batch(pm, idx: torch.Tensor, targets: torch.Tensor):
@@ -91,7 +93,7 @@ def _loss_fn(pm):
     return loss
 
 
-def _run_fsdp(pm, idx, targets, device):
+def _run_fsdp(pm, idx, targets, device, loss_scale: float = 1.0):
     """ZeRO-3 (pp = 1): micro-batches through the FSDP-wrapped model, gradients accumulating."""
     model, m = pm.fsdp, pm.config.microbatches
     losses = []
@@ -99,7 +101,7 @@ def _run_fsdp(pm, idx, targets, device):
         with _autocast(pm.config.precision, device):
             logits, _ = model(x.to(device))
             loss = lm_loss(logits, y.to(device))
-        (loss / m).backward()
+        (loss * (loss_scale / m)).backward()
         losses.append(loss.detach().float())
     return torch.stack(losses).mean()
 
@@ -143,19 +145,32 @@ def _global_loss(pm, loss: Optional[torch.Tensor], device) -> torch.Tensor:
     return value.reshape(()).cpu()
 
 
+def _local_grads(pm, optimizer) -> list:
+    """The gradients this rank steps with: the shard's for ZeRO-1/2, else the parameters'."""
+    if pm.config.zero_stage in (1, 2) and pm.mesh.dp > 1:
+        optimizer.reduce_gradients()  # step() will not reduce again
+        return [optimizer.shard.grad] if optimizer.shard.grad is not None else []
+    return [p.grad for p in pm.parameters() if p.grad is not None]
+
+
 def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
-               max_norm: Optional[float] = None) -> StepResult:
-    """One step on the global batch ``idx``, ``targets`` (B, T), the same on every rank."""
+               max_norm: Optional[float] = None, scaler=None) -> StepResult:
+    """One step on the global batch ``idx``, ``targets`` (B, T), the same on every rank.
+
+    With fp16 the loss is scaled by ``scaler`` (default ``pm.scaler``, a
+    `DynamicLossScaler`); a step with an inf or NaN on any rank is skipped everywhere."""
     from reference.runtime import device as rank_device
 
     device = rank_device()
+    scaler = scaler if scaler is not None else getattr(pm, "scaler", None)
+    scale = scaler.scale if scaler is not None else 1.0
     x, y = local_batch(pm, idx, targets)
     optimizer.zero_grad(set_to_none=True)
     trace: list[StepEvent] = []
     t0 = time.perf_counter()
     peak = 0
     if pm.fsdp is not None:
-        loss = _run_fsdp(pm, x, y, device)
+        loss = _run_fsdp(pm, x, y, device, scale)
         trace.append(StepEvent("F", "forward and backward", 0.0, time.perf_counter() - t0))
     else:
         offset = time.perf_counter() - t0  # the executor's clock starts about here
@@ -166,7 +181,7 @@ def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
                 y.to(device) if pm.is_last_stage else None,
                 group=pm.mesh.group("pp") if pm.mesh.pp > 1 else None,
                 checkpoint=pm.config.activation_checkpointing, tied_group=pm.tied_group,
-                batch_shape=tuple(x.shape), loss_fn=_loss_fn(pm))
+                batch_shape=tuple(x.shape), loss_fn=_loss_fn(pm), loss_scale=scale)
         loss, peak = result.loss, result.peak_activation_bytes
         for e in result.trace:
             kind = e.action.op if e.action.op in ("F", "B") else e.action.op.split("_")[0]
@@ -174,8 +189,12 @@ def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
     start = time.perf_counter() - t0
     _synchronise_gradients(pm, optimizer)
     trace.append(StepEvent("reduce", "gradients", start, time.perf_counter() - t0))
+    overflow = False
+    if scaler is not None:  # unscale, and agree across every rank whether to step
+        overflow = scaler.unscale_and_check(_local_grads(pm, optimizer))
+        scaler.update(overflow)
     norm = None
-    if max_norm is not None:
+    if max_norm is not None and not overflow:
         from reference.parallel.clip import clip_grad_norm_
 
         if pm.config.zero_stage in (1, 2) and pm.mesh.dp > 1:
@@ -184,10 +203,15 @@ def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
         else:
             norm = clip_grad_norm_(pm.stages, max_norm, pm.mesh)
     start = time.perf_counter() - t0
-    optimizer.step()
-    trace.append(StepEvent("optimizer", "step", start, time.perf_counter() - t0))
+    if overflow:
+        optimizer.zero_grad(set_to_none=True)  # also clears a ZeRO optimizer's reduced flag
+    else:
+        optimizer.step()
+    trace.append(StepEvent("optimizer", "skipped" if overflow else "step", start,
+                           time.perf_counter() - t0))
     return StepResult(loss=_global_loss(pm, loss, device), grad_norm=norm, trace=trace,
-                      peak_activation_bytes=peak)
+                      peak_activation_bytes=peak, skipped=overflow,
+                      loss_scale=scale if scaler is not None else None)
 
 
 def barrier_all(mesh) -> None:

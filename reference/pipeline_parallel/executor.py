@@ -109,7 +109,8 @@ def _run_stage(stage, x, last: bool, target, m: int, loss_fn):
 def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
                  inputs: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None,
                  *, group=None, checkpoint: Union[bool, Sequence[bool]] = False, tied_group=None,
-                 batch_shape: Optional[tuple] = None, loss_fn: Optional[Callable] = None) -> PipelineResult:
+                 batch_shape: Optional[tuple] = None, loss_fn: Optional[Callable] = None,
+                 loss_scale: float = 1.0) -> PipelineResult:
     """Run this rank's part of ``schedule`` on the full batch ``inputs`` (B, T) -> ``targets`` (B, T).
 
     ``stages``: this rank's stage modules indexed by chunk (`local_stages`).
@@ -119,11 +120,15 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
     ``.grad`` (zero them before); with ``tied_group`` (`build_embedding_group`) the
     tied embedding's gradient is summed over its two copies at the end.
     ``loss_fn(logits, targets)``: the last stage's loss; by default the stage's
-    own ``loss`` method (`GPTStage.loss`), else `lm_loss`.
-    Returns a `PipelineResult`; its ``loss`` is the mean over the m micro-batches.
+    own ``loss`` method (`GPTStage.loss`), else `lm_loss`. ``loss_scale`` multiplies
+    what backward starts from (fp16's loss scaling; the gradients come out scaled by it).
+    Returns a `PipelineResult`; its ``loss`` is the mean over the m micro-batches (unscaled).
     """
     schedule.validate()
     pp, m, v = schedule.pp, schedule.m, schedule.virtual
+    if not loss_scale > 0:
+        raise ValueError(f"loss_scale must be positive, got {loss_scale!r}")
+    divisor = m / loss_scale  # backward starts from (loss + aux) * loss_scale / m
     distributed = dist.is_available() and dist.is_initialized()
     if pp > 1 and not distributed:
         raise RuntimeError(f"a pipeline of pp={pp} ranks needs torch.distributed initialised "
@@ -179,9 +184,9 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
             if flags[c]:
                 entry["rng"] = RNGStates.capture(st, device)  # every stream F draws from
                 with torch.no_grad():
-                    out, _, _, loss = _run_stage(st, x, s == last_stage, target, m, loss_fn)
+                    out, _, _, loss = _run_stage(st, x, s == last_stage, target, divisor, loss_fn)
             else:
-                out, aux, total, loss = _run_stage(st, x, s == last_stage, target, m, loss_fn)
+                out, aux, total, loss = _run_stage(st, x, s == last_stage, target, divisor, loss_fn)
                 entry.update(aux=aux, total=total)
                 if s < last_stage:  # backward starts from it; the last stage's starts from the loss
                     entry["out"] = out
@@ -209,7 +214,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
             try:
                 with _SavedBytes(param_ptrs, exclude=[x]) as again:
                     out, aux, total, _ = _run_stage(st, x, s == last_stage,
-                                                    mb_tgt[mb] if s == last_stage else None, m, loss_fn)
+                                                    mb_tgt[mb] if s == last_stage else None, divisor, loss_fn)
             finally:
                 now.restore()  # the streams go on as if nothing had been drawn again
             result.recompute_bytes = max(result.recompute_bytes, again.bytes)
@@ -222,7 +227,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
             tensors, grads = [out], [mail.take("B", mb, c)]
             if aux is not None and aux.requires_grad:  # the stage's share of the aux loss
                 tensors.append(aux)
-                grads.append(torch.full_like(aux, 1.0 / m))
+                grads.append(torch.full_like(aux, 1.0 / divisor))
         keep = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
         if keep:
             torch.autograd.backward([t for t, _ in keep], [g for _, g in keep])

@@ -1,0 +1,81 @@
+"""Dynamic loss scaling for fp16, across every rank of a parallel run (DeepSpeed's rule).
+
+fp16 keeps 5 bits of exponent: gradients below about 6e-8 flush to zero. Multiplying the
+loss by a scale s multiplies every gradient by s, lifting the small ones into range; the
+optimizer then sees the gradients divided by s again. Too large an s overflows to inf, so
+the scale is dynamic:
+
+* a step whose gradients hold an inf or a NaN on *any* rank (every rank must agree: one
+  rank skipping a step alone would desynchronise the replicas) is skipped, and the scale is
+  multiplied by `backoff` (1/2), after `hysteresis` consecutive overflows, never below
+  `min_scale`;
+* after `window` steps in a row without overflow the scale is multiplied by `growth` (2).
+
+`DynamicLossScaler(static=s)` keeps s fixed (DeepSpeed's `loss_scale: s`, where 0 means
+dynamic). bf16 has fp32's exponent range and needs none of this.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DynamicLossScaler"]
+
+
+class DynamicLossScaler:
+    def __init__(self, initial_scale_power: int = 16, window: int = 1000, hysteresis: int = 2,
+                 min_scale: float = 1.0, growth: float = 2.0, backoff: float = 0.5,
+                 static: Optional[float] = None):
+        if static is not None and not static > 0:
+            raise ValueError(f"a static loss scale must be positive, got {static!r}")
+        if window < 1 or hysteresis < 1 or not min_scale > 0:
+            raise ValueError(f"window={window} and hysteresis={hysteresis} must be >= 1 and "
+                             f"min_scale={min_scale} positive")
+        self.scale = float(static if static is not None else 2.0 ** initial_scale_power)
+        self.static = static is not None
+        self.window, self.hysteresis, self.min_scale = window, hysteresis, min_scale
+        self.growth, self.backoff = growth, backoff
+        self.good_steps, self.overflows_in_a_row, self.skipped = 0, 0, 0
+
+    def unscale_and_check(self, grads, group=None) -> bool:
+        """Divide ``grads`` by the scale; True when any rank of ``group`` (default: the
+        world) found an inf or a NaN (then the step must be skipped everywhere)."""
+        local = any(not torch.isfinite(g).all() for g in grads)
+        flag = torch.tensor([float(local)], device=grads[0].device if grads else "cpu")
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        overflow = bool(flag.item())
+        if not overflow:
+            for g in grads:
+                g.mul_(1.0 / self.scale)
+        return overflow
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.skipped += 1
+            self.good_steps = 0
+            self.overflows_in_a_row += 1
+            if not self.static and self.overflows_in_a_row >= self.hysteresis:
+                self.scale = max(self.scale * self.backoff, self.min_scale)
+                self.overflows_in_a_row = 0
+            return
+        self.overflows_in_a_row = 0
+        self.good_steps += 1
+        if not self.static and self.good_steps % self.window == 0:
+            self.scale *= self.growth
+
+    def state_dict(self) -> dict:
+        return dict(scale=self.scale, good_steps=self.good_steps,
+                    overflows_in_a_row=self.overflows_in_a_row, skipped=self.skipped)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.overflows_in_a_row = int(state["overflows_in_a_row"])
+        self.skipped = int(state["skipped"])
+
+    def __repr__(self) -> str:
+        kind = "static" if self.static else "dynamic"
+        return f"DynamicLossScaler({kind}, scale={self.scale:g}, skipped={self.skipped})"
