@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: lab test exercises bench clean
+.PHONY: lab test exercises bench demo clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ test: $(STAMP)
 
 exercises: $(STAMP)
 	$(BIN)/python -m reference.course exercises
+
+# The debug 3D configuration on 8 gloo ranks, its parity with one process, its loss curve.
+demo: $(STAMP)
+	$(BIN)/python -m reference.train --config configs/debug_3d.json --world-size 8
+	$(BIN)/python -m reference.train parity runs/debug_3d.jsonl --config configs/debug_3d.json --world-size 8
+	$(BIN)/python -m reference.train plot runs/debug_3d.jsonl --out runs/debug_3d.png
 
 bench: $(STAMP)
 	for f in bench/*.py; do $(BIN)/python $$f || exit 1; done

@@ -10,7 +10,14 @@ Where each part lives:
   Importing this package loads only it (no `torch.distributed` code of the course);
 * `reference.train.config`, `reference.train.loop`, `reference.train.checkpoint` and
   `python -m reference.train` (`__main__`): the workshop trainer (see the README's
-  "Workshop" section).
+  "Workshop" section). The configuration's parts: `reference.train.jsonconfig` (plain
+  dataclasses from JSON, every error naming its dotted key), `reference.train.deepspeed_blocks`
+  (DeepSpeed's blocks), `reference.train.lr_schedules` (DeepSpeed's WarmupLR, WarmupDecayLR,
+  WarmupCosineLR as a LambdaLR) and `reference.train.describe` (what a configuration means
+  on N ranks, and what in it is pointless). The run's parts: `reference.train.settings`
+  (`RunPlan`, a configuration resolved at one world size), `reference.train.loop` (what
+  each rank runs), `reference.train.parity` (a run's losses against one process) and
+  `reference.train.plot` (loss and throughput curves from the JSONL log).
 """
 from reference.train.single import evaluate, make_optimizer, train, train_step
 

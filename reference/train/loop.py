@@ -1,0 +1,156 @@
+"""The workshop trainer's loop, run on every rank: the 3D GPT from a `TrainConfig`.
+
+`run_rank(cfg, world_size, resume)` is what each rank executes, whether the ranks were
+started by `reference.runtime.launch` on a laptop or by torchrun on one or many nodes:
+
+1. the parallel layout from the config (`cfg.parallel_config(world_size)`), the mesh and
+   its groups, the plain GPT built from `cfg.seed` on every rank and `parallelize`d;
+2. the optimizer (`pm.make_optimizer`: ZeRO's for stage 1-2), the learning-rate schedule
+   and, for fp16, the dynamic loss scaler with the config's settings;
+3. with `resume`, the latest checkpoint of `cfg.checkpoint.dir` (model, optimizer, schedule,
+   scaler, random states and the data position): the run continues exactly where it stopped;
+4. per step: the global batch number `step` (the same on every rank: the data position is
+   the step), `train_step`, the schedule's step; every `cfg.log.every` steps rank 0 appends
+   a JSON line (loss, grad norm, lr, loss scale, tokens/s, bytes sent per group on rank 0,
+   peak memory of every rank) to `cfg.log.path`; every `cfg.checkpoint.every` steps and at
+   the end, a checkpoint;
+5. at the end, a sample of generated text.
+
+It returns, on every rank, the list of the step records (rank 0's view).
+"""
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from reference import comms
+from reference.data import ByteCorpus, decode, get_batch, synthetic_batch
+from reference.model import GPT
+from reference.parallel import parallelize, train_step
+from reference.parallel.generate import generate
+from reference.parallel.golden import debug_text
+from reference.parallel.scaler import DynamicLossScaler
+from reference.runtime import device
+
+__all__ = ["run_rank", "batch_at", "peak_memory_bytes"]
+
+
+def _arithmetic_batch(batch, seq_len: int, step: int, seed: int):
+    data = torch.tensor(list(debug_text()), dtype=torch.int64)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=g)
+    windows = torch.stack([data[s: s + seq_len + 1] for s in starts.tolist()])  # (B, T + 1)
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+def batch_at(source: str, batch: int, seq_len: int, step: int, seed: int, corpus=None):
+    """Global batch number ``step``: a function of (source, seed, step) alone, so the data
+    position of a run is its step and every rank draws the same batch."""
+    if source == "stdlib":
+        return get_batch(corpus.train, batch, seq_len, step, seed)
+    if source == "arithmetic":
+        return _arithmetic_batch(batch, seq_len, step, seed)
+    if source == "synthetic":
+        return synthetic_batch(batch, seq_len, seed=seed, step=step)
+    raise ValueError(f"unknown data source {source!r}; expected stdlib, arithmetic or synthetic")
+
+
+def peak_memory_bytes() -> int:
+    """This process's peak memory: the CUDA allocator's high-water mark on a GPU, else the
+    peak resident set size the kernel reports (ru_maxrss, in KiB on Linux)."""
+    if device().type == "cuda":
+        return int(torch.cuda.max_memory_allocated())
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _lr(optimizer) -> float:
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def run_rank(cfg, world_size: int, resume: bool = False, sample_prompt: str = "12+7=") -> dict:
+    from reference.runtime import under_torchrun
+    from reference.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    pconfig = cfg.parallel_config(world_size)
+    mesh = pconfig.mesh().build_groups()
+    rank = mesh.rank
+    torch.manual_seed(cfg.seed)  # the same plain GPT on every rank
+    model = GPT(cfg.gpt_config(), ffn_factory=cfg.ffn_factory()).to(device())
+    B, T = cfg.train_batch_size, cfg.seq_len
+    pm = parallelize(model, mesh, pconfig, batch=(B, T), seed=cfg.seed)
+    optimizer = pm.make_optimizer(cfg.optimizer_class, **cfg.optimizer_kwargs)
+    scheduler = cfg.make_scheduler(optimizer)
+    if pconfig.precision == "fp16":
+        pm.scaler = DynamicLossScaler(**cfg.loss_scaler_kwargs())
+    corpus = ByteCorpus.load() if cfg.data_source == "stdlib" else None
+
+    start = 0
+    ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    if resume:
+        path = latest_checkpoint(ckpt_dir) if ckpt_dir is not None else None
+        if path is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir} (checkpoint.dir of "
+                                    f"the config); train without --resume first")
+        start = load_checkpoint(path, pm, optimizer, scheduler=scheduler, scaler=pm.scaler)["step"]
+
+    log = Path(cfg.log_path) if (cfg.log_path and rank == 0) else None
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            log.write_text("")
+    records = []
+    bar = None
+    if rank == 0 and under_torchrun():  # torchrun shows rank 0's output live
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, desc="training", unit="step")
+    for step in range(start, cfg.steps):
+        idx, tgt = batch_at(cfg.data_source, B, T, step, cfg.data_seed, corpus)
+        lr = _lr(optimizer)
+        t0 = time.perf_counter()
+        with comms.meter() as meter:
+            result = train_step(pm, optimizer, idx, tgt, max_norm=cfg.gradient_clipping)
+        if device().type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        if scheduler is not None:
+            scheduler.step()
+        record = dict(step=step + 1, loss=float(result.loss), lr=lr, seconds=round(seconds, 5),
+                      tokens_per_s=round(B * T / seconds, 1),
+                      grad_norm=None if result.grad_norm is None else float(result.grad_norm),
+                      loss_scale=result.loss_scale, skipped=result.skipped)
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            peaks = [None] * world_size
+            dist.all_gather_object(peaks, peak_memory_bytes()) if world_size > 1 else None
+            record["peak_memory_bytes"] = peaks if world_size > 1 else [peak_memory_bytes()]
+            sent: dict = {}
+            for r in meter.records():
+                sent[r["group"]] = sent.get(r["group"], 0) + r["sent_bytes"]
+            record["sent_bytes_rank0"] = sent
+            if log is not None:
+                with log.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+        records.append(record)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}",
+                            tok_s=f"{record['tokens_per_s']:.0f}",
+                            **({"scale": f"{result.loss_scale:g}"} if result.loss_scale else {}))
+        if ckpt_dir is not None and cfg.checkpoint_every and (
+                (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
+            save_checkpoint(ckpt_dir, step + 1, pm, optimizer, scheduler=scheduler, scaler=pm.scaler,
+                            extra={"data_position": step + 1})
+    if bar is not None:
+        bar.close()
+    sample = ""
+    if cfg.sample_tokens:
+        prompt = torch.tensor([list(sample_prompt.encode())])
+        tokens = generate(pm, prompt, cfg.sample_tokens, temperature=0.8,
+                          generator=torch.Generator().manual_seed(cfg.seed))
+        sample = decode(tokens[0].cpu())
+    return dict(rank=rank, records=records, sample=sample, start=start)
