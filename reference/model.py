@@ -41,7 +41,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT", "init_weights", "lm_loss"]
+__all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT", "init_weights", "lm_loss",
+           "sample_next_token"]
 
 
 @dataclass
@@ -292,17 +293,22 @@ class GPT(nn.Module):
             for _ in range(max_new_tokens):
                 context = idx[:, -self.config.block_size :]  # the model sees at most block_size tokens
                 logits, _ = self(context)
-                logits = logits[:, -1, :]  # (B, V): the next-token scores
-                if temperature == 0:
-                    next_token = logits.argmax(dim=-1, keepdim=True)
-                else:
-                    logits = logits / temperature
-                    if top_k is not None:
-                        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                        logits = logits.masked_fill(logits < kth, float("-inf"))
-                    probs = F.softmax(logits, dim=-1)
-                    next_token = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+                # (B, V): the next-token scores -> (B, 1)
+                next_token = sample_next_token(logits[:, -1, :], temperature, top_k, generator)
                 idx = torch.cat([idx, next_token], dim=1)
         finally:
             self.train(was_training)
         return idx
+
+
+def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
+                      generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """The next token of each row of ``logits`` (B, V): greedy at ``temperature=0``, else drawn
+    from the softmax of logits / temperature, among the ``top_k`` largest when given. (B, 1)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)

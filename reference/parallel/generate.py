@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from reference.model import sample_next_token
 from reference.tensor_parallel.loss import VocabParallelLMHead
 
 __all__ = ["generate"]
@@ -74,14 +74,7 @@ def generate(pm, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.
             logits = _logits_of_last_position(pm, idx[:, -block:], device)
             token = torch.empty(idx.shape[0], 1, dtype=torch.long, device=device)
             if logits is not None:  # the last stage samples, as GPT.generate does
-                if temperature == 0:
-                    token = logits.argmax(dim=-1, keepdim=True)
-                else:
-                    logits = logits / temperature
-                    if top_k is not None:
-                        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                        logits = logits.masked_fill(logits < kth, float("-inf"))
-                    token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+                token = sample_next_token(logits, temperature, top_k, generator)
             if pm.mesh.pp > 1:  # the last stage's token, to every stage
                 last = pm.mesh.group_ranks_of(pm.mesh.rank, "pp")[-1]
                 dist.broadcast(token, src=last, group=pm.mesh.group("pp"))
