@@ -17,7 +17,10 @@ Where each part lives:
   on N ranks, and what in it is pointless). The run's parts: `reference.train.settings`
   (`RunPlan`, a configuration resolved at one world size), `reference.train.loop` (what
   each rank runs), `reference.train.parity` (a run's losses against one process) and
-  `reference.train.plot` (loss and throughput curves from the JSONL log).
+  `reference.train.plot` (loss and throughput curves from the JSONL log). Checkpoints:
+  `reference.train.checkpoint` (on torch.distributed.checkpoint, published atomically) and
+  `reference.train.reshard` (the training state without its layout, and back: any
+  (dp, tp, pp, ZeRO) layout loads any checkpoint).
 """
 from reference.train.single import evaluate, make_optimizer, train, train_step
 

@@ -141,8 +141,8 @@ def run_rank(cfg, world_size: int, resume: bool = False, sample_prompt: str = "1
             bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}",
                             tok_s=f"{record['tokens_per_s']:.0f}",
                             **({"scale": f"{result.loss_scale:g}"} if result.loss_scale else {}))
-        if ckpt_dir is not None and cfg.checkpoint_every and (
-                (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
+        if ckpt_dir is not None and (step + 1 == cfg.steps or (
+                cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
             save_checkpoint(ckpt_dir, step + 1, pm, optimizer, scheduler=scheduler, scaler=pm.scaler,
                             extra={"data_position": step + 1})
     if bar is not None:

@@ -1,0 +1,299 @@
+"""Checkpoints of the 3D GPT on torch.distributed.checkpoint (DCP), loadable by any layout.
+
+    path = save_checkpoint("runs/ckpt", step, pm, optimizer, scheduler=sched, extra={"batch": i})
+    latest = latest_checkpoint("runs/ckpt")             # runs/ckpt/step_000010, or None
+    info = load_checkpoint(latest, pm, optimizer, scheduler=sched)   # {"step": 10, "extra": {...}}
+
+Both are collective: every rank of the mesh calls them. Storage is DCP's (`dcp.save` /
+`dcp.load`, one folder per checkpoint: a `.metadata` file and the ranks' data files,
+`__<rank>_0.distcp`); the content is layout-free (`reference.train.reshard`), under these keys:
+
+    model/<name>               every parameter, whole, under the plain GPT's name
+    optim/<name>/<key>         the optimizer's per-parameter state, whole (exp_avg, exp_avg_sq,
+                               step): ZeRO-1/2 and FSDP shards turned back into parameters first
+    meta/<what>                pickled bytes (DCP stores a non-tensor leaf with torch.save and
+                               reads it back with torch.load): step, extra, the optimizer's
+                               param_groups hyper-parameters (lr, betas, initial_lr, ...),
+                               scheduler and scaler state_dicts, the layout (dp, tp, pp, ep),
+                               and every rank's RNG states as one list indexed by global rank
+
+Every rank holds the whole tensors, so DCP writes each once (its plans drop replicated
+duplicates and spread the writes over the ranks). Loading reads them whole on every rank
+and cuts each rank's slice, so any (dp, tp, pp, ep, ZeRO stage) loads any checkpoint of the
+same model. That keeps the code short and costs each rank the whole model in memory for a
+moment, as `full_state_dict` does; a large model would save DTensor shards instead.
+
+Same layout: everything is restored, the RNG states too (torch's CPU generator, the GPU's
+when a rank computes on one, Python's `random`, numpy's, the tensor-parallel dropout
+streams), so training continues bit for bit. Another layout: the model, the optimizer,
+the scheduler and the scaler are restored; the RNG states are not (a rank of the new
+layout has no counterpart in the old), and each rank keeps its current state.
+
+Atomic publish: a save writes `.step_000010.partial` inside the directory; after every rank
+has written, rank 0 renames it to `step_000010` (`os.replace` of a folder on one filesystem:
+there is no moment when a half-written `step_000010` exists) and writes nothing after. A
+save killed part-way leaves only a partial folder, which `latest_checkpoint` ignores and the
+next save of that step clears. Checkpoints are pickles: load only those you trust.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+from reference.runtime import device
+from reference.tensor_parallel import TensorParallelRNG
+from reference.train.reshard import (full_model_state, full_optimizer_state, full_shapes,
+                                     load_optimizer_state, load_weights)
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "CorruptCheckpointError"]
+
+_STEP = re.compile(r"^step_(\d+)$")
+_META = ("step", "extra", "layout", "rng", "param_groups", "scheduler", "scaler")
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A published checkpoint whose files are missing, cut short or unreadable."""
+
+
+# ---------------------------------------------------------------------- folders
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _steps(directory: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every published checkpoint in ``directory``, highest step first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir()
+             if (m := _STEP.match(p.name)) and (p / ".metadata").is_file()]
+    return sorted(found, reverse=True)
+
+
+def latest_checkpoint(directory) -> Optional[Path]:
+    """The complete checkpoint of the highest step in ``directory`` (partial folders, left
+    by a save that did not finish, are ignored); None when there is none."""
+    found = _steps(Path(directory))
+    return found[0][1] if found else None
+
+
+def _problems(path: Path) -> Optional[str]:
+    """Why the checkpoint at ``path`` cannot load (its metadata or a data file missing, or a
+    file shorter than the metadata says), or None. Reads sizes, not the data."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # missing, truncated or not DCP metadata at all
+        return f"its metadata cannot be read ({type(err).__name__}: {err})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"its data file {name} is missing"
+        if file.stat().st_size < size:
+            return f"its data file {name} holds {file.stat().st_size} bytes, the metadata needs {size}"
+    return None
+
+
+def _corrupt(path: Path, why: str) -> CorruptCheckpointError:
+    """The error for a corrupt ``path``, naming the most recent earlier checkpoint that loads."""
+    mine = _STEP.match(path.name)
+    earlier = [p for step, p in _steps(path.parent)
+               if mine and step < int(mine.group(1)) and _problems(p) is None]
+    fallback = (f"the most recent earlier checkpoint that loads is {earlier[0]}" if earlier
+                else f"there is no earlier checkpoint in {path.parent} that loads")
+    return CorruptCheckpointError(f"checkpoint {path} is corrupt: {why}; {fallback}")
+
+
+def _resolve(path: Path) -> Path:
+    """A checkpoint folder itself, or the latest checkpoint of a directory of them."""
+    if (_STEP.match(path.name) and path.is_dir()) or (path / ".metadata").is_file():
+        return path  # a published step_* without .metadata is corrupt: reported by the caller
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise FileNotFoundError(f"no checkpoint in {path} (no complete step_* folder"
+                                f"{'' if path.is_dir() else '; the folder does not exist'})")
+    return latest
+
+
+# ---------------------------------------------------------------------- random states
+def _trackers(pm) -> list[TensorParallelRNG]:
+    """The tensor-parallel dropout streams of this rank's modules, each once, in module order."""
+    found = {}
+    for stage in pm.stages:
+        for m in stage.modules():
+            for v in vars(m).values():
+                if isinstance(v, TensorParallelRNG):
+                    found.setdefault(id(v), v)
+    return list(found.values())
+
+
+def _rng_state(pm) -> dict:
+    state = {"torch": torch.get_rng_state(), "random": random.getstate(),
+             "tensor_parallel": [t.get_state() for t in _trackers(pm)]}
+    if device().type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device())
+    try:
+        import numpy as np
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def _set_rng_state(pm, state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["random"])
+    for tracker, saved in zip(_trackers(pm), state["tensor_parallel"]):
+        tracker.set_state(saved)
+    if "cuda" in state and device().type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device())
+    if "numpy" in state:
+        import numpy as np
+        np.random.set_state(state["numpy"])
+
+
+def _layout(pm) -> dict:
+    m = pm.mesh
+    return dict(dp=m.dp, tp=m.tp, pp=m.pp, ep=m.ep, world_size=m.world_size)
+
+
+# ---------------------------------------------------------------------- save
+def _state_to_save(pm, optimizer, step, extra, scheduler, scaler, rng) -> dict:
+    """The flat dict handed to `dcp.save`: whole tensors and pickled meta (collective)."""
+    out = {f"model/{name}": v for name, v in full_model_state(pm).items()}
+    for name, values in full_optimizer_state(pm, optimizer).items():
+        out.update({f"optim/{name}/{key}": v for key, v in values.items()})
+    meta = dict(step=step, extra=extra, layout=_layout(pm), rng=rng,
+                param_groups=[{k: v for k, v in g.items() if k != "params"}
+                              for g in optimizer.param_groups],
+                scheduler=None if scheduler is None else scheduler.state_dict(),
+                scaler=None if scaler is None else scaler.state_dict())
+    out.update({f"meta/{k}": pickle.dumps(v) for k, v in meta.items()})
+    return out
+
+
+def save_checkpoint(directory, step: int, pm, optimizer, *, scheduler=None, scaler=None,
+                    extra: Optional[dict] = None) -> Path:
+    """Save the training state after ``step`` as ``directory/step_<step>``; returns that path.
+
+    ``pm`` a `ParallelGPT`, ``optimizer`` what ``pm.make_optimizer`` returned; ``scheduler``
+    and ``scaler`` anything with state_dict / load_state_dict; ``extra`` a dict of plain data
+    (the data position, ...). Collective: every rank calls it with the same arguments.
+    The RNG states are left as they were on entry, so saving changes nothing in the run."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict of plain data, got {type(extra).__name__}")
+    directory = Path(directory)
+    final = directory / f"step_{step:06d}"
+    partial = directory / f".{final.name}.partial"
+    if final.exists():
+        raise FileExistsError(f"checkpoint {final} already exists (step={step}); remove it or "
+                              f"save another step")
+    mine = _rng_state(pm)
+    rng = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
+    if dist.is_initialized():
+        dist.all_gather_object(rng, mine)  # rank r's states at index r
+    state = _state_to_save(pm, optimizer, step, extra, scheduler, scaler, rng)
+    if _rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        if partial.exists():  # left by a save that was killed: never published, never read
+            shutil.rmtree(partial)
+        partial.mkdir()
+    _barrier()
+    dcp.save(state, checkpoint_id=str(partial))  # every rank writes its share, rank 0 .metadata
+    _barrier()  # every file of every rank is written
+    if _rank() == 0:
+        os.replace(partial, final)  # the publish: one atomic rename, nothing written after
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename itself reaches the disk
+        finally:
+            os.close(fd)
+    _barrier()
+    _set_rng_state(pm, mine)
+    return final
+
+
+# ---------------------------------------------------------------------- load
+def _check_shapes(path: Path, pm, tensors: dict) -> None:
+    """Every tensor the model needs is in the checkpoint, with the whole shape this model has."""
+    want = full_shapes(pm)
+    have = {k[6:]: tuple(v) for k, v in tensors.items() if k.startswith("model/")}
+    problems = [f"{k}: {have[k]} in the checkpoint, {want[k]} in this model"
+                for k in want if k in have and have[k] != want[k]]
+    for k, shape in tensors.items():  # the optimizer's states are shaped like their parameter
+        name = k[6:].rsplit("/", 1)[0]
+        if k.startswith("optim/") and len(shape) and name in want and tuple(shape) != want[name]:
+            problems.append(f"{k[6:]}: {tuple(shape)} in the checkpoint, {want[name]} in this model")
+    for what, names in (("missing from the checkpoint", set(want) - set(have)),
+                        ("in the checkpoint but not in this model", set(have) - set(want))):
+        if names:
+            problems.append(f"{what}: {', '.join(sorted(names))}")
+    if problems:
+        more = [f"... and {len(problems) - 12} more"] if len(problems) > 12 else []
+        raise ValueError(f"checkpoint {path} does not fit this model ({pm.config}):\n  - "
+                         + "\n  - ".join(problems[:12] + more))
+
+
+def load_checkpoint(path, pm, optimizer, *, scheduler=None, scaler=None) -> dict:
+    """Load ``path`` (a step_* folder, or a directory: its latest checkpoint) into ``pm``,
+    ``optimizer`` (None: the weights only) and, when given, ``scheduler`` and ``scaler``,
+    whatever layout saved it.
+    Collective. Returns {"step": ..., "extra": ...}. RNG states are restored only when the
+    layout (dp, tp, pp, ep) is the one that saved them; otherwise each rank keeps its own."""
+    path = _resolve(Path(path))
+    why = _problems(path)
+    if why is not None:
+        raise _corrupt(path, why)
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    layout = metadata.state_dict_metadata
+    missing = [f"meta/{k}" for k in _META if f"meta/{k}" not in layout]
+    if missing:
+        raise _corrupt(path, f"it has no {', '.join(missing)}")
+    tensors = {k: md.size for k, md in layout.items() if not isinstance(md, BytesStorageMetadata)}
+    _check_shapes(path, pm, tensors)
+    state = {k: (b"" if isinstance(md, BytesStorageMetadata)
+                 else torch.empty(md.size, dtype=md.properties.dtype)) for k, md in layout.items()}
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except (Exception, dcp.CheckpointException) as err:  # bytes overwritten inside the files
+        first = next(iter(err.failures.values()))[0] if isinstance(err, dcp.CheckpointException) else err
+        raise _corrupt(path, f"reading it failed ({type(first).__name__}: {first})") from None
+    try:
+        meta = {k: pickle.loads(state[f"meta/{k}"]) for k in _META}
+    except Exception as err:
+        raise _corrupt(path, f"its meta data cannot be read ({type(err).__name__}: {err})") from None
+    for what, obj in (("scheduler", scheduler), ("scaler", scaler)):  # refused before any change
+        if obj is not None and meta[what] is None:
+            raise ValueError(f"a {what} was given, but checkpoint {path} was saved without one")
+    load_weights(pm, {k[6:]: v for k, v in state.items() if k.startswith("model/")})
+    if optimizer is not None:
+        full: dict = {}
+        for k, v in state.items():
+            if k.startswith("optim/"):
+                name, key = k[6:].rsplit("/", 1)
+                full.setdefault(name, {})[key] = v
+        load_optimizer_state(pm, optimizer, full, meta["param_groups"])
+    for what, obj in (("scheduler", scheduler), ("scaler", scaler)):
+        if obj is not None:
+            obj.load_state_dict(meta[what])
+    if meta["layout"] == _layout(pm):
+        _set_rng_state(pm, meta["rng"][_rank()])
+    return {"step": meta["step"], "extra": meta["extra"]}
