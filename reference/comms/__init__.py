@@ -12,6 +12,8 @@ Everything the rest of the course needs to communicate is reachable from here:
 * `CommMeter` / `meter()`, which counts calls and bytes per collective and per
   process group, and `name_group`, in `reference.comms.metering`;
 * `CostModel`, the alpha-beta model of a collective's time, in `reference.comms.cost`;
+* all-reduce by other algorithms (binomial tree, recursive halving-doubling, hierarchical
+  over nodes) and their time with fast and slow links, in `reference.comms.algorithms`;
 * in `reference.comms.collectives`, thin wrappers of torch.distributed's collectives with the same
   signatures. Each records its call in the open meters and then calls
   torch.distributed. Later modules communicate only through these wrappers, so
@@ -38,6 +40,9 @@ from reference.comms.collectives import (
     ReduceOp, all_gather_into_tensor, all_reduce, all_to_all_single, broadcast, recv,
     reduce_scatter_tensor, send,
 )
+from reference.comms.algorithms import (
+    halving_doubling_all_reduce, hierarchical_all_reduce, node_groups, tree_all_reduce, two_level_time,
+)
 from reference.comms.cost import COST_OPS, CostModel
 from reference.comms.metering import CommMeter, format_records, group_label, meter, name_group, record
 from reference.comms.ring import (
@@ -53,6 +58,9 @@ __all__ = [
     "CommMeter", "meter", "name_group", "group_label", "format_records", "record",
     # the cost model
     "CostModel", "COST_OPS",
+    # other all-reduce algorithms
+    "tree_all_reduce", "halving_doubling_all_reduce", "hierarchical_all_reduce", "node_groups",
+    "two_level_time",
     # metered wrappers of torch.distributed
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
     "all_to_all_single", "send", "recv", "ReduceOp",

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from reference.expert_parallel import ExpertParallelMoE
 from reference.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-__all__ = ["full_state_dict"]
+__all__ = ["full_state_dict", "tensor_parallel_full", "expert_names"]
 
 
 def _gather(t: torch.Tensor, group, dim: int, chunks: int = 1) -> torch.Tensor:
@@ -38,7 +38,9 @@ def _gather(t: torch.Tensor, group, dim: int, chunks: int = 1) -> torch.Tensor:
     return torch.cat([split[r][c] for c in range(chunks) for r in range(n)], dim=dim)
 
 
-def _tensor_parallel_full(module_of: dict, name: str, p: torch.Tensor, tp_group, vocab: int):
+def tensor_parallel_full(module_of: dict, name: str, p: torch.Tensor, tp_group, vocab: int):
+    """Parameter ``name``'s whole value from this rank's piece ``p`` (collective over tp):
+    gathered along the dimension its layer splits, q|k|v chunk by chunk, padding cut."""
     owner = module_of[name.rsplit(".", 1)[0]]
     leaf = name.rsplit(".", 1)[1]
     if isinstance(owner, VocabParallelEmbedding):
@@ -51,7 +53,7 @@ def _tensor_parallel_full(module_of: dict, name: str, p: torch.Tensor, tp_group,
     return p  # replicated over tp (LayerNorms, row-parallel biases, experts, router)
 
 
-def _expert_names(stage) -> dict[str, str]:
+def expert_names(stage) -> dict[str, str]:
     """Local expert parameter names -> global ones, for this rank's ExpertParallelMoE layers."""
     renames = {}
     for mod_name, mod in stage.named_modules():
@@ -73,11 +75,11 @@ def full_state_dict(pm) -> dict[str, torch.Tensor]:
     mine: dict[str, torch.Tensor] = {}
     for stage in pm.stages:
         module_of = dict(stage.named_modules())
-        renames = _expert_names(stage) if mesh.ep > 1 else {}
+        renames = expert_names(stage) if mesh.ep > 1 else {}
         for name, p in stage.named_parameters():
             value = p.detach()
             if tp_group is not None:
-                value = _tensor_parallel_full(module_of, name, value, tp_group, pm.model_config.vocab_size)
+                value = tensor_parallel_full(module_of, name, value, tp_group, pm.model_config.vocab_size)
             mine[renames.get(name, name)] = value.cpu().clone()
     for dim in ("ep", "pp"):
         if getattr(mesh, dim) > 1:

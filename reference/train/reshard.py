@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from reference import comms
-from reference.parallel.gather import _expert_names, _tensor_parallel_full
+from reference.parallel.gather import expert_names, tensor_parallel_full
 from reference.runtime import device
 from reference.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                        column_shard, padded_vocab_size, row_shard)
@@ -70,7 +70,7 @@ def entries(pm) -> list[Entry]:
     out, seen = [], set()
     for stage in pm.stages:
         module_of = dict(stage.named_modules())
-        renames = _expert_names(stage) if pm.mesh.ep > 1 else {}  # local expert -> global id
+        renames = expert_names(stage) if pm.mesh.ep > 1 else {}  # local expert -> global id
         for local, p in stage.named_parameters():
             if id(p) in seen:
                 continue
@@ -131,7 +131,7 @@ def gather_full(pm, local: list[tuple[Entry, dict]]) -> dict[str, dict[str, torc
         for key in sorted(values):  # the same order on every tp rank: the collectives pair up
             t = values[key].detach()
             if tp_group is not None and t.dim() > 0:
-                t = _tensor_parallel_full(e.module_of, e.local, t, tp_group, pm.model_config.vocab_size)
+                t = tensor_parallel_full(e.module_of, e.local, t, tp_group, pm.model_config.vocab_size)
             whole[key] = t.cpu().clone()
         mine.setdefault(e.name, whole)
     for dim in ("ep", "pp"):

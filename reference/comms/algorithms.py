@@ -1,0 +1,200 @@
+"""All-reduce algorithms other than the ring, from send/recv: tree, halving-doubling, hierarchical.
+
+All four sum a tensor of S bytes over N ranks; they differ in how many steps (each paying a
+latency alpha) and how many bytes (each paying 1 / bandwidth beta) a rank needs:
+
+    algorithm                steps            bytes a rank sends (S divisible)
+    ring                     2 (N - 1)        2 (N - 1) / N * S
+    binomial tree            2 ceil(log2 N)   S up the tree (N - 1 ranks), S per child down it
+    halving-doubling         2 log2 N         2 (N - 1) / N * S            (N a power of two)
+    hierarchical (g / node)  2 (g - 1) + 2 (n - 1)   2 (g-1)/g S inside + 2 (n-1)/n S/g across
+
+* the **ring** (`reference.comms.ring`) moves the fewest bytes but pays N - 1 latencies twice:
+  best for large messages;
+* the **binomial tree** reduces to rank 0 in ceil(log2 N) rounds (in round k ranks with bit k
+  set send their partial sum to the rank 2^k below and drop out) and broadcasts back the same
+  way. log N latencies, but whole-tensor messages: best for small messages on many ranks. (NCCL
+  uses a *double* binary tree: the tensor is split in two halves sent through two trees in which
+  every rank is a leaf in one and an inner node in the other, so every rank's links carry data
+  and the bandwidth matches the ring's; a single binomial tree, built here because its rounds
+  are easy to follow, sends S per child and is slower for large messages);
+* **recursive halving-doubling** (Rabenseifner): reduce-scatter by exchanging halves with the
+  partner at distance N/2, N/4, ..., 1, then all-gather the same way back: the ring's bytes in
+  log N steps; N must be a power of two;
+* **hierarchical**: with the ranks grouped into nodes of g consecutive ranks (fast links inside
+  a node, slow ones across), reduce-scatter inside each node, all-reduce each 1/g piece across
+  the nodes (between the ranks with the same place in their node), all-gather inside: only
+  S / g per rank crosses the slow links.
+
+`two_level_time` prices each in the alpha-beta model with two link classes, so that a student
+can see where the tree beats the ring (small messages, many ranks) and where it does not.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from reference.comms.metering import record
+from reference.comms.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+
+__all__ = ["tree_all_reduce", "halving_doubling_all_reduce", "hierarchical_all_reduce",
+           "node_groups", "tree_sent_bytes", "algorithm_steps", "two_level_time", "ALGORITHMS"]
+
+ALGORITHMS = ("ring", "tree", "halving_doubling", "hierarchical")
+
+
+def _place(group):
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return ranks, dist.get_rank(group), len(ranks)
+
+
+def _exchange(group_ranks, group, send_to=None, send=None, recv_from=None, recv=None) -> int:
+    """Send and/or receive together (group ranks); returns the bytes sent."""
+    ops, sent = [], 0
+    if send is not None and send.numel():
+        ops.append(dist.P2POp(dist.isend, send.contiguous(), group_ranks[send_to], group))
+        sent = send.numel() * send.element_size()
+    if recv is not None and recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, group_ranks[recv_from], group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return sent
+
+
+def tree_sent_bytes(nbytes: int, world_size: int, rank: int) -> int:
+    """Bytes group rank ``rank`` sends in `tree_all_reduce`: S up to its parent (all but
+    rank 0), then S to each of its children on the way down."""
+    children = sum(1 for k in range(max(1, math.ceil(math.log2(world_size))))
+                   if rank % (2 << k) == 0 and rank + (1 << k) < world_size)
+    return (nbytes if rank else 0) + children * nbytes
+
+
+def tree_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum ``tensor`` in place over ``group`` with a binomial tree: reduce to rank 0, broadcast
+    back. 2 ceil(log2 N) rounds; any N."""
+    ranks, me, n = _place(group)
+    flat = tensor.detach().view(-1) if tensor.is_contiguous() else tensor.detach().reshape(-1).clone()
+    rounds = math.ceil(math.log2(n)) if n > 1 else 0
+    sent, incoming = 0, torch.empty_like(flat)
+    for k in range(rounds):  # up: in round k the ranks with bit k set hand their sum down
+        mask = 1 << k
+        if me % (2 * mask) == mask:
+            sent += _exchange(ranks, group, send_to=me - mask, send=flat)
+        elif me % (2 * mask) == 0 and me + mask < n:
+            _exchange(ranks, group, recv_from=me + mask, recv=incoming)
+            flat.add_(incoming)
+    for k in reversed(range(rounds)):  # down: the same edges, the other way
+        mask = 1 << k
+        if me % (2 * mask) == 0 and me + mask < n:
+            sent += _exchange(ranks, group, send_to=me + mask, send=flat)
+        elif me % (2 * mask) == mask:
+            _exchange(ranks, group, recv_from=me - mask, recv=flat)
+    if not tensor.is_contiguous():
+        tensor.detach().copy_(flat.view(tensor.shape))
+    record("tree_all_reduce", group, tensor.numel() * tensor.element_size(), sent)
+    return tensor
+
+
+def halving_doubling_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum ``tensor`` in place over ``group`` (N a power of two) by recursive halving
+    (reduce-scatter) then recursive doubling (all-gather): 2 log2 N steps, the ring's bytes."""
+    ranks, me, n = _place(group)
+    if n & (n - 1):
+        raise ValueError(f"recursive halving-doubling needs a power-of-two group, got {n} ranks "
+                         f"(world_size={dist.get_world_size()}): use the ring or the tree")
+    flat = tensor.detach().view(-1) if tensor.is_contiguous() else tensor.detach().reshape(-1).clone()
+    lo, hi, sent, kept = 0, flat.numel(), 0, []
+    distance = n // 2
+    while distance:  # halving: keep one half of [lo, hi), send the other to the partner
+        partner = me ^ distance
+        mid = lo + (hi - lo) // 2
+        mine, theirs = ((lo, mid), (mid, hi)) if me < partner else ((mid, hi), (lo, mid))
+        incoming = torch.empty(mine[1] - mine[0], dtype=flat.dtype, device=flat.device)
+        sent += _exchange(ranks, group, send_to=partner, send=flat[theirs[0]:theirs[1]],
+                          recv_from=partner, recv=incoming)
+        flat[mine[0]:mine[1]].add_(incoming)
+        kept.append((lo, hi, mine, theirs, partner))
+        lo, hi = mine
+        distance //= 2
+    for lo, hi, mine, theirs, partner in reversed(kept):  # doubling: give back, take the rest
+        sent += _exchange(ranks, group, send_to=partner, send=flat[mine[0]:mine[1]].clone(),
+                          recv_from=partner, recv=flat[theirs[0]:theirs[1]])
+    if not tensor.is_contiguous():
+        tensor.detach().copy_(flat.view(tensor.shape))
+    record("halving_doubling_all_reduce", group, tensor.numel() * tensor.element_size(), sent)
+    return tensor
+
+
+def node_groups(node_size: int):
+    """(intra, inter) process groups of this rank when the world is cut into nodes of
+    ``node_size`` consecutive ranks. Collective: every rank calls it, in the same order."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    if node_size < 1 or world % node_size:
+        raise ValueError(f"node_size={node_size} must divide world_size={world}")
+    intra = inter = None
+    for node in range(world // node_size):
+        ranks = list(range(node * node_size, (node + 1) * node_size))
+        group = dist.new_group(ranks)
+        if me in ranks:
+            intra = group
+    for local in range(node_size):
+        ranks = list(range(local, world, node_size))
+        group = dist.new_group(ranks)
+        if me in ranks:
+            inter = group
+    return intra, inter
+
+
+def hierarchical_all_reduce(tensor: torch.Tensor, intra, inter) -> torch.Tensor:
+    """Sum ``tensor`` in place: ring reduce-scatter inside the node, ring all-reduce of this
+    rank's piece across the nodes, ring all-gather inside the node (`node_groups`)."""
+    flat = tensor.detach().reshape(-1)
+    piece = ring_reduce_scatter(flat, group=intra)          # (numel / g,) summed over the node
+    ring_all_reduce(piece, group=inter)                     # summed over every node
+    whole = ring_all_gather(piece, group=intra, numel=flat.numel())
+    tensor.detach().copy_(whole.view(tensor.shape))
+    return tensor
+
+
+def algorithm_steps(algorithm: str, n: int, node_size: int = 1) -> int:
+    """Communication steps (rounds of messages) of each algorithm on n ranks."""
+    if algorithm == "ring":
+        return 2 * (n - 1)
+    if algorithm == "tree":
+        return 2 * math.ceil(math.log2(n)) if n > 1 else 0
+    if algorithm == "halving_doubling":
+        return 2 * int(math.log2(n))
+    if algorithm == "hierarchical":
+        return 2 * (node_size - 1) + 2 * (n // node_size - 1)
+    raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+
+
+def two_level_time(algorithm: str, nbytes: float, n: int, node_size: int,
+                   intra=(1e-6, 100e9), inter=(5e-6, 12.5e9)) -> float:
+    """Seconds of one all-reduce of ``nbytes`` on ``n`` ranks, ``node_size`` a node, in the
+    alpha-beta model with two link classes: ``intra`` and ``inter`` are (alpha seconds, beta
+    bytes/s). A step whose partners sit in different nodes pays the inter-node link; a ring
+    step is as slow as its slowest link (it crosses nodes whenever there is more than one)."""
+    a_in, b_in = intra
+    a_out, b_out = inter
+    nodes = n // node_size
+    if algorithm == "ring":
+        a, b = (a_out, b_out) if nodes > 1 else (a_in, b_in)
+        return 2 * (n - 1) * (a + nbytes / n / b)
+    if algorithm == "tree":
+        rounds = math.ceil(math.log2(n)) if n > 1 else 0
+        return sum(2 * ((a_in + nbytes / b_in) if (1 << k) < node_size else (a_out + nbytes / b_out))
+                   for k in range(rounds))
+    if algorithm == "halving_doubling":
+        return sum(2 * ((a_in + nbytes / (2 << k) / b_in) if d < node_size
+                        else (a_out + nbytes / (2 << k) / b_out))
+                   for k, d in enumerate(n >> (j + 1) for j in range(int(math.log2(n)))))
+    if algorithm == "hierarchical":
+        g = node_size
+        inside = 2 * (g - 1) * (a_in + nbytes / g / b_in) if g > 1 else 0.0
+        across = 2 * (nodes - 1) * (a_out + nbytes / g / nodes / b_out) if nodes > 1 else 0.0
+        return inside + across
+    raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
