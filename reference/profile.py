@@ -1,0 +1,201 @@
+"""Profiles of a parallel step: a trace per rank, where the time went, and MFU.
+
+    summary = profile_step(lambda: train_step(pm, opt, idx, tgt), trace_dir="traces")  # in a rank
+    plot_profile([s for s in summaries])          # one bar per rank: compute, collectives, idle
+
+`profile_step` runs one step under `torch.profiler` on this rank, writes its Chrome/Perfetto
+trace (`traces/rank3.json`: open it at https://ui.perfetto.dev or chrome://tracing) and
+sorts the step's wall time into:
+
+* **compute**: the top-level operators (`aten::...`) of the rank's main thread;
+* **communication**, by kind (all_reduce, all_gather, reduce_scatter, send, recv, broadcast,
+  all_to_all): the backend's own events (`gloo:all_reduce`, `nccl:...`), from the moment the
+  operation starts to its end, so *waiting for a slower peer is included* (a collective cannot
+  finish before its last rank arrives: a long bar on one rank often means a late rank elsewhere);
+* **idle**: the rest of the step, when the main thread ran nothing the profiler saw (Python
+  between operators, the optimizer's bookkeeping).
+Overlapping intervals are merged first, so a collective running under a computation (DDP's
+buckets during backward) counts as communication only where nothing was computing.
+
+MFU (model FLOPs utilisation) is the usual ratio: the training FLOPs of the tokens of the step,
+6 N per token for the weights plus 12 L T C per token for attention's two matmuls (PaLM,
+Chowdhery et al., 2022, appendix B), divided by the step time and by the machine's peak, here
+*measured* (`measure_matmul_peak`: a large fp32 matmul on every core) rather than read from a
+datasheet.
+"""
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["ProfileSummary", "profile_step", "training_flops", "measure_matmul_peak", "mfu",
+           "plot_profile", "COMM_KINDS"]
+
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv")
+_BACKEND_EVENT = re.compile(r"^(gloo|nccl):(\w+)")
+
+
+@dataclass
+class ProfileSummary:
+    """Seconds of one step on one rank, by category (they add up to `step`)."""
+
+    rank: int
+    step: float
+    compute: float
+    communication: dict = field(default_factory=dict)   # kind -> seconds (not under compute)
+    idle: float = 0.0
+    trace_path: Optional[str] = None
+
+    @property
+    def communication_total(self) -> float:
+        return sum(self.communication.values())
+
+    @property
+    def communication_share(self) -> float:
+        return self.communication_total / self.step if self.step else 0.0
+
+
+def _kind(name: str) -> Optional[str]:
+    m = _BACKEND_EVENT.match(name)
+    if not m:
+        return None
+    op = m.group(2).lower()
+    for kind in COMM_KINDS:
+        if op.startswith(kind.replace("_", "")) or op.startswith(kind):
+            return kind
+    if "allgather" in op:
+        return "all_gather"
+    if "reducescatter" in op or "reduce_scatter" in op:
+        return "reduce_scatter"
+    if "alltoall" in op:
+        return "all_to_all"
+    return "send" if "send" in op else "recv" if "recv" in op else "all_reduce"
+
+
+def _merge(intervals):
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _minus(intervals, cover):
+    """The parts of `intervals` not covered by `cover` (both merged, sorted)."""
+    out, j = [], 0
+    for a, b in intervals:
+        start = a
+        while j < len(cover) and cover[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(cover) and cover[k][0] < b:
+            if cover[k][0] > start:
+                out.append([start, cover[k][0]])
+            start = max(start, cover[k][1])
+            k += 1
+        if start < b:
+            out.append([start, b])
+    return out
+
+
+def profile_step(step: Callable[[], object], trace_dir=None, rank: Optional[int] = None) -> ProfileSummary:
+    """Run ``step()`` once under the profiler; summarise it (and write the trace when
+    ``trace_dir`` is given). Times are seconds."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    if rank is None:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = list(prof.events())
+    if not events:
+        return ProfileSummary(rank, wall, 0.0, {}, wall)
+    start = min(e.time_range.start for e in events)
+    to_s = lambda us: (us - start) / 1e6  # noqa: E731
+    threads = Counter(e.thread for e in events if e.cpu_parent is None and e.name.startswith("aten::"))
+    main_thread = threads.most_common(1)[0][0] if threads else None  # where the step's operators ran
+    compute = _merge([[to_s(e.time_range.start), to_s(e.time_range.end)] for e in events
+                      if e.cpu_parent is None and e.name.startswith("aten::")
+                      and (main_thread is None or e.thread == main_thread)])
+    comm = {}
+    for e in events:
+        kind = _kind(e.name)
+        if kind:
+            comm.setdefault(kind, []).append([to_s(e.time_range.start), to_s(e.time_range.end)])
+    comm_only = {k: _minus(_merge(v), compute) for k, v in comm.items()}
+    busy = _merge([iv for v in comm_only.values() for iv in v] + compute)
+    span = max(wall, _length(busy))
+    summary = ProfileSummary(rank, span, _length(compute),
+                             {k: _length(v) for k, v in comm_only.items()},
+                             max(0.0, span - _length(busy)))
+    if trace_dir is not None:
+        path = Path(trace_dir) / f"rank{rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        summary.trace_path = str(path)
+    return summary
+
+
+def training_flops(n_params: int, tokens: int, n_layer: int, seq_len: int, n_embd: int) -> float:
+    """6 N per token for the weights, plus 12 L T C per token for attention (forward and backward)."""
+    return tokens * (6 * n_params + 12 * n_layer * seq_len * n_embd)
+
+
+def measure_matmul_peak(n: int = 1024, repeats: int = 5, dtype=torch.float32) -> float:
+    """FLOP/s of an n x n matmul on this machine (all intra-op threads), best of ``repeats``."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def mfu(flops_per_step: float, step_seconds: float, peak_flops: float) -> float:
+    return flops_per_step / step_seconds / peak_flops
+
+
+def plot_profile(summaries, title: Optional[str] = None):
+    """One horizontal bar per rank: compute, each kind of communication, idle."""
+    from reference.viz import _CATEGORICAL, _Figure
+
+    kinds = [k for k in COMM_KINDS if any(k in s.communication for s in summaries)]
+    fig = _Figure(figsize=(8.5, 0.45 * len(summaries) + 1.6))
+    ax = fig.add_subplot()
+    colours = {"compute": _CATEGORICAL[0], "idle": (0.85, 0.85, 0.85)}
+    colours.update({k: _CATEGORICAL[2 * (i + 2)] for i, k in enumerate(kinds)})
+    for row, s in enumerate(summaries):
+        left = 0.0
+        for part, value in [("compute", s.compute)] + [(k, s.communication.get(k, 0.0)) for k in kinds] \
+                + [("idle", s.idle)]:
+            ax.barh(row, value * 1e3, left=left * 1e3, color=colours[part],
+                    label=part if row == 0 else None, edgecolor="white", lw=0.5)
+            left += value
+        ax.text(left * 1e3, row, f" {s.communication_share:.0%} comm", va="center", fontsize=7)
+    ax.set_yticks(range(len(summaries)), [f"rank {s.rank}" for s in summaries], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("milliseconds of the step")
+    ax.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(title or "where each rank's step went", fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,64 @@
+"""profile_step: a trace per rank, the step's time split into compute, communication and idle
+(adding up to the step), waiting for a late peer counted as communication, and MFU."""
+import json
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from reference.model import GPT, GPTConfig
+from reference.profile import (measure_matmul_peak, mfu, plot_profile, profile_step,
+                               training_flops)
+from reference.runtime import launch
+
+
+def _ddp_step(trace_dir):
+    from reference.data_parallel import DDP
+
+    torch.manual_seed(0)
+    model = DDP(GPT(GPTConfig.tiny()), bucket_cap_mb=0.01)
+    idx = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        model(idx, idx)[1].backward()
+        model.finish_gradient_synchronization()
+
+    step()  # warm up
+    return profile_step(step, trace_dir=trace_dir)
+
+
+def _late_peer():
+    def step():
+        x = torch.ones(1000)
+        if dist.get_rank() == 1:
+            time.sleep(0.3)  # rank 0 waits in its all-reduce
+        dist.all_reduce(x)
+    return profile_step(step)
+
+
+def test_a_ddp_step_is_split_into_compute_communication_and_idle(tmp_path):
+    summaries = launch(_ddp_step, 2, str(tmp_path), timeout=120)
+    for s in summaries:
+        assert s.compute > 0 and s.communication.get("all_reduce", 0) > 0
+        parts = s.compute + s.communication_total + s.idle
+        assert parts == pytest.approx(s.step, rel=1e-9, abs=1e-9)  # the parts add up to the step
+        trace = json.loads(open(s.trace_path).read())
+        assert trace["traceEvents"]  # a Chrome/Perfetto trace per rank
+    assert plot_profile(summaries).axes
+
+
+def test_waiting_for_a_late_peer_counts_as_communication():
+    early, late = launch(_late_peer, 2, timeout=60)
+    assert early.communication["all_reduce"] > 0.2 > late.communication["all_reduce"]
+    assert early.communication_share > 0.5
+
+
+def test_flops_and_mfu():
+    cfg = GPTConfig.tiny()
+    n = GPT(cfg).num_parameters()
+    flops = training_flops(n, tokens=4 * 32, n_layer=cfg.n_layer, seq_len=32, n_embd=cfg.n_embd)
+    assert flops == 128 * (6 * n + 12 * cfg.n_layer * 32 * cfg.n_embd)
+    peak = measure_matmul_peak(256, repeats=3)
+    assert peak > 1e8  # any CPU does 0.1 GFLOP/s
+    assert 0 < mfu(flops, 1.0, peak) < 1
