@@ -7,7 +7,8 @@
 trace (`traces/rank3.json`: open it at https://ui.perfetto.dev or chrome://tracing) and
 sorts the step's wall time into:
 
-* **compute**: the top-level operators (`aten::...`) of the rank's main thread;
+* **compute**: the top-level operators of the rank's main thread (`aten::...` forward ops and
+  autograd's backward functions), whatever is not a collective's own record;
 * **communication**, by kind (all_reduce, all_gather, reduce_scatter, send, recv, broadcast,
   all_to_all): the backend's own events (`gloo:all_reduce`, `nccl:...`), from the moment the
   operation starts to its end, so *waiting for a slower peer is included* (a collective cannot
@@ -39,6 +40,9 @@ __all__ = ["ProfileSummary", "profile_step", "training_flops", "measure_matmul_p
 
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv")
 _BACKEND_EVENT = re.compile(r"^(gloo|nccl):(\w+)")
+# Top-level events that are not computation: the collectives' own records and profiler markers.
+_NOT_COMPUTE = ("c10d::", "gloo:", "nccl:", "record_param_comms", "ProfilerStep", "[memory]",
+                "ncclDevKernel", "cuda")
 
 
 @dataclass
@@ -62,20 +66,22 @@ class ProfileSummary:
 
 
 def _kind(name: str) -> Optional[str]:
-    m = _BACKEND_EVENT.match(name)
-    if not m:
-        return None
-    op = m.group(2).lower()
-    for kind in COMM_KINDS:
-        if op.startswith(kind.replace("_", "")) or op.startswith(kind):
+    """The kind of collective an event belongs to: a backend event (`gloo:all_reduce`,
+    `nccl:...`) or the process group's own call (`c10d::allreduce_`), else None."""
+    if name.startswith("c10d::"):
+        op = name[len("c10d::"):].strip("_").lower()
+    else:
+        m = _BACKEND_EVENT.match(name)
+        if not m:
+            return None
+        op = m.group(2).lower()
+    op = op.replace("_base", "").replace("_", "")
+    for key, kind in (("allreduce", "all_reduce"), ("allgather", "all_gather"),
+                      ("reducescatter", "reduce_scatter"), ("broadcast", "broadcast"),
+                      ("alltoall", "all_to_all"), ("send", "send"), ("recv", "recv")):
+        if key in op:
             return kind
-    if "allgather" in op:
-        return "all_gather"
-    if "reducescatter" in op or "reduce_scatter" in op:
-        return "reduce_scatter"
-    if "alltoall" in op:
-        return "all_to_all"
-    return "send" if "send" in op else "recv" if "recv" in op else "all_reduce"
+    return "all_reduce" if "reduce" in op else None
 
 
 def _merge(intervals):
@@ -130,17 +136,34 @@ def profile_step(step: Callable[[], object], trace_dir=None, rank: Optional[int]
         return ProfileSummary(rank, wall, 0.0, {}, wall)
     start = min(e.time_range.start for e in events)
     to_s = lambda us: (us - start) / 1e6  # noqa: E731
-    threads = Counter(e.thread for e in events if e.cpu_parent is None and e.name.startswith("aten::"))
+    ops = [e for e in events if e.cpu_parent is None and not e.name.startswith(_NOT_COMPUTE)]
+    threads = Counter(e.thread for e in ops)
     main_thread = threads.most_common(1)[0][0] if threads else None  # where the step's operators ran
-    compute = _merge([[to_s(e.time_range.start), to_s(e.time_range.end)] for e in events
-                      if e.cpu_parent is None and e.name.startswith("aten::")
-                      and (main_thread is None or e.thread == main_thread)])
-    comm = {}
+    mine = [e for e in events if main_thread is None or e.thread == main_thread]
+    # Blocking communication: the main thread inside a collective's call (a TP all-reduce in a
+    # forward, a pipeline send): it counts as communication even inside an operator.
+    blocking: dict = {}
+    for e in mine:
+        if e.name.startswith("c10d::") and (kind := _kind(e.name)):
+            blocking.setdefault(kind, []).append([to_s(e.time_range.start), to_s(e.time_range.end)])
+    blocked = _merge([iv for v in blocking.values() for iv in v])
+    # Computation: the main thread's top-level operators (forward ops, autograd's backward
+    # functions), minus the time they spent blocked in a collective.
+    compute = _minus(_merge([[to_s(e.time_range.start), to_s(e.time_range.end)] for e in ops
+                             if main_thread is None or e.thread == main_thread]), blocked)
+    # Asynchronous communication (the backend's own events, e.g. DDP's buckets during backward
+    # or a receive being waited for): counted where the main thread was neither computing nor
+    # blocked, i.e. where it is not hidden behind work.
+    comm = {k: _merge(v) for k, v in blocking.items()}
     for e in events:
-        kind = _kind(e.name)
-        if kind:
+        if not e.name.startswith("c10d::") and (kind := _kind(e.name)):
             comm.setdefault(kind, []).append([to_s(e.time_range.start), to_s(e.time_range.end)])
-    comm_only = {k: _minus(_merge(v), compute) for k, v in comm.items()}
+    taken = _merge(compute + blocked)
+    comm_only = {}
+    for kind in sorted(comm, key=lambda k: -_length(_merge(comm[k]))):
+        mine_k = _merge(blocking.get(kind, []))
+        extra = _minus(_minus(_merge(comm[kind]), taken), _merge([iv for v in comm_only.values() for iv in v]))
+        comm_only[kind] = _merge(mine_k + extra)
     busy = _merge([iv for v in comm_only.values() for iv in v] + compute)
     span = max(wall, _length(busy))
     summary = ProfileSummary(rank, span, _length(compute),
