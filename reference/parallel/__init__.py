@@ -23,6 +23,7 @@ of them imports it. Where each part lives:
   model's tokens for the same seed);
 * `reference.parallel.estimate`: memory, bubble and bytes per GPU of a configuration,
   from formulas; `reference.parallel.explorer`: which configurations fit a cluster;
+  `reference.parallel.placement`: which traffic crosses nodes for an order of the axes;
 * `reference.parallel.golden`: the debug run's committed losses;
 * `reference.parallel.viz`: a composed step drawn rank by rank, costs of configurations.
 
