@@ -12,6 +12,10 @@ Where each part lives:
   for gradient accumulation, an overlap trace of each step);
 * `reference.data_parallel.buckets`: how gradients are grouped into buckets, the
   layout alone (`plan_buckets`, `format_buckets`), testable without processes;
+* `reference.data_parallel.compression`: sending fewer bytes per step:
+  `CompressedDDP` (buckets all-reduced in bf16, half the bytes), PyTorch's DDP
+  comm hooks measured with `metered_comm_hook` (bf16, PowerSGD's low-rank
+  P and Q), and `powersgd_bytes`, PowerSGD's bytes per step;
 * `reference.data_parallel.device`: the wrapped module must sit on the device its
   process group communicates (`reference.runtime.device()`: the GPU under NCCL,
   the CPU under gloo), and the step's clock on that device (CUDA events on a GPU,
@@ -24,8 +28,12 @@ every collective goes through `reference.comms`, so a meter counts it. Pictures
 are imported from `reference.data_parallel.viz` (matplotlib stays out of the ranks).
 """
 from reference.data_parallel.buckets import Bucket, format_buckets, plan_buckets
+from reference.data_parallel.compression import (
+    CompressedDDP, PowerSGDBytes, metered_comm_hook, powersgd_bytes,
+)
 from reference.data_parallel.ddp import DDP, naive_all_reduce_gradients
 
 __all__ = [
     "naive_all_reduce_gradients", "DDP", "Bucket", "plan_buckets", "format_buckets",
+    "CompressedDDP", "metered_comm_hook", "powersgd_bytes", "PowerSGDBytes",
 ]

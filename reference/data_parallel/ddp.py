@@ -236,8 +236,14 @@ class DDP(nn.Module):
                 # Divide before summing, as PyTorch does: a half-precision sum of
                 # N full gradients could overflow where the sum of g / N does not.
                 torch.div(p.grad.reshape(-1), self.world_size, out=dst)
-        self._work[i] = comms.all_reduce(flat, group=self.group, async_op=True)
+        self._work[i] = self._all_reduce_bucket(flat)
         self._event("launch", i)
+
+    def _all_reduce_bucket(self, flat: torch.Tensor):
+        """Start one bucket's all-reduce (`flat`: g / N); ``wait()`` on the result leaves the sum in it.
+
+        The seam a compression overrides (`reference.data_parallel.compression`)."""
+        return comms.all_reduce(flat, group=self.group, async_op=True)
 
     def _end_of_backward(self) -> None:
         self._event("backward_end")

@@ -21,6 +21,10 @@ the parameters as well (P_os+g+p). Where each part lives:
 * `reference.zero.fsdp` and `reference.zero.fsdp_unit`: `FSDP`, stage 3, one unit
   per block, all-gathered just before it runs (with prefetch), mixed precision and
   CPU offload;
+* `reference.zero.adam8bit`: `Adam8bit`, AdamW whose two moments are stored
+  block-wise quantised in 8 bits (Dettmers et al., 2022): about 2 bytes of state
+  per parameter instead of 8, a memory saving (data parallelism never
+  communicates optimizer state);
 * `reference.zero.viz`: what each rank holds at each stage, measured bytes against
   the formula, the memory calculator's picture;
 * `reference.zero.widgets`: the memory calculator, an ipywidgets explorer of the
@@ -33,10 +37,11 @@ them too; so do the peak of gradient memory inside a step
 Pictures and widgets are imported from their modules (they load matplotlib and
 ipywidgets, which a rank does not need).
 """
+from reference.zero.adam8bit import Adam8bit
 from reference.zero.fsdp import FSDP
 from reference.zero.optimizer import ZeroOptimizer
 from reference.zero.shard import FlatBucket, FlatLayout, trainable_unique
 
 __all__ = [
-    "ZeroOptimizer", "FSDP", "FlatLayout", "FlatBucket", "trainable_unique",
+    "ZeroOptimizer", "FSDP", "FlatLayout", "FlatBucket", "trainable_unique", "Adam8bit",
 ]

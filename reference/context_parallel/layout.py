@@ -1,0 +1,100 @@
+"""Which tokens each rank of the cp group holds: the contiguous and the zig-zag split.
+
+Context parallelism cuts the sequence of T tokens over the cp ranks. The obvious
+cut gives rank r the contiguous block [r T/cp, (r+1) T/cp). Under a causal mask
+that is unbalanced: a query at position p attends to p + 1 keys, so the last
+rank, holding the latest positions, does about 2 cp - 1 times the work of rank 0
+(`reference.context_parallel.cost.causal_pairs_per_rank`).
+
+The zig-zag split (used by Megatron-LM's context parallelism and by
+ring-flash-attention's ``zigzag_ring``) cuts the sequence into 2 cp chunks of
+c = T / (2 cp) tokens and gives rank r chunks r and 2 cp - 1 - r, one early and
+one late, so every rank holds the same number of (query, key) pairs::
+
+    cp = 2, T = 8, chunks of 2:   | 0 1 | 2 3 | 4 5 | 6 7 |
+                                   rank0  rank1 rank1 rank0
+    rank 0 holds positions [0 1 6 7], rank 1 holds [2 3 4 5]
+
+A rank's part is kept in increasing position order (chunk r, then chunk
+2 cp - 1 - r), so a causal mask *inside* a rank's own part is the plain lower
+triangle. T must divide by 2 cp for the zig-zag split (by cp for the contiguous
+one); anything else is refused with an error naming T and cp (no padding: a
+padded token would have to be masked out of every attention and of the loss).
+
+`split_sequence` keeps this rank's part (no communication, every rank holds the
+whole batch); `gather_sequence` all-gathers the parts through `reference.comms`
+and puts them back in position order; `sequence_positions` gives the position
+ids of a rank's tokens (what the GPT's position embedding must read).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from reference.tensor_parallel.comms import all_gather_along
+
+__all__ = ["check_sequence_split", "sequence_positions", "split_sequence", "gather_sequence",
+           "gather_order", "zigzag_chunks"]
+
+
+def _check_cp(cp, rank=None) -> None:
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        raise ValueError(f"cp must be a positive int, got cp={cp!r}")
+    if rank is not None and not (isinstance(rank, int) and 0 <= rank < cp):
+        raise ValueError(f"rank={rank!r} is not a rank of a cp group of cp={cp} ranks")
+
+
+def check_sequence_split(T: int, cp: int, zigzag: bool = True) -> int:
+    """Tokens per rank, T // cp; refuses a T that the split cannot cut evenly."""
+    _check_cp(cp)
+    parts = 2 * cp if zigzag else cp
+    if T % parts:
+        how = (f"2*cp={parts} chunks (the zig-zag split gives each rank chunks r and 2*cp-1-r)"
+               if zigzag else f"cp={cp} contiguous parts")
+        raise ValueError(f"context parallelism cannot split a sequence of T={T} tokens over cp={cp} "
+                         f"ranks: T must divide into {how}; T % {parts} = {T % parts}")
+    return T // cp
+
+
+def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two chunks (of 2 cp) that rank `rank` holds under the zig-zag split: (r, 2 cp - 1 - r)."""
+    _check_cp(cp, rank)
+    return rank, 2 * cp - 1 - rank
+
+
+def sequence_positions(T: int, cp: int, rank: int, zigzag: bool = True) -> torch.Tensor:
+    """Positions (T // cp,) of the tokens rank `rank` holds, in increasing order (int64)."""
+    _check_cp(cp, rank)
+    n = check_sequence_split(T, cp, zigzag)
+    if not zigzag:
+        return torch.arange(rank * n, (rank + 1) * n)
+    c = T // (2 * cp)
+    first, second = zigzag_chunks(cp, rank)
+    return torch.cat([torch.arange(first * c, (first + 1) * c), torch.arange(second * c, (second + 1) * c)])
+
+
+def split_sequence(x: torch.Tensor, cp: int, rank: int, zigzag: bool = True, dim: int = 1) -> torch.Tensor:
+    """This rank's part of `x` along `dim` (the sequence): (B, T, ...) -> (B, T // cp, ...).
+
+    Pure indexing (no communication, differentiable): every rank holds the whole `x`."""
+    T = x.shape[dim]
+    pos = sequence_positions(T, cp, rank, zigzag).to(x.device)
+    return x.index_select(dim, pos)
+
+
+def gather_order(T: int, cp: int, zigzag: bool = True) -> torch.Tensor:
+    """(T,) the position of each row of the rank-order concatenation of every rank's part.
+
+    Row k of ``cat([part of rank 0, part of rank 1, ...])`` holds position
+    ``gather_order(...)[k]``; ``argsort`` of it puts the rows back in position order."""
+    return torch.cat([sequence_positions(T, cp, r, zigzag) for r in range(cp)])
+
+
+def gather_sequence(x: torch.Tensor, group, zigzag: bool = True, dim: int = 1) -> torch.Tensor:
+    """Every rank's part, all-gathered and put back in position order: (B, T // cp, ...) -> (B, T, ...).
+
+    One all-gather through `reference.comms` (metered); no autograd."""
+    cp = dist.get_world_size(group)
+    gathered = all_gather_along(x, dim, group)  # rank order: part 0, part 1, ...
+    order = gather_order(gathered.shape[dim], cp, zigzag).to(x.device)
+    return gathered.index_select(dim, torch.argsort(order))

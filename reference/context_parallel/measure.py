@@ -1,0 +1,70 @@
+"""Measuring the memory of attention: what autograd saves, and the largest tensor any op makes.
+
+Two meters, both context managers wrapped around a forward (and backward):
+
+* `SavedTensorBytes`: the bytes of the distinct storages autograd saves for
+  backward (``torch.autograd.graph.saved_tensors_hooks``, as the pipeline
+  executor measures a stage's activations); parameters can be left out. This
+  is the activation memory an attention holds between forward and backward.
+* `LargestTensor`: the largest tensor (in elements) that any operation
+  creates while it is open, forward *and* backward, views excluded. It sees
+  the transient tensors too: the (T/cp, T/cp) score block of ring attention,
+  which lives only inside one step, or the (T, T) scores of a dense attention.
+  Built on a ``TorchDispatchMode``, which, unlike saved-tensor hooks, also sees
+  inside autograd Functions and the backward pass.
+
+    with SavedTensorBytes() as saved, LargestTensor() as largest:
+        out = ring_attention(q, k, v, group)
+    out.sum().backward()      # wrap this too for the backward's tensors
+    saved.bytes, largest.elements
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["SavedTensorBytes", "LargestTensor"]
+
+
+class SavedTensorBytes:
+    """Bytes of the distinct storages autograd saves for backward inside the block."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self.skip = {t.untyped_storage().data_ptr() for t in exclude}  # e.g. the parameters
+        self.storages: dict[int, int] = {}  # data pointer -> bytes: a storage counted once
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in self.skip:
+            self.storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def __enter__(self) -> "SavedTensorBytes":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+class LargestTensor(TorchDispatchMode):
+    """The largest non-view tensor an operation creates inside the block: `elements` and `shape`."""
+
+    def __init__(self):
+        super().__init__()
+        self.elements, self.shape = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t._is_view() and t.numel() > self.elements:
+                self.elements, self.shape = t.numel(), tuple(t.shape)
+        return out

@@ -1,0 +1,169 @@
+"""Ring attention: the key/value blocks travel around the cp group, the queries stay.
+
+    out = ring_attention(q, k, v, cp_group)   # q, k, v: (B, H, T/cp, D), this rank's tokens
+
+Each of the cp ranks holds the queries, keys and values of its own T/cp tokens
+(the zig-zag split of `reference.context_parallel.layout` by default). The ranks
+stand on a ring in group-rank order. At step s = 0 .. cp-1 rank i attends its
+queries to the key/value block of rank (i - s) mod cp, which it received at the
+step before, and folds the result into a running output with the online softmax
+(`reference.context_parallel.blocks`). Before computing on a block it has
+already posted, with one ``batch_isend_irecv``, the send of that block to the
+next rank and the receive of the following one from the previous rank, so the
+transfer of block s + 1 overlaps the computation on block s.
+
+Backward (the autograd Function below) walks the same ring. The key/value blocks
+travel again, and with each block j travels the gradient (dK_j, dV_j) that the
+ranks it has visited so far owe it: rank i adds its share and passes the sum on
+with the next step's receive posted first, so this exchange overlaps the next
+block's computation too. Rank j keeps its own share locally; the accumulator of
+block j starts at rank j + 1, visits every other rank, and its last hop brings
+it home. Nothing of size T x T is ever held: one score block of at most
+(T/cp) x (T/cp) per head at a time, recomputed in backward.
+
+Bytes each rank sends (b bytes an element, one block = B * H * (T/cp) * D * b)::
+
+    forward    (cp - 1) steps x (K block + V block)           = 2 (cp - 1) blocks
+    backward   (cp - 1) x (K + V)  +  (cp - 1) x (dK + dV)    = 4 (cp - 1) blocks
+
+Inputs of another dtype than float32 send that dtype's blocks and float32
+gradient accumulators. Every message is recorded in the open
+`reference.comms` meters as "send" (bytes sent) and "recv" (0 sent).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from reference import comms
+from reference.context_parallel.blocks import attend_block, attend_block_backward, block_plan, merge_block
+
+__all__ = ["ring_attention", "check_attention_inputs"]
+
+_KV_TAG, _GRAD_TAG = 0, 1  # two streams of messages between the same neighbours
+
+
+class _Ring:
+    """This rank's place on the cp ring and one exchange with its neighbours."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
+        """Post the send of `send` to next and the receive into `recv` from prev; return the works."""
+        nbytes = send.numel() * send.element_size()
+        comms.record("send", self.group, nbytes, nbytes)
+        comms.record("recv", self.group, recv.numel() * recv.element_size(), 0)
+        ops = [dist.P2POp(dist.isend, send, group=self.group, group_peer=self.next, tag=tag),
+               dist.P2POp(dist.irecv, recv, group=self.group, group_peer=self.prev, tag=tag)]
+        return dist.batch_isend_irecv(ops)
+
+
+def _wait(works: Optional[list]) -> None:
+    for work in works or ():
+        work.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, zigzag, scale):
+        ring = _Ring(group)
+        cp, i, n = ring.size, ring.rank, q.shape[-2]
+        out = q.new_zeros(q.shape, dtype=torch.float32)  # (B, H, n, D): running output
+        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)  # (B, H, n)
+        kv = torch.stack([k, v])  # (2, B, H, n, D): one message per step
+        for s in range(cp):
+            works, incoming = None, None
+            if s < cp - 1:  # post the next block's transfer first: it overlaps this block's math
+                incoming = torch.empty_like(kv)
+                works = ring.exchange(kv, incoming, _KV_TAG)
+            plan = block_plan(i, (i - s) % cp, cp, n, causal, zigzag)
+            if plan is not None:
+                qs, ks = plan.q_rows, plan.k_rows
+                block_out, block_lse = attend_block(q[..., qs, :], kv[0, ..., ks, :], kv[1, ..., ks, :],
+                                                    scale, plan.triangle)
+                merge_block(out[..., qs, :], lse[..., qs], block_out, block_lse)
+            _wait(works)
+            kv = incoming if incoming is not None else kv
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.zigzag, ctx.scale = group, causal, zigzag, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = _Ring(ctx.group)
+        cp, i, n = ring.size, ring.rank, q.shape[-2]
+        delta = (dout.float() * out).sum(-1)  # (B, H, n): rowsum(dO * O), FlashAttention-2's D
+        dq = torch.zeros_like(out)  # (B, H, n, D) float32
+        own = q.new_zeros((2,) + tuple(k.shape), dtype=torch.float32)  # (2, B, H, n, D): dK, dV of my block
+        kv = torch.stack([k, v])  # (2, B, H, n, D)
+        grad_works, grad_in, grad_out = None, None, None  # the accumulator exchange in flight
+        for s in range(cp):
+            j = (i - s) % cp
+            kv_works, incoming = None, None
+            if s < cp - 1:
+                incoming = torch.empty_like(kv)
+                kv_works = ring.exchange(kv, incoming, _KV_TAG)
+            share = own if s == 0 else torch.zeros_like(own)  # this rank's share of (dK_j, dV_j)
+            plan = block_plan(i, j, cp, n, ctx.causal, ctx.zigzag)
+            if plan is not None:
+                qs, ks = plan.q_rows, plan.k_rows
+                dq_b, dk_b, dv_b = attend_block_backward(
+                    q[..., qs, :], kv[0, ..., ks, :], kv[1, ..., ks, :], dout[..., qs, :],
+                    lse[..., qs], delta[..., qs], ctx.scale, plan.triangle)
+                dq[..., qs, :] += dq_b
+                share[0, ..., ks, :] += dk_b
+                share[1, ..., ks, :] += dv_b
+            if s > 0:
+                # What ranks j+1 .. i-1 owe block j arrived from prev (none yet at s = 1).
+                _wait(grad_works)
+                if s > 1:
+                    share += grad_in
+                # Pass block j's accumulator on (home to rank j at s = cp-1) and receive
+                # the one for the next step's block (at s = cp-1: what the others owe mine).
+                grad_out, grad_in = share, torch.empty_like(share)
+                grad_works = ring.exchange(grad_out, grad_in, _GRAD_TAG)
+            _wait(kv_works)
+            kv = incoming if incoming is not None else kv
+        if cp > 1:
+            _wait(grad_works)
+            own += grad_in
+        return (dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None)
+
+
+def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
+    """q, k, v must be (B, H, T_local, D) tensors of one shape, dtype and device."""
+    if q.dim() != 4:
+        raise ValueError(f"{what} wants q, k, v of shape (B, H, T/cp, D); got q of shape {tuple(q.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{what} wants q, k, v of one shape, dtype and device; got q "
+                             f"{tuple(q.shape)} {q.dtype} {q.device} and {name} {tuple(t.shape)} "
+                             f"{t.dtype} {t.device}")
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = True,
+                   zigzag: bool = True, scale: Optional[float] = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v over the whole sequence, each rank holding T/cp of it.
+
+    q, k, v: (B, H, T/cp, D), this rank's tokens in the layout of
+    `reference.context_parallel.layout` (``zigzag=True``: chunks r and
+    2 cp - 1 - r; ``zigzag=False``: the contiguous block r). ``causal``: position
+    p attends to positions <= p. ``scale`` defaults to 1 / sqrt(D). Returns this
+    rank's rows of the output, (B, H, T/cp, D). Every rank of `group` must call it.
+    """
+    check_attention_inputs(q, k, v, "ring_attention")
+    cp, n = dist.get_world_size(group), q.shape[-2]
+    if causal and zigzag and n % 2:
+        raise ValueError(f"ring_attention with the zig-zag split needs T divisible by 2*cp: "
+                         f"T={n * cp} (T/cp={n} tokens on each of cp={cp} ranks) is not; "
+                         f"split the sequence with split_sequence, which refuses such T")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _RingAttention.apply(q, k, v, group, bool(causal), bool(zigzag), scale)
