@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: lab test exercises bench demo clean
+.PHONY: lab test browser-test exercises bench demo clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,12 @@ lab: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# The course as a student sees it: JupyterLab started by `make lab`, driven in Chromium
+# (tests/test_browser.py). Needs /usr/bin/chromium (apt-get install chromium); without
+# it the test skips and says why. `make test` runs it too.
+browser-test: $(STAMP)
+	$(BIN)/python -m pytest -m browser tests/test_browser.py
 
 exercises: $(STAMP)
 	$(BIN)/python -m reference.course exercises

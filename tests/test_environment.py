@@ -4,7 +4,7 @@ import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # conda-forge names that differ from PyPI's.
-CONDA_TO_PIP = {"pytorch": "torch"}
+CONDA_TO_PIP = {"pytorch": "torch", "playwright-python": "playwright"}
 
 
 def _split(requirement):
