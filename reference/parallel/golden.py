@@ -12,6 +12,7 @@ and runs the debug configuration on 8 ranks, which must reproduce them.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from reference.model import GPT, GPTConfig
 from reference.parallel.config import ParallelConfig
 
 __all__ = ["MODEL", "CONFIG", "STEPS", "BATCH", "debug_text", "debug_batches",
-           "single_process_losses", "parallel_losses", "GOLDEN_PATH"]
+           "single_process_losses", "parallel_losses", "GOLDEN_PATH", "debug_data", "text_windows"]
 
 MODEL = GPTConfig.tiny(n_layer=4)          # block_size 32, 4 heads, C = 32
 CONFIG = ParallelConfig.debug_3d()         # dp 2 x tp 2 x pp 2, SP, 1F1B over 2 micro-batches
@@ -35,17 +36,25 @@ def debug_text() -> bytes:
     return "".join(f"{i}+{j}={i + j};" for i in range(60) for j in range(0, 60, 7)).encode()
 
 
+@functools.lru_cache(maxsize=1)
+def debug_data() -> torch.Tensor:
+    """`debug_text` as int64 token ids (built once per process)."""
+    return torch.tensor(list(debug_text()), dtype=torch.int64)
+
+
+def text_windows(B: int, T: int, generator: torch.Generator):
+    """B windows of T + 1 tokens of `debug_data` at offsets drawn from ``generator``:
+    (inputs, targets), each (B, T)."""
+    data = debug_data()
+    starts = torch.randint(0, len(data) - T - 1, (B,), generator=generator)
+    windows = torch.stack([data[s: s + T + 1] for s in starts.tolist()])  # (B, T + 1)
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
 def debug_batches(steps: int = STEPS, batch=BATCH):
     """The same global batches on every process: windows at offsets drawn from a fixed seed."""
-    data = torch.tensor(list(debug_text()), dtype=torch.int64)
-    B, T = batch
     g = torch.Generator().manual_seed(2024)
-    out = []
-    for _ in range(steps):
-        starts = torch.randint(0, len(data) - T - 1, (B,), generator=g)
-        windows = torch.stack([data[s: s + T + 1] for s in starts.tolist()])  # (B, T + 1)
-        out.append((windows[:, :-1].contiguous(), windows[:, 1:].contiguous()))
-    return out
+    return [text_windows(*batch, g) for _ in range(steps)]
 
 
 def single_process_losses(steps: int = STEPS, chunks: int = CONFIG.dp * CONFIG.microbatches) -> list[float]:

@@ -33,7 +33,7 @@ from reference.data import ByteCorpus, decode, get_batch, synthetic_batch
 from reference.model import GPT
 from reference.parallel import parallelize, train_step
 from reference.parallel.generate import generate
-from reference.parallel.golden import debug_text
+from reference.parallel.golden import text_windows
 from reference.parallel.scaler import DynamicLossScaler
 from reference.runtime import device
 
@@ -41,11 +41,8 @@ __all__ = ["run_rank", "batch_at", "peak_memory_bytes"]
 
 
 def _arithmetic_batch(batch, seq_len: int, step: int, seed: int):
-    data = torch.tensor(list(debug_text()), dtype=torch.int64)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=g)
-    windows = torch.stack([data[s: s + seq_len + 1] for s in starts.tolist()])  # (B, T + 1)
-    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    # a generator per (seed, step): batch number `step` does not depend on the steps before it
+    return text_windows(batch, seq_len, torch.Generator().manual_seed(seed * 1_000_003 + step))
 
 
 def batch_at(source: str, batch: int, seq_len: int, step: int, seed: int, corpus=None):
@@ -125,9 +122,11 @@ def run_rank(cfg, world_size: int, resume: bool = False, sample_prompt: str = "1
                       grad_norm=None if result.grad_norm is None else float(result.grad_norm),
                       loss_scale=result.loss_scale, skipped=result.skipped)
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            peaks = [None] * world_size
-            dist.all_gather_object(peaks, peak_memory_bytes()) if world_size > 1 else None
-            record["peak_memory_bytes"] = peaks if world_size > 1 else [peak_memory_bytes()]
+            peaks = [peak_memory_bytes()]
+            if world_size > 1:
+                peaks = [None] * world_size
+                dist.all_gather_object(peaks, peak_memory_bytes())
+            record["peak_memory_bytes"] = peaks
             sent: dict = {}
             for r in meter.records():
                 sent[r["group"]] = sent.get(r["group"], 0) + r["sent_bytes"]
