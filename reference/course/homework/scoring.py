@@ -53,6 +53,9 @@ class ExerciseSpec:
     reference(tensor) -> expected output              in a rank, torch.distributed's own
                                                       collective (the visible checks)
     judge(inputs, expected, outputs, world_size) -> str   "" passes, else why not
+    banned: dotted names of `reference` functions, classes or modules whose code the
+            student's function must not run (the course's own answer to the exercise
+            first, with the exercise's signature; then its close relatives)
     """
     id: str
     title: str
@@ -64,6 +67,7 @@ class ExerciseSpec:
     judge: Callable
     reference: Callable
     forbidden: tuple = COLLECTIVES
+    banned: tuple = ()
 
 
 @dataclass
