@@ -36,3 +36,15 @@ def test_judge_number_rules():
     assert judge_number(0.1 + 0.2, 0.3, "real") == ""   # rounding in the last bits forgiven
     assert judge_number(0.3 + 1e-7, 0.3, "real") == "wrong number"
     assert judge_number(float("nan"), 0.3, "real") != ""
+
+
+def test_visible_question_check_says_kind_never_rightness(capsys):
+    from reference.course.checks.questions import check_question
+    example = {"n_elements": 10, "world_size": 4, "bytes_per_element": 4}
+    assert check_question(SPEC, _ring_bytes, example) is True
+    assert check_question(SPEC, lambda **kw: 1, example) is True      # wrong, but an int
+    assert check_question(SPEC, lambda **kw: 1.5, example) is False
+    assert check_question(SPEC, lambda **kw: "12", example) is False
+    out = capsys.readouterr().out
+    assert "whole number" in out and "not a number" in out
+    assert check_question(SPEC, _ring_bytes, example, skip=True) is None

@@ -22,9 +22,9 @@ the course's formula:
 
 `question(...)` turns the formula and the parameter ranges into an `ExerciseSpec`
 that the grader scores like any exercise (one rank per case, nothing communicated);
-`check_question` is the visible check, which runs the function on the notebook's
-own example and says whether it returns a number of the right kind, never whether
-the number is right.
+`reference.course.checks.questions.check_question` is the visible check: it runs
+the function on the notebook's own example and says whether it returns a number of
+the right kind, never whether the number is right.
 """
 from __future__ import annotations
 
