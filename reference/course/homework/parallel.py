@@ -13,6 +13,8 @@
   tests check against the parameters of real `parallelize` runs. Cases: tied and untied,
   a vocabulary tp does not divide, layers pp does not divide, pp = 1 and tp = 1.
 Both are pure functions: one rank runs each case; nothing is communicated.
+The transfer exercises (global_grad_norm, reshard_plan) and the written question
+(dp_gradient_bytes) are checked in `parallel_extra`.
 """
 from __future__ import annotations
 
@@ -141,11 +143,20 @@ def course_parameters(model: dict, dp: int, tp: int, pp: int) -> list:
 MESH_GROUPS = ExerciseSpec(
     id="mesh_groups", title="The process groups of a 3D (4D) mesh", difficulty="★★☆ medium",
     world_sizes=(1,), make_cases=make_mesh_cases, call=call_mesh_groups,
-    expect=expect_mesh_groups, judge=judge_mesh_groups, reference=course_mesh_groups)
+    expect=expect_mesh_groups, judge=judge_mesh_groups, reference=course_mesh_groups,
+    banned=("reference.course.homework.parallel.course_mesh_groups", "reference.mesh"))
 PARAMETERS_PER_RANK = ExerciseSpec(
     id="parameters_per_rank", title="The numbers each rank of a 3D run holds",
     difficulty="★★★ hard", world_sizes=(1,), make_cases=make_parameter_cases,
     call=call_parameters, expect=expect_parameters, judge=judge_parameters,
-    reference=course_parameters)
+    reference=course_parameters,
+    banned=("reference.course.homework.parallel.course_parameters", "reference.parallel.estimate",
+            "reference.parallel.explorer"))
 HOMEWORK_ID = "06_3d_parallel"
-EXERCISES = (MESH_GROUPS, PARAMETERS_PER_RANK)
+# The warm-up, a transfer of the lecture's counting, two transfers to what it did not
+# show (clipping, resharding; parallel_extra) and the written question.
+from reference.course.homework.parallel_extra import (  # noqa: E402 - after the specs it extends
+    DP_GRADIENT_BYTES, GLOBAL_GRAD_NORM, RESHARD_PLAN,
+)
+
+EXERCISES = (MESH_GROUPS, PARAMETERS_PER_RANK, GLOBAL_GRAD_NORM, RESHARD_PLAN, DP_GRADIENT_BYTES)

@@ -1,0 +1,130 @@
+"""Homework 06's transfer exercises and written question: right answers earn every point,
+the usual mistakes lose the cases they should."""
+import math
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+from reference.course.homework import homework
+from reference.course.homework.parallel_extra import (
+    DP_GRADIENT_BYTES, GLOBAL_GRAD_NORM, RESHARD_PLAN, course_reshard_plan,
+    dp_gradient_bytes_formula,
+)
+from reference.course.homework.scoring import score_exercise
+
+
+def _score(spec, fn, seed=11):
+    return score_exercise(spec, cloudpickle.dumps(fn), seed=seed, timeout=60)
+
+
+def _norm(count_replicated_everywhere=False, reduce_pp=True, reduce_tp=True):
+    def global_grad_norm(grads, tp_split, tp_group, pp_group):
+        first = dist.get_rank(tp_group) == 0
+        total = torch.zeros((), dtype=torch.float64)
+        for g, split in zip(grads, tp_split):
+            if split or first or count_replicated_everywhere:
+                total += g.double().pow(2).sum()
+        if reduce_tp:
+            dist.all_reduce(total, group=tp_group)
+        if reduce_pp:
+            dist.all_reduce(total, group=pp_group)
+        return total.sqrt()
+    return global_grad_norm
+
+
+def test_homework_06_has_its_warm_up_two_transfers_and_a_question():
+    ids = [s.id for s in homework("06_3d_parallel")]
+    assert ids == ["mesh_groups", "parameters_per_rank", "global_grad_norm", "reshard_plan",
+                   "dp_gradient_bytes"]
+
+
+def test_global_grad_norm_right_answer_scores_full_marks():
+    score = _score(GLOBAL_GRAD_NORM, _norm())
+    assert score.points == score.max == 14, score.failures
+
+
+@pytest.mark.parametrize("mistake, lost_cases", [
+    # 14 cases: meshes (tp, pp) = (2,1), (1,2); (3,1), (1,3); (4,1), (1,4), (2,2); two dtypes.
+    # Replicated tensors counted on every tp rank: wrong wherever tp > 1 (8 cases).
+    (dict(count_replicated_everywhere=True), 8),
+    # The stages' sums never added: wrong wherever pp > 1 (8 cases).
+    (dict(reduce_pp=False), 8),
+])
+def test_global_grad_norm_mistakes_lose_their_cases(mistake, lost_cases):
+    score = _score(GLOBAL_GRAD_NORM, _norm(**mistake))
+    assert score.max - score.points == lost_cases, score.failures
+
+
+def test_global_grad_norm_may_only_all_reduce():
+    def gathered(grads, tp_split, tp_group, pp_group):
+        out = [torch.zeros(()) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, torch.zeros(()))
+        return 0.0
+    score = _score(GLOBAL_GRAD_NORM, gathered)
+    assert score.points == 0 and "not allowed" in score.reason
+
+
+def _tensor_split_plan(n_rows, old_tp, new_tp):
+    """Built from tensors, independently of the course's arithmetic."""
+    rows = torch.arange(n_rows)
+    old = torch.tensor_split(rows, old_tp)
+    plan = []
+    for shard in torch.tensor_split(rows, new_tp):
+        pieces = []
+        for r, o in enumerate(old):
+            inside = [i for i, v in enumerate(o.tolist()) if v in set(shard.tolist())]
+            if inside:
+                pieces.append((r, inside[0], inside[-1] + 1))
+        plan.append(pieces)
+    return plan
+
+
+@pytest.mark.parametrize("n, a, b", [(16, 2, 4), (13, 3, 2), (3, 2, 4), (10, 1, 3), (7, 4, 1)])
+def test_the_course_plan_rebuilds_every_shard(n, a, b):
+    assert course_reshard_plan(n, a, b) == _tensor_split_plan(n, a, b)
+    full = torch.arange(n)
+    old = torch.tensor_split(full, a)
+    for shard, pieces in zip(torch.tensor_split(full, b), course_reshard_plan(n, a, b)):
+        rebuilt = torch.cat([old[r][s:e] for r, s, e in pieces]) if pieces else full[:0]
+        assert torch.equal(rebuilt, shard)
+
+
+def test_reshard_right_answer_full_marks_and_global_row_numbers_lose():
+    assert (s := _score(RESHARD_PLAN, _tensor_split_plan)).points == s.max == 8, s.failures
+
+    def global_rows(n_rows, old_tp, new_tp):  # forgets to renumber in the old rank's shard
+        plan = course_reshard_plan(n_rows, old_tp, new_tp)
+        bounds = torch.tensor_split(torch.arange(n_rows), old_tp)
+        return [[(r, s + int(bounds[r][0]) if len(bounds[r]) else s,
+                  e + int(bounds[r][0]) if len(bounds[r]) else e) for r, s, e in p] for p in plan]
+    wrong = _score(RESHARD_PLAN, global_rows)
+    # Right only where every piece comes from old rank 0 (old tp 1): 1 case of 8.
+    assert wrong.points == 1, wrong.failures
+
+
+def test_dp_gradient_bytes_is_graded_exactly():
+    assert dp_gradient_bytes_formula(1_200, 7, 2, 3, 4) == 2 * 6 * 29 * 4   # ceil(200 / 7) = 29
+    right = _score(DP_GRADIENT_BYTES, dp_gradient_bytes_formula)
+    assert right.points == right.max == 7, right.failures
+
+    def no_ceiling(n_params, dp, tp, pp, bytes_per_element):
+        return 2 * (dp - 1) * (n_params // (tp * pp)) // dp * bytes_per_element
+    assert _score(DP_GRADIENT_BYTES, no_ceiling).points < 7
+
+    def whole_model(n_params, dp, tp, pp, bytes_per_element):  # forgets the tp x pp split
+        return 2 * (dp - 1) * math.ceil(n_params / dp) * bytes_per_element
+    assert _score(DP_GRADIENT_BYTES, whole_model).points < 7
+
+
+def test_visible_checks_print_pass_and_fail(capsys):
+    from reference.course.checks.parallel import (check_dp_gradient_bytes, check_global_grad_norm,
+                                                  check_reshard_plan)
+    check_global_grad_norm(_norm(count_replicated_everywhere=True))
+    check_reshard_plan(_tensor_split_plan)
+    check_dp_gradient_bytes(lambda **kw: 1.0)
+    out = capsys.readouterr().out
+    assert "FAIL global_grad_norm" in out and "tp rank 0 only" in out
+    assert "PASS reshard_plan" in out
+    assert "FAIL dp_gradient_bytes" in out and "whole number" in out
