@@ -105,3 +105,11 @@ def test_the_65b_claim_numbers():
     embedding = 32_000 * 8192  # a 32k vocabulary at width 8192
     assert round(embedding / psi, 3) == 0.004 and round(16 * embedding / 1e9, 1) == 4.2
     assert 16 * embedding < (480e9 - 320e9) / 30  # far from the 160 GB saved
+
+
+def test_toggle_buttons_are_as_wide_as_their_labels(no_pyplot_figures):
+    """The default ToggleButtons width (about 90 px) cut the precision labels in JupyterLab."""
+    calc = widgets.memory_calculator()
+    longest = max(len(label) for label, _ in calc.precision.options)
+    assert longest > 12  # a label that does not fit the default width
+    assert calc.precision.style.button_width == "auto" and calc.stage.style.button_width == "auto"

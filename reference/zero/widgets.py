@@ -61,6 +61,8 @@ class MemoryCalculator(widgets.VBox):
         if not 1e6 <= num_params <= 1e12:
             raise ValueError(f"num_params must be between 1e6 and 1e12, got {num_params!r}")
         style = dict(description_width="110px")
+        # Buttons as wide as their labels: the default width cuts "mixed-precision Adam ...".
+        buttons = dict(description_width="110px", button_width="auto")
         self.num_params = widgets.FloatLogSlider(value=num_params, base=10, min=6, max=12, step=0.01,
                                                  description="parameters Ψ", readout_format=".3g",
                                                  continuous_update=False, style=style)
@@ -68,9 +70,9 @@ class MemoryCalculator(widgets.VBox):
                                          style=style)
         self.stage = widgets.ToggleButtons(options=[("DDP", 0), ("ZeRO-1", 1), ("ZeRO-2", 2),
                                                     ("ZeRO-3", 3)], value=stage, description="stage",
-                                           style=style)
+                                           style=buttons)
         self.precision = widgets.ToggleButtons(options=[(label, key) for key, (label, _) in PRECISIONS.items()],
-                                               value=precision, description="precision", style=style)
+                                               value=precision, description="precision", style=buttons)
         self.device = widgets.Dropdown(options=list(DEVICES), value=device, description="device memory",
                                        style=style)
         self.summary = widgets.HTML()
