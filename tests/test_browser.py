@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 import browser_helpers as bh
+from proc_helpers import alive
 
 MISSING = bh.missing_reason()
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300),
@@ -169,15 +170,6 @@ def sleeper(folder):
 launch(sleeper, 2, {folder!r})"""
 
 
-def _alive(pids):
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 def test_interrupting_a_launch_leaves_no_rank_running(open_notebook, lab):
@@ -204,16 +196,16 @@ def test_interrupting_a_launch_leaves_no_rank_running(open_notebook, lab):
         time.sleep(0.25)
     pids = [int(name) for name in os.listdir(folder)]
     try:
-        assert len(_alive(pids)) == 2, f"a rank ended before the interrupt: {pids}"
+        assert len(alive(pids)) == 2, f"a rank ended before the interrupt: {pids}"
         nb.menu("Kernel", "Interrupt Kernel")
         # The launcher kills its ranks when the cell is interrupted: allow 10 s.
         start = time.monotonic()
-        while _alive(pids) and time.monotonic() < start + 10:
+        while alive(pids) and time.monotonic() < start + 10:
             time.sleep(0.1)
-        assert not _alive(pids), f"ranks {_alive(pids)} still run 10 s after the interrupt"
+        assert not alive(pids), f"ranks {alive(pids)} still run 10 s after the interrupt"
         print(f"both ranks ended {time.monotonic() - start:.1f} s after the interrupt")
         state = nb.wait_ran(1, timeout=30)
         assert any("KeyboardInterrupt" in e for e in state["errors"]), state["errors"]
     finally:
-        for pid in _alive(pids):  # leave nothing behind, even when the test failed
+        for pid in alive(pids):  # leave nothing behind, even when the test failed
             psutil.Process(pid).kill()

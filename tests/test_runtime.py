@@ -11,6 +11,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from proc_helpers import gone
 
 from reference import runtime
 from reference.runtime import RankError, RankTimeoutError, launch
@@ -25,21 +26,6 @@ def _sum_of_ranks(scale):
             "pid": os.getpid()}
 
 
-def _gone(pids, within=5.0):
-    """True when none of the pids is a live (non-zombie) process within `within` seconds."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        if not alive:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -50,7 +36,7 @@ def test_returns_each_rank_result(world_size):
     assert all(r["world"] == world_size for r in results)
     for r in results:
         torch.testing.assert_close(r["value"], torch.tensor([expected]), rtol=0, atol=0)
-    assert _gone([r["pid"] for r in results])
+    assert gone([r["pid"] for r in results])
 
 
 def test_closure_and_lambda_travel_by_value():
@@ -123,7 +109,7 @@ def test_a_raising_rank_stops_all_and_reports_its_traceback(tmp_path):
     assert set(err.failures) >= {1}
     # Stopped long before the 60 s sleep or the 120 s timeout would have ended it.
     assert elapsed < 30, elapsed
-    assert _gone([int(p) for p in os.listdir(tmp_path)])
+    assert gone([int(p) for p in os.listdir(tmp_path)])
 
 
 def test_a_rank_that_exits_silently_is_named():
@@ -152,7 +138,7 @@ def test_a_hang_ends_at_the_timeout_naming_the_unfinished_ranks(tmp_path):
     assert "finished: [1]" in str(err)
     assert "skip_the_barrier" in err.stacks[0]  # where rank 0 was waiting
     assert isinstance(err, TimeoutError)
-    assert _gone([int(p) for p in os.listdir(tmp_path)])
+    assert gone([int(p) for p in os.listdir(tmp_path)])
 
 
 INTERRUPT_SCRIPT = textwrap.dedent("""
@@ -197,7 +183,7 @@ def test_interrupt_leaves_no_process_behind(tmp_path, whom):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 7 and "interrupted" in out
-    assert _gone(pids)
+    assert gone(pids)
 
 
 def test_eight_concurrent_launches_do_not_collide():
