@@ -7,6 +7,7 @@ each rank holds for the model states:
     bytes per parameter      params   grads   optimizer state (K)
     fp32 training              4        4      8   Adam's two moments
     mixed precision            2        2     12   fp32 master copy + two moments
+    ... optimizer offloaded    2        2      0   on the device; the 12 live on the CPU
 
     per rank                 params     grads      optimizer state
     plain data parallel      p Psi      g Psi      K Psi
@@ -72,6 +73,14 @@ class Precision:
     def mixed_adam(cls) -> "Precision":
         """bf16/fp16 weights and gradients; fp32 master weights and moments: 2 + 2 + 12."""
         return cls(2, 2, 12)
+
+    @classmethod
+    def mixed_adam_offload(cls) -> "Precision":
+        """Device bytes of mixed-precision Adam with the optimizer offloaded to the CPU
+        (ZeRO-Offload, DeepSpeed's ``offload_optimizer``): the bf16/fp16 weights and
+        gradients stay, the fp32 master copy and the moments (12 bytes) live in host
+        memory: 2 + 2 + 0."""
+        return cls(2, 2, 0)
 
     @classmethod
     def fp32_sgd_momentum(cls) -> "Precision":

@@ -278,3 +278,39 @@ def plot_cost_model(sizes_bytes: Sequence[float], measured_seconds: Optional[Seq
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(True, which="major", alpha=0.3)
     return fig
+
+
+def plot_latency_vs_ranks(cost, sizes_bytes: Sequence[float], ranks: Sequence[int], *,
+                          mark: Optional[int] = None) -> Figure:
+    """The two terms of a ring all-reduce's time against the number of ranks N, log-log.
+
+    ``cost`` is a `reference.comms.CostModel`. The latency term, 2(N-1) alpha
+    (``cost.time("all_reduce", 0, N)``), grows in proportion to N whatever the
+    message; the bandwidth term of each message size in ``sizes_bytes``,
+    2(N-1)/N n beta, hardly moves. They cross at N = n beta / alpha. ``mark``
+    draws a vertical line at that many ranks.
+    """
+    ranks = [int(n) for n in ranks]
+    if not ranks or min(ranks) < 2:
+        raise ValueError(f"ranks must be numbers of ranks >= 2, got {list(ranks)}")
+    if not sizes_bytes or min(sizes_bytes) <= 0:
+        raise ValueError(f"sizes_bytes must be positive message sizes, got {list(sizes_bytes)}")
+    fig = _Figure(figsize=(6.5, 3.8), layout="constrained")
+    ax = fig.subplots()
+    latency = [cost.time("all_reduce", 0, n) for n in ranks]
+    ax.loglog(ranks, latency, "o-", color="black", lw=2, ms=4, label="latency term 2(N-1)α")
+    for k, nbytes in enumerate(sizes_bytes):
+        bandwidth = [cost.time("all_reduce", nbytes, n) - t for n, t in zip(ranks, latency)]
+        ax.loglog(ranks, bandwidth, "s--", ms=3, color=_CATEGORICAL[2 * k + 2],
+                  label=f"bandwidth term 2(N-1)/N·nβ, n = {_fmt_bytes(nbytes)}")
+    if mark is not None:
+        ax.axvline(mark, color="grey", ls=":", lw=1)
+        ax.annotate(f"N = {mark}", (mark, min(latency)), xytext=(4, 4), textcoords="offset points",
+                    fontsize=9, color="dimgrey")
+    ax.set_xlabel("ranks N")
+    ax.set_ylabel("seconds")
+    ax.set_title(f"Ring all-reduce: α = {_fmt_seconds(cost.alpha)}, 1/β = {_fmt_bytes(cost.bandwidth)}/s",
+                 fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(True, which="major", alpha=0.3)
+    return fig

@@ -69,6 +69,28 @@ def test_switch_renormalised_weight_gives_the_gate_no_gradient():
     assert grads[True] < 1e-5 and grads[False] > 0.1
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_balance_loss_is_1_when_uniform_and_e_over_k_when_collapsed(k):
+    """Notebook 05's range of the Switch loss E * sum_i f_i P_i: 1 for uniform routing,
+    E / k (not E) when every token's k choices are the same k experts."""
+    from reference.expert_parallel.router import Router
+
+    x = torch.ones(2, 16, C)                      # every token alike: the same choices everywhere
+    router = Router(C, E, k=k)
+    with torch.no_grad():
+        router.gate.weight.zero_()                # every probability 1/E
+    assert router(x).balance_loss.item() == pytest.approx(1.0, abs=1e-6)
+    with torch.no_grad():
+        router.gate.weight[:k] = 10.0             # experts 0 .. k-1 take all the probability, equally
+    routing = router(x)
+    assert sorted(routing.expert_idx[0, 0].tolist()) == list(range(k))
+    assert routing.balance_loss.item() == pytest.approx(E / k, rel=1e-6)
+    # and uniform routing in the sense of the load too: every expert chosen equally often, P = 1/E
+    T_u = 4 * E
+    f = torch.nn.functional.one_hot(torch.arange(T_u * k) % E, E).float().mean(dim=0)   # (E,) f_i
+    assert (E * (f * torch.full((E,), 1 / E)).sum()).item() == pytest.approx(1.0)
+
+
 # ----------------------------------------------------------- memory per rank
 def make_gpt():
     return GPT.from_config_seed(GPTConfig.tiny(), 0, ffn_factory=moe_factory(E, k=2, capacity_factor=1.0))

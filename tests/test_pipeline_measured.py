@@ -87,6 +87,36 @@ def test_checkpointing_keeps_only_each_stage_input():
         assert f1b["peak"] == (PP - r) * input_bytes + f1b["recompute"]
 
 
+def test_stored_bytes_equal_the_formula_on_every_rank():
+    """What the notebook's prose says a micro-batch stores: its blocks' tensors
+    (16S + 4s + a each, no T x T scores), the stage's output kept for its gradient,
+    token ids and positions on the first stage, the head's LayerNorm, log-probabilities
+    and targets on the last; and that a recomputation leaves out the input and the
+    kept output."""
+    from reference.pipeline_parallel import split_stages, stored_bytes_formula
+
+    config = GPTConfig.tiny(**CFG)
+    specs = [s.spec for s in split_stages(GPT.from_config_seed(config, 0), PP)]
+    for r, out in enumerate(_memory()):
+        parts = stored_bytes_formula(config, B // M, specs[r])
+        assert out[("gpipe", False)]["per_mb"] == out[("1f1b", False)]["per_mb"] == [sum(parts.values())]
+        input_bytes = (B // M) * T * (8 if r == 0 else 4 * CFG["n_embd"])
+        kept = parts.get("output kept for its gradient, S", 0)
+        assert (kept == 0) == (r == PP - 1)  # every stage but the last keeps its output
+        assert out[("gpipe", True)]["recompute"] == sum(parts.values()) - input_bytes - kept
+
+
+def test_stage_costs_measures_what_the_executor_measures():
+    """`stage_costs` (one process, one micro-batch) counts a stage's stored bytes as
+    `run_pipeline` does."""
+    from reference.pipeline_parallel import split_stages, stage_costs
+
+    config = GPTConfig.tiny(**CFG)
+    x, y = synthetic_batch(B // M, T, CFG["vocab_size"], seed=3)
+    costs = stage_costs(split_stages(GPT.from_config_seed(config, 0), PP), x, y)
+    assert [[c.stored_bytes] for c in costs] == [out[("gpipe", False)]["per_mb"] for out in _memory()]
+
+
 def test_meter_counts_one_message_per_send_action():
     results = _memory()
     act_bytes = (B // M) * T * CFG["n_embd"] * 4  # (B/m, T, C) fp32

@@ -102,6 +102,25 @@ def test_stage1_peak_is_its_full_buffer():
             assert got["held_before"] + 4 * S == want
 
 
+def test_stage2_saves_at_the_peak_of_a_step_only_with_small_buckets():
+    """Notebook 02: the peak of a whole step (gradients held at its start plus the peak of
+    what backward and step() create). ZeRO-1 peaks at 4 (P + S). ZeRO-2 with one bucket
+    saves nothing there (its backward fills a bucket as large as ZeRO-1's buffer, with
+    autograd's own memory on top); with two layers a bucket its peak falls to the 8 S
+    of step() (the gradient shard beside the copy of the updated shard it all-gathers)."""
+    S = PSI // 2
+
+    def step_peak(stage, cap_mb):
+        res = launch(_peak_body, 2, stage, cap_mb, timeout=TIMEOUT, quiet=True)[0][1]  # rank 0, second step
+        return res["held_before"] + res["total"]
+
+    zero1 = step_peak(1, None)
+    one_bucket, two_layers = step_peak(2, None), step_peak(2, TWO_LAYERS_MB)
+    assert zero1 == memory.zero_peak_grad_bytes(PSI, 2, 1)
+    assert one_bucket >= zero1
+    assert two_layers == 4 * 2 * S < zero1
+
+
 # ---------------------------------------------------------------------------
 # Gradient accumulation and unused parameters (GPT, uneven sizes, small buckets)
 # ---------------------------------------------------------------------------

@@ -36,7 +36,8 @@ decides which, and with what weight:
      fraction of the group's k*T assignments that chose expert i (before
      capacity; not differentiable) and ``P_i`` the mean probability of expert
      i over the group's tokens (differentiable). It is 1 when routing is
-     uniform and grows as load concentrates;
+     uniform and grows as load concentrates, up to E/k when every token's k
+     choices are the same k experts and they get all the probability;
    * router z-loss (ST-MoE): the mean of ``logsumexp(logits)**2``, which keeps
      the logits small so the softmax stays numerically tame.
 

@@ -33,21 +33,26 @@ Where each part lives:
   parameters, embedding and head optionally on stages of their own),
   `GPTStage`, the tied embedding's gradient sum across the first and last stage,
   and `DelayedStage` (a stage that takes a fixed time, to time schedules on a laptop);
+* `reference.pipeline_parallel.costs`: `stage_costs` measures each stage's flops (time
+  balance) and stored bytes (memory balance) on one micro-batch, against
+  `stage_flops_formula` and `stored_bytes_formula`;
 * `reference.pipeline_parallel.executor`: `run_pipeline`, activation
   checkpointing, trace and stored-activation bytes;
 * `reference.pipeline_parallel.messages`: the executor's batched point-to-point
   messages, sized from the stages' actual outputs by a handshake on micro-batch 0;
-* `reference.pipeline_parallel.viz`: timelines and the bubble against its formula;
+* `reference.pipeline_parallel.viz`: timelines, the bubble against its formula, and
+  the time and memory balance of a cut into stages;
 * `reference.pipeline_parallel.widgets`: the schedule explorer (pp, m, kind and
   virtual stages -> timeline and bubble).
 """
 from reference.pipeline_parallel.check import TraceEvent, bubble_of, simulate, validate
+from reference.pipeline_parallel.costs import StageCost, stage_costs, stage_flops_formula, stored_bytes_formula
 from reference.pipeline_parallel.executor import PipelineResult, run_pipeline
 from reference.pipeline_parallel.schedules import (KINDS, OPS, Action, Schedule, ScheduleError, bubble_formula,
                                  build_schedule)
 from reference.pipeline_parallel.stage import (DelayedStage, GPTStage, StageSpec, build_embedding_group, local_stages,
                              plan_stages, split_stages, sync_tied_grads)
-from reference.pipeline_parallel.viz import plot_bubble_curve, plot_timeline
+from reference.pipeline_parallel.viz import plot_bubble_curve, plot_stage_balance, plot_timeline
 
 __all__ = [
     # schedules as data
@@ -56,8 +61,10 @@ __all__ = [
     # stages
     "StageSpec", "plan_stages", "GPTStage", "split_stages", "local_stages", "DelayedStage",
     "build_embedding_group", "sync_tied_grads",
+    # what a stage costs
+    "StageCost", "stage_costs", "stored_bytes_formula", "stage_flops_formula",
     # the executor
     "run_pipeline", "PipelineResult",
     # pictures
-    "plot_timeline", "plot_bubble_curve",
+    "plot_timeline", "plot_bubble_curve", "plot_stage_balance",
 ]

@@ -6,6 +6,9 @@ on top, and one box per forward (light) or backward (dark) labelled with its
 micro-batch, in that micro-batch's colour, so a reader can follow micro-batch 3
 down the stages and back up. In an interleaved schedule the chunk is the
 hatching. White space is the bubble.
+
+`plot_stage_balance` draws the two balances of a cut into stages side by side:
+each stage's compute (time) and what it holds (memory).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from matplotlib.patches import Patch, Rectangle
 from reference.pipeline_parallel.check import bubble_of
 from reference.viz import _CATEGORICAL, _Figure, _lighten
 
-__all__ = ["plot_timeline", "plot_bubble_curve"]
+__all__ = ["plot_timeline", "plot_bubble_curve", "plot_stage_balance"]
 
 _HATCHES = ["", "//", "..", "xx", "\\\\", "++", "oo", "--"]
 
@@ -92,4 +95,31 @@ def plot_bubble_curve(ms: Sequence[int], measured: dict, pp: int, formula=None, 
     ax.legend(fontsize=8, frameon=False)
     ax.set_title(title or f"bubble against m, pp={pp}", fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def plot_stage_balance(costs: dict, pp: int, m: int):
+    """One row per cut (``{label: [StageCost per stage]}``, from `stage_costs`):
+    left, each stage's flops per micro-batch, forward and backward (time balance);
+    right, what it holds at the 1F1B peak (memory balance): its model states, 16
+    bytes a parameter (fp32 AdamW), and min(m, pp - r) micro-batches' stored
+    activations on rank r."""
+    fig = _Figure(figsize=(9, 1.7 * len(costs) + 0.6), layout="constrained")
+    axes = fig.subplots(len(costs), 2, squeeze=False, sharex="col")
+    states_c, act_c = _CATEGORICAL[0], _CATEGORICAL[2]
+    for (label, stages), (ax_t, ax_m) in zip(costs.items(), axes):
+        ranks = range(len(stages))
+        ax_t.barh(ranks, [c.flops / 1e6 for c in stages], color=_CATEGORICAL[6])
+        states = [16 * c.params / 1e6 for c in stages]
+        acts = [min(m, pp - r) * c.stored_bytes / 1e6 for r, c in zip(ranks, stages)]
+        ax_m.barh(ranks, states, color=states_c, label="model states (16 B a parameter)")
+        ax_m.barh(ranks, acts, left=states, color=act_c, label=f"stored activations, 1F1B peak (m = {m})")
+        for ax in (ax_t, ax_m):
+            ax.set_yticks(list(ranks), [f"stage {r}" for r in ranks], fontsize=8)
+            ax.invert_yaxis()
+            ax.tick_params(axis="x", labelsize=8)
+        ax_t.set_title(f"{label}: Mflop per micro-batch (time)", fontsize=9, loc="left")
+        ax_m.set_title("MB held at the peak (memory)", fontsize=9, loc="left")
+    handles, labels = axes[0][1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=8, frameon=False)
     return fig

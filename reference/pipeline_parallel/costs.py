@@ -1,0 +1,118 @@
+"""What each pipeline stage costs: compute (time) and memory, measured and counted.
+
+A pipeline runs at the pace of its slowest stage, so *time balance* is about each
+stage's compute: the flops of its forward and backward. *Memory balance* is about
+what a stage holds: its parameters with their gradients and optimizer state, and
+the activations its micro-batches leave stored for their backward. The two part
+ways at the ends of the model: the embedding is V x C parameters but a table
+lookup (no flops), while the head is as many parameters, a (C x V) product, and
+the logits it keeps for the loss's backward.
+
+* `stage_costs(stages, idx, targets)` runs one micro-batch through the stages in
+  this process, forward then backward, and measures each stage: its parameters,
+  the flops of its forward and backward (`torch.utils.flop_counter`, which counts
+  matrix products; CPU attention kernels are not counted) and the bytes its
+  forward leaves stored, counted the way `run_pipeline` counts them (saved
+  tensors, parameters left out, plus the output kept until its gradient arrives).
+* `stored_bytes_formula(config, micro_batch, spec)` is that last count in closed
+  form, part by part, for the plain GPT in fp32 without dropout: a block keeps
+  16 S + 4 s + a (S = b T C * 4 bytes, s = b T * 4, a = b n_head T * 4: the
+  LayerNorm inputs, outputs and statistics, q, k, v, the attention output and
+  log-sum-exp, the MLP's hidden layer; no T x T scores, the flash kernel
+  recomputes them), the embedding its token ids and positions, the head its
+  LayerNorm, the log-probabilities (b, T, V) and the targets, and every stage
+  but the last its output.
+* `stage_flops_formula(config, micro_batch, spec)`: the weight GEMMs, 72 C^2 per
+  token and block, 6 C V per token for the head, nothing for the embedding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from reference.model import GPTConfig, lm_loss
+from reference.pipeline_parallel.stage import StageSpec
+
+__all__ = ["StageCost", "stage_costs", "stored_bytes_formula", "stage_flops_formula"]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage, one micro-batch: parameters held, flops (forward + backward), bytes stored."""
+
+    spec: StageSpec
+    params: int
+    flops: int
+    stored_bytes: int
+
+
+class _Saved:
+    """Bytes of the distinct storages autograd saves inside the block, parameters left out."""
+
+    def __init__(self, skip: set):
+        self.skip, self.storages = skip, {}
+
+    def add(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        if st.data_ptr() not in self.skip:
+            self.storages[st.data_ptr()] = st.nbytes()
+
+    def hooks(self):
+        def pack(t):
+            self.add(t)
+            return t
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def stage_costs(stages: Sequence[torch.nn.Module], idx: torch.Tensor, targets: torch.Tensor) -> list[StageCost]:
+    """Measure every stage of a whole pipeline (`split_stages`) on one micro-batch ``idx`` -> ``targets`` (b, T)."""
+    params = {p.untyped_storage().data_ptr() for s in stages for p in s.parameters()}
+    # copies, so that the ids and targets count their own bytes, not those of a batch they view
+    x, targets, runs = idx.clone(), targets.clone(), []
+    for k, stage in enumerate(stages):
+        last = k == len(stages) - 1
+        inp = x if k == 0 else x.detach().requires_grad_()       # a received activation
+        saved = _Saved(params)
+        with FlopCounterMode(display=False) as fwd, saved.hooks():
+            out, _ = stage(inp)
+            if last:
+                out = lm_loss(out, targets)
+        saved.add(inp)
+        if not last:
+            saved.add(out)                                        # kept until its gradient arrives
+        runs.append((inp, out, fwd.get_total_flops(), sum(saved.storages.values())))
+        x = out
+    grad, costs = None, []
+    for stage, (inp, out, fwd_flops, stored) in reversed(list(zip(stages, runs))):
+        with FlopCounterMode(display=False) as bwd:
+            out.backward(grad)
+        grad = inp.grad
+        n_params = sum(p.numel() for p in stage.parameters())
+        costs.append(StageCost(stage.spec, n_params, fwd_flops + bwd.get_total_flops(), stored))
+    return costs[::-1]
+
+
+def stored_bytes_formula(config: GPTConfig, micro_batch: int, spec: StageSpec) -> dict[str, int]:
+    """Bytes one micro-batch's forward leaves stored on the stage ``spec``, by part (fp32, no dropout)."""
+    b, T, C, V = micro_batch, config.block_size, config.n_embd, config.vocab_size
+    S, s, lse = b * T * C * 4, b * T * 4, b * config.n_head * T * 4
+    parts = {}
+    if spec.embedding:
+        parts["token ids and positions"] = b * T * 8 + T * 8          # int64
+    if len(spec.layers):
+        parts[f"{len(spec.layers)} block(s), 16S + 4s + a each"] = len(spec.layers) * (16 * S + 4 * s + lse)
+    if spec.head:
+        # ln_f's input, statistics and output; log-softmax (b T, V); targets; the loss's weight total
+        parts["head: LayerNorm, log-probabilities (b, T, V), targets"] = 2 * S + 2 * s + b * T * V * 4 + b * T * 8 + 4
+    else:
+        parts["output kept for its gradient, S"] = S
+    return parts
+
+
+def stage_flops_formula(config: GPTConfig, micro_batch: int, spec: StageSpec) -> int:
+    """Forward + backward flops of the stage's weight GEMMs for one micro-batch: what `stage_costs` counts."""
+    tokens, C = micro_batch * config.block_size, config.n_embd
+    return tokens * (72 * C * C * len(spec.layers) + (6 * C * config.vocab_size if spec.head else 0))
