@@ -6,18 +6,22 @@ axis per kind of parallelism:
 * ``tp``  tensor parallelism: the ranks that split each weight matrix between them,
 * ``dp``  data parallelism: the ranks that hold the same weights and see different data,
 * ``pp``  pipeline parallelism: the ranks that hold successive stages of the layers,
+* ``cp``  context parallelism: the ranks that hold the same weights and split each
+  sequence between them (`reference.context_parallel`); 1 unless asked for,
 
-so that ``world_size = pp * dp * tp``. Every rank has one coordinate on each axis,
+so that ``world_size = pp * dp * cp * tp``. Every rank has one coordinate on each axis,
 and a *group* of a dimension is the set of ranks whose coordinates differ on that
 axis only.
 
-Layout (Megatron-LM's order: TP innermost, then DP, then PP outermost)::
+Layout (Megatron-LM's order: TP innermost, then CP, then DP, then PP outermost)::
 
-    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 TP is innermost so that a TP group is a block of consecutive ranks: on a GPU node
 consecutive ranks share the fastest links, and TP communicates inside every layer.
-PP is outermost because it sends the least (one activation per micro-batch).
+PP is outermost because it sends the least (one activation per micro-batch). CP sits
+between DP and TP (as in Megatron-LM and torchtitan): it communicates in every attention,
+more often than DP's once-a-step gradients. With cp = 1 all is the 3D mesh's below.
 
 Worked example, world 8 = pp2 x dp2 x tp2::
 
@@ -30,6 +34,10 @@ Worked example, world 8 = pp2 x dp2 x tp2::
     tp groups  [[0, 1], [2, 3], [4, 5], [6, 7]]   (a row: same pp and dp)
     dp groups  [[0, 2], [1, 3], [4, 6], [5, 7]]   (a column inside one stage)
     pp groups  [[0, 4], [1, 5], [2, 6], [3, 7]]   (same place in both stages)
+
+With cp (world 8 = dp2 x cp2 x tp2): cp groups [[0, 2], [1, 3], [4, 6], [5, 7]] split
+the sequence, dp groups are [[0, 4], [1, 5], [2, 6], [3, 7]]; weights are replicated over
+dp *and* cp, so gradients are averaged over ``dp_cp`` [[0, 2, 4, 6], [1, 3, 5, 7]].
 
 Expert parallelism is carved out of data parallelism, as in Megatron-LM and
 DeepSpeed-MoE: the ``dp`` ranks of one stage and one TP slice are split into
@@ -55,6 +63,8 @@ Worked example, world 8 = dp4 x tp2 with ep=2 (so edp = 4 // 2 = 2)::
     ep groups   [[0, 2], [1, 3], [4, 6], [5, 7]]
     edp groups  [[0, 4], [1, 5], [2, 6], [3, 7]]
 
+ep > 1 with cp > 1 is refused: a router counts capacity per whole sequence.
+
 Everything except :meth:`Mesh.build_groups` is pure arithmetic and works without
 any process started. ``build_groups`` is called on every rank after
 ``torch.distributed`` is initialised and makes the real process groups.
@@ -66,18 +76,21 @@ import numbers
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
-# Every dimension a group can be asked for, in the fixed order in which
-# build_groups creates them (all ranks must call new_group in the same order).
+# The dimensions whose groups build_groups creates, in this fixed order (all ranks
+# must call new_group in the same order); CP_DIMS only when cp > 1.
 DIMS = ("tp", "dp", "pp", "ep", "edp")
+CP_DIMS = ("cp", "dp_cp")
 
 # For each dimension, the coordinates that stay fixed inside one of its groups;
 # the group's members differ only in the dimension's own coordinate.
 _FIXED = {
-    "tp": ("pp", "dp"),
-    "dp": ("pp", "tp"),
-    "pp": ("dp", "tp"),
-    "ep": ("pp", "tp", "edp"),
-    "edp": ("pp", "tp", "ep"),
+    "tp": ("pp", "dp", "cp"),
+    "dp": ("pp", "cp", "tp"),
+    "pp": ("dp", "cp", "tp"),
+    "ep": ("pp", "cp", "tp", "edp"),
+    "edp": ("pp", "cp", "tp", "ep"),
+    "cp": ("pp", "dp", "tp"),
+    "dp_cp": ("pp", "tp"),  # the ranks holding the same weights: dp x cp of them
 }
 
 
@@ -89,6 +102,7 @@ class Coords(NamedTuple):
     tp: int
     ep: int
     edp: int
+    cp: int = 0  # last, so that the 3D mesh's coordinates read as before
 
 
 def _is_positive_int(value) -> bool:
@@ -100,7 +114,7 @@ class Mesh:
     """Degrees of parallelism and the rank arithmetic they imply.
 
     ``Mesh(dp=2, tp=2)`` is a 4-rank mesh. ``world_size`` defaults to
-    ``pp * dp * tp``; when given it is checked against that product.
+    ``pp * dp * cp * tp``; when given it is checked against that product.
     """
 
     dp: int = 1
@@ -108,62 +122,62 @@ class Mesh:
     tp: int = 1
     ep: int = 1
     world_size: Optional[int] = None
+    cp: int = 1
     # Filled by build_groups on one rank; never compared, printed or pickled.
     _rank: Optional[int] = field(default=None, init=False, repr=False, compare=False)
     _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        degrees = dict(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep)
+        degrees = dict(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, cp=self.cp)
         bad = [k for k, v in degrees.items() if not _is_positive_int(v)]
         if self.world_size is not None and not _is_positive_int(self.world_size):
             bad.append("world_size")
         if bad:
-            raise ValueError(
-                f"degrees must be positive integers, got {self._describe(world_size=self.world_size)}"
-                f" (bad: {', '.join(bad)})"
-            )
-        self.dp, self.pp, self.tp, self.ep = (int(v) for v in degrees.values())
-        product = self.dp * self.pp * self.tp
+            raise ValueError(f"degrees must be positive integers, got "
+                             f"{self._describe(world_size=self.world_size)} (bad: {', '.join(bad)})")
+        self.dp, self.pp, self.tp, self.ep, self.cp = (int(v) for v in degrees.values())
+        product = self.dp * self.cp * self.pp * self.tp
         if self.world_size is None:
             self.world_size = product
         self.world_size = int(self.world_size)
         if product != self.world_size:
-            raise ValueError(
-                f"dp={self.dp} x pp={self.pp} x tp={self.tp} = {product} does not equal "
-                f"world_size={self.world_size} (ep={self.ep})"
-            )
+            raise ValueError(f"{self._product()} does not equal world_size={self.world_size} "
+                             f"(ep={self.ep}, cp={self.cp})")
         if self.dp % self.ep != 0:
-            raise ValueError(
-                f"ep={self.ep} must divide dp={self.dp} (experts are sharded inside the "
-                f"data-parallel group); mesh {self._describe(world_size=self.world_size)}"
-            )
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp} (experts are sharded inside the "
+                             f"data-parallel group); mesh {self._describe(world_size=self.world_size)}")
+        if self.ep > 1 and self.cp > 1:
+            raise ValueError(f"ep={self.ep} with cp={self.cp} is not supported (a router counts capacity "
+                             f"per whole sequence); mesh {self._describe(world_size=self.world_size)}")
 
     @classmethod
-    def from_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, ep: int = 1) -> "Mesh":
-        """The mesh whose ``dp`` takes whatever ``tp`` and ``pp`` leave of the world (as Megatron does)."""
-        if not all(_is_positive_int(v) for v in (world_size, tp, pp, ep)):
-            raise ValueError(
-                f"degrees must be positive integers, got tp={tp}, pp={pp}, ep={ep}, world_size={world_size}"
-            )
-        if world_size % (tp * pp) != 0:
-            raise ValueError(
-                f"pp={pp} x tp={tp} = {pp * tp} does not divide world_size={world_size}, "
-                f"so no dp fits (ep={ep})"
-            )
-        return cls(dp=world_size // (tp * pp), pp=pp, tp=tp, ep=ep, world_size=world_size)
+    def from_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> "Mesh":
+        """The mesh whose ``dp`` takes whatever ``tp``, ``pp`` and ``cp`` leave of the world (as Megatron does)."""
+        if not all(_is_positive_int(v) for v in (world_size, tp, pp, ep, cp)):
+            raise ValueError(f"degrees must be positive integers, got tp={tp}, pp={pp}, ep={ep}, "
+                             f"cp={cp}, world_size={world_size}")
+        if world_size % (tp * pp * cp) != 0:
+            raise ValueError(f"pp={pp} x tp={tp}{f' x cp={cp}' if cp > 1 else ''} = {pp * tp * cp} "
+                             f"does not divide world_size={world_size}, so no dp fits (ep={ep}, cp={cp})")
+        return cls(dp=world_size // (tp * pp * cp), pp=pp, tp=tp, ep=ep, cp=cp, world_size=world_size)
 
     # ------------------------------------------------------------------ text
     def _describe(self, world_size) -> str:
-        return f"pp={self.pp}, dp={self.dp}, tp={self.tp}, ep={self.ep}, world_size={world_size}"
+        return f"pp={self.pp}, dp={self.dp}, cp={self.cp}, tp={self.tp}, ep={self.ep}, world_size={world_size}"
+
+    def _product(self) -> str:
+        cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        return f"dp={self.dp}{cp} x pp={self.pp} x tp={self.tp} = {self.dp * self.cp * self.pp * self.tp}"
 
     def __str__(self) -> str:
-        return f"Mesh(world={self.world_size}: pp={self.pp} x dp={self.dp} x tp={self.tp}, ep={self.ep})"
+        cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        return f"Mesh(world={self.world_size}: pp={self.pp} x dp={self.dp}{cp} x tp={self.tp}, ep={self.ep})"
 
     __repr__ = __str__
 
     def table(self) -> str:
-        """A text table with one line per rank: its coordinates (ep and edp only when ep > 1)."""
-        cols = ["pp", "dp", "tp"] + (["ep", "edp"] if self.ep > 1 else [])
+        """A text table with one line per rank: its coordinates (cp, ep and edp only when > 1)."""
+        cols = ["pp", "dp"] + (["cp"] if self.cp > 1 else []) + ["tp"] + (["ep", "edp"] if self.ep > 1 else [])
         width = max(4, len(str(self.world_size - 1)))
         lines = ["rank".rjust(width) + "".join(c.rjust(5) for c in cols)]
         for rank in range(self.world_size):
@@ -177,13 +191,18 @@ class Mesh:
         """Degree of expert data parallelism: replicas of each expert, ``dp // ep``."""
         return self.dp // self.ep
 
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same weights (same pp and tp): ``dp * cp``."""
+        return self.dp * self.cp
+
     def size(self, dim: str) -> int:
         """Number of ranks in one group of ``dim``."""
         return getattr(self, self._check_dim(dim))
 
     def _check_dim(self, dim: str) -> str:
         if dim not in _FIXED:
-            raise ValueError(f"unknown mesh dimension {dim!r}; expected one of {', '.join(DIMS)}")
+            raise ValueError(f"unknown mesh dimension {dim!r}; expected one of {', '.join(DIMS + CP_DIMS)}")
         return dim
 
     def _check_coord(self, name: str, value, degree: int) -> int:
@@ -192,15 +211,17 @@ class Mesh:
         return int(value)
 
     def coords(self, rank: int) -> Coords:
-        """Coordinates of ``rank``: the inverse of ``(pp * dp + dp_rank) * tp + tp_rank``."""
+        """Coordinates of ``rank``: the inverse of ``((pp * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``."""
         rank = self._check_coord("rank", rank, self.world_size)
         tp_rank = rank % self.tp
-        dp_rank = (rank // self.tp) % self.dp
-        pp_rank = rank // (self.tp * self.dp)
-        return Coords(pp=pp_rank, dp=dp_rank, tp=tp_rank, ep=dp_rank % self.ep, edp=dp_rank // self.ep)
+        cp_rank = (rank // self.tp) % self.cp
+        dp_rank = (rank // (self.tp * self.cp)) % self.dp
+        pp_rank = rank // (self.tp * self.cp * self.dp)
+        return Coords(pp=pp_rank, dp=dp_rank, tp=tp_rank, ep=dp_rank % self.ep, edp=dp_rank // self.ep,
+                      cp=cp_rank)
 
     def rank_of(self, *, pp: int = 0, dp: Optional[int] = None, tp: int = 0,
-                ep: Optional[int] = None, edp: Optional[int] = None) -> int:
+                ep: Optional[int] = None, edp: Optional[int] = None, cp: int = 0) -> int:
         """The rank at the given coordinates.
 
         The data-parallel coordinate is given either as ``dp`` or as the pair
@@ -216,7 +237,8 @@ class Mesh:
         dp = self._check_coord("dp", 0 if dp is None else dp, self.dp)
         pp = self._check_coord("pp", pp, self.pp)
         tp = self._check_coord("tp", tp, self.tp)
-        return (pp * self.dp + dp) * self.tp + tp
+        cp = self._check_coord("cp", cp, self.cp)
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def group_ranks(self, dim: str) -> list[list[int]]:
         """Every group of ``dim``, each a sorted list of ranks, ordered by first rank.
@@ -242,22 +264,19 @@ class Mesh:
         ``torch.distributed.new_group`` must be called by all ranks for every group,
         members or not, in the same order; each rank keeps the groups it belongs to.
         Groups of size 1 are real groups too, so that code can call a collective on
-        ``mesh.group("tp")`` whatever the degree (it is then a no-op).
+        ``mesh.group("tp")`` whatever the degree (it is then a no-op). The groups of
+        `CP_DIMS` are built when cp > 1 only (with cp = 1 ``group("dp_cp")`` is the dp group).
         Returns the mesh, so ``mesh = Mesh(dp=2, tp=2).build_groups()`` reads well.
         """
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "Mesh.build_groups() needs torch.distributed initialised: call it inside a "
-                "function started by reference.runtime.launch (or under torchrun)"
-            )
+            raise RuntimeError("Mesh.build_groups() needs torch.distributed initialised: call it inside a "
+                               "function started by reference.runtime.launch (or under torchrun)")
         world = dist.get_world_size()
         if world != self.world_size:
-            raise ValueError(
-                f"dp={self.dp} x pp={self.pp} x tp={self.tp} = {self.world_size} does not equal "
-                f"the running world_size={world} (ep={self.ep})"
-            )
+            raise ValueError(f"{self._product()} does not equal the running world_size={world} "
+                             f"(ep={self.ep}, cp={self.cp})")
         try:  # label groups for the communication meter, when it is there
             from reference.comms import name_group
         except (ImportError, AttributeError):
@@ -265,13 +284,14 @@ class Mesh:
 
         rank = dist.get_rank()
         groups = {}
-        for dim in DIMS:
+        for dim in DIMS + (CP_DIMS if self.cp > 1 else ()):
             for ranks in self.group_ranks(dim):
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     groups[dim] = group
                     if name_group is not None:
                         name_group(group, dim)
+        groups.setdefault("dp_cp", groups["dp"])  # cp = 1: the same ranks
         self._rank, self._groups = rank, groups
         return self
 
@@ -283,6 +303,8 @@ class Mesh:
         """This rank's process group of ``dim`` (after :meth:`build_groups`)."""
         self._check_dim(dim)
         self._require_built()
+        if dim not in self._groups:  # "cp" with cp = 1
+            raise ValueError(f"{self} has cp=1: no cp group is built (check mesh.cp > 1 first)")
         return self._groups[dim]
 
     @property
@@ -302,11 +324,14 @@ class Mesh:
     pp_rank = property(lambda self: self.my_coords.pp, doc="This rank's pipeline stage.")
     ep_rank = property(lambda self: self.my_coords.ep, doc="This rank's expert-parallel rank.")
     edp_rank = property(lambda self: self.my_coords.edp, doc="This rank's expert-data-parallel rank.")
+    cp_rank = property(lambda self: self.my_coords.cp, doc="This rank's context-parallel rank.")
     tp_group = property(lambda self: self.group("tp"), doc="This rank's tensor-parallel group.")
     dp_group = property(lambda self: self.group("dp"), doc="This rank's data-parallel group.")
     pp_group = property(lambda self: self.group("pp"), doc="This rank's pipeline group.")
     ep_group = property(lambda self: self.group("ep"), doc="This rank's expert-parallel group.")
     edp_group = property(lambda self: self.group("edp"), doc="This rank's expert-data-parallel group.")
+    cp_group = property(lambda self: self.group("cp"), doc="This rank's context-parallel group.")
+    dp_cp_group = property(lambda self: self.group("dp_cp"), doc="The dp x cp ranks that average gradients.")
 
     def __getstate__(self):
         # Process groups belong to one process: a pickled mesh carries only its degrees.

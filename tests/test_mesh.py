@@ -151,8 +151,8 @@ def test_bad_coordinates_and_dimensions():
         mesh.rank_of(tp=2)
     with pytest.raises(ValueError, match="contradicts"):
         Mesh(dp=4, ep=2).rank_of(dp=1, ep=0, edp=0)
-    with pytest.raises(ValueError, match="unknown mesh dimension 'cp'.*tp, dp, pp, ep, edp"):
-        mesh.group_ranks("cp")
+    with pytest.raises(ValueError, match="unknown mesh dimension 'sp'.*tp, dp, pp, ep, edp, cp"):
+        mesh.group_ranks("sp")
 
 
 def test_groups_need_build_groups():

@@ -15,6 +15,10 @@ Everything before and after attention (LayerNorm, the MLP, the projections)
 acts token by token, so it runs unchanged on a rank's tokens; attention is the
 only place tokens meet, and the only place cp ranks communicate.
 
+Under tensor parallelism (`reference.parallel` builds it from Megatron's attention)
+c_attn is column-parallel and c_proj row-parallel: this rank's heads are n_head / tp,
+and ring or Ulysses runs on them over the cp group, as it runs on all heads without TP.
+
 Dropout: Ulysses passes the attention dropout to scaled_dot_product_attention;
 ring attention has none and refuses to train with ``dropout > 0`` (evaluation
 is fine). The residual dropout acts on this rank's tokens with its own mask.
@@ -46,8 +50,8 @@ class ContextParallelAttention(nn.Module):
         self.head_dim, self.dropout = head_dim, dropout
         self.group, self.kind, self.zigzag = group, kind, zigzag
         self.cp = dist.get_world_size(group)
-        if kind == "ulysses":
-            check_heads(c_attn.out_features // 3 // head_dim, self.cp)
+        if kind == "ulysses":  # this rank's heads: all of them, or n_head / tp under TP
+            check_heads(c_attn.weight.shape[0] // 3 // head_dim, self.cp)
 
     @classmethod
     def from_dense(cls, attn: CausalSelfAttention, group, kind: str = "ring",
@@ -62,8 +66,8 @@ class ContextParallelAttention(nn.Module):
                    group, kind, zigzag)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, n, _ = x.shape  # n = T / cp tokens of this rank
-        qkv = self.c_attn(x)  # (B, n, 3 C)
+        qkv = self.c_attn(x)  # (B, n, 3 C), or (B, n, 3 C / tp) under TP
+        B, n, _ = qkv.shape  # n = T / cp tokens of this rank (whole even when SP split x over tp)
         q, k, v = qkv.chunk(3, dim=-1)  # each (B, n, C)
         n_head = q.shape[-1] // self.head_dim
         q, k, v = (t.view(B, n, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, H, n, D)

@@ -1,4 +1,4 @@
-"""Composing the parallelisms: one GPT trained with dp x tp x pp (+ ep, ZeRO) at once.
+"""Composing the parallelisms: one GPT trained with dp x cp x tp x pp (+ ep, ZeRO) at once.
 
     from reference.parallel import ParallelConfig, parallelize, train_step
     pm = parallelize(GPT(config), mesh, ParallelConfig.debug_3d())   # this rank's part
@@ -9,8 +9,10 @@ of them imports it. Where each part lives:
 
 * `reference.parallel.config`: `ParallelConfig`, the degrees and options of a run,
   validated against the world size and the model before any rank starts;
-* `reference.parallel.parallelize`: `parallelize(model, mesh, config)`, tensor, expert
-  and pipeline parallelism applied from outside in a fixed order (`ParallelGPT`);
+* `reference.parallel.parallelize`: `parallelize(model, mesh, config)`, tensor, context,
+  expert and pipeline parallelism applied from outside in a fixed order (`ParallelGPT`);
+* `reference.parallel.context`: context parallelism as a mesh dimension: ring or Ulysses
+  attention over the cp group, true positions, and each cp rank's tokens of a batch;
 * `reference.parallel.step`: `train_step`, one training step for any combination
   (pipeline schedule, gradient synchronisation, clipping, optimizer);
 * `reference.parallel.scaler`: `DynamicLossScaler`, fp16's loss scaling, every rank
@@ -32,6 +34,7 @@ modules: they load matplotlib and ipywidgets, which a rank does not need.
 """
 from reference.parallel.clip import clip_grad_norm_, mark_parallel_params
 from reference.parallel.config import ParallelConfig
+from reference.parallel.context import context_parallel_batch
 from reference.parallel.estimate import estimate
 from reference.parallel.gather import full_state_dict
 from reference.parallel.generate import generate
@@ -41,4 +44,5 @@ from reference.parallel.step import StepResult, train_step
 __all__ = [
     "ParallelConfig", "parallelize", "ParallelGPT", "train_step", "StepResult",
     "clip_grad_norm_", "mark_parallel_params", "full_state_dict", "generate", "estimate",
+    "context_parallel_batch",
 ]

@@ -29,8 +29,9 @@ as torch's function does. The rule that counts each number once (Megatron-LM's, 
   and not counted, the first stage's is;
 * **data parallelism**: after DDP's all-reduce every dp rank holds the same gradient, so
   only dp rank 0 counts it (``expert_parallel`` tensors: only expert-data-parallel rank
-  0, since the experts differ across the ep ranks). ZeRO-1/2 and FSDP (ZeRO-3) hold
-  after their reduce-scatter a *different* shard on every dp rank
+  0, since the experts differ across the ep ranks); context parallelism replicates too
+  (its gradients averaged over dp x cp), so only cp rank 0 counts. ZeRO-1/2 and FSDP
+  (ZeRO-3) hold after their reduce-scatter a *different* shard on every dp (x cp) rank
   (``p.data_parallel_shard``): every rank counts its own, each slice of the flat shard
   with the marks of the parameter it belongs to (the padding is zero and adds nothing).
 
@@ -192,7 +193,7 @@ def _counted(p, coords, mesh, dp_shard: bool) -> bool:
         return False  # replicated over tp: tp rank 0 counts it
     if dp_shard:
         return True   # ZeRO / FSDP: every dp rank holds different numbers
-    return (coords.edp if p.expert_parallel else coords.dp) == 0
+    return (coords.edp if p.expert_parallel else coords.dp) == 0 and coords.cp == 0
 
 
 @torch.no_grad()

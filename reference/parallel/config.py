@@ -3,7 +3,7 @@
     config = ParallelConfig.debug_3d()                 # dp 2 x tp 2 x pp 2 = 8 ranks
     config.validate(8, GPTConfig.tiny(n_layer=4), batch=(8, 32))   # raises, naming every value
 
-The degrees follow the mesh (`reference.mesh.Mesh`): world = dp x tp x pp, with ep carved
+The degrees follow the mesh (`reference.mesh.Mesh`): world = dp x cp x tp x pp, with ep carved
 out of dp (the experts of one MoE layer are split over ep ranks; the ranks holding the
 same experts form the expert-data-parallel group). Inside dp, `zero_stage` shards the
 training state (0 = plain data parallelism, 1 = optimizer state, 2 = and gradients,
@@ -16,16 +16,25 @@ would all-gather each stage's parameters again for every micro-batch (2 m gather
 instead of 2), and ZeRO-2 would reduce-scatter the gradient after every micro-batch's
 backward instead of once. Both multiply the data-parallel traffic by m; with a pipeline,
 ZeRO-1 (the optimizer state, touched once a step) is what pays.
+
+Context parallelism (`cp`, `cp_kind`): the cp ranks of one dp rank split each sequence
+(`reference.context_parallel`); "ring" attention needs T divisible by 2 cp (the zig-zag
+split: chunks r and 2 cp - 1 - r on rank r), "ulysses" needs T divisible by cp and each tp
+rank's n_head / tp heads divisible by cp (the all-to-all deals out heads). With Megatron SP
+each cp rank's T / cp tokens are split again over tp. Refused with cp > 1: experts (a
+router counts capacity per whole sequence) and dropout (ring attention has none, and the
+cp ranks would need dropout streams of their own). Gradients are averaged over dp x cp.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from typing import Optional, Union
 
-__all__ = ["ParallelConfig", "SCHEDULES", "PRECISIONS"]
+__all__ = ["ParallelConfig", "SCHEDULES", "PRECISIONS", "CP_KINDS"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("fp32", "bf16", "fp16")
+CP_KINDS = ("ring", "ulysses")  # reference.context_parallel.KINDS
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,8 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     precision: str = "fp32"           # "bf16" autocast, or "fp16" with dynamic loss scaling
     embedding_stage: bool = False     # embedding and head on pipeline stages of their own
+    cp: int = 1                       # context parallelism: ranks splitting each sequence
+    cp_kind: str = "ring"             # "ring" (zig-zag split) or "ulysses" (contiguous)
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -79,7 +90,7 @@ class ParallelConfig:
     # ------------------------------------------------------------------ derived
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def edp(self) -> int:
@@ -94,7 +105,7 @@ class ParallelConfig:
         """The `reference.mesh.Mesh` of these degrees (groups not built yet)."""
         from reference.mesh import Mesh
 
-        return Mesh(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep)
+        return Mesh(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -103,6 +114,8 @@ class ParallelConfig:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp} {self.cp_kind}")
         extras = [f"zero={self.zero_stage}" if self.zero_stage else "",
                   "sp" if self.sequence_parallel and self.tp > 1 else "",
                   f"{self.schedule} m={self.microbatches}" if self.pp > 1 else "",
@@ -128,15 +141,16 @@ class ParallelConfig:
 
     def _problems(self, world_size, cfg, batch, n_experts) -> list[str]:
         out = []
-        ints = dict(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep,
+        ints = dict(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp,
                     virtual_stages=self.virtual_stages, microbatches=self.microbatches)
         bad = [f"{k}={v!r}" for k, v in ints.items()
                if not isinstance(v, int) or isinstance(v, bool) or v < 1]
         if bad:
             return [f"degrees and counts must be positive ints: {', '.join(bad)}"]
-        if self.dp * self.tp * self.pp != world_size:
-            out.append(f"dp={self.dp} x tp={self.tp} x pp={self.pp} = "
-                       f"{self.dp * self.tp * self.pp}, but world_size={world_size}")
+        if self.world_size != world_size:
+            cp = f" x cp={self.cp}" if self.cp > 1 else ""
+            out.append(f"dp={self.dp}{cp} x tp={self.tp} x pp={self.pp} = "
+                       f"{self.world_size}, but world_size={world_size}")
         if self.dp % self.ep:
             out.append(f"ep={self.ep} must divide dp={self.dp} (experts are carved out of the "
                        f"data-parallel ranks)")
@@ -180,7 +194,8 @@ class ParallelConfig:
                            f"{self.microbatches} = {self.dp * self.microbatches} equal micro-batches")
             if T is not None and cfg is not None and T > cfg.block_size:
                 out.append(f"sequence length T={T} exceeds block_size={cfg.block_size}")
-            if (T is not None and self.sequence_parallel and self.tp > 1 and T % self.tp):
+            if (T is not None and self.sequence_parallel and self.tp > 1 and self.cp == 1
+                    and T % self.tp):
                 out.append(f"sequence parallelism splits the sequence: T={T} is not a multiple "
                            f"of tp={self.tp}")
         if n_experts is not None and self.ep > 1 and n_experts % self.ep:
@@ -190,6 +205,34 @@ class ParallelConfig:
                        f"router's capacity is counted per whole sequence; use sequence_parallel=False")
         if n_experts is None and self.ep > 1:
             out.append(f"ep={self.ep} needs a model with experts (pass n_experts)")
+        if self.cp > 1 or self.cp_kind not in CP_KINDS:
+            T = None if batch is None or isinstance(batch, int) else tuple(batch)[1]
+            out += self._context_problems(cfg, T, n_experts)
+        return out
+
+    def _context_problems(self, cfg, T, n_experts) -> list[str]:
+        """What context parallelism (cp > 1) needs of the model and the sequence length T."""
+        cp, tp, out = self.cp, self.tp, []
+        if self.cp_kind not in CP_KINDS:
+            return [f"cp_kind must be one of {', '.join(CP_KINDS)}, got {self.cp_kind!r}"]
+        if n_experts is not None or self.ep > 1:
+            out.append(f"cp={cp} with experts (n_experts={n_experts}, ep={self.ep}): a router counts "
+                       f"its capacity per whole sequence, and a cp rank holds T/cp of its tokens")
+        if cfg is not None and cfg.dropout > 0:
+            out.append(f"cp={cp} with dropout={cfg.dropout}: ring attention has no attention dropout "
+                       f"and the cp ranks would need dropout streams of their own; use dropout=0")
+        if cfg is not None and self.cp_kind == "ulysses" and cfg.n_head % (tp * cp):
+            out.append(f"Ulysses deals each tp rank's n_head/tp heads out over cp: n_head={cfg.n_head} "
+                       f"is not a multiple of tp={tp} x cp={cp} = {tp * cp}")
+        if T is not None:
+            parts = 2 * cp if self.cp_kind == "ring" else cp
+            if T % parts:
+                how = "2 x cp chunks (the zig-zag split)" if self.cp_kind == "ring" else "cp parts"
+                out.append(f"cp_kind={self.cp_kind!r} splits each sequence into {how}: T={T} is not a "
+                           f"multiple of {parts} (cp={cp})")
+            elif self.sequence_parallel and tp > 1 and (T // cp) % tp:
+                out.append(f"sequence parallelism splits each cp rank's T/cp={T // cp} tokens over "
+                           f"tp={tp}: not a multiple (T={T}, cp={cp})")
         return out
 
     def _model_problems(self, cfg) -> list[str]:

@@ -137,6 +137,9 @@ def estimate(model, config: ParallelConfig, *, micro_batch: int, global_batch: i
     ``model`` a `GPTConfig`; ``micro_batch`` b sequences per micro-batch per dp rank;
     ``global_batch`` sequences per step (so m = global_batch / (dp b) micro-batches).
     ``recompute`` "none", "selective" or "full" (default: full when the config checkpoints)."""
+    if config.cp > 1:  # its activations (T / cp per rank) and ring traffic are not modelled here
+        raise ValueError(f"estimate models dp, tp, pp and ep: cp={config.cp} ({config}) is not in its "
+                         f"formulas (see reference.context_parallel.cost for context parallelism's)")
     precision = precision or (Precision.fp32_adam() if config.precision == "fp32" else Precision.mixed_adam())
     grad_bytes = precision.grad if grad_bytes is None else grad_bytes
     recompute = recompute or ("full" if config.activation_checkpointing else "none")

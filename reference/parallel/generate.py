@@ -62,6 +62,9 @@ def generate(pm, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.
     """`GPT.generate` for a `ParallelGPT`: (B, T) -> (B, T + max_new_tokens), on every rank."""
     from reference.runtime import device as rank_device
 
+    if pm.mesh.cp > 1:
+        raise ValueError(f"generate with cp={pm.mesh.cp} ({pm.config}): the context grows one token "
+                         f"at a time and does not split over the cp ranks; sample with cp=1")
     if pm.fsdp is not None:  # ZeRO-3: the wrapped GPT gathers its own parameters
         return pm.fsdp.module.generate(idx, max_new_tokens, temperature, top_k, generator)
     device = rank_device()

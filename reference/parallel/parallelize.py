@@ -7,18 +7,23 @@ outside, in a fixed order, each step the identity when its degree is 1:
 1. **tensor parallelism** (+ sequence parallelism) first: it replaces modules inside
    every block (the attention's and MLP's linears, the embedding, the head) while the
    model is still whole, so the swap sees every block and names stay the model's own;
-2. **expert parallelism**: each MoE layer keeps only this rank's experts. After TP,
+2. **context parallelism** (`reference.parallel.context`): every block's attention (TP's,
+   with its n_head / tp heads) becomes ring or Ulysses attention over the cp group and the
+   position embedding reads this rank's true positions. After TP, because it wraps the
+   projections TP made; before the cut, which hands the final modules out;
+3. **expert parallelism**: each MoE layer keeps only this rank's experts. After TP,
    because TP does not touch the experts, and before the pipeline cut, which must see
    the final modules it hands out;
-3. **the pipeline split**: the (now TP- and EP-sharded) model is cut into
+4. **the pipeline split**: the (now TP- and EP-sharded) model is cut into
    pp x virtual_stages stages and this rank keeps its chunks; with tied weights the
    first and last stages form the "embedding group" that sums the tied gradient;
-4. **activation checkpointing**: a property of how the executor runs each local stage
+5. **activation checkpointing**: a property of how the executor runs each local stage
    (recompute its forward in backward), so it applies to the stages once they exist;
-5. **data parallelism / ZeRO** last: it wraps what this rank finally holds (its local
+6. **data parallelism / ZeRO** last: it wraps what this rank finally holds (its local
    stages' parameters) and averages gradients over the ranks that hold the same shard,
-   the dp group (experts over the expert-data-parallel group). Wrapping earlier would
-   wrap parameters that TP, EP or the pipeline then replace or drop.
+   the dp group, or dp x cp (``dp_cp``) with context parallelism (experts over the
+   expert-data-parallel group). Wrapping earlier would wrap parameters that TP, CP, EP or
+   the pipeline then replace or drop.
 
 ZeRO-3 is the exception that changes how the forward runs (parameters all-gathered per
 block), so it applies to pp = 1, tp = 1 only (see `ParallelConfig`).
@@ -34,6 +39,7 @@ import torch.nn as nn
 from reference.expert_parallel import MoE, expert_parameters, shard_experts
 from reference.model import GPT
 from reference.parallel.config import ParallelConfig
+from reference.parallel.context import apply_context_parallel_dim
 from reference.parallel.scaler import DynamicLossScaler
 from reference.pipeline_parallel import (build_embedding_group, build_schedule, local_stages,
                                          split_stages)
@@ -107,9 +113,9 @@ class ParallelGPT:
         """The optimizer of this rank's parameters: ZeRO's sharded one for zero_stage 1-2,
         a plain one otherwise (ZeRO-3's FSDP already holds only its shards)."""
         params = [p for p in self.parameters() if p.requires_grad]
-        if self.config.zero_stage in (1, 2) and self.mesh.dp > 1:
+        if self.config.zero_stage in (1, 2) and self.mesh.dp_cp > 1:
             return ZeroOptimizer(params, optimizer_class, stage=self.config.zero_stage,
-                                 group=self.mesh.group("dp"), **kwargs)
+                                 group=self.mesh.group("dp_cp"), **kwargs)
         return optimizer_class(params, **kwargs)
 
 
@@ -120,7 +126,8 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
         raise TypeError(f"parallelize expects a reference.model.GPT, got {type(model).__name__}")
     n_experts = count_experts(model)
     config.validate(mesh.world_size, model.config, batch=batch, n_experts=n_experts)
-    if (mesh.dp, mesh.tp, mesh.pp, mesh.ep) != (config.dp, config.tp, config.pp, config.ep):
+    if (mesh.dp, mesh.tp, mesh.pp, mesh.ep, mesh.cp) != (config.dp, config.tp, config.pp, config.ep,
+                                                         config.cp):
         raise ValueError(f"the mesh ({mesh}) and the config ({config}) disagree on the degrees")
     if config.zero_stage == 3 and (config.pp > 1 or config.tp > 1):
         raise ValueError(f"zero_stage=3 is supported with pp=1 and tp=1 only, got pp={config.pp}, "
@@ -128,7 +135,9 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
                          f"tensor-parallel marks and the stage cut")
     # 1. tensor (+ sequence) parallelism: swaps modules inside the whole model
     apply_tensor_parallel(model, mesh, sequence_parallel=config.sequence_parallel, seed=seed)
-    # 2. expert parallelism: each MoE layer keeps this rank's experts
+    # 2. context parallelism: attention over the cp group, this rank's positions
+    apply_context_parallel_dim(model, mesh, config)
+    # 3. expert parallelism: each MoE layer keeps this rank's experts
     if config.ep > 1:
         shard_experts(model, mesh.group("ep"))
     schedule_kind = config.schedule if config.pp > 1 else "gpipe"
@@ -137,16 +146,16 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
     common = dict(config=config, mesh=mesh, model_config=model.config, schedule=schedule,
                   has_experts=n_experts is not None,
                   scaler=DynamicLossScaler() if config.precision == "fp16" else None)
-    if config.zero_stage == 3 and mesh.dp > 1:
-        # 5 (ZeRO-3): FSDP wraps the whole model; it runs as one "stage" without the executor
-        wrapped = FSDP(model, group=mesh.group("dp"))
+    if config.zero_stage == 3 and mesh.dp_cp > 1:
+        # 6 (ZeRO-3): FSDP wraps the whole model; it runs as one "stage" without the executor
+        wrapped = FSDP(model, group=mesh.group("dp_cp"))
         return ParallelGPT(stages=[wrapped], fsdp=wrapped, **common)
-    # 3. the pipeline cut (a pipeline of one stage when pp = 1)
+    # 4. the pipeline cut (a pipeline of one stage when pp = 1)
     stages = split_stages(model, config.pp, config.virtual_stages,
                           embedding_stage=config.embedding_stage, head_stage=config.embedding_stage)
     mine = local_stages(stages, config.pp, mesh.pp_rank)
     tied = build_embedding_group(mesh) if config.pp > 1 else None
-    # 4. activation checkpointing is the executor's per-chunk flag (see `train_step`);
-    # 5. data parallelism / ZeRO: the optimizer (`make_optimizer`) and `train_step`'s
+    # 5. activation checkpointing is the executor's per-chunk flag (see `train_step`);
+    # 6. data parallelism / ZeRO: the optimizer (`make_optimizer`) and `train_step`'s
     #    gradient averaging act on exactly these local parameters.
     return ParallelGPT(stages=mine, tied_group=tied, **common)

@@ -1,4 +1,4 @@
-"""One training step for any combination of dp, tp, pp, ep and ZeRO.
+"""One training step for any combination of dp, cp, tp, pp, ep and ZeRO.
 
     pm = parallelize(GPT(config), mesh, ParallelConfig.debug_3d())
     optimizer = pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
@@ -7,20 +7,23 @@
 
 What happens, in order, on every rank:
 
-1. its data: the global batch (B, T) split over the dp ranks, B / dp sequences each (the
-   tp ranks of one dp rank see the same sequences; only the first pipeline stage reads the
-   ids and only the last the targets);
+1. its data: the global batch (B, T) split over the dp ranks, B / dp sequences each, and
+   with context parallelism each sequence over the cp ranks, T / cp tokens each (the tp
+   ranks of one dp and cp rank see the same tokens; only the first pipeline stage reads
+   the ids and only the last the targets);
 2. the pipeline schedule over `microbatches` micro-batches (`run_pipeline`; a pipeline of one
    stage when pp = 1), gradients accumulating in `.grad` across micro-batches, with the
    tied embedding's gradient summed over the first and last stage, under autocast for bf16;
 3. gradient synchronisation, once per step, after the last micro-batch's backward (no
    reduction before it: that is what `no_sync` buys DDP): the sequence-parallel gradients
-   summed over tp, then dense gradients averaged over dp and expert gradients over the
-   expert-data-parallel group (ZeRO-1/2 do their own reduce-scatter in `step()`);
+   summed over tp, then dense gradients averaged over dp (over dp x cp, the ``dp_cp``
+   group, with context parallelism: every cp rank's loss is the mean over its equal share
+   of the tokens) and expert gradients over the expert-data-parallel group (ZeRO-1/2 do
+   their own reduce-scatter in `step()`);
 4. global-norm clipping over every shard (`reference.parallel.clip`), when asked;
 5. the optimizer step;
 6. the loss made the global mean on every rank: the last stage's mean over micro-batches,
-   averaged over dp and sent to every pipeline rank.
+   averaged over dp x cp and sent to every pipeline rank.
 
 `StepResult.trace` lists what the rank did with start and end times (the pipeline's F, B and
 messages, then the gradient reduction and the optimizer step), for `plot_step`.
@@ -38,6 +41,7 @@ import torch.distributed as dist
 from reference import comms
 from reference.expert_parallel import moe_all_reduce_gradients
 from reference.model import lm_loss
+from reference.parallel.context import context_parallel_batch
 from reference.pipeline_parallel import run_pipeline
 from reference.tensor_parallel import allreduce_sequence_parallel_grads, vocab_parallel_cross_entropy
 
@@ -65,14 +69,18 @@ class StepResult:
 
 
 def local_batch(pm, idx: torch.Tensor, targets: torch.Tensor):
-    """This rank's share of the global batch: rows [dp_rank * B/dp, (dp_rank + 1) * B/dp)."""
+    """This rank's share of the global batch: rows [dp_rank * B/dp, (dp_rank + 1) * B/dp),
+    and of each row its cp rank's T / cp tokens (`context_parallel_batch`)."""
     B = idx.shape[0]
     dp, r = pm.mesh.dp, pm.mesh.dp_rank
     if B % (dp * pm.config.microbatches):
         raise ValueError(f"global batch {B} does not divide into dp={dp} x microbatches="
                          f"{pm.config.microbatches}")
     rows = slice(r * (B // dp), (r + 1) * (B // dp))
-    return idx[rows], targets[rows]
+    if pm.mesh.cp == 1:
+        return idx[rows], targets[rows]
+    return context_parallel_batch(idx[rows], targets[rows], pm.mesh.cp, pm.mesh.cp_rank,
+                                  pm.config.cp_kind)
 
 
 def _autocast(precision: str, device: torch.device):
@@ -111,7 +119,7 @@ def _synchronise_gradients(pm, optimizer) -> None:
     if mesh.tp > 1 and pm.config.sequence_parallel:
         for stage in pm.stages:
             allreduce_sequence_parallel_grads(stage, mesh.group("tp"))
-    if mesh.dp == 1 or pm.fsdp is not None or pm.config.zero_stage in (1, 2):
+    if mesh.dp_cp == 1 or pm.fsdp is not None or pm.config.zero_stage in (1, 2):
         return  # nothing to average, or the ZeRO optimizer / FSDP reduce-scatters itself
     if pm.has_experts:
         edp = mesh.group("edp") if mesh.ep > 1 else mesh.group("dp")
@@ -119,11 +127,12 @@ def _synchronise_gradients(pm, optimizer) -> None:
             moe_all_reduce_gradients(stage, mesh.group("dp"), edp)
         return
     # Dense: one flat all-reduce of every gradient (the bucket is the whole model here:
-    # the step's reduction runs after the last backward, so there is nothing to overlap).
+    # the step's reduction runs after the last backward, so there is nothing to overlap),
+    # over every replica of the weights: dp x cp ranks (the dp group when cp = 1).
     grads = [p.grad for p in pm.parameters() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    comms.all_reduce(flat, group=mesh.group("dp"))
-    flat /= mesh.dp
+    comms.all_reduce(flat, group=mesh.group("dp_cp"))
+    flat /= mesh.dp_cp
     offset = 0
     for g in grads:
         g.copy_(flat[offset: offset + g.numel()].view_as(g))
@@ -139,15 +148,15 @@ def _global_loss(pm, loss: Optional[torch.Tensor], device) -> torch.Tensor:
     if mesh.pp > 1:  # the last stage has it: send it up the pipeline
         last = mesh.group_ranks_of(mesh.rank, "pp")[-1]
         comms.broadcast(value, src=last, group=mesh.group("pp"))
-    if mesh.dp > 1:
-        comms.all_reduce(value, group=mesh.group("dp"))
-        value /= mesh.dp
+    if mesh.dp_cp > 1:  # every dp and cp rank's mean over the same number of tokens
+        comms.all_reduce(value, group=mesh.group("dp_cp"))
+        value /= mesh.dp_cp
     return value.reshape(()).cpu()
 
 
 def _local_grads(pm, optimizer) -> list:
     """The gradients this rank steps with: the shard's for ZeRO-1/2, else the parameters'."""
-    if pm.config.zero_stage in (1, 2) and pm.mesh.dp > 1:
+    if pm.config.zero_stage in (1, 2) and pm.mesh.dp_cp > 1:
         optimizer.reduce_gradients()  # step() will not reduce again
         return [optimizer.shard.grad] if optimizer.shard.grad is not None else []
     return [p.grad for p in pm.parameters() if p.grad is not None]
@@ -197,7 +206,7 @@ def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
     if max_norm is not None and not overflow:
         from reference.parallel.clip import clip_grad_norm_
 
-        if pm.config.zero_stage in (1, 2) and pm.mesh.dp > 1:
+        if pm.config.zero_stage in (1, 2) and pm.mesh.dp_cp > 1:
             optimizer.reduce_gradients()  # the shards' averaged gradients; step() won't redo it
             norm = clip_grad_norm_(optimizer, max_norm, pm.mesh)
         else:
