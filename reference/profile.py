@@ -16,7 +16,9 @@ sorts the step's wall time into:
 * **idle**: the rest of the step, when the main thread ran nothing the profiler saw (Python
   between operators, the optimizer's bookkeeping).
 Overlapping intervals are merged first, so a collective running under a computation (DDP's
-buckets during backward) counts as communication only where nothing was computing.
+buckets during backward) counts as communication only where nothing was computing; the part
+that ran under a computation is `hidden` (seconds), and `overlap` is the fraction of all the
+communication that was hidden (0 when every collective blocked the step).
 
 MFU (model FLOPs utilisation) is the usual ratio: the training FLOPs of the tokens of the step,
 6 N per token for the weights plus 12 L T C per token for attention's two matmuls (PaLM,
@@ -55,6 +57,7 @@ class ProfileSummary:
     communication: dict = field(default_factory=dict)   # kind -> seconds (not under compute)
     idle: float = 0.0
     trace_path: Optional[str] = None
+    hidden: float = 0.0                                  # communication under computation
 
     @property
     def communication_total(self) -> float:
@@ -63,6 +66,12 @@ class ProfileSummary:
     @property
     def communication_share(self) -> float:
         return self.communication_total / self.step if self.step else 0.0
+
+    @property
+    def overlap(self) -> float:
+        """The fraction of the step's communication that ran under computation."""
+        total = self.hidden + self.communication_total
+        return self.hidden / total if total else 0.0
 
 
 def _kind(name: str) -> Optional[str]:
@@ -166,9 +175,11 @@ def profile_step(step: Callable[[], object], trace_dir=None, rank: Optional[int]
         comm_only[kind] = _merge(mine_k + extra)
     busy = _merge([iv for v in comm_only.values() for iv in v] + compute)
     span = max(wall, _length(busy))
+    every_comm = _merge([iv for v in comm.values() for iv in v])
     summary = ProfileSummary(rank, span, _length(compute),
                              {k: _length(v) for k, v in comm_only.items()},
-                             max(0.0, span - _length(busy)))
+                             max(0.0, span - _length(busy)),
+                             hidden=_length(every_comm) - _length(_minus(every_comm, _merge(compute))))
     if trace_dir is not None:
         path = Path(trace_dir) / f"rank{rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,8 +209,10 @@ def mfu(flops_per_step: float, step_seconds: float, peak_flops: float) -> float:
     return flops_per_step / step_seconds / peak_flops
 
 
-def plot_profile(summaries, title: Optional[str] = None):
-    """One horizontal bar per rank: compute, each kind of communication, idle."""
+def plot_profile(summaries, title: Optional[str] = None, labels=None):
+    """One horizontal bar per summary: compute, each kind of communication, idle.
+
+    `labels` names the bars (default "rank r"), e.g. one configuration per bar."""
     from reference.viz import _CATEGORICAL, _Figure
 
     kinds = [k for k in COMM_KINDS if any(k in s.communication for s in summaries)]
@@ -215,7 +228,7 @@ def plot_profile(summaries, title: Optional[str] = None):
                     label=part if row == 0 else None, edgecolor="white", lw=0.5)
             left += value
         ax.text(left * 1e3, row, f" {s.communication_share:.0%} comm", va="center", fontsize=7)
-    ax.set_yticks(range(len(summaries)), [f"rank {s.rank}" for s in summaries], fontsize=8)
+    ax.set_yticks(range(len(summaries)), labels or [f"rank {s.rank}" for s in summaries], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("milliseconds of the step")
     ax.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))

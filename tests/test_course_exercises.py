@@ -257,4 +257,4 @@ def test_solution_notebook_runs_headless_and_passes_its_checks(tmp_path):
                                kernel_name="python3", cwd=str(tmp_path), progress_bar=False)
     text = "".join(o.get("text", "") for c in nbformat.read(out, 4).cells
                    if c.cell_type == "code" for o in c.outputs)
-    assert text.count("PASS") == 2 and "FAIL" not in text
+    assert text.count("PASS") == 5 and "FAIL" not in text

@@ -222,9 +222,9 @@ def test_results_json_csv_and_table(graded):
             assert len(e.get("failures", [])) == e["max"] - e["points"]  # a line per lost point
     rows = list(csv.DictReader(graded["csv"].open()))
     assert [r["path"] for r in rows] == [s["path"] for s in subs]
-    assert rows[0]["ring_all_reduce"] == "18" and rows[0]["total"] == rows[0]["max"] == "36"
+    assert rows[0]["ring_all_reduce"] == "18" and rows[0]["total"] == rows[0]["max"] == "63"
     stdout = graded["run"].stdout
-    assert "solution.ipynb" in stdout and "36/36" in stdout and "not implemented" in stdout
+    assert "solution.ipynb" in stdout and "63/63" in stdout and "not implemented" in stdout
 
 
 # ----------------------------------------------------------------- hostile submissions

@@ -94,7 +94,7 @@ def _score(spec, name, **changes):
 
 
 def test_registered():
-    assert HOMEWORK["04_pipeline_parallel"] == (hw.GPIPE, hw.ONE_F_ONE_B)
+    assert HOMEWORK["04_pipeline_parallel"][:2] == (hw.GPIPE, hw.ONE_F_ONE_B)
 
 
 @pytest.mark.parametrize("pp", [1, 2, 3, 4, 5])

@@ -62,3 +62,41 @@ def test_flops_and_mfu():
     peak = measure_matmul_peak(256, repeats=3)
     assert peak > 1e8  # any CPU does 0.1 GFLOP/s
     assert 0 < mfu(flops, 1.0, peak) < 1
+
+
+def _hidden_and_blocking():
+    x, a = torch.ones(1 << 21), torch.randn(192, 192)   # 8 MiB to all-reduce; matmuls to hide it under
+
+    def overlapped():
+        work = dist.all_reduce(x, async_op=True)         # on gloo's thread while the matmuls run
+        for _ in range(40):
+            a @ a
+        work.wait()
+
+    def blocking():
+        dist.all_reduce(x)                                # the main thread waits in it
+        for _ in range(40):
+            a @ a
+
+    overlapped()
+    return profile_step(overlapped), profile_step(blocking)
+
+
+def test_communication_under_computation_is_hidden_and_blocking_communication_is_not():
+    results = launch(_hidden_and_blocking, 2, timeout=120)
+    for overlapped, blocking in results:
+        # A blocking call is never under compute (to the profiler's microsecond clock).
+        assert blocking.hidden < 1e-5 and blocking.overlap < 0.01
+        for s in (overlapped, blocking):
+            assert s.compute + s.communication_total + s.idle == pytest.approx(s.step, rel=1e-9, abs=1e-9)
+            assert s.overlap == pytest.approx(s.hidden / (s.hidden + s.communication_total))
+    # The asynchronous all-reduce ran under the matmuls (on at least one rank: the two ranks
+    # share two cores with gloo's threads, so either may be descheduled for a while).
+    assert max(o.hidden for o, _ in results) > 0
+
+
+def test_plot_profile_names_its_bars():
+    from reference.profile import ProfileSummary
+    parts = [ProfileSummary(0, 1.0, 0.5, {"all_reduce": 0.3}, 0.2), ProfileSummary(0, 1.0, 0.8, {}, 0.2)]
+    fig = plot_profile(parts, labels=["naive", "buckets"])
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["naive", "buckets"]

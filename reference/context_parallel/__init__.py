@@ -33,7 +33,9 @@ Where each part lives:
 * `reference.context_parallel.cost`: bytes per rank, saved memory, the largest
   block, and the causal work per rank, as formulas;
 * `reference.context_parallel.measure`: `SavedTensorBytes` and `LargestTensor`,
-  the meters that check the memory formulas.
+  the meters that check the memory formulas;
+* `reference.context_parallel.viz`: notebook 08's pictures: memory against T, the
+  ring drawn from its messages, causal work per rank, bytes of ring and Ulysses.
 
 Per rank, forward and backward of one attention (S = B H (T/cp) D bytes, the size
 of this rank's q)::
@@ -56,6 +58,7 @@ from reference.context_parallel.layout import (
     zigzag_chunks,
 )
 from reference.context_parallel.measure import LargestTensor, SavedTensorBytes
+from reference.context_parallel import viz
 from reference.context_parallel.ring import ring_attention
 from reference.context_parallel.ulysses import (
     check_heads, heads_to_sequence, sequence_to_heads, ulysses_attention,
@@ -76,4 +79,6 @@ __all__ = [
     "ring_attention_sent_bytes", "ulysses_sent_bytes", "ring_attention_saved_bytes",
     "score_block_elements", "causal_pairs_per_rank", "ring_pairs_per_rank",
     "ring_block_elements_per_rank", "SavedTensorBytes", "LargestTensor",
+    # pictures
+    "viz",
 ]

@@ -15,7 +15,8 @@ Where each part lives:
 * `reference.data_parallel.compression`: sending fewer bytes per step:
   `CompressedDDP` (buckets all-reduced in bf16, half the bytes), PyTorch's DDP
   comm hooks measured with `metered_comm_hook` (bf16, PowerSGD's low-rank
-  P and Q), and `powersgd_bytes`, PowerSGD's bytes per step;
+  P and Q), `powersgd_bytes`, PowerSGD's bytes per step, and
+  `gpt_gradient_shapes`, a GPT's gradient shapes without building it;
 * `reference.data_parallel.device`: the wrapped module must sit on the device its
   process group communicates (`reference.runtime.device()`: the GPU under NCCL,
   the CPU under gloo), and the step's clock on that device (CUDA events on a GPU,
@@ -29,11 +30,11 @@ are imported from `reference.data_parallel.viz` (matplotlib stays out of the ran
 """
 from reference.data_parallel.buckets import Bucket, format_buckets, plan_buckets
 from reference.data_parallel.compression import (
-    CompressedDDP, PowerSGDBytes, metered_comm_hook, powersgd_bytes,
+    CompressedDDP, PowerSGDBytes, gpt_gradient_shapes, metered_comm_hook, powersgd_bytes,
 )
 from reference.data_parallel.ddp import DDP, naive_all_reduce_gradients
 
 __all__ = [
     "naive_all_reduce_gradients", "DDP", "Bucket", "plan_buckets", "format_buckets",
-    "CompressedDDP", "metered_comm_hook", "powersgd_bytes", "PowerSGDBytes",
+    "CompressedDDP", "metered_comm_hook", "powersgd_bytes", "PowerSGDBytes", "gpt_gradient_shapes",
 ]

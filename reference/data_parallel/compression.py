@@ -22,6 +22,8 @@ per rank in fp32. Two ways to send less:
   (n + m) r * min_compression_rate < n m) are all-reduced whole. PyTorch's
   ``powerSGD_hook`` implements it; `powersgd_bytes` gives its bytes per step,
   and it runs plain all-reduces for its first ``start_powerSGD_iter`` steps.
+  `gpt_gradient_shapes(config)` lists the course GPT's gradient shapes without
+  building the model, for the bytes of one too large to build here.
 
 PyTorch's hooks call ``torch.distributed`` directly, not `reference.comms`, so
 `metered_comm_hook(hook)` wraps a hook to record the all-reduces it issues in
@@ -45,7 +47,7 @@ import torch.distributed as dist
 from reference import comms
 from reference.data_parallel.ddp import DDP
 
-__all__ = ["CompressedDDP", "metered_comm_hook", "powersgd_bytes", "PowerSGDBytes"]
+__all__ = ["CompressedDDP", "metered_comm_hook", "powersgd_bytes", "PowerSGDBytes", "gpt_gradient_shapes"]
 
 COMPRESS_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -185,3 +187,22 @@ def powersgd_bytes(shapes: Iterable[tuple[int, ...]], rank: int, min_compression
         else:
             whole += n * m
     return PowerSGDBytes(p * element_size, q * element_size, whole * element_size, dense * element_size)
+
+
+def gpt_gradient_shapes(config) -> list[tuple[int, ...]]:
+    """The shapes of the gradients of ``GPT(config)`` (a tied weight once), without building it.
+
+    For `powersgd_bytes` of a model too large to build on a laptop (GPT-3 1.3B): embeddings
+    (V, C) and (T, C); per block two LayerNorms, the attention's (3C, C) and (C, C) and the
+    MLP's (d_ff, C) and (C, d_ff) weights, with their biases when ``config.bias``; the final
+    LayerNorm; the head (V, C) only when it is not tied to the embedding.
+    """
+    c, f = config.n_embd, config.d_ff
+    norm = [(c,)] * (2 if config.bias else 1)  # weight (and bias)
+
+    def linear(n_in: int, n_out: int) -> list:
+        return [(n_out, n_in)] + ([(n_out,)] if config.bias else [])
+
+    block = norm + linear(c, 3 * c) + linear(c, c) + norm + linear(c, f) + linear(f, c)
+    head = [] if config.tie_weights else [(config.vocab_size, c)]
+    return [(config.vocab_size, c), (config.block_size, c)] + config.n_layer * block + norm + head

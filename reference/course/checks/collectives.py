@@ -1,11 +1,16 @@
-"""Visible self-checks for the homework notebooks: feedback while you work, never the grade.
+"""Visible self-checks of homework 00 (collectives): feedback while you work, never the grade.
 
     check_ring_all_reduce(ring_all_reduce)   # prints one PASS or FAIL line, with a hint
+    check_ring_all_gather(ring_all_gather)
+    check_tree_all_reduce(tree_all_reduce)                      # on 3 and 4 ranks
+    check_recursive_doubling_all_reduce(recursive_doubling_all_reduce)
+    check_ring_doubling_crossover(ring_doubling_crossover)      # the kind of number only
 
 A check runs your function on a few ranks with `reference.runtime.launch`, on
 inputs of shapes that do and do not divide by the number of ranks, compares each
 rank's result with torch.distributed's own collective on the same inputs, and
-checks from the recorded messages that your code really is a ring. It prints a
+checks from the recorded messages that your code really is the algorithm asked for (a
+ring, the binomial tree, recursive doubling). It prints a
 line (`run_check` also returns True or False); a wrong answer, an exception or a hang is
 reported, never raised, so the rest of the notebook keeps running.
 
@@ -19,13 +24,17 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from reference.course.homework.collectives import ALL_GATHER, ALL_REDUCE
+from reference.course.checks.questions import check_question
+from reference.course.homework.collectives import ALL_GATHER, ALL_REDUCE, CROSSOVER, DOUBLING, TREE
 from reference.course.homework.guard import exercise_rules
+from reference.course.homework.refuse import refusal_for
 from reference.course.checks.runner import NOT_IMPLEMENTED, _traffic, describe_launch_failure, run_visible
 from reference.course.homework.scoring import ExerciseSpec
 from reference.runtime import RankError, launch
 
-__all__ = ["check_ring_all_reduce", "check_ring_all_gather", "run_check", "ALL_REDUCE", "ALL_GATHER"]
+__all__ = ["check_ring_all_reduce", "check_ring_all_gather", "check_tree_all_reduce",
+           "check_recursive_doubling_all_reduce", "check_ring_doubling_crossover", "run_check",
+           "ALL_REDUCE", "ALL_GATHER"]
 
 # (dtype, shape): one shape that divides by 2 and 3, two that do not, one integer case.
 VISIBLE_CASES = (("float32", (6,)), ("float32", (5,)), ("float32", (3, 5)), ("int64", (2, 3)))
@@ -41,6 +50,16 @@ _HINTS = {
                   "you send and which you add to at each step"),
     "wrong values": "block r of the result must hold rank r's tensor",
     "not changed": "write the result into the tensor you were given (chunks of tensor.view(-1))",
+    "not the binomial tree": ("rank r's parent is r - (r & -r) (its lowest set bit cleared), its "
+                              "children r + 2^k for each 2^k below that bit (every k for rank 0) "
+                              "with r + 2^k < p: add the children's tensors, send the sum to the "
+                              "parent, receive the total back and pass it to each child"),
+    "not recursive doubling": ("with p' the largest power of two <= p: rank r >= p' sends its tensor "
+                               "to r - p' and later receives the sum from it; ranks below p' add "
+                               "that in, then swap with rank ^ d for d = 1, 2, ..., p'/2"),
+    "every message of": "send the whole tensor in every message, not chunks of it",
+    "different bits": ("every rank must end with the same numbers: pass the finished sum on "
+                       "instead of adding the same terms again in another order"),
     "returned": "check the return value against the contract in the exercise text",
 }
 
@@ -58,11 +77,12 @@ def _rank_check(spec: ExerciseSpec, fn_bytes: bytes, cases) -> dict:
             inputs[name] = torch.randn(shape, generator=generator)
         expected[name] = spec.reference(inputs[name])  # before the rules forbid it
     outputs = {}
+    refusal = refusal_for(spec)  # the course's own answers refuse to run, as in the grader
     with exercise_rules(spec.id, spec.forbidden) as traffic:
         fn = cloudpickle.loads(fn_bytes)
         for name, tensor in inputs.items():
             traffic.clear()
-            out = spec.call(fn, tensor.clone())
+            out = refusal.run(spec.call, fn, tensor.clone())
             out["sends"], out["recvs"] = _traffic(traffic.sends), _traffic(traffic.recvs)
             outputs[name] = out
     return {"inputs": inputs, "expected": expected, "outputs": outputs}
@@ -88,13 +108,13 @@ def _failure(spec: ExerciseSpec, fn, world_sizes, cases, timeout) -> str:
 
 
 def run_check(spec: ExerciseSpec, fn, world_sizes=(2, 3), cases=VISIBLE_CASES,
-              timeout: float = 30.0, skip: bool = False) -> bool | None:
+              timeout: float = 30.0, skip: bool = False, algorithm: str = "a ring") -> bool | None:
     """Check `fn` as the answer to `spec`; print one line; True/False (None when skipped)."""
     sizes = " and ".join(str(w) for w in world_sizes)
     shapes = ", ".join(f"{d} {s}" for d, s in cases)
     return run_visible(spec, fn, lambda: _failure(spec, fn, tuple(world_sizes), cases, timeout),
-                       f"equals torch.distributed's result on {sizes} ranks ({shapes}), as a ring",
-                       _HINTS, skip)
+                       f"equals torch.distributed's result on {sizes} ranks ({shapes}), as "
+                       f"{algorithm}", _HINTS, skip)
 
 
 # The check_* functions print and return None, so a notebook cell shows only their line.
@@ -109,3 +129,21 @@ def check_ring_all_gather(fn, world_sizes=(2, 3), timeout: float = 30.0,
                           skip: bool = False) -> None:
     """Visible check of exercise ring_all_gather (compares with dist.all_gather_into_tensor)."""
     run_check(ALL_GATHER, fn, world_sizes, timeout=timeout, skip=skip)
+
+
+def check_tree_all_reduce(fn, world_sizes=(3, 4), timeout: float = 30.0,
+                          skip: bool = False) -> None:
+    """Visible check of exercise tree_all_reduce (compares with dist.all_reduce)."""
+    run_check(TREE, fn, world_sizes, timeout=timeout, skip=skip, algorithm="the binomial tree")
+
+
+def check_recursive_doubling_all_reduce(fn, world_sizes=(3, 4), timeout: float = 30.0,
+                                        skip: bool = False) -> None:
+    """Visible check of exercise recursive_doubling_all_reduce (compares with dist.all_reduce)."""
+    run_check(DOUBLING, fn, world_sizes, timeout=timeout, skip=skip,
+              algorithm="recursive doubling")
+
+
+def check_ring_doubling_crossover(fn, skip: bool = False) -> None:
+    """Visible check of the written question ring_doubling_crossover: a finite number comes back."""
+    check_question(CROSSOVER, fn, {"world_size": 8, "alpha": 5e-6, "beta": 1 / 50e9}, "real", skip)

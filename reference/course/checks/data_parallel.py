@@ -2,11 +2,15 @@
 
     check_average_gradients(average_gradients)        # one PASS or FAIL line, with a hint
     check_bucketed_all_reduce(bucketed_all_reduce)
+    check_accumulate_gradients(accumulate_gradients)  # on 3 ranks
+    check_int8_all_reduce(int8_all_reduce)            # on 3 ranks
+    check_ddp_bytes_per_step(ddp_bytes_per_step)      # the kind of number, never its value
 
-Each check runs your function on 2 ranks with `reference.runtime.launch`, on a small
-MLP and a different batch per rank, and compares every rank's gradients with the
-full-batch gradient computed here in one process; the bucketed one also counts your
-all-reduces (one per bucket, launched inside backward). The cases are those of the
+Each check runs your function on 2 ranks (3 for accumulation and int8: uneven) with
+`reference.runtime.launch`, on a small MLP and a different batch per rank, and compares
+every rank's gradients with the full-batch gradient computed here in one process; the
+bucketed one also counts your all-reduces (one per bucket, launched inside backward),
+the accumulation one when they happen, the int8 one their dtype and size. The cases are those of the
 hidden checks, with a fixed seed instead of the grader's private one. A wrong
 answer, an exception or a hang is printed, never raised. While grading, `skip=True`
 is passed and the check does nothing.
@@ -15,11 +19,15 @@ is passed and the check does nothing.
 """
 from __future__ import annotations
 
+from reference.course.checks.questions import check_question
 from reference.course.checks.runner import NOT_IMPLEMENTED, public_cases, run_cases, run_visible
-from reference.course.homework.data_parallel import AVERAGE_GRADIENTS, BUCKETED
+from reference.course.homework.data_parallel import (
+    ACCUMULATE, AVERAGE_GRADIENTS, BUCKETED, DDP_BYTES, INT8,
+)
 from reference.course.homework.scoring import ExerciseSpec
 
-__all__ = ["check_average_gradients", "check_bucketed_all_reduce", "run_model_check"]
+__all__ = ["check_average_gradients", "check_bucketed_all_reduce", "check_accumulate_gradients",
+           "check_int8_all_reduce", "check_ddp_bytes_per_step", "run_model_check"]
 
 _HINTS = {
     "not implemented": NOT_IMPLEMENTED,
@@ -37,6 +45,35 @@ _HINTS = {
     "not inside backward": "register_post_accumulate_grad_hook on each parameter, and launch there",
     "only once every gradient": "launch a bucket from the hook of its last gradient, not at the end",
     "returned": "check the return value against the contract in the exercise text",
+}
+
+_ACCUMULATE_HINTS = {
+    "not implemented": NOT_IMPLEMENTED,
+    "not allowed": "use dist.all_reduce only (the other collectives are switched off)",
+    "timed out": ("every rank must make the same all-reduces, whatever its number of "
+                  "micro-batches: communicate only after the loop"),
+    "backward passes for": "run one forward and one backward per micro-batch; p.grad adds them up",
+    "before the last micro-batch": "accumulate locally; all-reduce once, after the last backward",
+    "the gradients and two numbers": ("pack the gradients, the loss sum and the sample count into "
+                                      "one flat tensor: one all-reduce"),
+    "returned loss": "the step's loss: the per-sample losses of every rank summed, over their count",
+    "not the full-batch gradient": ("weigh each rank by its samples: all-reduce sums (of per-sample "
+                                    "losses' gradients, and of samples), then divide"),
+    "got a gradient": "frozen parameters (requires_grad False) keep grad None",
+    "is None after": "a rank with no micro-batch still joins the all-reduce, with zeros",
+    "returned": "check the return value against the contract in the exercise text",
+}
+
+_INT8_HINTS = {
+    "not implemented": NOT_IMPLEMENTED,
+    "not allowed": "use dist.all_reduce only (op=dist.ReduceOp.MAX for the largest |v|)",
+    "quantized values as int8": ("all-reduce q as a torch.int8 tensor, and besides it only the "
+                                 "one-number max"),
+    "changed grad or residual": "v = grad + residual makes a new tensor: leave the arguments as they are",
+    "wrong mean": ("one scale on every rank (the max over ranks of |v|, over 127 // p); the mean is "
+                   "sum(q) * scale / p"),
+    "wrong residual": "the residual is what this rank wanted to send minus what it sent: v - q * scale",
+    "not (mean, residual)": "return a tuple (mean, new_residual) of two tensors",
 }
 
 
@@ -67,3 +104,23 @@ def check_bucketed_all_reduce(fn, world_sizes=(2,), timeout: float = 60.0, skip:
     """Visible check of exercise bucketed_all_reduce."""
     run_model_check(BUCKETED, fn, "full-batch gradients, one all-reduce per bucket, launched "
                     "inside backward", _HINTS, world_sizes, timeout, skip)
+
+
+def check_accumulate_gradients(fn, world_sizes=(3,), timeout: float = 60.0,
+                               skip: bool = False) -> None:
+    """Visible check of exercise accumulate_gradients (ranks with different sample counts)."""
+    run_model_check(ACCUMULATE, fn, "the large-batch gradient and loss, one backward per "
+                    "micro-batch, communication after the last", _ACCUMULATE_HINTS, world_sizes,
+                    timeout, skip)
+
+
+def check_int8_all_reduce(fn, world_sizes=(3,), timeout: float = 60.0, skip: bool = False) -> None:
+    """Visible check of exercise int8_all_reduce (three steps, the residual carried)."""
+    run_model_check(INT8, fn, "the mean and the residual of 3 steps, sent as int8", _INT8_HINTS,
+                    world_sizes, timeout, skip)
+
+
+def check_ddp_bytes_per_step(fn, skip: bool = False) -> None:
+    """Visible check of the written question ddp_bytes_per_step: an int comes back."""
+    check_question(DDP_BYTES, fn, {"n_params": 124_439_808, "world_size": 8, "bytes_per_element": 4,
+                                   "accumulation_steps": 4, "no_sync": True}, "int", skip)

@@ -2,6 +2,9 @@
 
     check_gpipe_actions(gpipe_actions)                # prints one PASS or FAIL line, with a hint
     check_one_f_one_b_actions(one_f_one_b_actions)
+    check_interleaved_actions(interleaved_actions)    # pipelines of 2 to 5, then run on 2 ranks
+    check_balance_stages(balance_stages)
+    check_interleaved_peak_bytes(interleaved_peak_bytes)   # the kind of number, never its value
 
 Both call your function for every rank of several pipelines (m = 1, m < pp,
 m = pp, m > pp), build a `Schedule` from the lists and check it with the
@@ -13,8 +16,13 @@ ranks (`reference.runtime.launch`) and compares the loss and the gradients with
 one process. The course's `build_schedule` is switched off while your function
 runs. A wrong answer, an exception or a hang is reported, never raised.
 
-The grade comes from the hidden checks (`reference.course.homework.pipeline_parallel`)
-on other inputs, not from these: while grading, `skip=True` is passed and the
+The interleaved check does the same with ``virtual = v`` chunks per rank, asks for at most
+Megatron's number of (micro-batch, chunk) activations in flight and the interleaved
+bubble, and runs your lists on 2 ranks. The balance check compares the slowest stage
+of your cut with the best cut that fits in memory.
+
+The grade comes from the hidden checks (`reference.course.homework.pipeline_parallel`
+and its `pipeline_interleaved`, `pipeline_balance`) on other inputs, not from these: while grading, `skip=True` is passed and the
 check does nothing.
 """
 from __future__ import annotations
@@ -24,11 +32,18 @@ import traceback
 
 import torch
 
+from reference.course.checks.questions import check_question
 from reference.course.checks.runner import VISIBLE_SEED, run_cases, run_visible
+from reference.course.homework.pipeline_balance import BALANCE_STAGES
+from reference.course.homework.pipeline_interleaved import (
+    INTERLEAVED_ACTIONS, INTERLEAVED_PEAK_BYTES,
+)
 from reference.course.homework.pipeline_parallel import GPIPE, ONE_F_ONE_B
+from reference.course.homework.refuse import refusal_for
 from reference.course.homework.scoring import ExerciseSpec, one_line
 
-__all__ = ["check_gpipe_actions", "check_one_f_one_b_actions", "run_check"]
+__all__ = ["check_gpipe_actions", "check_one_f_one_b_actions", "check_interleaved_actions",
+           "check_balance_stages", "check_interleaved_peak_bytes", "run_check"]
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
@@ -62,6 +77,39 @@ _HINTS = {
 }
 
 
+# Looked up before the 1F1B hints (the first key found in a reason picks the hint).
+_INTERLEAVED_HINTS = {
+    "(micro-batch, chunk) pairs": ("warm up with min((v - 1) g + 2 (pp - 1 - rank), v m) "
+                                   "forwards (g = min(pp, m)), then pair each forward with a "
+                                   "backward"),
+    "interleaved 1F1B's": ("warm up with exactly (v - 1) g + 2 (pp - 1 - rank) forwards (at most "
+                           "v m), and post every message in the step right after the group "
+                           "that produced it"),
+    "which it needs": ("each action needs what comes before it: RECV_F before F, F before "
+                       "SEND_F and B, RECV_B before B, B before SEND_B; and a backward needs its "
+                       "forward: warm up with (v - 1) g + 2 (pp - 1 - rank) forwards"),
+    "deadlock": ("in the steady state run a forward and a backward back to back, then one step "
+                 "with both sends and the next pair's receives: neighbours exchange activations "
+                 "and gradients of different chunks in both directions at once"),
+    "lives on rank": ("chunk c of rank r is stage c * pp + r: the next stage lives on rank "
+                      "(r + 1) % pp, the previous one on (r - 1) % pp"),
+    "talk to": ("only stage 0 (rank 0, chunk 0) receives no activation and only the last stage "
+                "(rank pp - 1, chunk v - 1) sends none"),
+}
+_BALANCE_HINTS = {
+    "not implemented": "replace the `raise NotImplementedError` lines with your code",
+    "not a list of stage sizes": "return a list of pp ints (units per stage), or None",
+    "non-empty stages": "pp positive ints that add up to len(times), in pipeline order",
+    "micro-batches of activations": ("under 1F1B stage r keeps min(pp - r, m) micro-batches in "
+                                     "flight: its weights plus that many times its activations "
+                                     "must fit"),
+    "returned None": "some cut fits: try every cut (or every stage size) before giving up",
+    "slowest": ("among the cuts that fit, keep the one whose slowest stage is fastest: try "
+                "them all, or build it stage by stage (best time for the first i units in j "
+                "stages)"),
+}
+
+
 def _cases(spec: ExerciseSpec, world_size: int):
     return spec.make_cases(torch.Generator().manual_seed(VISIBLE_SEED), world_size)
 
@@ -83,7 +131,7 @@ def _in_process(spec: ExerciseSpec, fn) -> str:
     """"" when every case passes, else the first failure (the function is pure: no ranks)."""
     for case in _cases(spec, 1):
         try:
-            out = spec.call(fn, case.inputs[0])
+            out = refusal_for(spec).run(spec.call, fn, case.inputs[0])
         except Exception as exc:  # noqa: BLE001 - reported, never raised
             return _raised(exc)
         if reason := spec.judge(case.inputs, spec.expect(case.inputs), [out], 1):
@@ -92,20 +140,23 @@ def _in_process(spec: ExerciseSpec, fn) -> str:
 
 
 def run_check(spec: ExerciseSpec, fn, world_sizes=None, timeout: float = 60.0,
-              skip: bool = False, success: str = "") -> bool | None:
+              skip: bool = False, success: str = "", hints=None,
+              in_process: bool = False) -> bool | None:
     """Check `fn` as the answer to `spec`; print one line; True/False (None when skipped).
 
-    `world_sizes` None: the cases run in this process (the function needs no ranks)."""
+    `world_sizes` None: the cases run in this process (the function needs no ranks);
+    `in_process`: the one-rank cases run here first, then the launches."""
     def attempt() -> str:
-        if world_sizes is None:
-            return _in_process(spec, fn)
+        if world_sizes is None or in_process:
+            if (reason := _in_process(spec, fn)) or world_sizes is None:
+                return reason
         for world_size in world_sizes:
             reason, _ = run_cases(spec, fn, world_size, _cases(spec, world_size), timeout)
             if reason:
                 return reason
         return ""
 
-    return run_visible(spec, fn, attempt, success, _HINTS, skip)
+    return run_visible(spec, fn, attempt, success, _HINTS if hints is None else hints, skip)
 
 
 # The check_* functions print and return None, so a notebook cell shows only their line.
@@ -124,3 +175,26 @@ def check_one_f_one_b_actions(fn, world_sizes=(2, 3), timeout: float = 60.0,
     run_check(ONE_F_ONE_B, fn, world_sizes, timeout=timeout, skip=skip,
               success=(f"valid, at most pp - rank micro-batches in flight, 1F1B's bubble, and run "
                        f"on {sizes} ranks it gives one process's loss and gradients"))
+
+
+def check_interleaved_actions(fn, world_sizes=(2,), timeout: float = 60.0,
+                              skip: bool = False) -> None:
+    """Visible check of exercise interleaved_actions (pipelines of 2 to 5 here, then run
+    by the executor on `world_sizes` ranks)."""
+    sizes = " and ".join(str(w) for w in world_sizes)
+    run_check(INTERLEAVED_ACTIONS, fn, world_sizes, timeout=timeout, skip=skip,
+              hints={**_INTERLEAVED_HINTS, **_HINTS}, in_process=True,
+              success=(f"valid, Megatron's activations in flight, the interleaved bubble, and "
+                       f"run on {sizes} ranks it gives one process's loss and gradients"))
+
+
+def check_balance_stages(fn, skip: bool = False) -> None:
+    """Visible check of exercise balance_stages (against the best cut that fits)."""
+    run_check(BALANCE_STAGES, fn, None, skip=skip, hints=_BALANCE_HINTS,
+              success="every cut fits and its slowest stage is the fastest possible")
+
+
+def check_interleaved_peak_bytes(fn, skip: bool = False) -> None:
+    """Visible check of the written question interleaved_peak_bytes: an int comes back."""
+    check_question(INTERLEAVED_PEAK_BYTES, fn, {"pp": 8, "m": 48, "v": 2, "rank": 0,
+                                                "stage_bytes": 3 * 2**30}, "int", skip)

@@ -10,9 +10,9 @@ whether the number is right: that is what the hidden checks grade, on other valu
 from __future__ import annotations
 
 import math
-import numbers
 
 from reference.course.checks.runner import NOT_IMPLEMENTED, run_visible
+from reference.course.homework.refuse import refusal_for
 from reference.course.homework.scoring import ExerciseSpec
 
 __all__ = ["check_question"]
@@ -29,15 +29,16 @@ def check_question(spec: ExerciseSpec, fn, example: dict, kind: str = "int",
                    skip: bool = False) -> bool | None:
     """PASS when fn(**example) returns a number of the kind `kind` ("int" or "real")."""
     def attempt() -> str:
-        try:
-            value = fn(**example)
+        try:  # the question's own call wrapper, watched like the grader's
+            out = refusal_for(spec).run(spec.call, fn, dict(example))
         except NotImplementedError:
             return "not implemented yet"
         except Exception as exc:  # noqa: BLE001 - reported, never raised
             return f"raised {type(exc).__name__}: {exc}"
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            return f"returned a {type(value).__name__}, not a number"
-        if kind == "int" and not isinstance(value, numbers.Integral):
+        value, kind_got = out["value"], out["type"]
+        if value is None:
+            return f"returned a {kind_got}, not a number"
+        if kind == "int" and kind_got != "int":
             return f"returned {value!r}; the answer is a whole number (an int)"
         if not math.isfinite(float(value)):
             return f"returned {value!r}; the answer is a finite number"

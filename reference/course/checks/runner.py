@@ -6,14 +6,16 @@ every homework:
 
 * `run_cases` starts `world_size` ranks (`reference.runtime.launch`), runs the
   student's function on each rank's input of every case under the exercise's rules
-  (the forbidden collectives switched off), and judges the outputs against
+  (the forbidden collectives switched off, the course's own answers refused, as in
+  the grader: `reference.course.homework.refuse`), and judges the outputs against
   `spec.expect` computed here; `record_traffic=True` adds each case's point-to-point
   sends and receives to its output, for exercises that must be a ring or an
   all-to-all;
 * `describe_launch_failure` turns a failed launch into one line for the student
   (not implemented, not allowed, timed out, or the last lines of a traceback);
 * `report` prints PASS or FAIL with the hint whose key appears first in the
-  reason's first line (a traceback below it could match any key), and never raises:
+  reason's first line (a traceback below it could match any key; a call of the
+  course's own answer gets `REFUSED_HINT`, whatever the exercise), and never raises:
   `run_visible` wraps a check so that a broken function, or a broken check, is a
   FAIL line and the notebook goes on.
 """
@@ -26,15 +28,18 @@ import torch
 import torch.distributed as dist
 
 from reference.course.homework.guard import exercise_rules
+from reference.course.homework.refuse import REFUSED, refusal_for
 from reference.course.homework.scoring import Case, ExerciseSpec, one_line
 from reference.runtime import RankError, RankTimeoutError, launch
 
-__all__ = ["VISIBLE_SEED", "NOT_IMPLEMENTED", "hint_for", "describe_launch_failure",
+__all__ = ["VISIBLE_SEED", "NOT_IMPLEMENTED", "REFUSED", "hint_for", "describe_launch_failure",
            "run_cases", "report", "run_visible"]
 
 VISIBLE_SEED = 2024  # public; the grader draws its cases from a seed of its own
 
 NOT_IMPLEMENTED = "replace the `raise NotImplementedError` line with your code"
+REFUSED_HINT = ("write it yourself: the course's own version, its close relatives and the "
+                "checks' answers refuse to run from your function")
 
 
 def hint_for(reason: str, hints: Mapping[str, str]) -> str:
@@ -68,11 +73,12 @@ def _rank_outputs(spec: ExerciseSpec, fn_bytes: bytes, inputs: dict, record_traf
     """In each rank: the student's output for this rank's input of every case."""
     rank = dist.get_rank()
     outputs = {}
+    refusal = refusal_for(spec)  # the course's own answers refuse to run, as in the grader
     with exercise_rules(spec.id, spec.forbidden) as traffic:
         fn = cloudpickle.loads(fn_bytes)  # only here, under the rules
         for name, per_rank in inputs.items():
             traffic.clear()
-            out = spec.call(fn, per_rank[rank])
+            out = refusal.run(spec.call, fn, per_rank[rank])
             if record_traffic:
                 out["sends"], out["recvs"] = _traffic(traffic.sends), _traffic(traffic.recvs)
             outputs[name] = out
@@ -114,6 +120,8 @@ def report(spec: ExerciseSpec, reason: str, success: str, hints: Mapping[str, st
         print(f"PASS {spec.id}: {success}")
         return True
     hint = hint_for(reason if hint_key is None else hint_key, hints)
+    if REFUSED in reason.splitlines()[0]:  # the same for every exercise
+        hint = REFUSED_HINT
     print(f"FAIL {spec.id}: {reason}" + (f"\n     hint: {hint}" if hint else ""))
     return False
 

@@ -7,8 +7,9 @@ homework is one module of this package that defines HOMEWORK_ID and EXERCISES;
 it is found by name, so adding a homework edits no shared file.
 
 Shared by every homework: `scoring` (run a submission's function on fresh ranks and
-judge it), `guard` (the collectives an exercise must build are switched off, the
-messages recorded, and the course's own answers refused) and `questions` (written
+judge it), `guard` (the collectives an exercise must build are switched off and the
+messages recorded), `refuse` (the course's own answers refuse to run from a student's
+code, however they are reached) and `questions` (written
 questions answered by a number, graded exactly).
 """
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Hidden checks of homework 00: ring all-reduce and ring all-gather from send/recv.
 
+(The tree and recursive-doubling all-reduces and the written question, the homework's
+transfer exercises, are checked as `collectives_extra` says; their specs are built here.)
+
 The cases every world size gets (2, 3 and 4 ranks): random float32 tensors of
 shapes (1,), (5,), (7,) and (3, 5), and integer (int64) tensors of shapes (4,) and
 (2, 3). Most element counts do not divide by the world size, and (1,) leaves
@@ -21,7 +24,8 @@ import torch.distributed as dist
 
 from reference.course.homework.scoring import Case, ExerciseSpec
 
-__all__ = ["ALL_REDUCE", "ALL_GATHER", "EXERCISES", "make_cases", "FLOAT_TOLERANCE"]
+__all__ = ["ALL_REDUCE", "ALL_GATHER", "TREE", "DOUBLING", "CROSSOVER", "EXERCISES", "make_cases",
+           "judge_sum", "course_ring_all_gather", "FLOAT_TOLERANCE"]
 
 FLOAT_TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 FLOAT_SHAPES = ((1,), (5,), (7,), (3, 5))
@@ -105,12 +109,13 @@ def torch_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def judge_all_reduce(inputs: list, expected: list, outputs: list, world_size: int) -> str:
+def judge_sum(inputs: list, expected: list, outputs: list, world_size: int) -> str:
+    """The value checks of every all-reduce exercise: in place, returned, the right sum."""
     for rank, (out, want) in enumerate(zip(outputs, expected)):
         got = out["tensor"]
         if out["returned"] is None:
             return (f"rank {rank} returned {out['returned_type']}, not the tensor "
-                    f"(ring_all_reduce works in place and returns its argument)")
+                    f"(the all-reduce works in place and returns its argument)")
         if got.shape != want.shape or got.dtype != want.dtype:
             return f"rank {rank}: the tensor became {got.dtype} {tuple(got.shape)}"
         if torch.equal(got, inputs[rank]) and world_size > 1:
@@ -119,6 +124,12 @@ def judge_all_reduce(inputs: list, expected: list, outputs: list, world_size: in
             return f"rank {rank}: wrong sum ({error})"
         if not out["same"] and not torch.equal(out["returned"], got):
             return f"rank {rank} returned a tensor other than its reduced input"
+    return ""
+
+
+def judge_all_reduce(inputs: list, expected: list, outputs: list, world_size: int) -> str:
+    if error := judge_sum(inputs, expected, outputs, world_size):
+        return error
     n = inputs[0].numel()
     # Reduce-scatter then all-gather: each rank sends p - 1 chunks twice.
     return ring_pattern(outputs, world_size, 2 * (world_size - 1) * math.ceil(n / world_size))
@@ -133,6 +144,13 @@ def torch_all_gather(tensor: torch.Tensor) -> torch.Tensor:
     out = tensor.new_empty((dist.get_world_size() * tensor.shape[0], *tensor.shape[1:]))
     dist.all_gather_into_tensor(out, tensor)
     return out
+
+
+def course_ring_all_gather(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """The course's answer, with the exercise's signature: reference.comms's ring all-gather."""
+    from reference.comms.ring import ring_all_gather
+    flat = ring_all_gather(tensor.reshape(-1), group=group)
+    return flat.view(dist.get_world_size(group) * tensor.shape[0], *tensor.shape[1:])
 
 
 def judge_all_gather(inputs: list, expected: list, outputs: list, world_size: int) -> str:
@@ -158,10 +176,34 @@ def judge_all_gather(inputs: list, expected: list, outputs: list, world_size: in
 ALL_REDUCE = ExerciseSpec(
     id="ring_all_reduce", title="ring all-reduce from send/recv", difficulty="★★☆ medium",
     world_sizes=(2, 3, 4), make_cases=make_cases, call=call_all_reduce,
-    expect=expect_all_reduce, judge=judge_all_reduce, reference=torch_all_reduce)
+    expect=expect_all_reduce, judge=judge_all_reduce, reference=torch_all_reduce,
+    banned=("reference.comms.ring.ring_all_reduce", "reference.comms"))
 ALL_GATHER = ExerciseSpec(
     id="ring_all_gather", title="ring all-gather from send/recv", difficulty="★☆☆ easy",
     world_sizes=(2, 3, 4), make_cases=make_cases, call=call_all_gather,
-    expect=expect_all_gather, judge=judge_all_gather, reference=torch_all_gather)
+    expect=expect_all_gather, judge=judge_all_gather, reference=torch_all_gather,
+    banned=("reference.course.homework.collectives.course_ring_all_gather", "reference.comms"))
+
+# The transfers (collectives_extra): the same contract as ring_all_reduce, other algorithms.
+from reference.course.homework.collectives_extra import (  # noqa: E402 - after what it extends
+    CROSSOVER, algorithm_judge, doubling_messages, make_extra_cases, tree_messages,
+)
+
+TREE = ExerciseSpec(
+    id="tree_all_reduce", title="binomial-tree all-reduce from send/recv", difficulty="★★☆ medium",
+    world_sizes=(4, 6), make_cases=make_extra_cases, call=call_all_reduce,
+    expect=expect_all_reduce, judge=algorithm_judge(tree_messages, "the binomial tree", judge_sum),
+    reference=torch_all_reduce,
+    banned=("reference.comms.algorithms.tree_all_reduce", "reference.comms"))
+DOUBLING = ExerciseSpec(
+    id="recursive_doubling_all_reduce", title="recursive-doubling all-reduce on any number of ranks",
+    difficulty="★★★ hard", world_sizes=(3, 6), make_cases=make_extra_cases,
+    call=call_all_reduce, expect=expect_all_reduce,
+    judge=algorithm_judge(doubling_messages, "recursive doubling", judge_sum),
+    reference=torch_all_reduce,
+    banned=("reference.course.homework.collectives_extra.course_recursive_doubling_all_reduce",
+            "reference.comms"))
 HOMEWORK_ID = "00_collectives"
-EXERCISES = (ALL_REDUCE, ALL_GATHER)
+# The warm-up (all-gather), the ring the lecture built, two algorithms it did not (a tree;
+# recursive doubling with the extra ranks folded in) and the written question.
+EXERCISES = (ALL_REDUCE, ALL_GATHER, TREE, DOUBLING, CROSSOVER)

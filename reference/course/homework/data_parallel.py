@@ -1,5 +1,9 @@
 """Hidden checks of homework 01: averaging gradients, naively and in buckets from hooks.
 
+(Accumulation over ranks with unequal samples, the int8 all-reduce with error feedback and
+the written question, the homework's transfers, are checked as `data_parallel_extra` says;
+their specs are built here.)
+
 Every case is a small MLP (Linear, Tanh, ..., Linear) whose weights come from the
 grader's seed, the same on every rank, and a different batch of 3 examples per rank
 for each of 2 steps. Between the steps the ranks set every ``p.grad`` to None, as
@@ -18,89 +22,21 @@ other than all-reduce is switched off.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from reference.data_parallel import naive_all_reduce_gradients
 from reference.data_parallel.buckets import plan_buckets
+from reference.course.homework.data_parallel_cases import (
+    BATCH, STEPS, TOLERANCE, build_mlp, collectives_allowed, full_batch_loss, judge_grads, model_case,
+)
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.scoring import Case, ExerciseSpec
 
-__all__ = ["AVERAGE_GRADIENTS", "BUCKETED", "EXERCISES", "build_mlp", "model_case",
-           "full_batch_loss", "collectives_allowed", "TOLERANCE"]
-
-TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
-STEPS, BATCH = 2, 3  # backward passes per case, examples per rank and step
-
-# The guard switches off every method of the process group, whatever the exercise
-# forbids; `collectives_allowed` puts back the ones an exercise may use. They are
-# taken here, when the module is imported, before any rank enters the rules.
-_GROUP_ORIGINALS = {name: dist.ProcessGroup.__dict__[name] for name in (
-    "allreduce", "reduce_scatter", "reduce_scatter_single", "_reduce_scatter_base",
-    "allgather", "all_gather_single", "_allgather_base") if name in dist.ProcessGroup.__dict__}
-
-
-@contextlib.contextmanager
-def collectives_allowed(methods, record=None):
-    """Inside the rules: the process group's `methods` work again; `record(method, numel)`
-    is called before each call, numel being the elements of its input tensor(s)."""
-    saved = {m: dist.ProcessGroup.__dict__.get(m) for m in methods}
-
-    def wrap(name, original):
-        def counted(self, tensors, *args, **kwargs):
-            if record is not None:
-                items = tensors if isinstance(tensors, (list, tuple)) else [tensors]
-                record(name, sum(t.numel() for t in items if isinstance(t, torch.Tensor)))
-            return original(self, tensors, *args, **kwargs)
-        return counted
-
-    try:
-        for m in methods:
-            setattr(dist.ProcessGroup, m, wrap(m, _GROUP_ORIGINALS[m]))
-        yield
-    finally:
-        for m, value in saved.items():
-            if value is None:
-                delattr(dist.ProcessGroup, m)
-            else:
-                setattr(dist.ProcessGroup, m, value)
-
-
-# ------------------------------------------------------------------ models and cases
-
-def build_mlp(case: dict) -> nn.Sequential:
-    """The case's MLP: Linear(sizes[0], sizes[1]), Tanh, ..., Linear(sizes[-2], sizes[-1])."""
-    sizes, bias = case["sizes"], case.get("bias", True)
-    layers = []
-    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-        layers += [nn.Linear(fan_in, fan_out, bias=bias)] + ([nn.Tanh()] if i < len(sizes) - 2 else [])
-    model = nn.Sequential(*layers)
-    model.load_state_dict(case["state"])
-    for name, p in model.named_parameters():
-        p.requires_grad_(name not in case["frozen"])
-    return model
-
-
-def full_batch_loss(model, x, y) -> torch.Tensor:
-    return nn.functional.mse_loss(model(x), y)
-
-
-def model_case(generator, world_size, sizes, frozen=(), bias=True, **extra) -> list:
-    """Per-rank inputs: the same weights, each rank its own (STEPS, BATCH, ...) data."""
-    shapes = {}
-    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-        shapes[f"{2 * i}.weight"] = (fan_out, fan_in)
-        if bias:
-            shapes[f"{2 * i}.bias"] = (fan_out,)
-    state = {k: torch.randn(s, generator=generator) * 0.5 for k, s in shapes.items()}
-    common = {"sizes": list(sizes), "bias": bias, "frozen": list(frozen), "state": state, **extra}
-    return [{**common, "x": torch.randn(STEPS, BATCH, sizes[0], generator=generator),
-             "y": torch.randn(STEPS, BATCH, sizes[-1], generator=generator)}
-            for _ in range(world_size)]
-
+__all__ = ["AVERAGE_GRADIENTS", "BUCKETED", "ACCUMULATE", "INT8", "DDP_BYTES", "EXERCISES",
+           "build_mlp", "model_case", "full_batch_loss", "collectives_allowed", "judge_grads",
+           "course_bucketed_all_reduce", "TOLERANCE", "STEPS", "BATCH"]
 
 def _random_sizes(generator) -> list:
     return [int(v) for v in torch.randint(2, 8, (4,), generator=generator)]
@@ -132,26 +68,6 @@ def expect_grads(inputs: list) -> dict:
     if "bucket_bytes" in inputs[0]:
         buckets = [b.numel for b in plan_buckets(model.named_parameters(), inputs[0]["bucket_bytes"])]
     return {"grads": grads, "buckets": buckets}
-
-
-def judge_grads(expected: dict, outputs: list) -> str:
-    for rank, out in enumerate(outputs):
-        for step, (got, want) in enumerate(zip(out["grads"], expected["grads"])):
-            extra = sorted(set(got) - set(want))
-            if extra:
-                return f"rank {rank}, step {step}: frozen parameter(s) {extra} got a gradient"
-            for name, g in want.items():
-                if name not in got:
-                    return f"rank {rank}, step {step}: {name}.grad is None after the averaging"
-                if got[name].shape != g.shape:
-                    return f"rank {rank}, step {step}: {name}.grad has shape {tuple(got[name].shape)}"
-                if not torch.allclose(got[name], g, **TOLERANCE):
-                    local = "" if not torch.allclose(got[name] / len(outputs), g, **TOLERANCE) else (
-                        " (it is the sum over ranks: divide by the world size)")
-                    error = (got[name] - g).abs().max().item()
-                    return (f"rank {rank}, step {step}: {name}.grad is not the full-batch gradient "
-                            f"(max abs error {error:.3g}){local}")
-    return ""
 
 
 # ------------------------------------------------------------------ exercise 1: naive
@@ -199,7 +115,7 @@ def call_bucketed(fn, case: dict) -> dict:
     trainable = [p for p in model.parameters() if p.requires_grad]
     calls, phase = [], ["before"]
 
-    def record(method, numel):
+    def record(method, numel, dtype):
         missing = sum(p.grad is None for p in trainable)  # gradients not produced yet
         calls.append([phase[0], numel, missing])
 
@@ -240,17 +156,77 @@ def judge_bucketed(inputs, expected, outputs, world_size) -> str:
     return judge_grads(expected, outputs)
 
 
+def course_bucketed_all_reduce(module, bucket_bytes, group=None):
+    """The course's answer, the exercise's signature: `plan_buckets`' buckets, each one async
+    all-reduce launched in bucket order from post-accumulate-grad hooks; finish() waits."""
+    world_size = dist.get_world_size(group)
+    buckets = plan_buckets(module.named_parameters(), bucket_bytes)
+    ready, launched = [0] * len(buckets), []
+
+    def hook(index):
+        def ready_one(param):
+            ready[index] += 1
+            while len(launched) < len(buckets) and ready[len(launched)] == len(buckets[len(launched)].params):
+                bucket = buckets[len(launched)]
+                flat = torch.cat([p.grad.reshape(-1) for p in bucket.params])
+                launched.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
+        return ready_one
+
+    for bucket in buckets:
+        for p in bucket.params:
+            p.register_post_accumulate_grad_hook(hook(bucket.index))
+
+    @torch.no_grad()
+    def finish():
+        for bucket, flat, work in launched:
+            work.wait()
+            flat.div_(world_size)
+            for p, offset, numel in zip(bucket.params, bucket.offsets, bucket.numels):
+                p.grad.copy_(flat[offset:offset + numel].view_as(p))
+        ready[:] = [0] * len(buckets)
+        launched.clear()
+    return finish
+
+
 AVERAGE_GRADIENTS = ExerciseSpec(
     id="average_gradients", title="average the gradients after backward", difficulty="★☆☆ easy",
     world_sizes=(2, 4), make_cases=make_average_cases, call=call_average,
     expect=expect_grads, judge=judge_average,
     reference=naive_all_reduce_gradients,  # the course's own answer, same contract
-    forbidden=tuple(c for c in COLLECTIVES if c != "all_reduce"))
+    forbidden=tuple(c for c in COLLECTIVES if c != "all_reduce"),
+    banned=("reference.data_parallel.ddp.naive_all_reduce_gradients", "reference.data_parallel"))
 BUCKETED = ExerciseSpec(
     id="bucketed_all_reduce", title="bucketed all-reduce launched from gradient hooks",
     difficulty="★★★ hard", world_sizes=(2, 4), make_cases=make_bucket_cases, call=call_bucketed,
     expect=expect_grads, judge=judge_bucketed,
     reference=None,  # no built-in has this contract (reference.data_parallel.DDP wraps the module)
-    forbidden=tuple(c for c in COLLECTIVES if c != "all_reduce"))
+    forbidden=tuple(c for c in COLLECTIVES if c != "all_reduce"),
+    banned=("reference.course.homework.data_parallel.course_bucketed_all_reduce",
+            "reference.data_parallel"))
+
+# The transfers and the written question (data_parallel_extra).
+from reference.course.homework.data_parallel_extra import (  # noqa: E402 - after what it uses
+    DDP_BYTES, call_accumulate, call_int8, course_accumulate_gradients, course_int8_all_reduce,
+    expect_accumulate, expect_int8, judge_accumulate, judge_int8, make_accumulate_cases,
+    make_int8_cases,
+)
+
+ACCUMULATE = ExerciseSpec(
+    id="accumulate_gradients", title="gradient accumulation over ranks with different sample counts",
+    difficulty="★★☆ medium", world_sizes=(2, 3), make_cases=make_accumulate_cases,
+    call=call_accumulate, expect=expect_accumulate, judge=judge_accumulate,
+    reference=course_accumulate_gradients,
+    forbidden=tuple(c for c in COLLECTIVES if c != "all_reduce"),
+    banned=("reference.course.homework.data_parallel_extra.course_accumulate_gradients",
+            "reference.data_parallel"))
+INT8 = ExerciseSpec(
+    id="int8_all_reduce", title="int8 gradient all-reduce with error feedback",
+    difficulty="★★★ hard", world_sizes=(2, 3), make_cases=make_int8_cases, call=call_int8,
+    expect=expect_int8, judge=judge_int8, reference=course_int8_all_reduce,
+    forbidden=tuple(c for c in COLLECTIVES if c != "all_reduce"),
+    banned=("reference.course.homework.data_parallel_extra.course_int8_all_reduce",
+            "reference.data_parallel.compression", "reference.zero.adam8bit"))
 HOMEWORK_ID = "01_data_parallel"
-EXERCISES = (AVERAGE_GRADIENTS, BUCKETED)
+# The warm-up, the lecture's buckets built by hand, two transfers (accumulation over unequal
+# ranks; compression with error feedback) and the written question.
+EXERCISES = (AVERAGE_GRADIENTS, BUCKETED, ACCUMULATE, INT8, DDP_BYTES)

@@ -18,22 +18,27 @@ rank that holds it, on exactly the rows that chose it; no point-to-point message
 and no more all-to-all traffic than the rows need. Cases: uneven token counts per
 rank, every token to one expert (empty splits), dropped assignments and a token
 that lost all of them, a rank with no tokens, k = 3.
+
+The course's own answers (`reference_routing` and the router; `expert_dedup`'s
+`course_dispatch_combine` and the layer, its all-to-all and its plan) are refused to the
+student's code. The homework's other exercises live in `expert_dedup` (the deduplicated
+dispatch and the written question on its bytes) and `expert_balance` (the balance loss
+of the global batch); the experts and the all-to-all the dispatch checks share, in
+`expert_traffic`.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.distributed as dist
 
-from reference.expert_parallel.router import Router
+from reference.course.homework.expert_traffic import (  # noqa: F401 (re-exported for the checks)
+    TOLERANCE, all_to_all_single_allowed, assignments, expert_fn_value, plain,
+)
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.scoring import Case, ExerciseSpec
+from reference.expert_parallel.router import Router
 
 __all__ = ["TOP_K_ROUTING", "DISPATCH_COMBINE", "EXERCISES", "reference_routing", "expert_fn_value",
-           "make_routing_cases", "make_dispatch_cases"]
-
-TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+           "make_routing_cases", "make_dispatch_cases", "all_to_all_single_allowed"]
 
 # ------------------------------------------------------------------ exercise 1: routing
 
@@ -85,15 +90,10 @@ def reference_routing(logits: torch.Tensor, k: int, capacity: int) -> dict:
             "kept": routing.kept[0]}
 
 
-def _plain(value):
-    """A tensor the rank may send back (a detached copy), or None for anything else."""
-    return value.detach().clone() if isinstance(value, torch.Tensor) else None
-
-
 def call_routing(fn, case: dict) -> dict:
     out = fn(case["logits"].clone(), case["k"], case["capacity"])
     parts = list(out) if isinstance(out, (tuple, list)) else []
-    return {"returned_type": type(out).__name__, "parts": [_plain(p) for p in parts],
+    return {"returned_type": type(out).__name__, "parts": [plain(p) for p in parts],
             "part_types": [type(p).__name__ for p in parts]}
 
 
@@ -154,24 +154,12 @@ def reference_routing_call(case: dict) -> dict:
 # ------------------------------------------------------------------ exercise 2: dispatch and combine
 
 
-def expert_fn_value(e: int, rows: torch.Tensor) -> torch.Tensor:
-    """What expert e computes in the checks: nonlinear, row by row, different for each expert."""
-    return torch.sin(rows * (e + 1)) + e  # (n, C)
-
-
-def _assignments(generator, n: int, n_experts: int, k: int) -> torch.Tensor:
-    """(n, k) int64: k different experts for each token."""
-    if n == 0:
-        return torch.empty(0, k, dtype=torch.long)
-    return torch.stack([torch.randperm(n_experts, generator=generator)[:k] for _ in range(n)])
-
-
 def make_dispatch_cases(generator: torch.Generator, world_size: int) -> list[Case]:
     P = world_size
 
     def rank_input(n, C, epr, k, drop=0.0, everyone_to=None, drop_first=False):
         tokens = torch.randn(n, C, generator=generator)
-        expert_idx = _assignments(generator, n, epr * P, k)
+        expert_idx = assignments(generator, n, epr * P, k)
         if everyone_to is not None:
             expert_idx[:, 0] = everyone_to
         if drop:
@@ -202,35 +190,6 @@ def make_dispatch_cases(generator: torch.Generator, world_size: int) -> list[Cas
     ]
 
 
-# Taken when this module is imported in a rank, before the exercise rules are set.
-_GROUP_ALL_TO_ALL_SINGLE = next(k.__dict__["all_to_all_single"] for k in dist.ProcessGroup.__mro__
-                                if "all_to_all_single" in k.__dict__)
-
-
-@contextlib.contextmanager
-def all_to_all_single_allowed(log: list):
-    """Let `dist.all_to_all_single` through for the student's call, recording each call's
-    (elements sent, elements received) in `log`.
-
-    It goes through the ProcessGroup method of the same name: whatever the rules left
-    there (the method, or a refusal when they switch off every collective method)
-    is put back afterwards."""
-    before = dist.ProcessGroup.__dict__.get("all_to_all_single")
-
-    def recorded(self, output, input, *args, **kwargs):
-        log.append((int(input.numel()), int(output.numel())))
-        return _GROUP_ALL_TO_ALL_SINGLE(self, output, input, *args, **kwargs)
-
-    dist.ProcessGroup.all_to_all_single = recorded
-    try:
-        yield log
-    finally:
-        if before is None:  # the method was inherited: uncover it again
-            del dist.ProcessGroup.all_to_all_single
-        else:
-            dist.ProcessGroup.all_to_all_single = before
-
-
 def call_dispatch_combine(fn, case: dict) -> dict:
     ran = []  # [expert, rows] per call of the expert function on this rank
 
@@ -242,7 +201,7 @@ def call_dispatch_combine(fn, case: dict) -> dict:
     with all_to_all_single_allowed(traffic):
         out = fn(case["tokens"].clone(), case["expert_idx"].clone(), case["weights"].clone(),
                  case["experts_per_rank"], expert_fn)
-    return {"returned": _plain(out), "returned_type": type(out).__name__, "ran": ran,
+    return {"returned": plain(out), "returned_type": type(out).__name__, "ran": ran,
             "all_to_all": [list(t) for t in traffic]}
 
 
@@ -314,12 +273,27 @@ def reference_dispatch_combine(case: dict) -> torch.Tensor:
 TOP_K_ROUTING = ExerciseSpec(
     id="top_k_routing", title="top-k routing with capacity", difficulty="★★☆ medium",
     world_sizes=(1,), make_cases=make_routing_cases, call=call_routing,
-    expect=expect_routing, judge=judge_routing, reference=reference_routing_call)
+    expect=expect_routing, judge=judge_routing, reference=reference_routing_call,
+    banned=("reference.course.homework.expert_parallel.reference_routing",
+            "reference.expert_parallel.router"))
 DISPATCH_COMBINE = ExerciseSpec(
     id="dispatch_combine", title="dispatch and combine with all-to-all", difficulty="★★★ hard",
     world_sizes=(2, 4), make_cases=make_dispatch_cases, call=call_dispatch_combine,
     expect=expect_dispatch_combine, judge=judge_dispatch_combine,
     reference=reference_dispatch_combine,
-    forbidden=tuple(c for c in COLLECTIVES if c != "all_to_all_single"))
+    forbidden=tuple(c for c in COLLECTIVES if c != "all_to_all_single"),
+    banned=("reference.course.homework.expert_dedup.course_dispatch_combine",
+            "reference.expert_parallel.comms", "reference.expert_parallel.moe",
+            "reference.expert_parallel.router.sort_by_expert",
+            "reference.expert_parallel.router.combine"))
 HOMEWORK_ID = "05_expert_parallel"
-EXERCISES = (TOP_K_ROUTING, DISPATCH_COMBINE)
+# The warm-up (routing), the lecture's dispatch written by hand, two transfers to what the
+# lecture did not build (deduplicated dispatch; the balance loss over the global batch)
+# and the written question.
+from reference.course.homework.expert_balance import GLOBAL_BALANCE_LOSS  # noqa: E402
+from reference.course.homework.expert_dedup import (  # noqa: E402 - after the specs they extend
+    DEDUP_ALL_TO_ALL_BYTES, DISPATCH_COMBINE_DEDUP,
+)
+
+EXERCISES = (TOP_K_ROUTING, DISPATCH_COMBINE, DISPATCH_COMBINE_DEDUP, GLOBAL_BALANCE_LOSS,
+             DEDUP_ALL_TO_ALL_BYTES)

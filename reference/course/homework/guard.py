@@ -1,18 +1,39 @@
-"""Inside a rank: forbid the collectives an exercise asks for, and watch the messages.
+"""Inside a rank: what the student's function may not do while it is graded.
 
-An exercise such as "build all-reduce from send and recv" is only an exercise if
-`torch.distributed.all_reduce` and its relatives are out of reach while the
-student's function runs. `exercise_rules` replaces them, in the module namespaces
-and on `ProcessGroup`, with functions that raise `NotAllowedError`, and wraps
-send/recv/isend/irecv (and so `batch_isend_irecv`, which calls isend/irecv) to
-record every message: its peer (global rank) and its element count. The checks
-then verify the ring pattern (send only to the next rank, receive only from the
-previous one) and the traffic the ring algorithm implies.
+Two rules hold while the student's function runs, in the hidden checks and in the
+visible ones alike:
 
-This is a guard against using the built-in by mistake, not a sandbox: code that
-goes out of its way (the backend object, the C++ ops) can still reach a
-collective. What it cannot do is see the other ranks' inputs, which is what a
-correct answer needs.
+* The collectives an exercise asks to build are switched off. An exercise such as
+  "build all-reduce from send and recv" is only an exercise if
+  `torch.distributed.all_reduce` and its relatives are out of reach.
+  `exercise_rules` (here) replaces them, in the module namespaces and on
+  `ProcessGroup`, with functions that raise `NotAllowedError`, and wraps
+  send/recv/isend/irecv (and so `batch_isend_irecv`, which calls isend/irecv) to
+  record every message: its peer (global rank) and its element count. The checks
+  then verify the ring pattern (send only to the next rank, receive only from the
+  previous one) and the traffic the ring algorithm implies.
+* The course's own answers refuse to run (`reference.course.homework.refuse`): the
+  exercise's `banned` functions, classes and modules and the grader's expected
+  answers, however they are reached (an alias, `importlib`, `getattr`, a function
+  rebuilt from their code object, a copy compiled from their source). A profile
+  function watches every Python call the student's code makes; a refused one raises
+  `NotAllowedError` ("calls the course's reference implementation ..."), and the
+  exercise scores 0, as it does for a forbidden collective. The grader's own code
+  around the student's call may still use them; the rest of `reference` (the
+  runtime, the model, the layers an exercise does not ask for) stays open to it.
+
+This is a guard, not a sandbox. It stops the built-in used by mistake and the course's
+answer called, imported or copied; code that sets out to defeat it can: the backend
+object or the C++ ops reach a collective; a new process (`subprocess`, a fresh
+`launch`) or a thread that autograd starts for a GPU runs outside the watch (the
+grader runs on CPUs); code unpickled before the watch starts can patch
+the grader's modules or keep its own `sys.setprofile`; a function given a module's
+globals and run by the grader after the student's call returns (a returned
+`functools.partial` of the course's function, a backward whose globals were swapped)
+looks like the grader's own; a copy edited by hand (one name changed) is the
+student's own code as far as the fingerprint can tell, and so is a copy under
+`refuse.MIN_COPY_INSTRUCTIONS` instructions. And no rank ever sees the other ranks'
+inputs, which a collective built by hand needs.
 """
 from __future__ import annotations
 

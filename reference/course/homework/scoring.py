@@ -7,12 +7,18 @@ back nothing but tensors, numbers, strings and containers of them. The inputs
 come from a seed only the grader knows; each rank reads its own inputs from a
 file and deletes it, and all ranks pass a barrier before any student code is
 loaded, so no rank can read another's inputs. The expected answers are computed
-by `spec.expect` in the grader's own process, from the inputs it generated.
+by `spec.expect` in the grader's own process, from the inputs it generated. In
+the rank, every call of the student's function goes through `spec.call` under the
+exercise's rules (`guard`: its forbidden collectives switched off) and its
+`Refusal` (`refuse`: the course's own answers, `spec.banned` and the expected
+answers of every homework, refuse to run from the student's code).
 
 One launch per world size runs every case of the exercise. When it fails:
   * NotImplementedError: the exercise is not done; no further launches.
   * timeout (a rank waits for a message nobody sends): the remaining world sizes
     are not tried (each would cost a full timeout).
+  * NotAllowedError (a forbidden collective, or the course's own answer called):
+    every case would do it again; the exercise scores 0 with that reason.
   * any other exception: each case is run alone, so that partial credit is exact.
 Each case is one point; every lost point carries a one-line reason.
 """
@@ -32,6 +38,7 @@ import torch.distributed as dist
 
 from reference.runtime import RankError, RankTimeoutError, launch
 from reference.course.homework.guard import COLLECTIVES, exercise_rules
+from reference.course.homework.refuse import refusal_for
 
 __all__ = ["Case", "ExerciseSpec", "ExerciseScore", "score_exercise", "one_line"]
 
@@ -55,7 +62,8 @@ class ExerciseSpec:
     judge(inputs, expected, outputs, world_size) -> str   "" passes, else why not
     banned: dotted names of `reference` functions, classes or modules whose code the
             student's function must not run (the course's own answer to the exercise
-            first, with the exercise's signature; then its close relatives)
+            first, with the exercise's signature; then its close relatives); the
+            course's homework and checks code is refused besides (`refuse.Refusal`)
     """
     id: str
     title: str
@@ -103,12 +111,13 @@ def _rank_entry(spec: ExerciseSpec, fn_bytes: bytes, input_dir: str) -> dict:
     dist.barrier()  # every rank has taken and deleted its file: nothing left to read
     os.chdir(input_dir)
     results = {}
+    refusal = refusal_for(spec)  # before the rules: it imports the modules it reads
     # The rules go in first: names the student's code imports resolve to the guarded ones.
     with exercise_rules(spec.id, spec.forbidden) as traffic:
         fn = cloudpickle.loads(fn_bytes)
         for name, tensor in cases.items():
             traffic.clear()
-            out = spec.call(fn, tensor)
+            out = refusal.run(spec.call, fn, tensor)
             out["sends"] = [[-1 if p is None else int(p), int(n)] for p, n in traffic.sends]
             out["recvs"] = [[-1 if p is None else int(p), int(n)] for p, n in traffic.recvs]
             results[name] = out

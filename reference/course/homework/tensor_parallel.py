@@ -38,7 +38,8 @@ import torch.nn.functional as F
 
 from reference.tensor_parallel.comms import _CopyToRegion, _ReduceFromRegion
 from reference.tensor_parallel.loss import _VocabParallelCrossEntropy
-from reference.course.homework.guard import COLLECTIVES, NotAllowedError
+from reference.course.homework.guard import COLLECTIVES
+from reference.course.homework.refuse import Refusal
 from reference.course.homework.scoring import Case, ExerciseSpec
 
 __all__ = ["MLP", "CROSS_ENTROPY", "EXERCISES", "ONLY_ALL_REDUCE", "counted_all_reduce",
@@ -75,26 +76,11 @@ def counted_all_reduce():
 
 @contextlib.contextmanager
 def course_versions_refused(exercise: str, functions):
-    """While open, the course's autograd functions `functions` raise NotAllowedError."""
-    missing = object()
-    saved = [(cls, cls.__dict__.get("apply", missing)) for cls in functions]
-
-    def refuse(cls):
-        def refused(*args, **kwargs):
-            raise NotAllowedError(f"reference's {cls.__name__} is not allowed in this exercise "
-                                  f"({exercise}): write your own")
-        return staticmethod(refused)
-
-    try:
-        for cls, _ in saved:
-            cls.apply = refuse(cls)
+    """While open, the course's autograd functions `functions` raise NotAllowedError when
+    run, whoever calls them (`Refusal` watching every call: nothing is patched); the
+    grader's own Refusal around the student's call records it, caught or not."""
+    with Refusal(exercise, functions, course=False, student_only=False).watching(settle=False):
         yield
-    finally:
-        for cls, value in saved:
-            if value is missing:
-                del cls.apply
-            else:
-                cls.apply = value
 
 
 def _plain(value):
@@ -281,11 +267,20 @@ def judge_cross_entropy(inputs: list, expected: list, outputs: list, world_size:
 MLP = ExerciseSpec(
     id="tensor_parallel_mlp", title="column then row parallel linear with your own f and g",
     difficulty="★★☆ medium", world_sizes=(2, 4), make_cases=make_mlp_cases, call=call_mlp,
-    expect=expect_mlp, judge=judge_mlp, reference=_dense_only, forbidden=ONLY_ALL_REDUCE)
+    expect=expect_mlp, judge=judge_mlp, reference=_dense_only, forbidden=ONLY_ALL_REDUCE,
+    banned=("reference.course.homework.tensor_parallel_extra.course_tensor_parallel_mlp",
+            "reference.tensor_parallel.comms", "reference.tensor_parallel.layers"))
 CROSS_ENTROPY = ExerciseSpec(
     id="vocab_parallel_cross_entropy", title="vocabulary-parallel cross-entropy",
     difficulty="★★★ hard", world_sizes=(2, 4), make_cases=make_cross_entropy_cases,
     call=call_cross_entropy, expect=expect_cross_entropy, judge=judge_cross_entropy,
-    reference=_dense_only, forbidden=ONLY_ALL_REDUCE)
+    reference=_dense_only, forbidden=ONLY_ALL_REDUCE,
+    banned=("reference.course.homework.tensor_parallel_extra.course_vocab_parallel_cross_entropy",
+            "reference.tensor_parallel.loss"))
 HOMEWORK_ID = "03_tensor_parallel"
-EXERCISES = (MLP, CROSS_ENTROPY)
+# The warm-up, the lecture's loss written by hand, two transfers (sequence parallelism in
+# tensor_parallel_extra, dropout in tensor_parallel_dropout) and the written question.
+from reference.course.homework.tensor_parallel_dropout import TP_DROPOUT  # noqa: E402
+from reference.course.homework.tensor_parallel_extra import SEQUENCE_PARALLEL, TP_LAYER_BYTES  # noqa: E402
+
+EXERCISES = (MLP, CROSS_ENTROPY, SEQUENCE_PARALLEL, TP_DROPOUT, TP_LAYER_BYTES)

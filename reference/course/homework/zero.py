@@ -19,18 +19,22 @@ class is the caller's), and a one-parameter model on more ranks than it has numb
 hold one tensor of S = ceil(Psi / N) numbers and state tensors of S numbers only:
 the optimizer state is sharded, which is the point of stage 1. Only all-reduce,
 reduce-scatter and all-gather are allowed.
+
+The transfer exercises (clip_sharded_grad_norm_, fsdp_schedule) and the written question
+(zero_max_params) are checked in `zero_extra`.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.distributed as dist
 
 from reference.course.homework.data_parallel import BATCH, build_mlp, collectives_allowed, full_batch_loss, model_case
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.scoring import Case, ExerciseSpec
 
-__all__ = ["ZERO1", "EXERCISES", "OPTIMIZERS", "TOLERANCE"]
+__all__ = ["ZERO1", "EXERCISES", "OPTIMIZERS", "TOLERANCE", "course_zero1_optimizer"]
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 STEPS = 3
@@ -40,6 +44,33 @@ ALLOWED = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scat
            "_all_gather_base")
 _GROUP_METHODS = ("allreduce", "reduce_scatter", "reduce_scatter_single", "_reduce_scatter_base",
                   "allgather", "all_gather_single", "_allgather_base")
+
+
+def course_zero1_optimizer(params, optimizer_class, group=None, **optimizer_kwargs):
+    """The course's answer with the exercise's signature: (step, inner) over this rank's shard."""
+    params = list(params)
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    numel = sum(p.numel() for p in params)
+    size = -(-numel // n)  # S
+
+    def flat(tensors):  # (N S,)
+        return torch.cat([t.reshape(-1) for t in tensors] + [tensors[0].new_zeros(n * size - numel)])
+
+    shard = torch.nn.Parameter(flat([p.detach() for p in params])[rank * size:(rank + 1) * size].clone())
+    inner = optimizer_class([shard], **optimizer_kwargs)
+
+    @torch.no_grad()
+    def step():
+        grads = flat([torch.zeros_like(p) if p.grad is None else p.grad for p in params])
+        shard.grad = torch.empty_like(shard)
+        dist.reduce_scatter_tensor(shard.grad, grads, op=dist.ReduceOp.AVG, group=group)
+        inner.step()
+        full = torch.empty(n * size, dtype=shard.dtype)
+        dist.all_gather_into_tensor(full, shard.detach().clone(), group=group)
+        for p, value in zip(params, full[:numel].split([p.numel() for p in params])):
+            p.copy_(value.view_as(p))
+
+    return step, inner
 
 
 def _kwargs(case: dict) -> dict:
@@ -144,6 +175,11 @@ ZERO1 = ExerciseSpec(
     id="zero1_optimizer", title="a ZeRO-1 optimizer step", difficulty="★★☆ medium",
     world_sizes=(2, 4), make_cases=make_cases, call=call, expect=expect, judge=judge,
     reference=None,  # the course's version, reference.zero.ZeroOptimizer, is a class
-    forbidden=tuple(c for c in COLLECTIVES if c not in ALLOWED))
+    forbidden=tuple(c for c in COLLECTIVES if c not in ALLOWED),
+    banned=("reference.course.homework.zero.course_zero1_optimizer", "reference.zero.optimizer",
+            "reference.zero.reducer", "reference.zero.shard"))
 HOMEWORK_ID = "02_zero_fsdp"
-EXERCISES = (ZERO1,)
+# The warm-up, two transfers to what the lecture did not build (zero_extra) and the question.
+from reference.course.homework.zero_extra import CLIP, FSDP_SCHEDULE, ZERO_MAX_PARAMS  # noqa: E402
+
+EXERCISES = (ZERO1, CLIP, FSDP_SCHEDULE, ZERO_MAX_PARAMS)

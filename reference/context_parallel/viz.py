@@ -1,0 +1,160 @@
+"""Pictures of context parallelism: memory against T, the ring's messages, causal work, bytes.
+
+Every function returns a ``matplotlib.figure.Figure`` (no pyplot state, headless), drawn
+from numbers the caller measured:
+
+* `plot_memory_vs_length`: bytes against the sequence length, measured points and a formula;
+* `plot_ring_messages`: the ring drawn from recorded messages, one column per step, each
+  rank's cell coloured by the key/value block it holds, an arrow per message;
+* `plot_causal_split`: the (T, T) causal pairs coloured by the rank whose query they
+  belong to, for the contiguous and the zig-zag split;
+* `plot_work_per_rank`: the score entries each rank computes, stacked by ring step;
+* `plot_bytes_per_rank`: bytes per rank against cp for ring attention and Ulysses, the
+  formulas as lines and measurements as points, Ulysses only where cp divides the heads.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.colors import ListedColormap
+
+from reference.viz import _Figure
+
+__all__ = ["plot_memory_vs_length", "plot_ring_messages", "plot_causal_split", "plot_work_per_rank",
+           "plot_bytes_per_rank", "rank_colour"]
+
+
+def rank_colour(rank: int):
+    """One colour per rank (tab10), the same in every picture of the notebook."""
+    return colormaps["tab10"].colors[rank % 10]
+
+
+def _figure(width: float, height: float, ncols: int = 1):
+    fig = _Figure(figsize=(width, height))
+    axes = fig.subplots(1, ncols, squeeze=False)[0]
+    return fig, list(axes)
+
+
+def plot_memory_vs_length(lengths: Sequence[int], measured: Mapping[str, Sequence[float]],
+                          formula: Optional[Mapping[str, Sequence[float]]] = None, *,
+                          title: str = "attention memory against the sequence length"):
+    """Log-log: each measured series as points joined by a line, each formula dashed."""
+    fig, (ax,) = _figure(6.0, 3.6)
+    for k, (name, values) in enumerate(measured.items()):
+        ax.plot(lengths, values, "o-", color=rank_colour(k), label=f"{name} (measured)")
+    for k, (name, values) in enumerate((formula or {}).items()):
+        ax.plot(lengths, values, "--", color="0.3", lw=1, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("sequence length T (tokens)")
+    ax.set_ylabel("bytes")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def plot_ring_messages(messages: Sequence[Mapping], cp: int, *,
+                       title: str = "ring attention's forward, from its messages"):
+    """messages: dicts with "step", "src", "dst", "block" (whose keys it carries), "bytes".
+
+    Column s shows the block each rank computes on at step s: its own at step 0, then
+    what it received at step s - 1. One arrow per recorded message."""
+    holds = {(0, r): r for r in range(cp)}
+    for m in messages:
+        holds[(m["step"] + 1, m["dst"])] = m["block"]
+    steps = 1 + max((m["step"] + 1 for m in messages), default=0)
+    fig, (ax,) = _figure(1.6 + 1.7 * steps, 0.9 + 0.75 * cp)
+    for (s, r), block in holds.items():
+        ax.add_patch(_box(s, r, rank_colour(block)))
+        ax.text(s, r, f"K,V of {block}", ha="center", va="center", fontsize=8)
+    for m in messages:
+        ax.annotate("", xy=(m["step"] + 1 - 0.36, m["dst"]), xytext=(m["step"] + 0.36, m["src"]),
+                    arrowprops=dict(arrowstyle="->", color="0.25", lw=1.1))
+    sizes = sorted({m["bytes"] for m in messages})
+    ax.set_xticks(range(steps), [f"step {s}" for s in range(steps)])
+    ax.set_yticks(range(cp), [f"rank {r}" for r in range(cp)])
+    ax.set_xlim(-0.6, steps - 0.4)
+    ax.set_ylim(cp - 0.5, -0.5)
+    ax.set_title(title + (f"\neach arrow: one message of {', '.join(map(str, sizes))} bytes"
+                          if sizes else ""), fontsize=10)
+    for side in ("top", "right", "left", "bottom"):
+        ax.spines[side].set_visible(False)
+    return fig
+
+
+def _box(x: float, y: float, colour):
+    from matplotlib.patches import FancyBboxPatch
+    return FancyBboxPatch((x - 0.36, y - 0.3), 0.72, 0.6, boxstyle="round,pad=0.02",
+                          facecolor=(*colour[:3], 0.45), edgecolor=colour)
+
+
+def plot_causal_split(owners: Mapping[str, Sequence[int]], *,
+                      title: str = "who computes which (query, key) pairs"):
+    """owners: layout name -> the rank holding each position (length T). One panel each:
+    the lower triangle of the (T, T) pairs, coloured by the rank that owns the query."""
+    fig, axes = _figure(3.3 * len(owners), 3.5, len(owners))
+    for ax, (name, owner) in zip(axes, owners.items()):
+        owner = np.asarray(owner)
+        T, cp = len(owner), int(owner.max()) + 1
+        grid = np.where(np.tril(np.ones((T, T), dtype=bool)), owner[:, None], -1).astype(float)
+        grid[grid < 0] = np.nan
+        cmap = ListedColormap([rank_colour(r) for r in range(cp)]).with_extremes(bad="white")
+        ax.imshow(grid, cmap=cmap, vmin=-0.5, vmax=cp - 0.5, interpolation="nearest")
+        pairs = [int(((owner == r)[:, None] & np.tril(np.ones((T, T), dtype=bool))).sum())
+                 for r in range(cp)]
+        ax.set_title(f"{name}\npairs per rank {pairs}", fontsize=9)
+        ax.set_xlabel("key position")
+        ax.set_ylabel("query position")
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def plot_work_per_rank(per_step: Mapping[str, Sequence[Sequence[int]]], *,
+                       title: str = "score entries each rank computes, by ring step"):
+    """per_step: layout name -> [rank][step] entries. Stacked bars, one panel per layout."""
+    fig, axes = _figure(3.6 * len(per_step), 3.2, len(per_step))
+    top = max(sum(row) for rows in per_step.values() for row in rows)
+    for ax, (name, rows) in zip(axes, per_step.items()):
+        rows = np.asarray(rows)
+        bottom = np.zeros(len(rows))
+        for s in range(rows.shape[1]):
+            shade = colormaps["Greys"](0.3 + 0.5 * s / max(1, rows.shape[1] - 1))  # later: darker
+            ax.bar(range(len(rows)), rows[:, s], bottom=bottom, color=shade, edgecolor="white",
+                   label=f"step {s}")
+            bottom += rows[:, s]
+        ax.set_ylim(0, top * 1.1)
+        ax.set_xticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
+        ax.set_title(f"{name}: max / min = {bottom.max() / bottom.min():.2f}", fontsize=9)
+    axes[0].set_ylabel("score entries")
+    axes[-1].legend(fontsize=7, loc="upper left")
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def plot_bytes_per_rank(cps: Sequence[int], ring: Sequence[float], ulysses: Sequence[Optional[float]],
+                        measured: Optional[Mapping[str, Mapping[int, float]]] = None, *,
+                        title: str = "bytes each rank sends, forward of one attention"):
+    """Formulas as lines (Ulysses None where cp does not divide the heads), measurements as
+    points; log axes, so cp = 1 (nothing sent) is left out."""
+    fig, (ax,) = _figure(6.0, 3.6)
+    for k, (name, values) in enumerate((("ring", ring), ("Ulysses", ulysses))):
+        shown = [(c, b) for c, b in zip(cps, values) if b]
+        ax.plot([c for c, _ in shown], [b for _, b in shown], "-", color=rank_colour(k),
+                label=f"{name} (formula)")
+    for k, (name, points) in enumerate((measured or {}).items()):
+        ax.plot(list(points), list(points.values()), "o", color=rank_colour(k), label=f"{name} (measured)")
+    possible = [c for c, u in zip(cps, ulysses) if u is not None]
+    if possible and max(possible) < max(cps):
+        ax.axvspan(max(possible), max(cps), color="0.9", zorder=0,
+                   label="Ulysses impossible: cp does not divide the heads")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("cp (ranks sharing the sequence)")
+    ax.set_ylabel("bytes per rank")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return fig

@@ -1,0 +1,89 @@
+"""Visible self-checks of homework 08 (long sequences): feedback while you work, never the grade.
+
+    check_merge_attention_blocks(merge_attention_blocks)   # one PASS or FAIL line, with a hint
+    check_zigzag_mask(zigzag_mask)
+    check_causal_ring_attention(causal_ring_attention)     # on 2 and 3 ranks
+    check_ring_forward_bytes(ring_forward_bytes)           # the kind of number, never its value
+
+The merge and the mask run on one rank, the ring on 2 and 3 ranks with every collective
+switched off and its messages recorded, each on the same kinds of cases as the hidden
+checks drawn from a public seed, compared with the float64 merge, the true positions of
+the zig-zag layout and causal attention over the whole sequence.
+"""
+from __future__ import annotations
+
+from reference.course.checks.questions import check_question
+from reference.course.checks.runner import NOT_IMPLEMENTED, public_cases, run_cases, run_visible
+from reference.course.homework.context_parallel import (
+    CAUSAL_RING_ATTENTION, MERGE_ATTENTION_BLOCKS, RING_FORWARD_BYTES, ZIGZAG_MASK,
+)
+
+__all__ = ["check_merge_attention_blocks", "check_zigzag_mask", "check_causal_ring_attention",
+           "check_ring_forward_bytes"]
+
+_HINTS = {
+    "not implemented": NOT_IMPLEMENTED,
+    "not the pair": "return a tuple (out, lse)",
+    "changed its inputs": "build new tensors (no in-place ops on the arguments)",
+    "changed q": "leave q, k and v as they are: stack or clone them before changing anything",
+    "NaN": ("e^lse over- or underflows when |lse| is large: write the weights as "
+            "e^(lse_a - lse) and e^(lse_b - lse) with lse = logaddexp(lse_a, lse_b); and a row "
+            "of a block that met no key (-inf everywhere) must give 0, not NaN"),
+    "wrong output": ("at step s rank i holds the keys of rank (i - s) % cp; mask them with your "
+                     "zigzag_mask and merge the block into the running (out, lse)"),
+    "wrong out": ("the merged output is out_a e^(lse_a - lse) + out_b e^(lse_b - lse): each "
+                  "block's softmax rescaled to the sum over both blocks' keys"),
+    "wrong lse": "lse = log(e^lse_a + e^lse_b), computed as torch.logaddexp(lse_a, lse_b)",
+    "no ValueError": "raise ValueError when T % (2 * cp) != 0 (no padding)",
+    "entries wrong": ("rank r holds chunk r then chunk 2*cp-1-r, each of T/(2*cp) tokens; a query "
+                      "may attend to a key at the same or an earlier position"),
+    "torch.bool": "return a (T/cp, T/cp) torch.bool tensor: query rows, key columns",
+    "not allowed": ("build the ring from dist.send/recv or dist.isend/irecv (or "
+                    "dist.batch_isend_irecv); no collective"),
+    "timed out": ("post the send to the next rank and the receive from the previous one "
+                  "together (isend/irecv or batch_isend_irecv): two blocking sends deadlock"),
+    "created a tensor": ("never gather every key: attend to one key/value block at a time, then "
+                         "pass it on to the next rank"),
+    "not a ring": "send only to (rank + 1) % cp and receive only from (rank - 1) % cp",
+    "elements; the ring needs": "send K and V only (not q), cp - 1 times",
+    "send/isend": "the keys and values must travel: with send/recv, isend/irecv or batch_isend_irecv",
+    "returned": "check the return value against the contract in the exercise text",
+}
+
+
+def _check(spec, fn, world_sizes, success: str, skip: bool) -> None:
+    def attempt():
+        for ws in world_sizes:
+            reason = run_cases(spec, fn, ws, public_cases(spec, ws), timeout=60.0,
+                               hang_hint=_HINTS["timed out"], record_traffic=True)
+            if reason[0]:
+                return reason
+        return ""
+    run_visible(spec, fn, attempt, success, _HINTS, skip)
+
+
+def check_merge_attention_blocks(fn, skip: bool = False) -> None:
+    """Visible check of exercise merge_attention_blocks (against the float64 merge)."""
+    n = len(public_cases(MERGE_ATTENTION_BLOCKS, 1))
+    _check(MERGE_ATTENTION_BLOCKS, fn, (1,), f"equals the attention over both blocks on {n} cases "
+           f"(float32 and float64, lse near +1000 and -1000, rows that met no key)", skip)
+
+
+def check_zigzag_mask(fn, skip: bool = False) -> None:
+    """Visible check of exercise zigzag_mask (every (i, j) of cp = 1 to 4, and the refusals)."""
+    _check(ZIGZAG_MASK, fn, (1,), "every block pair's mask is the causal one; uneven T refused", skip)
+
+
+def check_causal_ring_attention(fn, world_sizes=(2, 3), skip: bool = False) -> None:
+    """Visible check of exercise causal_ring_attention on 2 and 3 ranks."""
+    sizes = " and ".join(str(w) for w in world_sizes)
+    _check(CAUSAL_RING_ATTENTION, fn, world_sizes,
+           f"equals causal attention over the whole sequence on {sizes} ranks, as a ring, one "
+           f"block at a time", skip)
+
+
+def check_ring_forward_bytes(fn, skip: bool = False) -> None:
+    """Visible check of the written question ring_forward_bytes: an int comes back."""
+    check_question(RING_FORWARD_BYTES, fn, {"B": 1, "T": 131_072, "n_heads": 64, "n_kv_heads": 8,
+                                            "head_dim": 128, "cp": 8, "bytes_per_element": 2},
+                   "int", skip)

@@ -1,0 +1,223 @@
+"""Hidden checks of homework 08: long sequences split over a cp group.
+
+* ``merge_attention_blocks(out_a, lse_a, out_b, lse_b)`` (the warm-up, one process):
+  the online-softmax merge of two blocks' normalised outputs (B, H, T, D) and
+  log-sum-exps (B, H, T) into the attention over both blocks' keys. Cases: float32 and
+  float64; log-sum-exps near +1000 and -1000 (e^lse over- or underflows: only the
+  shifted form survives); rows where one block met no key (lse -inf, output 0); one
+  block far heavier than the other; a single token. The inputs must not change.
+* ``zigzag_mask(T, cp, i, j)`` (one process): the (T/cp, T/cp) boolean mask of the
+  causal pairs between rank i's queries and rank j's keys under the zig-zag layout
+  (rank r holds chunks r and 2 cp - 1 - r of 2 cp), every (i, j) of a case checked;
+  a T that 2 cp does not divide raises ValueError. Cases: cp 1 to 4, chunks of one
+  token, and three T to refuse (one that cp divides but 2 cp does not).
+* ``causal_ring_attention(q, k, v, group)`` (2, 3 and 4 ranks, no collective): the
+  forward of causal ring attention on the zig-zag layout, checked in
+  `reference.course.homework.context_parallel_ring`.
+* ``ring_forward_bytes(B, T, n_heads, n_kv_heads, head_dim, cp, bytes_per_element)``: the
+  written question, graded exactly: bytes one rank sends in ring attention's forward when
+  the keys and values have fewer heads than the queries (grouped-query attention).
+
+Tolerances: float64 rtol 1e-10, atol 1e-12 (a few ulps of another order of additions).
+float32 merges rtol 1e-4, atol 1e-5: the inputs' log-sum-exps reach |lse| = 1000, where
+a float32 ulp is 6e-5, so the merged lse and the weights e^(lse - new) carry a relative
+error of that size in any float32 computation; a merge that forms e^lse itself returns
+inf or NaN there, far outside.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from reference.course.homework.context_parallel_ring import (
+    CAUSAL_RING_ATTENTION, TOLERANCE, close, plain, zigzag_positions,
+)
+from reference.course.homework.questions import question
+from reference.course.homework.scoring import Case, ExerciseSpec
+
+__all__ = ["MERGE_ATTENTION_BLOCKS", "ZIGZAG_MASK", "CAUSAL_RING_ATTENTION", "RING_FORWARD_BYTES",
+           "EXERCISES", "HOMEWORK_ID", "course_merge_attention_blocks", "course_zigzag_mask",
+           "ring_forward_bytes_formula", "MERGE_FLOAT32"]
+
+MERGE_FLOAT32 = {"rtol": 1e-4, "atol": 1e-5}  # |lse| up to 1000: a float32 ulp there is 6e-5
+
+
+# ------------------------------------------------------------------ merge_attention_blocks
+
+def course_merge_attention_blocks(out_a, lse_a, out_b, lse_b):
+    """The course's answer: log-sum-exps added in log space, outputs weighted by e^(lse - new)."""
+    lse = torch.logaddexp(lse_a, lse_b)  # (B, H, T)
+    out = out_a * torch.exp(lse_a - lse).unsqueeze(-1) + out_b * torch.exp(lse_b - lse).unsqueeze(-1)
+    return out, lse
+
+
+# (name, B, H, T, D, dtype, centre of the lse, spread, rows of b masked, rows of a masked)
+MERGE_SHAPES = (
+    ("float32 (2, 3, 5, 4)", 2, 3, 5, 4, torch.float32, 0.0, 3.0, False, False),
+    ("float64 (1, 2, 7, 3)", 1, 2, 7, 3, torch.float64, 0.0, 3.0, False, False),
+    ("float32 lse near +1000", 1, 2, 6, 4, torch.float32, 1000.0, 2.0, False, False),
+    ("float64 lse near +1000", 2, 1, 4, 5, torch.float64, 1000.0, 2.0, False, False),
+    ("float32 lse near -1000", 1, 2, 6, 4, torch.float32, -1000.0, 2.0, False, False),
+    ("float32 rows where block b met no key", 2, 2, 6, 3, torch.float32, 0.0, 3.0, True, False),
+    ("float64 rows where block a met no key", 1, 3, 5, 2, torch.float64, 0.0, 3.0, False, True),
+    ("float32 one block 60 nats heavier", 1, 2, 4, 4, torch.float32, 0.0, 60.0, False, False),
+    ("float64 one token (1, 1, 1, 8)", 1, 1, 1, 8, torch.float64, 0.5, 1.0, False, False),
+)
+
+
+def make_merge_cases(generator: torch.Generator, world_size: int) -> list[Case]:
+    cases = []
+    for name, B, H, T, D, dtype, centre, spread, mask_b, mask_a in MERGE_SHAPES:
+        def draw(*shape):
+            return torch.randn(shape, generator=generator, dtype=torch.float64)
+        out_a, out_b = draw(B, H, T, D), draw(B, H, T, D)
+        lse_a, lse_b = centre + spread * draw(B, H, T), centre + spread * draw(B, H, T)
+        if "heavier" in name:  # block a e^60 times heavier than block b on every row
+            lse_a, lse_b = centre + draw(B, H, T), centre - spread + draw(B, H, T)
+        for masked, out, lse in ((mask_b, out_b, lse_b), (mask_a, out_a, lse_a)):
+            if masked:  # every other row met no key of this block: lse -inf, output 0
+                rows = torch.arange(T) % 2 == 0
+                lse[..., rows] = -math.inf
+                out[..., rows, :] = 0.0
+        case = {"out_a": out_a.to(dtype), "lse_a": lse_a.to(dtype),
+                "out_b": out_b.to(dtype), "lse_b": lse_b.to(dtype)}
+        cases.append(Case(name, [case]))
+    return cases
+
+
+def call_merge(fn, case: dict) -> dict:
+    args = [case[n].clone() for n in ("out_a", "lse_a", "out_b", "lse_b")]
+    result = fn(*args)
+    changed = any(not torch.equal(a, case[n]) for a, n in zip(args, ("out_a", "lse_a", "out_b", "lse_b")))
+    pair = isinstance(result, (tuple, list)) and len(result) == 2
+    return {"pair": pair, "type": type(result).__name__, "changed": changed,
+            "out": plain(result[0]) if pair else None, "lse": plain(result[1]) if pair else None}
+
+
+def expect_merge(inputs: list) -> list:
+    c = inputs[0]
+    out, lse = course_merge_attention_blocks(*(c[n].double() for n in ("out_a", "lse_a", "out_b", "lse_b")))
+    return [{"out": out, "lse": lse}]
+
+
+def judge_merge(inputs, expected, outputs, world_size) -> str:
+    c, want, got = inputs[0], expected[0], outputs[0]
+    dtype = c["out_a"].dtype
+    if not got["pair"]:
+        return f"returned {got['type']}, not the pair (out, lse)"
+    if got["changed"]:
+        return "changed its inputs (the merge is a pure function: return new tensors)"
+    for name in ("out", "lse"):
+        t, w = got[name], want[name]
+        if t is None:
+            return f"{name} is not a tensor"
+        if t.shape != w.shape or t.dtype != dtype:
+            return (f"{name} is {t.dtype} {tuple(t.shape)}; expected {dtype} {tuple(w.shape)} "
+                    f"(the inputs' dtype and shape)")
+        if error := close(t, w, MERGE_FLOAT32 if dtype == torch.float32 else TOLERANCE[dtype]):
+            return f"wrong {name} ({error})"
+    return ""
+
+
+# ------------------------------------------------------------------ zigzag_mask
+
+def course_zigzag_mask(T: int, cp: int, i: int, j: int) -> torch.Tensor:
+    """The course's answer: query position >= key position, as a (T/cp, T/cp) bool tensor."""
+    return zigzag_positions(T, cp, i)[:, None] >= zigzag_positions(T, cp, j)[None, :]
+
+
+def make_mask_cases(generator: torch.Generator, world_size: int) -> list[Case]:
+    def draw(lo, hi):
+        return int(torch.randint(lo, hi + 1, (), generator=generator))
+
+    # Seven layouts (cp = 1 .. 4, chunks of one token at T = 2 cp), then three T to refuse:
+    # 6 % 4, 9 % 6 (cp = 3 divides 9, 2 cp does not) and (8 m + 4) % 8.
+    specs = [(2 * draw(1, 4), 1), (4, 2), (4 * draw(3, 5), 2), (6, 3), (6 * draw(2, 4), 3),
+             (8, 4), (8 * draw(2, 3), 4), (6, 2), (9, 3), (8 * draw(1, 3) + 4, 4)]
+    return [Case(f"T={T} cp={cp}", [{"T": T, "cp": cp}]) for T, cp in specs]
+
+
+def call_mask(fn, case: dict) -> dict:
+    T, cp = case["T"], case["cp"]
+    if T % (2 * cp):
+        try:
+            fn(T, cp, 0, 0)
+        except ValueError:
+            return {"refused": True}
+        return {"refused": False}
+    masks = []
+    for i in range(cp):
+        row = []
+        for j in range(cp):
+            m = fn(T, cp, i, j)
+            row.append(plain(m) if type(m) is torch.Tensor else type(m).__name__)
+        masks.append(row)
+    return {"masks": masks}
+
+
+def expect_mask(inputs: list) -> list:
+    T, cp = inputs[0]["T"], inputs[0]["cp"]
+    if T % (2 * cp):
+        return [None]
+    return [[[course_zigzag_mask(T, cp, i, j) for j in range(cp)] for i in range(cp)]]
+
+
+def judge_mask(inputs, expected, outputs, world_size) -> str:
+    T, cp = inputs[0]["T"], inputs[0]["cp"]
+    got, want = outputs[0], expected[0]
+    if want is None:
+        return "" if got.get("refused") else (f"T={T}, cp={cp}: T % (2*cp) = {T % (2 * cp)}, yet no "
+                                              f"ValueError was raised")
+    for i in range(cp):
+        for j in range(cp):
+            m, w = got["masks"][i][j], want[i][j]
+            if not isinstance(m, torch.Tensor):
+                return f"zigzag_mask(T={T}, cp={cp}, {i}, {j}) returned {m}, not a tensor"
+            if m.dtype != torch.bool or m.shape != w.shape:
+                return (f"zigzag_mask(T={T}, cp={cp}, {i}, {j}) is {m.dtype} {tuple(m.shape)}; "
+                        f"expected torch.bool {tuple(w.shape)}")
+            if not torch.equal(m, w):
+                bad = int((m != w).sum())
+                return (f"zigzag_mask(T={T}, cp={cp}, i={i}, j={j}): {bad} of {w.numel()} entries "
+                        f"wrong (rank i's queries at positions {zigzag_positions(T, cp, i).tolist()}, "
+                        f"rank j's keys at {zigzag_positions(T, cp, j).tolist()})")
+    return ""
+
+
+# ------------------------------------------------------------------ the written question
+
+def ring_forward_bytes_formula(B, T, n_heads, n_kv_heads, head_dim, cp, bytes_per_element) -> int:
+    """Ring attention's forward with grouped-query attention: only K and V travel, each of
+    n_kv_heads heads; cp - 1 steps send one key block and one value block of T/cp tokens."""
+    return 2 * (cp - 1) * B * n_kv_heads * (T // cp) * head_dim * bytes_per_element
+
+
+MERGE_ATTENTION_BLOCKS = ExerciseSpec(
+    id="merge_attention_blocks", title="The online-softmax merge of two attention blocks",
+    difficulty="★☆☆ easy", world_sizes=(1,), make_cases=make_merge_cases, call=call_merge,
+    expect=expect_merge, judge=judge_merge, reference=course_merge_attention_blocks,
+    banned=("reference.course.homework.context_parallel.course_merge_attention_blocks",
+            "reference.context_parallel.blocks", "reference.context_parallel.ring"))
+ZIGZAG_MASK = ExerciseSpec(
+    id="zigzag_mask", title="Which queries meet which keys under the zig-zag layout",
+    difficulty="★★☆ medium", world_sizes=(1,), make_cases=make_mask_cases, call=call_mask,
+    expect=expect_mask, judge=judge_mask, reference=course_zigzag_mask,
+    banned=("reference.course.homework.context_parallel.course_zigzag_mask",
+            "reference.context_parallel.layout", "reference.context_parallel.blocks",
+            "reference.context_parallel.cost"))
+# T divides by 2 cp for every cp drawn (2 * lcm(1, 2, 3, 4, 8, 16) = 96); n_kv_heads <= n_heads.
+RING_FORWARD_BYTES = question(
+    "ring_forward_bytes", "Bytes a rank sends in ring attention's forward, with grouped-query attention",
+    ring_forward_bytes_formula,
+    {"B": (1, 2, 8), "T": (1_536, 12_288, 98_304, 3_145_728), "n_heads": (32, 64, 128),
+     "n_kv_heads": (1, 4, 8, 32), "head_dim": (64, 128), "cp": (1, 2, 3, 4, 8, 16),
+     "bytes_per_element": (2, 4)},
+    fixed=({"B": 2, "T": 96, "n_heads": 12, "n_kv_heads": 4, "head_dim": 16, "cp": 3,
+            "bytes_per_element": 4},
+           {"B": 1, "T": 1_536, "n_heads": 8, "n_kv_heads": 8, "head_dim": 64, "cp": 1,
+            "bytes_per_element": 2}),
+    banned=("reference.course.homework.context_parallel.ring_forward_bytes_formula",
+            "reference.context_parallel.cost"))
+HOMEWORK_ID = "08_context_parallel"
+EXERCISES = (MERGE_ATTENTION_BLOCKS, ZIGZAG_MASK, CAUSAL_RING_ATTENTION, RING_FORWARD_BYTES)

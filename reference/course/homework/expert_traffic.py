@@ -1,0 +1,65 @@
+"""Homework 05's shared checks: the experts the grader hands in, and the all-to-all let through.
+
+Every dispatch exercise of homework 05 runs the student's function with an expert
+function of the grader's own (`expert_fn_value`: nonlinear, row by row, different for
+each expert) that records where it runs and on how many rows, and with
+`dist.all_to_all_single` let through (`all_to_all_single_allowed`) while every other
+collective stays switched off, each call's elements sent and received recorded. The
+cases' expert assignments come from `assignments` (k different experts per token).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["TOLERANCE", "expert_fn_value", "assignments", "plain", "all_to_all_single_allowed"]
+
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def expert_fn_value(e: int, rows: torch.Tensor) -> torch.Tensor:
+    """What expert e computes in the checks: nonlinear, row by row, different for each expert."""
+    return torch.sin(rows * (e + 1)) + e  # (n, C)
+
+
+def assignments(generator, n: int, n_experts: int, k: int) -> torch.Tensor:
+    """(n, k) int64: k different experts for each token."""
+    if n == 0:
+        return torch.empty(0, k, dtype=torch.long)
+    return torch.stack([torch.randperm(n_experts, generator=generator)[:k] for _ in range(n)])
+
+
+def plain(value):
+    """A tensor the rank may send back (a detached copy), or None for anything else."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else None
+
+
+# Taken when this module is imported in a rank, before the exercise rules are set.
+_GROUP_ALL_TO_ALL_SINGLE = next(k.__dict__["all_to_all_single"] for k in dist.ProcessGroup.__mro__
+                                if "all_to_all_single" in k.__dict__)
+
+
+@contextlib.contextmanager
+def all_to_all_single_allowed(log: list):
+    """Let `dist.all_to_all_single` through for the student's call, recording each call's
+    (elements sent, elements received) in `log`.
+
+    It goes through the ProcessGroup method of the same name: whatever the rules left
+    there (the method, or a refusal when they switch off every collective method)
+    is put back afterwards."""
+    before = dist.ProcessGroup.__dict__.get("all_to_all_single")
+
+    def recorded(self, output, input, *args, **kwargs):
+        log.append((int(input.numel()), int(output.numel())))
+        return _GROUP_ALL_TO_ALL_SINGLE(self, output, input, *args, **kwargs)
+
+    dist.ProcessGroup.all_to_all_single = recorded
+    try:
+        yield log
+    finally:
+        if before is None:  # the method was inherited: uncover it again
+            del dist.ProcessGroup.all_to_all_single
+        else:
+            dist.ProcessGroup.all_to_all_single = before

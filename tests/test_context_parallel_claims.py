@@ -1,0 +1,156 @@
+"""The claims of notebook 08 that tests/test_context_parallel*.py do not already measure.
+
+* plain attention saves 4 B H T^2 + T^2 bytes for backward (the fp32 probabilities and
+  the boolean mask) and makes a (B H, T, T) tensor: x 4 per doubling of T;
+* e^89 overflows float32 (the reason for the log-sum-exp form);
+* the contiguous causal split gives the last rank about 2 cp - 1 times rank 0's pairs;
+* both splits compute the same total; the ring's critical path (each step as long as its
+  slowest rank) is cp n^2 score entries for the contiguous split and n^2 + (cp - 1) n^2 / 2
+  for the zig-zag one: the zig-zag split is 2 cp / (cp + 1) times faster, towards 2;
+* the ring sends cp / 2 times Ulysses' bytes per rank; the ring's tend to 2 B H T D b,
+  Ulysses' fall as 1 / cp;
+* the transfer of a block hides behind a causal zig-zag step's compute from
+  T/cp = 2 b F / (2 W): 16,000 tokens at 400 Tflop/s and 50 GB/s, 1,778 at 450 GB/s, so
+  a 131,072-token sequence on cp = 8 (16,384 a rank) hides it even across nodes;
+* the pictures of `reference.context_parallel.viz`.
+
+Bytes, memory and work measured on ranks against the formulas are in
+test_context_parallel_bytes.py; parity with one process in test_context_parallel.py.
+"""
+import math
+
+import pytest
+import torch
+from matplotlib.figure import Figure
+
+from reference.context_parallel import (
+    LargestTensor, SavedTensorBytes, block_plan, causal_pairs_per_rank, ring_attention_sent_bytes,
+    ring_block_elements_per_rank, sequence_positions, ulysses_sent_bytes,
+)
+from reference.context_parallel import viz as cpviz
+
+
+def _dense_attention(q, k, v):
+    T = q.shape[-2]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    later = torch.ones(T, T, dtype=torch.bool).triu(1)
+    return torch.softmax(scores.masked_fill(later, float("-inf")), dim=-1) @ v
+
+
+def test_plain_attention_memory_grows_as_t_squared():
+    B, H, D = 1, 4, 8
+    saved_bytes = []
+    for T in (32, 64, 128):
+        q, k, v = (torch.randn(B, H, T, D, requires_grad=True) for _ in range(3))
+        with SavedTensorBytes(exclude=(q, k, v)) as saved, LargestTensor() as largest:
+            _dense_attention(q, k, v)
+        assert saved.bytes == 4 * B * H * T * T + T * T
+        assert largest.elements == B * H * T * T
+        saved_bytes.append(saved.bytes)
+    # (4 B H + 1) T^2: exactly 4 per doubling
+    assert [b / a for a, b in zip(saved_bytes, saved_bytes[1:])] == [4.0, 4.0]
+
+
+def test_exp_overflows_float32_from_89():
+    assert math.isinf(torch.exp(torch.tensor(89.0)).item())
+    assert math.isfinite(torch.exp(torch.tensor(88.0)).item())
+
+
+def test_contiguous_split_last_rank_does_about_2cp_minus_1_times_rank_0():
+    for cp in (2, 4, 8):
+        work = causal_pairs_per_rank(4096 * cp, cp, zigzag=False)
+        assert work[-1] / work[0] == pytest.approx(2 * cp - 1, rel=1e-3)
+    # the notebook's picture: T = 16 on 4 ranks
+    assert causal_pairs_per_rank(16, 4, zigzag=False) == [10, 26, 42, 58]
+    assert causal_pairs_per_rank(16, 4, zigzag=True) == [34] * 4
+
+
+def _critical_path(T, cp, zigzag):
+    n = T // cp
+    steps = [[(p.block_elements(n) if p is not None else 0)
+              for p in (block_plan(i, (i - s) % cp, cp, n, True, zigzag) for s in range(cp))]
+             for i in range(cp)]
+    # the per-rank totals are what ring attention computes (measured with flops elsewhere)
+    assert [sum(row) for row in steps] == ring_block_elements_per_rank(T, cp, zigzag=zigzag)
+    return sum(max(steps[i][s] for i in range(cp)) for s in range(cp))
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8, 16])
+def test_zigzag_critical_path(cp):
+    T = 8 * cp
+    n = T // cp
+    contiguous, zigzag = _critical_path(T, cp, False), _critical_path(T, cp, True)
+    assert contiguous == cp * n * n
+    assert 2 * zigzag == 2 * n * n + (cp - 1) * n * n
+    assert contiguous / zigzag == pytest.approx(2 * cp / (cp + 1), rel=1e-12)
+    # the same total work, cp (cp + 1) / 2 blocks of n^2, shared out differently
+    for zz in (False, True):
+        assert 2 * sum(ring_block_elements_per_rank(T, cp, zigzag=zz)) == cp * (cp + 1) * n * n
+    if cp == 4:
+        assert contiguous / zigzag == pytest.approx(1.6, rel=1e-12)  # the notebook's run
+
+
+def test_ring_sends_cp_over_2_times_ulysses():
+    B, H, T, D, b = 1, 32, 131_072, 128, 2
+    for cp in (2, 4, 8, 16, 32):
+        ring = ring_attention_sent_bytes(B, H, T, D, cp, element_size=b)["forward"]
+        ulysses = ulysses_sent_bytes(B, H, T, D, cp, element_size=b)["forward"]
+        assert ring / ulysses == pytest.approx(cp / 2, rel=1e-12)
+    everything = 2 * B * H * T * D * b  # every key and value passes every rank
+    ring_at = {cp: ring_attention_sent_bytes(B, H, T, D, cp, element_size=b)["forward"]
+               for cp in (2, 64, 1024)}
+    assert ring_at[2] < ring_at[64] < ring_at[1024] < everything
+    assert ring_at[1024] / everything == pytest.approx(1023 / 1024, rel=1e-12)
+    ulysses_at = {cp: ulysses_sent_bytes(B, H, T, D, cp, element_size=b)["forward"] for cp in (4, 8)}
+    assert ulysses_at[8] / ulysses_at[4] == pytest.approx((7 / 64) / (3 / 16), rel=1e-12)
+
+
+def _hidden_from(flops_per_s, bytes_per_s, bytes_per_element=2, B=1, H=1, D=128, cp=8):
+    """Smallest n = T/cp (even) whose causal zig-zag step computes at least as long as its
+    message takes, counted from the block plans and the byte formula."""
+    n = 2
+    while True:
+        plan = block_plan(1, 0, cp, n, True, True)              # a step after the first
+        flops = 4 * B * H * D * plan.block_elements(n)           # q k^T and P V of the block
+        sent = ring_attention_sent_bytes(B, H, n * cp, D, cp, element_size=bytes_per_element)
+        per_step = sent["forward"] // (cp - 1)
+        if flops * bytes_per_s >= per_step * flops_per_s:        # flops / F >= bytes / W, in integers
+            return n
+        n += 2
+
+
+def test_ring_transfer_hides_behind_compute_from_the_notebooks_thresholds():
+    across, inside = _hidden_from(400 * 10**12, 50 * 10**9), _hidden_from(400 * 10**12, 450 * 10**9)
+    assert across == 16_000                        # the notebook's 16,000
+    assert inside == 1_778                         # the notebook's ceil(1,777.8)
+    assert 131_072 // 8 == 16_384 >= across
+
+
+# ------------------------------------------------------------------ the pictures
+
+def test_pictures():
+    msgs = [{"step": s, "src": r, "dst": (r + 1) % 3, "bytes": 96, "block": (r - s) % 3}
+            for s in range(2) for r in range(3)]
+    fig = cpviz.plot_ring_messages(msgs, 3)
+    ax = fig.axes[0]
+    assert isinstance(fig, Figure) and len(ax.patches) == 3 * 3 and len(ax.texts) == 9 + len(msgs)
+    # the block each rank holds at step 2 is what it received at step 1
+    labels = {t.get_text() for t in ax.texts}
+    assert {"K,V of 0", "K,V of 1", "K,V of 2"} <= labels and "96 bytes" in ax.get_title()
+
+    owners = {name: [0] * 8 for name in ("contiguous", "zig-zag")}
+    for r in range(2):
+        for name, zz in (("contiguous", False), ("zig-zag", True)):
+            for p in sequence_positions(8, 2, r, zz).tolist():
+                owners[name][p] = r
+    fig = cpviz.plot_causal_split(owners)
+    titles = [a.get_title() for a in fig.axes]
+    assert "[10, 26]" in titles[0] and "[18, 18]" in titles[1]
+
+    fig = cpviz.plot_work_per_rank({"a": [[4, 0], [4, 4]], "b": [[4, 2], [4, 2]]})
+    assert "max / min = 2.00" in fig.axes[0].get_title() and "1.00" in fig.axes[1].get_title()
+
+    fig = cpviz.plot_bytes_per_rank([1, 2, 4, 8], [0, 8, 12, 14], [0, 8, 6, None], {"ring": {2: 8}})
+    assert fig.axes[0].get_legend() is not None
+    fig = cpviz.plot_memory_vs_length([8, 16], {"m": [1, 4]}, {"f": [1, 4]})
+    assert len(fig.axes[0].lines) == 2

@@ -1,0 +1,280 @@
+"""Homework 08 (long sequences): right answers earn every point, the usual mistakes lose
+the cases they should, and the course's own code is refused."""
+import dataclasses
+import math
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+from reference.context_parallel import merge_block, sequence_positions
+from reference.course.homework import homework
+from reference.course.homework.context_parallel import (
+    CAUSAL_RING_ATTENTION, MERGE_ATTENTION_BLOCKS, RING_FORWARD_BYTES, ZIGZAG_MASK,
+    course_merge_attention_blocks, course_zigzag_mask, ring_forward_bytes_formula,
+)
+from reference.course.homework.context_parallel_ring import course_causal_ring_attention
+from reference.course.homework.scoring import score_exercise
+from reference.runtime import launch
+
+
+def _score(spec, fn, seed=5):
+    return score_exercise(spec, cloudpickle.dumps(fn), seed=seed, timeout=60)
+
+
+# ------------------------------------------------------------------ answers written here
+
+def merge(out_a, lse_a, out_b, lse_b):
+    lse = torch.logaddexp(lse_a, lse_b)
+    return (out_a * torch.exp(lse_a - lse).unsqueeze(-1)
+            + out_b * torch.exp(lse_b - lse).unsqueeze(-1)), lse
+
+
+def naive_merge(out_a, lse_a, out_b, lse_b):
+    """e^lse formed directly: overflows near +1000, underflows to 0/0 near -1000."""
+    w_a, w_b = torch.exp(lse_a), torch.exp(lse_b)
+    total = w_a + w_b
+    return (out_a * (w_a / total).unsqueeze(-1) + out_b * (w_b / total).unsqueeze(-1)), torch.log(total)
+
+
+def mask(T, cp, i, j, contiguous=False, strict=False, refuse=True):
+    if refuse and T % (2 * cp):
+        raise ValueError(f"T={T}, cp={cp}")
+    n = T // cp
+    if contiguous:
+        pos = lambda r: torch.arange(r * n, (r + 1) * n)  # noqa: E731
+    else:
+        c = T // (2 * cp)
+        pos = lambda r: torch.cat([torch.arange(r * c, (r + 1) * c),  # noqa: E731
+                                   torch.arange((2 * cp - 1 - r) * c, (2 * cp - r) * c)])
+    return pos(i)[:, None] > pos(j)[None, :] if strict else pos(i)[:, None] >= pos(j)[None, :]
+
+
+def ring(q, k, v, group, causal=True, contiguous=False, gather_all=False, to_everyone=False):
+    """Causal ring attention; the flags make the usual mistakes."""
+    cp, i = dist.get_world_size(group), dist.get_rank(group)
+    n, scale = q.shape[-2], 1.0 / math.sqrt(q.shape[-1])
+    nxt, prev = (i + 1) % cp, (i - 1) % cp
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], -math.inf, dtype=q.dtype)
+    kv, held = torch.stack([k, v]), []
+    for s in range(cp):
+        j = (i - s) % cp
+        held.append((j, kv))
+        if to_everyone and s == 0:   # every block straight to every rank: not a ring
+            got = {}
+            works = []
+            for r in range(cp):
+                if r != i:
+                    got[r] = torch.empty_like(kv)
+                    works += dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, r),
+                                                     dist.P2POp(dist.irecv, got[r], r)])
+            for w in works:
+                w.wait()
+            held += [(r, t) for r, t in got.items()]
+            break
+        if s < cp - 1:
+            incoming = torch.empty_like(kv)
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, nxt),
+                                             dist.P2POp(dist.irecv, incoming, prev)]):
+                w.wait()
+            kv = incoming
+    if gather_all:   # every rank's keys and values, then the (T/cp, T) scores at once
+        held.sort(key=lambda x: x[0])
+        keys = torch.cat([t[0] for _, t in held], dim=-2)
+        values = torch.cat([t[1] for _, t in held], dim=-2)
+        allowed = torch.cat([mask(n * cp, cp, i, j) for j, _ in held], dim=-1)
+        scores = (q @ keys.transpose(-2, -1) * scale).masked_fill(~allowed, -math.inf)
+        return torch.softmax(scores, dim=-1) @ values
+    for j, kv in held:
+        scores = q @ kv[0].transpose(-2, -1) * scale
+        if causal:
+            scores = scores.masked_fill(~mask(n * cp, cp, i, j, contiguous=contiguous), -math.inf)
+        block_lse = torch.logsumexp(scores, dim=-1)
+        p = torch.exp(scores - block_lse.unsqueeze(-1)).nan_to_num(0.0)
+        out, lse = merge(out, lse, p @ kv[1], block_lse)
+    return out
+
+
+# ------------------------------------------------------------------ the homework's shape
+
+def test_homework_08_has_a_warm_up_two_transfers_and_a_question():
+    assert [s.id for s in homework("08_context_parallel")] == [
+        "merge_attention_blocks", "zigzag_mask", "causal_ring_attention", "ring_forward_bytes"]
+    for spec in homework("08_context_parallel"):
+        assert spec.banned and spec.banned[0].endswith(("course_" + spec.id, spec.id + "_formula"))
+
+
+def test_course_answers_agree_with_the_package():
+    """The grader's expected answers against reference.context_parallel, independently written."""
+    for T, cp in ((8, 2), (12, 3), (16, 4), (4, 1)):
+        for i in range(cp):
+            for j in range(cp):
+                want = sequence_positions(T, cp, i)[:, None] >= sequence_positions(T, cp, j)[None, :]
+                assert torch.equal(course_zigzag_mask(T, cp, i, j), want)
+    with pytest.raises(ValueError):
+        course_zigzag_mask(6, 2, 0, 0)
+    g = torch.Generator().manual_seed(0)
+    out_a, out_b = torch.randn(2, 3, 5, 4, generator=g), torch.randn(2, 3, 5, 4, generator=g)
+    lse_a, lse_b = torch.randn(2, 3, 5, generator=g), torch.randn(2, 3, 5, generator=g)
+    out, lse = course_merge_attention_blocks(out_a, lse_a, out_b, lse_b)
+    running_out, running_lse = out_a.clone(), lse_a.clone()
+    merge_block(running_out, running_lse, out_b, lse_b)
+    # fp32: the same formula in another order of operations (tolerance of the course)
+    assert torch.allclose(out, running_out, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(lse, running_lse, rtol=1e-5, atol=1e-6)
+
+
+def _course_ring_matches():
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=torch.Generator().manual_seed(s)) for s in range(3))
+    group = dist.group.WORLD
+    return (course_causal_ring_attention(q, k, v, group) - ring(q, k, v, group)).abs().max().item()
+
+
+def test_course_ring_equals_the_test_ring():
+    # fp32: blocks merged in the same order, different code: a few ulps of values of order 1
+    for cp in (2, 3):
+        assert max(launch(_course_ring_matches, cp, quiet=True)) < 1e-6
+
+
+# ------------------------------------------------------------------ merge_attention_blocks
+
+def test_merge_right_answer_scores_full_marks():
+    s = _score(MERGE_ATTENTION_BLOCKS, merge)
+    assert s.points == s.max == 9, s.failures
+
+
+def test_merge_mistakes_lose_their_cases():
+    naive = _score(MERGE_ATTENTION_BLOCKS, naive_merge)
+    # e^lse overflows near +1000 (float32 and float64) and underflows to 0/0 near -1000
+    assert naive.max - naive.points == 3, naive.failures
+    assert all("lse near" in f and "NaN" in f for f in naive.failures), naive.failures
+
+    def average(out_a, lse_a, out_b, lse_b):        # the blocks weighted equally
+        return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
+    assert _score(MERGE_ATTENTION_BLOCKS, average).points == 0
+
+    def in_place(out_a, lse_a, out_b, lse_b):
+        lse = torch.logaddexp(lse_a, lse_b)
+        out_a.mul_(torch.exp(lse_a - lse).unsqueeze(-1))
+        return out_a.add_(out_b * torch.exp(lse_b - lse).unsqueeze(-1)), lse
+    s = _score(MERGE_ATTENTION_BLOCKS, in_place)
+    # every case but the one where block a outweighs b by e^60: its weight there is 1.0 to
+    # the last bit, so out_a is multiplied by 1 and b's share (e^-60) is lost to rounding
+    assert s.max - s.points == 8 and "changed its inputs" in s.reason, s.failures
+
+
+def test_merge_calling_the_package_is_refused():
+    def borrowed(out_a, lse_a, out_b, lse_b):
+        from reference.context_parallel import merge_block as m
+        out, lse = out_a.clone(), lse_a.clone()
+        m(out, lse, out_b, lse_b)
+        return out, lse
+    s = _score(MERGE_ATTENTION_BLOCKS, borrowed)
+    assert s.points == 0 and "calls the course's reference implementation" in s.reason
+
+
+# ------------------------------------------------------------------ zigzag_mask
+
+def test_zigzag_mask_right_answer_scores_full_marks():
+    s = _score(ZIGZAG_MASK, mask)
+    assert s.points == s.max == 10, s.failures
+
+
+@pytest.mark.parametrize("mistake, lost", [
+    (dict(contiguous=True), 6),   # right only for cp = 1 (and it still refuses uneven T)
+    (dict(strict=True), 7),       # a query may attend to itself: every valid case wrong
+    (dict(refuse=False), 3),      # the three uneven lengths are not refused
+])
+def test_zigzag_mask_mistakes_lose_their_cases(mistake, lost):
+    s = _score(ZIGZAG_MASK, lambda T, cp, i, j: mask(T, cp, i, j, **mistake))
+    assert s.max - s.points == lost, s.failures
+
+
+# ------------------------------------------------------------------ causal_ring_attention
+
+def test_causal_ring_right_answer_scores_full_marks():
+    s = _score(CAUSAL_RING_ATTENTION, ring)
+    assert s.points == s.max == 9, s.failures
+
+
+@pytest.mark.parametrize("mistake, lost, words", [
+    (dict(causal=False), 3, "wrong output"),
+    (dict(contiguous=True), 3, "wrong output"),
+    # right values, but the (T/cp, T) scores of every key at once: caught where T/cp = 8, D = 2
+    (dict(gather_all=True), 1, "created a tensor"),
+    (dict(to_everyone=True), 3, "not a ring"),
+])
+def test_causal_ring_mistakes_lose_their_cases(mistake, lost, words):
+    on_three = dataclasses.replace(CAUSAL_RING_ATTENTION, world_sizes=(3,))  # one launch: 3 cases
+    s = _score(on_three, lambda q, k, v, group: ring(q, k, v, group, **mistake))
+    assert s.max - s.points == lost, s.failures
+    assert all(words in f for f in s.failures), s.failures
+
+
+def test_causal_ring_may_not_use_collectives_or_the_package():
+    def gathered(q, k, v, group):
+        keys = [torch.empty_like(k) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(keys, k, group=group)
+        return q
+    on_two = dataclasses.replace(CAUSAL_RING_ATTENTION, world_sizes=(2,))
+    s = _score(on_two, gathered)
+    assert s.points == 0 and "not allowed" in s.reason
+
+    def borrowed(q, k, v, group):
+        import importlib
+        module = importlib.import_module("reference.context_parallel")
+        return getattr(module, "ring_attention")(q, k, v, group)
+    s = _score(on_two, borrowed)
+    assert s.points == 0 and "calls the course's reference implementation" in s.reason
+
+
+# ------------------------------------------------------------------ the written question
+
+def test_ring_forward_bytes_is_graded_exactly():
+    # 2 K/V blocks of 1 x 4 heads x 32 tokens x 16 wide x 4 bytes, cp - 1 = 2 steps
+    assert ring_forward_bytes_formula(2, 96, 12, 4, 16, 3, 4) == 2 * 2 * (2 * 4 * 32 * 16 * 4)
+
+    def right(B, T, n_heads, n_kv_heads, head_dim, cp, bytes_per_element):
+        per_block = B * n_kv_heads * (T // cp) * head_dim * bytes_per_element
+        return (cp - 1) * 2 * per_block
+    s = _score(RING_FORWARD_BYTES, right)
+    assert s.points == s.max == 8, s.failures
+    s = _score(RING_FORWARD_BYTES, ring_forward_bytes_formula)  # the grader's own formula
+    assert s.points == 0 and "calls the course's reference implementation" in s.reason
+
+    def query_heads(B, T, n_heads, n_kv_heads, head_dim, cp, bytes_per_element):
+        return 2 * (cp - 1) * B * n_heads * (T // cp) * head_dim * bytes_per_element
+    assert _score(RING_FORWARD_BYTES, query_heads).points < 8
+
+    def every_step(B, T, n_heads, n_kv_heads, head_dim, cp, bytes_per_element):
+        return 2 * cp * B * n_kv_heads * (T // cp) * head_dim * bytes_per_element
+    assert _score(RING_FORWARD_BYTES, every_step).points == 0
+
+
+# ------------------------------------------------------------------ the visible checks
+
+def test_visible_checks_print_pass_and_fail(capsys):
+    from reference.course.checks.context_parallel import (
+        check_causal_ring_attention, check_merge_attention_blocks, check_zigzag_mask,
+    )
+    check_merge_attention_blocks(naive_merge)
+    check_zigzag_mask(mask)
+    check_causal_ring_attention(lambda q, k, v, group: ring(q, k, v, group, causal=False),
+                                world_sizes=(2,))
+    out = capsys.readouterr().out
+    assert "FAIL merge_attention_blocks" in out and "logaddexp" in out
+    assert "PASS zigzag_mask" in out
+    assert "FAIL causal_ring_attention" in out and "zigzag_mask" in out
+
+
+def test_visible_question_check_wants_an_int(capsys):
+    from reference.course.checks.context_parallel import check_ring_forward_bytes
+
+    def right(B, T, n_heads, n_kv_heads, head_dim, cp, bytes_per_element):
+        return 2 * (cp - 1) * B * n_kv_heads * (T // cp) * head_dim * bytes_per_element
+    check_ring_forward_bytes(right)
+    check_ring_forward_bytes(lambda **kw: 1.5)
+    out = capsys.readouterr().out
+    assert "PASS ring_forward_bytes" in out
+    assert "FAIL ring_forward_bytes" in out and "whole number" in out
