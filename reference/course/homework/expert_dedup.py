@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from reference.course.homework.expert_traffic import (
     TOLERANCE, all_to_all_single_allowed, assignments, expert_fn_value, plain,
+    call_dispatch_combine as call_dedup,
 )
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.questions import question
@@ -102,21 +103,6 @@ def course_dispatch_combine_dedup(tokens, expert_idx, weights, experts_per_rank,
 
 
 # ------------------------------------------------------------------ in a rank, and judged here
-
-def call_dedup(fn, case: dict) -> dict:
-    ran = []  # [expert, rows] per call of the expert function on this rank
-
-    def expert_fn(e, rows):
-        ran.append([int(e), int(rows.shape[0])])
-        return expert_fn_value(int(e), rows)
-
-    traffic = []
-    with all_to_all_single_allowed(traffic):
-        out = fn(case["tokens"].clone(), case["expert_idx"].clone(), case["weights"].clone(),
-                 case["experts_per_rank"], expert_fn)
-    return {"returned": plain(out), "returned_type": type(out).__name__, "ran": ran,
-            "all_to_all": [list(t) for t in traffic]}
-
 
 def expect_dedup(inputs: list) -> list:
     """The single-process answer: every token's weighted sum over its kept experts (float64)."""

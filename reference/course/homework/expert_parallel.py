@@ -32,6 +32,7 @@ import torch
 
 from reference.course.homework.expert_traffic import (  # noqa: F401 (re-exported for the checks)
     TOLERANCE, all_to_all_single_allowed, assignments, expert_fn_value, plain,
+    call_dispatch_combine,
 )
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.scoring import Case, ExerciseSpec
@@ -188,21 +189,6 @@ def make_dispatch_cases(generator: torch.Generator, world_size: int) -> list[Cas
         Case("k=3, 3 experts per rank",
              [rank_input(n, 3, 3, 3) for n in sizes(1, 6)]),
     ]
-
-
-def call_dispatch_combine(fn, case: dict) -> dict:
-    ran = []  # [expert, rows] per call of the expert function on this rank
-
-    def expert_fn(e, rows):
-        ran.append([int(e), int(rows.shape[0])])
-        return expert_fn_value(int(e), rows)
-
-    traffic = []
-    with all_to_all_single_allowed(traffic):
-        out = fn(case["tokens"].clone(), case["expert_idx"].clone(), case["weights"].clone(),
-                 case["experts_per_rank"], expert_fn)
-    return {"returned": plain(out), "returned_type": type(out).__name__, "ran": ran,
-            "all_to_all": [list(t) for t in traffic]}
 
 
 def expect_dispatch_combine(inputs: list) -> list:

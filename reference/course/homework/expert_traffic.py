@@ -14,7 +14,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-__all__ = ["TOLERANCE", "expert_fn_value", "assignments", "plain", "all_to_all_single_allowed"]
+__all__ = ["TOLERANCE", "expert_fn_value", "assignments", "plain", "all_to_all_single_allowed",
+           "call_dispatch_combine"]
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -63,3 +64,20 @@ def all_to_all_single_allowed(log: list):
             del dist.ProcessGroup.all_to_all_single
         else:
             dist.ProcessGroup.all_to_all_single = before
+
+
+def call_dispatch_combine(fn, case: dict) -> dict:
+    """In a rank: the student's dispatch-and-combine on this rank's case, every expert call
+    and every all-to-all recorded (both exercises of homework 05 that move tokens)."""
+    ran = []  # [expert, rows] per call of the expert function on this rank
+
+    def expert_fn(e, rows):
+        ran.append([int(e), int(rows.shape[0])])
+        return expert_fn_value(int(e), rows)
+
+    traffic = []
+    with all_to_all_single_allowed(traffic):
+        out = fn(case["tokens"].clone(), case["expert_idx"].clone(), case["weights"].clone(),
+                 case["experts_per_rank"], expert_fn)
+    return {"returned": plain(out), "returned_type": type(out).__name__, "ran": ran,
+            "all_to_all": [list(t) for t in traffic]}
