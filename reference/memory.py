@@ -7,7 +7,8 @@ each rank holds for the model states:
     bytes per parameter      params   grads   optimizer state (K)
     fp32 training              4        4      8   Adam's two moments
     mixed precision            2        2     12   fp32 master copy + two moments
-    ... optimizer offloaded    2        2      0   on the device; the 12 live on the CPU
+    ... optimizer offloaded    2        0      0   on the device: the reduced gradients and
+                                                the 12 bytes live on the CPU (ZeRO-Offload)
 
     per rank                 params     grads      optimizer state
     plain data parallel      p Psi      g Psi      K Psi
@@ -41,7 +42,7 @@ created inside a block of code.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import weakref
@@ -77,10 +78,15 @@ class Precision:
     @classmethod
     def mixed_adam_offload(cls) -> "Precision":
         """Device bytes of mixed-precision Adam with the optimizer offloaded to the CPU
-        (ZeRO-Offload, DeepSpeed's ``offload_optimizer``): the bf16/fp16 weights and
-        gradients stay, the fp32 master copy and the moments (12 bytes) live in host
-        memory: 2 + 2 + 0."""
-        return cls(2, 2, 0)
+        (ZeRO-Offload, DeepSpeed's ``offload_optimizer``): 2 + 0 + 0.
+
+        Only the fp16/bf16 weights stay on the device. The optimizer step runs on
+        the CPU, so each gradient, once reduced (ZeRO-2: bucket by bucket during
+        backward; ZeRO-3: unit by unit), is copied to host memory, where the fp32
+        master copy and Adam's moments (12 bytes) live as well. The buckets a
+        gradient passes through on its way are buffers, not model states, and are
+        not counted (nor are they in the other rows)."""
+        return cls(2, 0, 0)
 
     @classmethod
     def fp32_sgd_momentum(cls) -> "Precision":
@@ -207,12 +213,19 @@ class PeakMemory(TorchDispatchMode):
     takes and gives back inside itself (a kernel's workspace, a collective's
     internal buffers) is not seen. The device does not matter: the bytes are
     the tensors' own.
+
+    `also`, a function returning a number of bytes, adds memory that no
+    operator creates: FSDP's gathered units, whose storage is grown back in
+    place by `gather()`. It is sampled after every operator, and the peak is
+    then of the sum; `peak_parts` gives (new tensors, `also`) at that moment.
     """
 
-    def __init__(self):
+    def __init__(self, also: Callable[[], int] | None = None):
         super().__init__()
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.peak_parts = (0, 0)
+        self._also = also
         self._alive: dict[tuple[str, int], weakref.ref] = {}
 
     def _freed(self, key, nbytes, _ref=None) -> None:
@@ -233,7 +246,9 @@ class PeakMemory(TorchDispatchMode):
             # The callback runs when the storage itself is freed, whatever tensors viewed it.
             self._alive[key] = weakref.ref(storage, lambda ref, key=key, n=nbytes: self._freed(key, n, ref))
             self.live_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        also = self._also() if self._also is not None else 0
+        if self.live_bytes + also > self.peak_bytes:
+            self.peak_bytes, self.peak_parts = self.live_bytes + also, (self.live_bytes, also)
         return out
 
 
