@@ -258,3 +258,86 @@ def test_solution_notebook_runs_headless_and_passes_its_checks(tmp_path):
     text = "".join(o.get("text", "") for c in nbformat.read(out, 4).cells
                    if c.cell_type == "code" for o in c.outputs)
     assert text.count("PASS") == 5 and "FAIL" not in text
+
+
+# ----------------------------------------------------------------- Run All on a fresh exercise notebook
+
+EXERCISE_NOTEBOOKS = sorted(EXERCISES.glob("*.ipynb"))
+
+
+def _run_all(path: Path, workdir: Path) -> nbformat.NotebookNode:
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, 4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(workdir)}}).execute()
+    return nb
+
+
+@pytest.fixture(scope="module")
+def run_all(tmp_path_factory):
+    """Every exercise notebook run top to bottom as a student's Run All would, two at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {p.name: pool.submit(_run_all, p, tmp_path_factory.mktemp(p.stem))
+                   for p in EXERCISE_NOTEBOOKS}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.notebook
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", [p.name for p in EXERCISE_NOTEBOOKS])
+def test_run_all_goes_through_and_says_what_is_not_implemented(run_all, name):
+    """What the banner promises: no traceback, one "not implemented yet" per exercise."""
+    nb = run_all[name]
+    assert "Run All goes through" in nb.cells[0].source
+    errors = [(i, o.ename, o.evalue) for i, c in enumerate(nb.cells) if c.cell_type == "code"
+              for o in c.outputs if o.output_type == "error"]
+    assert not errors, errors
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    exercise_ids = {c.metadata.get("course", {}).get("exercise") for c in nb.cells} - {None}
+    for exercise_id in exercise_ids:
+        assert f"FAIL {exercise_id}: not implemented yet" in text, exercise_id
+    assert "Traceback" not in text and "PASS" not in text
+
+
+def test_unfinished_reads_the_stub_in_the_function_and_its_notebook_helpers():
+    from reference.course.checks.unfinished import unfinished
+
+    source = strip_solutions(
+        "class Op:\n"
+        "    @staticmethod\n"
+        "    def forward(x):\n"
+        "        ### BEGIN SOLUTION\n"
+        "        return x\n"
+        "        ### END SOLUTION\n"
+        "\n"
+        "def exercise(x):\n"
+        "    return Op.forward(x)\n"
+        "\n"
+        "def done(x):\n"
+        "    return x\n", "demo", "nb: cell 0")
+    namespace = {"__name__": "notebook"}
+    exec(source, namespace)
+    assert unfinished(namespace["exercise"], "demo")  # the stub is in a class it calls
+    assert not unfinished(namespace["exercise"], "other")  # another exercise's stub: not this one
+    assert not unfinished(namespace["done"], "demo")
+
+
+def test_example_turns_an_unfinished_exercise_into_one_line(capsys):
+    from reference.course.checks.unfinished import example
+    from reference.runtime import RankError
+
+    with example("demo"):
+        raise NotImplementedError("Exercise demo: not implemented yet; write your answer here")
+    failure = RankError("rank 0 failed", rank=0,
+                        failures={0: "NotImplementedError: Exercise demo: not implemented yet"})
+    with example("demo"):
+        raise failure
+    out = capsys.readouterr().out
+    assert out.count("not run yet: demo is not implemented yet") == 2
+    with pytest.raises(ValueError), example("demo"):  # a real bug still shows
+        raise ValueError("a bug")
+    with pytest.raises(RankError), example("demo"):
+        raise RankError("rank 1 failed", rank=1, failures={1: "ValueError: a bug"})

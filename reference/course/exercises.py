@@ -105,7 +105,13 @@ def _banner(solution_name: str) -> nbformat.NotebookNode:
         f"hand: edit the solution notebook and regenerate.\n"
         f">\n"
         f"> Students: replace each `raise NotImplementedError(...)` under `# YOUR CODE HERE` "
-        f"with your answer, run the check cell below it, and hand in this notebook.")
+        f"with your answer, run the check cell below it, and hand in this notebook.\n"
+        f">\n"
+        f"> **Run All goes through** whatever you have finished: the check of an exercise you "
+        f"have not done yet prints `FAIL ...: not implemented yet`, and a cell that shows an "
+        f"unfinished exercise's result prints `not run yet: ...` instead of a traceback. "
+        f"Each exercise earns its own points (its weight is listed at the top), so hand in "
+        f"what you have.")
     cell["id"] = BANNER_ID
     return cell
 

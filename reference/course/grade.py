@@ -11,7 +11,9 @@ For each submission, in its own fresh temporary folder:
   3. score each exercise with its hidden checks (`reference.course.homework`): the grader
      draws the inputs from a seed it keeps to itself, computes the expected answers
      in this process, and runs the student's functions only in separate rank
-     processes that can send back nothing but tensors, numbers and strings.
+     processes that can send back nothing but tensors, numbers and strings. An
+     exercise earns its weight (by difficulty) times the share of its cases passed;
+     a bonus exercise adds to the total, not to the maximum.
 The visible check cells of the notebook are never read: printing "PASS", editing
 or deleting them, or patching `torch.allclose` in the kernel changes nothing.
 Only this process writes results.json and the CSV, at the end, from its memory,
@@ -147,9 +149,15 @@ def grade_one(path: Path, options: GradeOptions, registry: ChildRegistry) -> dic
                              missing=saved[spec.id][1], cleanup=registry.sweep)
               for spec in specs]
     result["exercises"] = [s.as_dict() for s in scores]
-    result["total"] = sum(s.points for s in scores)
-    result["max"] = sum(s.max for s in scores)
+    result["total"] = _total(e["points"] for e in result["exercises"])
+    result["max"] = _total(e["max"] for e in result["exercises"] if not e["bonus"])
     return result
+
+
+def _total(points) -> float:
+    """A sum of points, written as an int when it is one."""
+    value = round(sum(points), 2)
+    return int(value) if value == int(value) else value
 
 
 def _execute(nb, names, options: GradeOptions, registry: ChildRegistry):

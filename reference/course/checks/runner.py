@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from reference.course.homework.guard import exercise_rules
 from reference.course.homework.refuse import REFUSED, refusal_for
+from reference.course.checks.unfinished import unfinished
 from reference.course.homework.scoring import Case, ExerciseSpec, one_line
 from reference.runtime import RankError, RankTimeoutError, launch
 
@@ -130,7 +131,7 @@ def run_visible(spec: ExerciseSpec, fn, attempt: Callable[[], str | tuple[str, s
                 success: str | Callable[[], str], hints: Mapping[str, str],
                 skip: bool = False) -> bool | None:
     """The frame of every visible check: skip while grading, refuse what is not a
-    function, run `attempt()` (the reason, or (reason, the text that picks the hint)),
+    function, say "not implemented yet" while its stub is there, run `attempt()` (the reason, or (reason, the text that picks the hint)),
     and print the line. True/False, None when skipped; never raises."""
     if skip:
         print(f"skipped {spec.id}: the grader runs its own hidden checks")
@@ -139,6 +140,8 @@ def run_visible(spec: ExerciseSpec, fn, attempt: Callable[[], str | tuple[str, s
     try:
         if not callable(fn):
             reason = f"expected a function, got {type(fn).__name__}"
+        elif unfinished(fn, spec.id):  # its stub is still there: no ranks needed to tell
+            reason = "not implemented yet"
         else:
             reason = attempt()
             if isinstance(reason, tuple):

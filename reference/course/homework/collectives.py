@@ -22,7 +22,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from reference.course.homework.scoring import Case, ExerciseSpec
+from reference.course.homework.scoring import WARM_UP, Case, ExerciseSpec
 
 __all__ = ["ALL_REDUCE", "ALL_GATHER", "TREE", "DOUBLING", "CROSSOVER", "EXERCISES", "make_cases",
            "judge_sum", "course_ring_all_gather", "FLOAT_TOLERANCE"]
@@ -174,7 +174,8 @@ def judge_all_gather(inputs: list, expected: list, outputs: list, world_size: in
 
 
 ALL_REDUCE = ExerciseSpec(
-    id="ring_all_reduce", title="ring all-reduce from send/recv", difficulty="★★☆ medium",
+    id="ring_all_reduce", title="ring all-reduce from send/recv", difficulty="★☆☆ warm-up",
+    weight=WARM_UP,
     world_sizes=(2, 3, 4), make_cases=make_cases, call=call_all_reduce,
     expect=expect_all_reduce, judge=judge_all_reduce, reference=torch_all_reduce,
     banned=("reference.comms.ring.ring_all_reduce", "reference.comms"))

@@ -32,7 +32,7 @@ from reference.course.homework.data_parallel_cases import (
     BATCH, STEPS, TOLERANCE, build_mlp, collectives_allowed, full_batch_loss, judge_grads, model_case,
 )
 from reference.course.homework.guard import COLLECTIVES
-from reference.course.homework.scoring import Case, ExerciseSpec
+from reference.course.homework.scoring import WARM_UP, Case, ExerciseSpec
 
 __all__ = ["AVERAGE_GRADIENTS", "BUCKETED", "ACCUMULATE", "INT8", "DDP_BYTES", "EXERCISES",
            "build_mlp", "model_case", "full_batch_loss", "collectives_allowed", "judge_grads",
@@ -189,7 +189,8 @@ def course_bucketed_all_reduce(module, bucket_bytes, group=None):
 
 
 AVERAGE_GRADIENTS = ExerciseSpec(
-    id="average_gradients", title="average the gradients after backward", difficulty="★☆☆ easy",
+    id="average_gradients", title="average the gradients after backward", difficulty="★☆☆ warm-up",
+    weight=WARM_UP,
     world_sizes=(2, 4), make_cases=make_average_cases, call=call_average,
     expect=expect_grads, judge=judge_average,
     reference=naive_all_reduce_gradients,  # the course's own answer, same contract

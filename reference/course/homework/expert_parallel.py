@@ -35,7 +35,7 @@ from reference.course.homework.expert_traffic import (  # noqa: F401 (re-exporte
     call_dispatch_combine,
 )
 from reference.course.homework.guard import COLLECTIVES
-from reference.course.homework.scoring import Case, ExerciseSpec
+from reference.course.homework.scoring import WARM_UP, Case, ExerciseSpec
 from reference.expert_parallel.router import Router
 
 __all__ = ["TOP_K_ROUTING", "DISPATCH_COMBINE", "EXERCISES", "reference_routing", "expert_fn_value",
@@ -257,13 +257,15 @@ def reference_dispatch_combine(case: dict) -> torch.Tensor:
 
 
 TOP_K_ROUTING = ExerciseSpec(
-    id="top_k_routing", title="top-k routing with capacity", difficulty="★★☆ medium",
+    id="top_k_routing", title="top-k routing with capacity", difficulty="★☆☆ warm-up",
+    weight=WARM_UP,
     world_sizes=(1,), make_cases=make_routing_cases, call=call_routing,
     expect=expect_routing, judge=judge_routing, reference=reference_routing_call,
     banned=("reference.course.homework.expert_parallel.reference_routing",
             "reference.expert_parallel.router"))
 DISPATCH_COMBINE = ExerciseSpec(
     id="dispatch_combine", title="dispatch and combine with all-to-all", difficulty="★★★ hard",
+    bonus=True,
     world_sizes=(2, 4), make_cases=make_dispatch_cases, call=call_dispatch_combine,
     expect=expect_dispatch_combine, judge=judge_dispatch_combine,
     reference=reference_dispatch_combine,

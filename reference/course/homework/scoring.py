@@ -20,7 +20,11 @@ One launch per world size runs every case of the exercise. When it fails:
   * NotAllowedError (a forbidden collective, or the course's own answer called):
     every case would do it again; the exercise scores 0 with that reason.
   * any other exception: each case is run alone, so that partial credit is exact.
-Each case is one point; every lost point carries a one-line reason.
+An exercise is worth `weight(spec)` points, set by its difficulty (`WEIGHTS`: easy 2,
+medium 4, hard 6) unless the spec names its own (a warm-up close to the lecture: 1);
+its cases share that weight equally, so the score is weight x passed / cases, and each
+failed case carries a one-line reason. A `bonus` exercise adds its points to the total
+but not to the maximum.
 """
 from __future__ import annotations
 
@@ -40,7 +44,12 @@ from reference.runtime import RankError, RankTimeoutError, launch
 from reference.course.homework.guard import COLLECTIVES, exercise_rules
 from reference.course.homework.refuse import refusal_for
 
-__all__ = ["Case", "ExerciseSpec", "ExerciseScore", "score_exercise", "one_line"]
+__all__ = ["Case", "ExerciseSpec", "ExerciseScore", "score_exercise", "one_line", "WEIGHTS", "WARM_UP",
+           "weight"]
+
+# Points of an exercise by its difficulty (its stars), unless its spec sets `weight`.
+WEIGHTS = {1: 2, 2: 4, 3: 6}
+WARM_UP = 1  # a warm-up close to a lecture cell: worth little
 
 
 @dataclass
@@ -64,6 +73,8 @@ class ExerciseSpec:
             student's function must not run (the course's own answer to the exercise
             first, with the exercise's signature; then its close relatives); the
             course's homework and checks code is refused besides (`refuse.Refusal`)
+    weight: the exercise's points (None: by its stars, `WEIGHTS`)
+    bonus:  optional: its points add to a submission's total, not to the maximum
     """
     id: str
     title: str
@@ -76,19 +87,45 @@ class ExerciseSpec:
     reference: Callable
     forbidden: tuple = COLLECTIVES
     banned: tuple = ()
+    weight: float | None = None
+    bonus: bool = False
+
+
+def weight(spec: ExerciseSpec) -> float:
+    """The points `spec` is worth: its own weight, else its stars' (`WEIGHTS`)."""
+    if spec.weight is not None:
+        return spec.weight
+    stars = spec.difficulty.count("★")
+    if stars not in WEIGHTS:
+        raise ValueError(f"{spec.id}: difficulty {spec.difficulty!r} has no stars to weigh")
+    return WEIGHTS[stars]
+
+
+def _number(value: float):
+    """2.0 -> 2, 1.3333 -> 1.33: points as a person reads them."""
+    value = round(value, 2)
+    return int(value) if value == int(value) else value
 
 
 @dataclass
 class ExerciseScore:
+    """`points` of `max` are the cases passed of the cases run; `weighted()` is the grade."""
     id: str
     points: int
     max: int
     reason: str = ""
-    failures: list = field(default_factory=list)  # one line per lost point
+    failures: list = field(default_factory=list)  # one line per failed case
+    weight: float = 1.0
+    bonus: bool = False
+
+    def weighted(self) -> float:
+        """The exercise's points: its weight times the share of its cases passed."""
+        return _number(self.weight * self.points / self.max) if self.max else 0
 
     def as_dict(self) -> dict:
-        return {"id": self.id, "points": self.points, "max": self.max, "reason": self.reason,
-                "failures": list(self.failures)}
+        return {"id": self.id, "points": self.weighted(), "max": _number(self.weight),
+                "bonus": self.bonus, "cases_passed": self.points, "cases": self.max,
+                "reason": self.reason, "failures": list(self.failures)}
 
 
 def one_line(text: str, limit: int = 200) -> str:
@@ -210,7 +247,8 @@ def score_exercise(spec: ExerciseSpec, fn_bytes: bytes | None, seed: int, timeou
     total = sum(len(cases) for _, cases in plan)
     return ExerciseScore(id=spec.id, points=total - len(lost), max=total,
                          reason=summarize(lost, total),
-                         failures=[f"{ws} ranks, {name}: {why}" for ws, name, why in lost])
+                         failures=[f"{ws} ranks, {name}: {why}" for ws, name, why in lost],
+                         weight=weight(spec), bonus=spec.bonus)
 
 
 def summarize(lost: list, total: int, limit: int = 300) -> str:

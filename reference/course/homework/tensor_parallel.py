@@ -40,7 +40,7 @@ from reference.tensor_parallel.comms import _CopyToRegion, _ReduceFromRegion
 from reference.tensor_parallel.loss import _VocabParallelCrossEntropy
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.refuse import Refusal
-from reference.course.homework.scoring import Case, ExerciseSpec
+from reference.course.homework.scoring import WARM_UP, Case, ExerciseSpec
 
 __all__ = ["MLP", "CROSS_ENTROPY", "EXERCISES", "ONLY_ALL_REDUCE", "counted_all_reduce",
            "course_versions_refused"]
@@ -266,19 +266,20 @@ def judge_cross_entropy(inputs: list, expected: list, outputs: list, world_size:
 
 MLP = ExerciseSpec(
     id="tensor_parallel_mlp", title="column then row parallel linear with your own f and g",
-    difficulty="★★☆ medium", world_sizes=(2, 4), make_cases=make_mlp_cases, call=call_mlp,
+    difficulty="★☆☆ warm-up", weight=WARM_UP, world_sizes=(2, 4), make_cases=make_mlp_cases,
+    call=call_mlp,
     expect=expect_mlp, judge=judge_mlp, reference=_dense_only, forbidden=ONLY_ALL_REDUCE,
     banned=("reference.course.homework.tensor_parallel_extra.course_tensor_parallel_mlp",
             "reference.tensor_parallel.comms", "reference.tensor_parallel.layers"))
 CROSS_ENTROPY = ExerciseSpec(
     id="vocab_parallel_cross_entropy", title="vocabulary-parallel cross-entropy",
-    difficulty="★★★ hard", world_sizes=(2, 4), make_cases=make_cross_entropy_cases,
+    difficulty="★★★ hard", bonus=True, world_sizes=(2, 4), make_cases=make_cross_entropy_cases,
     call=call_cross_entropy, expect=expect_cross_entropy, judge=judge_cross_entropy,
     reference=_dense_only, forbidden=ONLY_ALL_REDUCE,
     banned=("reference.course.homework.tensor_parallel_extra.course_vocab_parallel_cross_entropy",
             "reference.tensor_parallel.loss"))
 HOMEWORK_ID = "03_tensor_parallel"
-# The warm-up, the lecture's loss written by hand, two transfers (sequence parallelism in
+# The warm-up, the lecture's loss written by hand (a bonus), two transfers (sequence parallelism in
 # tensor_parallel_extra, dropout in tensor_parallel_dropout) and the written question.
 from reference.course.homework.tensor_parallel_dropout import TP_DROPOUT  # noqa: E402
 from reference.course.homework.tensor_parallel_extra import SEQUENCE_PARALLEL, TP_LAYER_BYTES  # noqa: E402

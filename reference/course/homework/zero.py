@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from reference.course.homework.data_parallel import BATCH, build_mlp, collectives_allowed, full_batch_loss, model_case
 from reference.course.homework.guard import COLLECTIVES
-from reference.course.homework.scoring import Case, ExerciseSpec
+from reference.course.homework.scoring import WARM_UP, Case, ExerciseSpec
 
 __all__ = ["ZERO1", "EXERCISES", "OPTIMIZERS", "TOLERANCE", "course_zero1_optimizer"]
 
@@ -172,7 +172,8 @@ def judge(inputs, expected, outputs, world_size) -> str:
 
 
 ZERO1 = ExerciseSpec(
-    id="zero1_optimizer", title="a ZeRO-1 optimizer step", difficulty="★★☆ medium",
+    id="zero1_optimizer", title="a ZeRO-1 optimizer step", difficulty="★☆☆ warm-up",
+    weight=WARM_UP,
     world_sizes=(2, 4), make_cases=make_cases, call=call, expect=expect, judge=judge,
     reference=None,  # the course's version, reference.zero.ZeroOptimizer, is a class
     forbidden=tuple(c for c in COLLECTIVES if c not in ALLOWED),
