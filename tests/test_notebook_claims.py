@@ -5,7 +5,7 @@ functions the notebooks compute them with and against measurements.
   (i + 1) % N, the homework's convention), run from the notebook's own cell on 3 and 4
   ranks; the latency term 2(N-1) alpha against N and where it overtakes the bandwidth
   term (N = n beta / alpha: about 105 ranks for 25 MiB, about 4 for 1 MiB on the
-  InfiniBand figures).
+  InfiniBand figures), both terms growing below it (1.98 ms on 8 ranks, 2.65 ms on 32).
 * 01: the data-parallel walls quoted for GPT-2 XL and GPT-3 6.7B.
 * 02: the 65B "480 GB -> 320 GB" analysis with the optimizer offloaded to the CPU (only the
   fp16 weights on the GPUs: 2 bytes per parameter).
@@ -92,6 +92,21 @@ def test_latency_overtakes_bandwidth_at_n_beta_over_alpha(nbytes, quoted):
 
     below, above = int(crossover), int(crossover) + 1
     assert not latency_wins(below) and latency_wins(above)
+
+
+def test_both_terms_grow_below_the_crossover():
+    # "1.98 ms on 8 ranks and 2.65 ms on 32": slower with more ranks well before the crossover
+    ib, bucket = CostModel.infiniband(), 25 * 2**20
+    t8, t32 = (ib.time("all_reduce", bucket, n) for n in (8, 32))
+    assert (round(t8 * 1e3, 2), round(t32 * 1e3, 2)) == (1.98, 2.65)
+    for n in (8, 32):
+        latency = ib.time("all_reduce", 0, n)
+        assert latency < ib.time("all_reduce", bucket, n) - latency        # below the crossover
+    assert round(100 * ib.time("all_reduce", 0, 32) / t32) == 23           # "23 %" latency at 32 ranks
+    for a, b in zip((2, 8, 32, 105), (8, 32, 105, 1024)):                   # both terms grow at every N
+        assert ib.time("all_reduce", 0, a) < ib.time("all_reduce", 0, b)
+        assert (ib.time("all_reduce", bucket, a) - ib.time("all_reduce", 0, a)
+                < ib.time("all_reduce", bucket, b) - ib.time("all_reduce", 0, b))
 
 
 # ---------------------------------------------------------------------------
