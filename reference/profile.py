@@ -38,7 +38,7 @@ from typing import Callable, Optional
 import torch
 
 __all__ = ["ProfileSummary", "profile_step", "training_flops", "measure_matmul_peak", "mfu",
-           "plot_profile", "COMM_KINDS"]
+           "plot_profile", "plot_comm_shares", "COMM_KINDS"]
 
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv")
 _BACKEND_EVENT = re.compile(r"^(gloo|nccl):(\w+)")
@@ -212,14 +212,17 @@ def mfu(flops_per_step: float, step_seconds: float, peak_flops: float) -> float:
 def plot_profile(summaries, title: Optional[str] = None, labels=None):
     """One horizontal bar per summary: compute, each kind of communication, idle.
 
-    `labels` names the bars (default "rank r"), e.g. one configuration per bar."""
+    `labels` names the bars (default "rank r"), e.g. one configuration per bar. Each bar ends
+    with its communication share; the legend sits below the bars, clear of those labels."""
     from reference.viz import _CATEGORICAL, _Figure
 
     kinds = [k for k in COMM_KINDS if any(k in s.communication for s in summaries)]
-    fig = _Figure(figsize=(8.5, 0.45 * len(summaries) + 1.6))
+    parts = ["compute"] + kinds + ["idle"]
+    fig = _Figure(figsize=(8.5, 0.45 * len(summaries) + 2.0))
     ax = fig.add_subplot()
     colours = {"compute": _CATEGORICAL[0], "idle": (0.85, 0.85, 0.85)}
     colours.update({k: _CATEGORICAL[2 * (i + 2)] for i, k in enumerate(kinds)})
+    longest = 0.0
     for row, s in enumerate(summaries):
         left = 0.0
         for part, value in [("compute", s.compute)] + [(k, s.communication.get(k, 0.0)) for k in kinds] \
@@ -228,10 +231,31 @@ def plot_profile(summaries, title: Optional[str] = None, labels=None):
                     label=part if row == 0 else None, edgecolor="white", lw=0.5)
             left += value
         ax.text(left * 1e3, row, f" {s.communication_share:.0%} comm", va="center", fontsize=7)
+        longest = max(longest, left)
+    ax.set_xlim(0, longest * 1e3 * 1.16 or 1.0)   # room for the "% comm" labels
     ax.set_yticks(range(len(summaries)), labels or [f"rank {s.rank}" for s in summaries], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("milliseconds of the step")
-    ax.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title(title or "where each rank's step went", fontsize=10)
+    handles, names = ax.get_legend_handles_labels()
+    height = fig.get_size_inches()[1]
+    fig.legend(handles, names, fontsize=8, frameon=False, loc="lower center", ncol=len(parts))
+    fig.tight_layout(rect=(0, 0.35 / height, 1, 1))   # the legend's strip at the bottom
+    return fig
+
+
+def plot_comm_shares(labels, shares, threshold: float = 0.3, title: Optional[str] = None):
+    """One bar per configuration: the share of its step spent communicating, with the line
+    a step should stay under (the troubleshooting table's 30 %)."""
+    from reference.viz import _CATEGORICAL, _Figure
+
+    fig = _Figure(figsize=(7, 2.8))
+    ax = fig.add_subplot()
+    ax.bar(range(len(shares)), [100 * s for s in shares], color=_CATEGORICAL[0])
+    ax.axhline(100 * threshold, color="0.4", ls="--", lw=1)
+    ax.text(len(shares) - 0.5, 100 * threshold + 1, f"{threshold:.0%}", ha="right", fontsize=8)
+    ax.set_xticks(range(len(shares)), labels, fontsize=7)
+    ax.set_ylabel("% of the step communicating")
+    ax.set_title(title or "communication share of the step", fontsize=10)
     fig.tight_layout()
     return fig

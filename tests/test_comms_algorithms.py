@@ -89,3 +89,35 @@ def test_where_the_tree_beats_the_ring():
     assert two_level_time("hierarchical", large, 1024, 8) < two_level_time("ring", large, 1024, 8)
     # on 8 ranks of one node the ring's few latencies cost little: the tree's edge is small
     assert two_level_time("ring", small, 8, 8) < 3 * two_level_time("tree", small, 8, 8)
+
+
+def test_nics_per_node():
+    """One NIC per node: the ring is the single ring through it, 2 (N-1) (alpha + S/N / NIC);
+    one NIC per GPU (the default): NCCL's parallel rings, one per NIC, so the ring's
+    bandwidth term is min(NVLink, 8 NICs). The hierarchical all-reduce sends the same bytes
+    across nodes as the ring (2 (nodes-1)/nodes S against 2 (n-1)/n S) whatever the NICs, plus
+    its passes inside the node: it gains latencies, not bandwidth."""
+    from reference.comms.links import NIC, NICS_PER_NODE, NVLINK
+    S, n, g = 1e9, 64, 8
+    assert NICS_PER_NODE == g and (NVLINK.bandwidth, NIC.bandwidth) == (450e9, 50e9)
+    one = two_level_time("ring", S, n, g, nics_per_node=1)
+    assert one == pytest.approx(2 * (n - 1) * (NIC.alpha + S / n / NIC.bandwidth))
+    every = two_level_time("ring", S, n, g)
+    assert every == pytest.approx(2 * (n - 1) * (NIC.alpha + S / n / min(NVLINK.bandwidth, g * NIC.bandwidth)))
+    assert two_level_time("ring", S, n, g, nics_per_node=g) == every and one > 7 * every / 2
+    no_latency = dict(intra=(0.0, NVLINK.bandwidth), inter=(0.0, NIC.bandwidth))
+    for nics in (1, 2, 8):
+        ring = two_level_time("ring", S, n, g, nics_per_node=nics, **no_latency)
+        hier = two_level_time("hierarchical", S, n, g, nics_per_node=nics, **no_latency)
+        ring_across = two_level_time("ring", S, n, g, nics_per_node=nics,
+                                     intra=(0.0, float("inf")), inter=(0.0, NIC.bandwidth))
+        assert ring_across == pytest.approx(2 * (n - 1) / n * S / (min(nics, g) * NIC.bandwidth))
+        assert ring < 1.05 * hier if nics == 1 else ring < hier   # within 5 %, or the ring ahead
+        across = two_level_time("hierarchical", S, n, g, nics_per_node=nics,
+                                intra=(0.0, float("inf")), inter=(0.0, NIC.bandwidth))
+        assert across == pytest.approx(2 * (n // g - 1) / (n // g) * S / (min(nics, g) * NIC.bandwidth))
+    # large messages on 8 nodes with a NIC per GPU: the ring is fastest; latency-bound ones: not
+    big = {a: two_level_time(a, 200 * 2**20, n, g) for a in ("ring", "tree", "halving_doubling", "hierarchical")}
+    assert min(big, key=big.get) == "ring"
+    with pytest.raises(ValueError, match="nics_per_node must be at least 1"):
+        two_level_time("ring", S, n, g, nics_per_node=0)

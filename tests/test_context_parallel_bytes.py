@@ -122,3 +122,55 @@ def _bytes_body():
 @pytest.mark.parametrize("cp", [2, 4])
 def test_bytes_memory_and_work_measured(cp):
     assert launch(_bytes_body, cp, timeout=120.0, quiet=True, threads=1) == ["ok"] * cp
+
+
+def _gqa_body(H, KV):
+    """Grouped-query attention (H query heads, KV key/value heads) on the cp ranks: ring and
+    Ulysses equal one process (outputs and every gradient; the ring computes in float32 whatever
+    its inputs, hence 1e-5) and send their formulas' bytes."""
+    group, cp, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    T = 8 * cp
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, H, T, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, KV, T, D, generator=g, dtype=torch.float64) for _ in range(2))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = _dense_attention(full[0], *(t.repeat_interleave(H // KV, dim=1) for t in full[1:]))
+    dout = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    want.backward(dout)
+    out = {}
+    for name, fn, zigzag, sent in (
+            ("ring", ring_attention, True, ring_attention_sent_bytes(B, H, T, D, cp, 8, kv_heads=KV)),
+            ("ulysses", ulysses_attention, False, ulysses_sent_bytes(B, H, T, D, cp, 8, kv_heads=KV))):
+        mine = [split_sequence(t.detach(), cp, r, zigzag, dim=2).requires_grad_() for t in (q, k, v)]
+        with comms.meter() as fwd:
+            y = fn(*mine, group, zigzag=zigzag)
+        with comms.meter() as bwd:
+            y.backward(split_sequence(dout, cp, r, zigzag, dim=2))
+        grads_equal = all(torch.allclose(m.grad, split_sequence(f.grad, cp, r, zigzag, dim=2), atol=1e-5)
+                          for m, f in zip(mine, full))
+        out[name] = (torch.allclose(y, split_sequence(want.detach(), cp, r, zigzag, dim=2), atol=1e-5),
+                     grads_equal, (fwd.sent_bytes(), bwd.sent_bytes()) == (sent["forward"], sent["backward"]))
+    return out
+
+
+@pytest.mark.parametrize("cp, H, KV", [(2, 4, 2), (4, 8, 4)])
+def test_grouped_query_attention_ships_only_the_kv_heads(cp, H, KV):
+    for rank in launch(_gqa_body, cp, H, KV, timeout=120.0, quiet=True, threads=1):
+        assert rank == {"ring": (True, True, True), "ulysses": (True, True, True)}
+
+
+def test_grouped_query_bytes_llama_3_70b():
+    """64 query heads, 8 key/value heads, cp 8: the ring sends less than Ulysses forward,
+    because Ulysses' q and output all-to-alls keep all 64 heads; without GQA the ring sends
+    cp/2 = 4 times Ulysses' forward bytes and, over a bf16 step, cp = 8 times."""
+    b, T, Dh, cp = 2, 131_072, 128, 8
+    ring = ring_attention_sent_bytes(1, 64, T, Dh, cp, b, kv_heads=8)
+    uly = ulysses_sent_bytes(1, 64, T, Dh, cp, b, kv_heads=8)
+    unit = T // cp * Dh * b                                     # B n D b
+    assert ring["forward"] == 112 * unit and uly["forward"] == 126 * unit
+    assert ring["forward"] < uly["forward"]
+    mha_ring, mha_uly = ring_attention_sent_bytes(1, 64, T, Dh, cp, b), ulysses_sent_bytes(1, 64, T, Dh, cp, b)
+    assert mha_ring["forward"] == 4 * mha_uly["forward"]
+    assert sum(mha_ring.values()) == cp * sum(mha_uly.values())
+    f32_ring, f32_uly = ring_attention_sent_bytes(1, 64, T, Dh, cp), ulysses_sent_bytes(1, 64, T, Dh, cp)
+    assert 4 * sum(f32_ring.values()) == 3 * cp * sum(f32_uly.values())

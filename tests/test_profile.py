@@ -100,3 +100,25 @@ def test_plot_profile_names_its_bars():
     parts = [ProfileSummary(0, 1.0, 0.5, {"all_reduce": 0.3}, 0.2), ProfileSummary(0, 1.0, 0.8, {}, 0.2)]
     fig = plot_profile(parts, labels=["naive", "buckets"])
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["naive", "buckets"]
+
+
+def test_plot_profile_labels_stay_clear_of_the_legend_and_inside_the_axes():
+    """The "% comm" label at the end of the longest bar neither runs into the legend nor
+    past the axes, whatever the number of bars."""
+    from reference.profile import ProfileSummary, plot_comm_shares
+    for rows in (1, 2, 8):
+        parts = [ProfileSummary(r, 1.0, 0.4, {"all_reduce": 0.3, "send": 0.1}, 0.2) for r in range(rows)]
+        fig = plot_profile(parts)
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        renderer = FigureCanvasAgg(fig).get_renderer()
+        fig.draw(renderer)
+        ax = fig.axes[0]
+        legend = fig.legends[0].get_window_extent(renderer)
+        box = ax.get_window_extent(renderer)
+        for text in ax.texts:
+            extent = text.get_window_extent(renderer)
+            assert not extent.overlaps(legend), (rows, text.get_text())
+            assert extent.x1 <= box.x1 + 1, (rows, text.get_text())
+        assert [t.get_text() for t in fig.legends[0].get_texts()] == ["compute", "all_reduce", "send", "idle"]
+    fig = plot_comm_shares(["a", "b"], [0.5, 0.1])
+    assert len(fig.axes[0].patches) == 2 and fig.axes[0].texts[0].get_text() == "30%"

@@ -13,7 +13,11 @@ Everything the rest of the course needs to communicate is reachable from here:
   process group, and `name_group`, in `reference.comms.metering`;
 * `CostModel`, the alpha-beta model of a collective's time, in `reference.comms.cost`;
 * all-reduce by other algorithms (binomial tree, recursive halving-doubling, hierarchical
-  over nodes) and their time with fast and slow links, in `reference.comms.algorithms`;
+  over nodes) and their time with fast and slow links and a number of NICs per node, in
+  `reference.comms.algorithms`;
+* the link speeds of those models, named once (`NVLINK`, `NIC`, `NICS_PER_NODE`), in
+  `reference.comms.links`; pictures of the algorithms' times and of scaling in
+  `reference.comms.viz` (imported on its own: matplotlib stays out of the ranks);
 * in `reference.comms.collectives`, thin wrappers of torch.distributed's collectives with the same
   signatures. Each records its call in the open meters and then calls
   torch.distributed. Later modules communicate only through these wrappers, so
@@ -44,6 +48,7 @@ from reference.comms.algorithms import (
     halving_doubling_all_reduce, hierarchical_all_reduce, node_groups, tree_all_reduce, two_level_time,
 )
 from reference.comms.cost import COST_OPS, CostModel
+from reference.comms.links import GPUS_PER_NODE, NIC, NICS_PER_NODE, NVLINK, Link
 from reference.comms.metering import CommMeter, format_records, group_label, meter, name_group, record
 from reference.comms.ring import (
     chunk_sizes, ring_all_gather, ring_all_reduce, ring_broadcast, ring_reduce_scatter,
@@ -61,6 +66,8 @@ __all__ = [
     # other all-reduce algorithms
     "tree_all_reduce", "halving_doubling_all_reduce", "hierarchical_all_reduce", "node_groups",
     "two_level_time",
+    # link speeds
+    "Link", "NVLINK", "NIC", "GPUS_PER_NODE", "NICS_PER_NODE",
     # metered wrappers of torch.distributed
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
     "all_to_all_single", "send", "recv", "ReduceOp",

@@ -26,8 +26,10 @@ latency alpha) and how many bytes (each paying 1 / bandwidth beta) a rank needs:
   the nodes (between the ranks with the same place in their node), all-gather inside: only
   S / g per rank crosses the slow links.
 
-`two_level_time` prices each in the alpha-beta model with two link classes, so that a student
-can see where the tree beats the ring (small messages, many ranks) and where it does not.
+`two_level_time` prices each in the alpha-beta model with two link classes (`reference.comms.links`)
+and a number of NICs per node, so that a student can see where the tree beats the ring (small
+messages, many ranks) and where it does not, and that the hierarchical all-reduce's advantage
+over the ring is in latencies, not in bandwidth, once the ring may use every NIC of a node.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from reference.comms.links import NIC, NVLINK
 from reference.comms.metering import record
 from reference.comms.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
@@ -172,29 +175,65 @@ def algorithm_steps(algorithm: str, n: int, node_size: int = 1) -> int:
     raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
 
 
+def _nic_share(nics: int, transfers: int) -> float:
+    """The fraction of one NIC's bandwidth each of `transfers` simultaneous transfers leaving a
+    node gets when the node has `nics` NICs (1 while there are at least as many NICs)."""
+    return min(1.0, nics / transfers) if transfers else 1.0
+
+
 def two_level_time(algorithm: str, nbytes: float, n: int, node_size: int,
-                   intra=(1e-6, 100e9), inter=(5e-6, 12.5e9)) -> float:
+                   intra=NVLINK, inter=NIC, nics_per_node: int | None = None) -> float:
     """Seconds of one all-reduce of ``nbytes`` on ``n`` ranks, ``node_size`` a node, in the
-    alpha-beta model with two link classes: ``intra`` and ``inter`` are (alpha seconds, beta
-    bytes/s). A step whose partners sit in different nodes pays the inter-node link; a ring
-    step is as slow as its slowest link (it crosses nodes whenever there is more than one)."""
+    alpha-beta model with two link classes: ``intra`` (GPU to GPU inside a node) and ``inter``
+    (one NIC to another node), each (alpha seconds, bandwidth bytes/s), by default
+    `reference.comms.links`' NVLINK and NIC.
+
+    ``nics_per_node`` (default: one per GPU, ``node_size``, as on current training nodes) is how
+    many network cards a node has. Simultaneous transfers that leave a node share its NICs:
+    k of them through m NICs each get min(1, m / k) of one NIC's bandwidth. So:
+
+    * ring: run, as NCCL does, as ``nics_per_node`` parallel rings (channels), each carrying
+      1/nics of the data and crossing every node boundary on a NIC of its own; a step is as
+      slow as its slowest link: max(S/n over NVLink, S/(n nics) over one NIC). With one NIC per
+      node this is the single ring through one NIC;
+    * tree (binomial): its cross-node rounds send the whole tensor from one GPU of a node, one
+      NIC, whatever ``nics_per_node`` is (NCCL's trees also run several channels; this one
+      does not);
+    * halving-doubling: in a cross-node step all ``node_size`` GPUs of a node send at once;
+    * hierarchical: ``node_size`` rings cross the nodes at once, one per local rank, each with
+      S / node_size bytes.
+
+    The ring's bandwidth term is 2 (n-1)/n S over min(NVLink, nics x NIC). The hierarchical
+    all-reduce sends 2 (nodes-1)/nodes S out of each node instead (8/7 fewer bytes on 8 nodes,
+    almost the same on many) through the same NICs, and adds its passes inside the node: what
+    it saves is latencies (2 (g-1) + 2 (nodes-1) steps instead of 2 (n-1)), not bandwidth.
+    (The old single-NIC ring against a hierarchical all-reduce given a NIC per GPU compares
+    two different machines.)"""
     a_in, b_in = intra
     a_out, b_out = inter
     nodes = n // node_size
+    nics = node_size if nics_per_node is None else int(nics_per_node)
+    if nics < 1:
+        raise ValueError(f"nics_per_node must be at least 1, got {nics_per_node}")
     if algorithm == "ring":
-        a, b = (a_out, b_out) if nodes > 1 else (a_in, b_in)
-        return 2 * (n - 1) * (a + nbytes / n / b)
+        if nodes > 1:
+            step = a_out + max(nbytes / n / b_in, nbytes / n / nics / b_out)
+        else:
+            step = a_in + nbytes / n / b_in
+        return 2 * (n - 1) * step
     if algorithm == "tree":
         rounds = math.ceil(math.log2(n)) if n > 1 else 0
         return sum(2 * ((a_in + nbytes / b_in) if (1 << k) < node_size else (a_out + nbytes / b_out))
                    for k in range(rounds))
     if algorithm == "halving_doubling":
+        across_bw = b_out * _nic_share(nics, node_size)
         return sum(2 * ((a_in + nbytes / (2 << k) / b_in) if d < node_size
-                        else (a_out + nbytes / (2 << k) / b_out))
+                        else (a_out + nbytes / (2 << k) / across_bw))
                    for k, d in enumerate(n >> (j + 1) for j in range(int(math.log2(n)))))
     if algorithm == "hierarchical":
         g = node_size
         inside = 2 * (g - 1) * (a_in + nbytes / g / b_in) if g > 1 else 0.0
-        across = 2 * (nodes - 1) * (a_out + nbytes / g / nodes / b_out) if nodes > 1 else 0.0
+        across_bw = b_out * _nic_share(nics, g)
+        across = 2 * (nodes - 1) * (a_out + nbytes / g / nodes / across_bw) if nodes > 1 else 0.0
         return inside + across
     raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")

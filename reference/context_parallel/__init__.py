@@ -43,6 +43,11 @@ of this rank's q)::
                  sent                          largest score tensor   limit
     ring         2 (cp-1) S fwd, 4 (cp-1) S bwd  (T/cp)^2 per head      any cp (T % 2cp == 0)
     Ulysses      4 (cp-1)/cp S fwd, same bwd     T^2 per local head     cp divides H
+
+(the ring's backward blocks are half K, V and half float32 dK, dV: over a bf16 training step
+the ring sends cp times Ulysses' bytes. With grouped-query attention the ring's blocks and
+Ulysses' k, v all-to-alls carry H_kv heads, Ulysses' q and output all-to-alls still H:
+`reference.context_parallel.cost`.)
 """
 from reference.context_parallel.attention import KINDS, ContextParallelAttention
 from reference.context_parallel.blocks import BlockPlan, attend_block, attend_block_backward, block_plan, merge_block

@@ -43,6 +43,11 @@ holds is one score block, at most (n, n) = (T/cp, T/cp) per head.
 
 Arithmetic runs in float32 whatever the inputs' dtype (the running max and sums
 of a bf16 softmax would lose too much).
+
+Grouped-query attention (GQA: H query heads sharing H_kv key/value heads, each
+key/value head serving H / H_kv consecutive query heads): k and v may have fewer
+heads than q. A block repeats them to q's heads for its arithmetic only, and
+its dk, dv are summed back over each group: what travels stays (B, H_kv, n, D).
 """
 from __future__ import annotations
 
@@ -86,8 +91,20 @@ def block_plan(i: int, j: int, cp: int, n: int, causal: bool, zigzag: bool) -> O
     return BlockPlan(slice(c, n), every, False)  # (c, n): queries of chunk 2cp-1-i, all keys
 
 
+def _to_query_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, H_kv, tk, D) -> (B, H, tk, D): each key/value head repeated for its query heads (GQA)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _to_kv_heads(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, H, tk, D) -> (B, H_kv, tk, D): a gradient summed over each group of query heads."""
+    B, H, tk, D = t.shape
+    return t if H == kv_heads else t.view(B, kv_heads, H // kv_heads, tk, D).sum(2)
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, triangle: bool) -> torch.Tensor:
     """S = q k^T * scale in float32, (B, H, tq, tk), the upper triangle -inf when asked."""
+    k = _to_query_heads(k, q.shape[1])
     s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale  # (B, H, tq, tk)
     if triangle:
         tq, tk = s.shape[-2:]
@@ -102,7 +119,7 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     s = _scores(q, k, scale, triangle)  # (B, H, tq, tk): the one (T/cp)^2-sized tensor
     lse = torch.logsumexp(s, dim=-1)  # (B, H, tq); every planned row meets at least one key
     p = torch.exp(s - lse.unsqueeze(-1))  # softmax over this block's keys
-    return torch.matmul(p, v.float()), lse  # (B, H, tq, D)
+    return torch.matmul(p, _to_query_heads(v, q.shape[1]).float()), lse  # (B, H, tq, D)
 
 
 def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
@@ -116,16 +133,17 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 def attend_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                           lse: torch.Tensor, delta: torch.Tensor, scale: float,
                           triangle: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This block's share of dq (B, H, tq, D) and its dk, dv (B, H, tk, D), float32.
+    """This block's share of dq (B, H, tq, D) and its dk, dv (B, H_kv, tk, D), float32.
 
     `lse` and `delta` (B, H, tq) are the *final* log-sum-exp and rowsum(dO * O)
     of the queries, so P = e^(S - lse) is the block's part of the full softmax."""
     s = _scores(q, k, scale, triangle)  # (B, H, tq, tk), recomputed rather than stored
     p = torch.exp(s - lse.unsqueeze(-1))  # masked entries: e^-inf = 0
     dout = dout.float()
+    kv_heads, heads = k.shape[1], q.shape[1]
     dv = torch.matmul(p.transpose(-2, -1), dout)  # (B, H, tk, D)
-    dp = torch.matmul(dout, v.float().transpose(-2, -1))  # (B, H, tq, tk)
+    dp = torch.matmul(dout, _to_query_heads(v, heads).float().transpose(-2, -1))  # (B, H, tq, tk)
     ds = p * (dp - delta.unsqueeze(-1))  # the softmax's Jacobian, row by row
-    dq = torch.matmul(ds, k.float()) * scale  # (B, H, tq, D)
+    dq = torch.matmul(ds, _to_query_heads(k, heads).float()) * scale  # (B, H, tq, D)
     dk = torch.matmul(ds.transpose(-2, -1), q.float()) * scale  # (B, H, tk, D)
-    return dq, dk, dv
+    return dq, _to_kv_heads(dk, kv_heads), _to_kv_heads(dv, kv_heads)  # (B, H_kv, tk, D) each

@@ -14,6 +14,17 @@ Bytes each rank sends for one attention, forward and backward
     Ulysses  forward   4 all-to-alls (q, k, v in, output back), each (cp - 1)/cp of B H n D b
              backward  the same 4, inverted
 
+Over a training step (forward + backward) the ring sends 2 (cp - 1) blocks of b bytes twice
+and 2 (cp - 1) float32 gradient blocks, Ulysses 8 (cp - 1)/cp blocks of b bytes: in bf16
+(b = 2) the ring sends cp times Ulysses' bytes, in float32 3 cp / 4 times; forward only,
+cp / 2 times.
+
+Grouped-query attention (``kv_heads`` = H_kv < H key/value heads, each shared by H / H_kv
+query heads): the ring's blocks are (B, H_kv, n, D), so all its bytes scale by H_kv / H;
+Ulysses' k and v all-to-alls scale by H_kv / H too, but q's and the output's do not:
+(2 H + 2 H_kv) (cp - 1)/cp B n D b each way. Llama-3-70B (H = 64, H_kv = 8) on cp = 8 in
+the forward: the ring 2 x 7 x 8 = 112 units of B n D b, Ulysses 144 x 7/8 = 126.
+
 Memory
 ------
 Ring attention saves for backward q, k, v (b bytes each), its float32 output
@@ -44,18 +55,23 @@ def _block(B: int, H: int, T: int, D: int, cp: int) -> int:
 
 
 def ring_attention_sent_bytes(B: int, H: int, T: int, D: int, cp: int, element_size: int = 4,
-                              grad_element_size: int = 4) -> dict[str, int]:
-    """{"forward", "backward"}: bytes one rank sends in `ring_attention` (formula above)."""
-    block = _block(B, H, T, D, cp)
+                              grad_element_size: int = 4, kv_heads: int | None = None) -> dict[str, int]:
+    """{"forward", "backward"}: bytes one rank sends in `ring_attention` (formula above);
+    ``kv_heads`` the key/value heads under grouped-query attention (default H)."""
+    block = _block(B, H if kv_heads is None else kv_heads, T, D, cp)
     forward = (cp - 1) * 2 * block * element_size  # K and V blocks
     backward = forward + (cp - 1) * 2 * block * grad_element_size  # K, V again + dK, dV
     return {"forward": forward, "backward": backward}
 
 
-def ulysses_sent_bytes(B: int, H: int, T: int, D: int, cp: int, element_size: int = 4) -> dict[str, int]:
-    """{"forward", "backward"}: bytes one rank sends in `ulysses_attention` (formula above)."""
-    per_all_to_all = (cp - 1) * _block(B, H, T, D, cp) * element_size // cp  # keeps 1/cp
-    return {"forward": 4 * per_all_to_all, "backward": 4 * per_all_to_all}
+def ulysses_sent_bytes(B: int, H: int, T: int, D: int, cp: int, element_size: int = 4,
+                       kv_heads: int | None = None) -> dict[str, int]:
+    """{"forward", "backward"}: bytes one rank sends in `ulysses_attention` (formula above);
+    ``kv_heads`` the key/value heads under grouped-query attention (default H)."""
+    kv = H if kv_heads is None else kv_heads
+    heads = 2 * H + 2 * kv  # q and the output: H heads each; k and v: H_kv each
+    per_direction = (cp - 1) * _block(B, heads, T, D, cp) * element_size // cp  # each keeps 1/cp
+    return {"forward": per_direction, "backward": per_direction}
 
 
 def ring_attention_saved_bytes(B: int, H: int, T: int, D: int, cp: int, element_size: int = 4) -> int:

@@ -21,7 +21,8 @@ block j starts at rank j + 1, visits every other rank, and its last hop brings
 it home. Nothing of size T x T is ever held: one score block of at most
 (T/cp) x (T/cp) per head at a time, recomputed in backward.
 
-Bytes each rank sends (b bytes an element, one block = B * H * (T/cp) * D * b)::
+Bytes each rank sends (b bytes an element, one block = B * H_kv * (T/cp) * D * b, with
+H_kv = H unless k and v have fewer heads, grouped-query attention, when only those travel)::
 
     forward    (cp - 1) steps x (K block + V block)           = 2 (cp - 1) blocks
     backward   (cp - 1) x (K + V)  +  (cp - 1) x (dK + dV)    = 4 (cp - 1) blocks
@@ -139,14 +140,18 @@ class _RingAttention(torch.autograd.Function):
 
 
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
-    """q, k, v must be (B, H, T_local, D) tensors of one shape, dtype and device."""
+    """q, k, v must be (B, H, T_local, D) tensors of one shape, dtype and device; k and v may
+    have fewer heads H_kv than q when H_kv divides H (grouped-query attention)."""
     if q.dim() != 4:
         raise ValueError(f"{what} wants q, k, v of shape (B, H, T/cp, D); got q of shape {tuple(q.shape)}")
     for name, t in (("k", k), ("v", v)):
-        if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+        grouped = (t.dim() == 4 and t.shape[0] == q.shape[0] and t.shape[2:] == q.shape[2:]
+                   and q.shape[1] % t.shape[1] == 0 and t.shape == k.shape)
+        if not grouped or t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{what} wants q, k, v of one shape, dtype and device; got q "
                              f"{tuple(q.shape)} {q.dtype} {q.device} and {name} {tuple(t.shape)} "
-                             f"{t.dtype} {t.device}")
+                             f"{t.dtype} {t.device} (k and v may have fewer heads than q when "
+                             f"they divide its heads: grouped-query attention)")
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = True,
@@ -155,7 +160,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
 
     q, k, v: (B, H, T/cp, D), this rank's tokens in the layout of
     `reference.context_parallel.layout` (``zigzag=True``: chunks r and
-    2 cp - 1 - r; ``zigzag=False``: the contiguous block r). ``causal``: position
+    2 cp - 1 - r; ``zigzag=False``: the contiguous block r). k and v may have
+    H_kv heads dividing H (grouped-query attention): only those heads travel. ``causal``: position
     p attends to positions <= p. ``scale`` defaults to 1 / sqrt(D). Returns this
     rank's rows of the output, (B, H, T/cp, D). Every rank of `group` must call it.
     """

@@ -23,6 +23,9 @@ every all-to-all keeps 1/cp of its input and sends the rest)::
     forward    4 all-to-alls x (cp - 1)/cp S
     backward   4 all-to-alls x (cp - 1)/cp S
 
+With grouped-query attention (k, v of H_kv heads) the k and v all-to-alls shrink to
+H_kv / H of that and q's and the output's do not: (2 + 2 H_kv / H) (cp - 1)/cp S.
+
 Constant in cp per rank (4 S), where ring attention sends 2 (cp - 1) blocks of
 K and V: Ulysses moves less as cp grows, but cp cannot exceed H (H % cp == 0 is
 required), and the attention of H/cp heads on all T tokens holds a
@@ -82,12 +85,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
 
     q, k, v: (B, H, T/cp, D), this rank's tokens; ``zigzag=False`` (Ulysses'
     own layout): the contiguous block r; ``zigzag=True``: chunks r and
-    2 cp - 1 - r, as for `ring_attention`. H must divide by cp. ``dropout_p``
+    2 cp - 1 - r, as for `ring_attention`. H must divide by cp. k and v may have
+    H_kv heads dividing H (grouped-query attention); H_kv must divide by cp too,
+    and their two all-to-alls carry H_kv heads while q's and the output's carry H. ``dropout_p``
     is the attention dropout (pass 0 in eval). Returns (B, H, T/cp, D).
     """
     check_attention_inputs(q, k, v, "ulysses_attention")
     cp, n = dist.get_world_size(group), q.shape[-2]
     check_heads(q.shape[1], cp)
+    check_heads(k.shape[1], cp)
     if zigzag and n % 2:
         raise ValueError(f"ulysses_attention with the zig-zag layout needs T divisible by 2*cp: "
                          f"T={n * cp} (T/cp={n} on each of cp={cp} ranks) is not")
@@ -98,8 +104,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
         order = gather_order(n * cp, cp, zigzag=True).to(q.device)  # row -> position
         to_positions = torch.argsort(order)
         qh, kh, vh = (t.index_select(2, to_positions) for t in (qh, kh, vh))  # position order
-    y = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=dropout_p, is_causal=causal,
-                                       scale=scale)  # (B, H/cp, T, D)
+    y = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=dropout_p, is_causal=causal, scale=scale,
+                                       enable_gqa=kh.shape[1] != qh.shape[1])  # (B, H/cp, T, D)
     if order is not None:
         y = y.index_select(2, order)  # back to rank order
     return heads_to_sequence(y, group)  # (B, H, T/cp, D)

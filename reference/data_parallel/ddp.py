@@ -108,6 +108,9 @@ class DDP(nn.Module):
       adds one small all-reduce per step counting, per parameter, the ranks
       that produced a gradient, and leaves ``p.grad`` None where the count is
       zero, exactly as a single process would.
+    * ``overlap=False`` keeps the same buckets but launches them only at the end of
+      backward, one after the other: the same calls and bytes as the default, nothing
+      hidden behind backward. The pair measures what overlap alone is worth.
     * ``ddp.trace`` records the last synchronised step: when forward ended, when
       each bucket's all-reduce was launched, when backward ended, and when each
       wait started and ended (``time.perf_counter`` seconds). On a GPU these
@@ -117,7 +120,7 @@ class DDP(nn.Module):
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, group=None,
                  find_unused_parameters: bool = False, first_bucket_cap_mb: float = 1,
-                 trace: bool = True):
+                 trace: bool = True, overlap: bool = True):
         super().__init__()
         for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
             # 0 is allowed, as in PyTorch: one bucket per parameter.
@@ -134,6 +137,7 @@ class DDP(nn.Module):
         self.world_size = dist.get_world_size(group)
         self.bucket_cap_mb = bucket_cap_mb
         self.find_unused_parameters = bool(find_unused_parameters)
+        self.overlap = bool(overlap)  # False: every bucket launched after backward
         self.require_backward_grad_sync = True  # False inside no_sync()
         self._sync_this_backward = True  # decided by the latest forward
         self._broadcast_module_states()
@@ -217,7 +221,8 @@ class DDP(nn.Module):
         if not self._step_open:
             self._open_step()
         self._pending[bucket_index].discard(position)
-        self._launch_ready_buckets()
+        if self.overlap:
+            self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
         # In bucket order only: collectives on a group must be issued in the
