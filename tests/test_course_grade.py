@@ -1,12 +1,17 @@
 """The grader: full marks for the solution, zero for the exercise, and no way to cheat it.
 
-Every hostile submission is the real solution or exercise notebook with one change.
-All of them are graded in ONE run of the command (`python -m reference.course grade ...
---jobs 2`, a module fixture); each test then asserts on its own submission.
+Every hostile submission is the real solution or exercise notebook of homework 00 with one
+change. All of them are graded in ONE run of the command (`python -m reference.course grade
+... --jobs 2`, a module fixture), on the two ring exercises only (`--exercise`): what a
+hostile notebook does is the same for every exercise, and the other three would cost
+launches and say nothing more. Each test then asserts on its own submission. Every
+exercise of every homework, the solutions at full marks, the exercises at zero and a
+partly finished notebook, are graded in tests/test_course_homework.py.
 """
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import subprocess
 import sys
@@ -21,15 +26,16 @@ from reference.course.report import format_table
 from reference.course.grade_runner import GRADER_TAG, prepare
 from reference.course.homework import HOMEWORK
 from reference.course.homework.collectives import ALL_REDUCE
-from reference.course.homework.scoring import score_exercise
+from reference.course.homework.scoring import score_exercise, weight
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTION = ROOT / "solutions" / "00_collectives.ipynb"
 EXERCISE = ROOT / "exercises" / "00_collectives.ipynb"
-IDS = [spec.id for spec in HOMEWORK["00_collectives"]]
+IDS = ["ring_all_reduce", "ring_all_gather"]  # the exercises this batch grades
+WEIGHTS = {spec.id: weight(spec) for spec in HOMEWORK["00_collectives"] if spec.id in IDS}
 MARKER = f"course-grade-orphan-{uuid.uuid4().hex[:12]}"  # in the command line of every sleeper
-NOTEBOOK_TIMEOUT = 60     # s; the notebooks need ~10 s, ~25 s on a loaded 2-core machine
-CHECK_TIMEOUT = 30        # s per hidden-check launch (~1 s needed): only the hanging case waits
+NOTEBOOK_TIMEOUT = 45     # s; the notebooks need ~10 s, ~25 s on a loaded 2-core machine
+CHECK_TIMEOUT = 20        # s per hidden-check launch (~1 s needed): only the hanging case waits
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the fixture grades 15 notebooks
 FAKE = '{"submissions": [{"path": "fake", "total": 999, "max": 36}]}'
 SLEEPER = f"[sys.executable, '-c', 'import time; time.sleep(600)', {MARKER!r}]"
@@ -167,7 +173,8 @@ def graded(tmp_path_factory):
     run = subprocess.run(
         [sys.executable, "-m", "reference.course", "grade", *map(str, paths.values()), "--out", str(out),
          "--csv", str(table), "--jobs", "2", "--timeout", str(NOTEBOOK_TIMEOUT),
-         "--check-timeout", str(CHECK_TIMEOUT), "--homework", "00_collectives"],
+         "--check-timeout", str(CHECK_TIMEOUT), "--homework", "00_collectives",
+         *(arg for exercise_id in IDS for arg in ("--exercise", exercise_id))],
         cwd=out_dir, capture_output=True, text=True, timeout=900)
     leftovers = _marked_processes()
     new_children = [c for c in psutil.Process().children(recursive=True)
@@ -219,12 +226,18 @@ def test_results_json_csv_and_table(graded):
         for e in s["exercises"]:
             assert {"id", "points", "max", "reason"} <= set(e)
             assert (e["reason"] == "") == (e["points"] == e["max"])
-            assert len(e.get("failures", [])) == e["max"] - e["points"]  # a line per lost point
+            assert e["max"] == WEIGHTS[e["id"]]  # the exercise's weight, whatever its cases
+            assert len(e["failures"]) == e["cases"] - e["cases_passed"]  # a line per failed case
+            assert e["points"] == round(e["max"] * e["cases_passed"] / e["cases"], 2)
     rows = list(csv.DictReader(graded["csv"].open()))
-    assert [r["path"] for r in rows] == [s["path"] for s in subs]
-    assert rows[0]["ring_all_reduce"] == "18" and rows[0]["total"] == rows[0]["max"] == "63"
+    total = sum(WEIGHTS.values())
+    assert rows[0]["path"] == "weight" and rows[0]["max"] == str(total)  # the weights first
+    assert {i: rows[0][i] for i in IDS} == {i: str(w) for i, w in WEIGHTS.items()}
+    assert [r["path"] for r in rows[1:]] == [s["path"] for s in subs]
+    assert rows[1]["ring_all_reduce"] == str(WEIGHTS["ring_all_reduce"])
+    assert rows[1]["total"] == rows[1]["max"] == str(total)
     stdout = graded["run"].stdout
-    assert "solution.ipynb" in stdout and "63/63" in stdout and "not implemented" in stdout
+    assert "solution.ipynb" in stdout and f"{total}/{total}" in stdout and "not implemented" in stdout
 
 
 # ----------------------------------------------------------------- hostile submissions
@@ -340,12 +353,13 @@ def _student(name):
 
 
 def test_score_checks_the_ring_and_forbids_the_builtin():
-    star = score_exercise(ALL_REDUCE, _student("star"), seed=1, timeout=CHECK_TIMEOUT)
-    per_size = len(star.failures) // 2
-    assert star.points == star.max // 3 and per_size > 0  # on 2 ranks a star is a ring
+    spec = dataclasses.replace(ALL_REDUCE, world_sizes=(2, 3))
+    star = score_exercise(spec, _student("star"), seed=1, timeout=CHECK_TIMEOUT)
+    assert star.points == star.max // 2 > 0  # on 2 ranks a star is a ring
+    assert star.weighted() == WEIGHTS["ring_all_reduce"] / 2
     assert all("not a ring" in line for line in star.failures)
     assert "not a ring: rank 0 sent to rank 2" in star.reason
-    builtin = score_exercise(ALL_REDUCE, _student("builtin"), seed=1, timeout=CHECK_TIMEOUT)
+    builtin = score_exercise(spec, _student("builtin"), seed=1, timeout=CHECK_TIMEOUT)
     assert builtin.points == 0 and "all_reduce is not allowed" in builtin.reason
     missing = score_exercise(ALL_REDUCE, None, seed=1, timeout=1, missing="not defined")
     assert (missing.points, missing.reason) == (0, "not defined")

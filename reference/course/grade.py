@@ -1,7 +1,8 @@
 """Grade homework notebooks: execute each, score it with hidden checks, write a table.
 
     python -m reference.course grade submissions/*.ipynb --out results.json [--csv results.csv]
-        [--jobs 2] [--timeout 300] [--check-timeout 60] [--homework 00_collectives] [--quiet]
+        [--jobs 2] [--timeout 300] [--check-timeout 60] [--homework 00_collectives]
+        [--exercise ring_all_reduce ...] [--quiet]
 
 For each submission, in its own fresh temporary folder:
   1. read it as a notebook (a file that is not one scores zero, with the reason);
@@ -21,7 +22,8 @@ after every process a submission started has been killed.
 
 The homework of a submission is --homework, else the notebook's
 `metadata.course.homework` (set in every generated exercise notebook), else its
-file stem, else the only homework there is.
+file stem, else the only homework there is. `--exercise` (repeatable) grades only the
+exercises named, e.g. to grade one exercise again after a fix to its checks.
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ class GradeOptions:
     homework: str | None = None
     timeout: float = 300.0        # seconds for executing one notebook
     check_timeout: float = 60.0   # seconds for one launch of a hidden check
+    exercises: tuple | None = None  # ids to grade; None: every exercise of the homework
     seed: int = field(default_factory=lambda: secrets.randbits(63), repr=False)
 
 
@@ -136,7 +139,8 @@ def grade_one(path: Path, options: GradeOptions, registry: ChildRegistry) -> dic
     if homework_id is None:
         result["note"] = "cannot tell which homework this is: pass --homework"
         return result
-    specs = HOMEWORK[homework_id]
+    specs = [s for s in HOMEWORK[homework_id]
+             if options.exercises is None or s.id in options.exercises]
     names = [s.id for s in specs]
     if nb is None:
         result["note"] = f"not a valid notebook: {invalid}"
@@ -245,12 +249,18 @@ def main(argv=None) -> int:
                         help="seconds allowed to one hidden-check launch (default 60)")
     parser.add_argument("--homework", choices=sorted(HOMEWORK),
                         help="grade every submission as this homework")
+    parser.add_argument("--exercise", action="append", metavar="ID",
+                        help="grade only this exercise (repeatable; default: all)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no table")
     args = parser.parse_args(argv)
     if args.jobs < 1 or args.timeout <= 0 or args.check_timeout <= 0:
         parser.error("--jobs, --timeout and --check-timeout must be positive")
+    known = {spec.id for specs in HOMEWORK.values() for spec in specs}
+    if unknown := sorted(set(args.exercise or ()) - known):
+        parser.error(f"unknown exercise(s) {', '.join(unknown)}")
     options = GradeOptions(homework=args.homework, timeout=args.timeout,
-                           check_timeout=args.check_timeout)
+                           check_timeout=args.check_timeout,
+                           exercises=tuple(args.exercise) if args.exercise else None)
     started = time.time()
     results = grade(args.submissions, options, jobs=args.jobs, quiet=args.quiet)
     header = {"graded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

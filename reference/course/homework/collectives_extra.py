@@ -158,4 +158,4 @@ CROSSOVER = question(
      "beta": (1 / 12.5e9, 1 / 50e9, 1 / 200e9, 1 / 450e9)},
     kind="real", fixed=({"world_size": 4, "alpha": 1e-5, "beta": 1e-9},),
     banned=("reference.course.homework.collectives_extra.crossover_formula", "reference.comms.cost",
-            "reference.comms.algorithms"))
+            "reference.comms.algorithms"), difficulty="★★☆ medium")

@@ -227,4 +227,4 @@ DEDUP_ALL_TO_ALL_BYTES = question(
            {"tokens": 4096, "d_model": 7168, "k": 8, "ep": 16, "ranks_per_token": 4,
             "bytes_per_element": 2}),
     banned=("reference.course.homework.expert_dedup.dedup_all_to_all_bytes_formula",
-            "reference.expert_parallel.comms.all_to_all_bytes_per_step"))
+            "reference.expert_parallel.comms.all_to_all_bytes_per_step"), difficulty="★★☆ medium")

@@ -146,4 +146,4 @@ INTERLEAVED_PEAK_BYTES = question(
            {"pp": 8, "m": 48, "v": 2, "rank": 7, "stage_bytes": 402_653_184}),
     banned=("reference.course.homework.pipeline_interleaved.interleaved_peak_bytes_formula",
             "reference.course.homework.pipeline_interleaved.in_flight_bound",
-            "reference.pipeline_parallel.schedules"))
+            "reference.pipeline_parallel.schedules"), difficulty="★★☆ medium")

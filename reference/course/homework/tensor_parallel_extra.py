@@ -277,4 +277,4 @@ TP_LAYER_BYTES = question(
      "tp": (1, 2, 4, 8), "bytes_per_element": (2, 4), "mode": ("tp", "sp", "sp_regather")},
     fixed=({"b": 1, "s": 6, "h": 12, "tp": 3, "bytes_per_element": 2, "mode": "sp"},
            {"b": 2, "s": 2048, "h": 4096, "tp": 8, "bytes_per_element": 2, "mode": "sp_regather"}),
-    banned=("reference.course.homework.tensor_parallel_extra.tp_layer_bytes_formula",))
+    banned=("reference.course.homework.tensor_parallel_extra.tp_layer_bytes_formula",), difficulty="★★☆ medium")
