@@ -102,6 +102,12 @@ def _to_kv_heads(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return t if H == kv_heads else t.view(B, kv_heads, H // kv_heads, tk, D).sum(2)
 
 
+def fp32_math(t: torch.Tensor):
+    """Autocast switched off: the block math below stays in float32 even inside a bf16 or
+    fp16 training step (autocast would run its matmuls in half precision again)."""
+    return torch.autocast(t.device.type, enabled=False)
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, triangle: bool) -> torch.Tensor:
     """S = q k^T * scale in float32, (B, H, tq, tk), the upper triangle -inf when asked."""
     k = _to_query_heads(k, q.shape[1])
@@ -116,10 +122,11 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, triangle: bool) -> t
 def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                  triangle: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's normalised output and log-sum-exp: (B, H, tq, D), (B, H, tq), float32."""
-    s = _scores(q, k, scale, triangle)  # (B, H, tq, tk): the one (T/cp)^2-sized tensor
-    lse = torch.logsumexp(s, dim=-1)  # (B, H, tq); every planned row meets at least one key
-    p = torch.exp(s - lse.unsqueeze(-1))  # softmax over this block's keys
-    return torch.matmul(p, _to_query_heads(v, q.shape[1]).float()), lse  # (B, H, tq, D)
+    with fp32_math(q):
+        s = _scores(q, k, scale, triangle)  # (B, H, tq, tk): the one (T/cp)^2-sized tensor
+        lse = torch.logsumexp(s, dim=-1)  # (B, H, tq); every planned row meets at least one key
+        p = torch.exp(s - lse.unsqueeze(-1))  # softmax over this block's keys
+        return torch.matmul(p, _to_query_heads(v, q.shape[1]).float()), lse  # (B, H, tq, D)
 
 
 def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
@@ -137,13 +144,14 @@ def attend_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dou
 
     `lse` and `delta` (B, H, tq) are the *final* log-sum-exp and rowsum(dO * O)
     of the queries, so P = e^(S - lse) is the block's part of the full softmax."""
-    s = _scores(q, k, scale, triangle)  # (B, H, tq, tk), recomputed rather than stored
-    p = torch.exp(s - lse.unsqueeze(-1))  # masked entries: e^-inf = 0
-    dout = dout.float()
-    kv_heads, heads = k.shape[1], q.shape[1]
-    dv = torch.matmul(p.transpose(-2, -1), dout)  # (B, H, tk, D)
-    dp = torch.matmul(dout, _to_query_heads(v, heads).float().transpose(-2, -1))  # (B, H, tq, tk)
-    ds = p * (dp - delta.unsqueeze(-1))  # the softmax's Jacobian, row by row
-    dq = torch.matmul(ds, _to_query_heads(k, heads).float()) * scale  # (B, H, tq, D)
-    dk = torch.matmul(ds.transpose(-2, -1), q.float()) * scale  # (B, H, tk, D)
-    return dq, _to_kv_heads(dk, kv_heads), _to_kv_heads(dv, kv_heads)  # (B, H_kv, tk, D) each
+    with fp32_math(q):
+        s = _scores(q, k, scale, triangle)  # (B, H, tq, tk), recomputed rather than stored
+        p = torch.exp(s - lse.unsqueeze(-1))  # masked entries: e^-inf = 0
+        dout = dout.float()
+        kv_heads, heads = k.shape[1], q.shape[1]
+        dv = torch.matmul(p.transpose(-2, -1), dout)  # (B, H, tk, D)
+        dp = torch.matmul(dout, _to_query_heads(v, heads).float().transpose(-2, -1))  # (B, H, tq, tk)
+        ds = p * (dp - delta.unsqueeze(-1))  # the softmax's Jacobian, row by row
+        dq = torch.matmul(ds, _to_query_heads(k, heads).float()) * scale  # (B, H, tq, D)
+        dk = torch.matmul(ds.transpose(-2, -1), q.float()) * scale  # (B, H, tk, D)
+        return dq, _to_kv_heads(dk, kv_heads), _to_kv_heads(dv, kv_heads)  # (B, H_kv, tk, D) each

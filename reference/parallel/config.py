@@ -8,7 +8,9 @@ out of dp (the experts of one MoE layer are split over ep ranks; the ranks holdi
 same experts form the expert-data-parallel group). Inside dp, `zero_stage` shards the
 training state (0 = plain data parallelism, 1 = optimizer state, 2 = and gradients,
 3 = and parameters). The pipeline runs `microbatches` micro-batches per step with
-`schedule` ("gpipe", "1f1b", or "interleaved" with `virtual_stages` chunks per rank).
+`schedule` ("gpipe", "1f1b", or "interleaved" with `virtual_stages` chunks per rank); with
+pp = 1 the micro-batches are gradient accumulation and always run F0 B0 F1 B1 ..., one
+micro-batch's activations alive at a time.
 
 Why ZeRO-3 (and ZeRO-2) are refused with pp > 1, as DeepSpeed's pipeline engine does:
 a pipeline runs m micro-batches per step, each forward and backward on every stage. ZeRO-3
@@ -161,6 +163,14 @@ class ParallelConfig:
                        f"{'all-gather the parameters' if self.zero_stage == 3 else 'reduce-scatter the gradients'}"
                        f" once per micro-batch (m={self.microbatches}); use zero_stage 0 or 1 "
                        f"with a pipeline, as DeepSpeed does")
+        if self.zero_stage == 3 and self.tp > 1:
+            out.append(f"zero_stage=3 with tp={self.tp}: FSDP here flattens each block's parameters "
+                       f"into one shard over dp, which mixes tensor-parallel slices with replicated "
+                       f"tensors; use zero_stage 0, 1 or 2 with tensor parallelism")
+        if self.zero_stage == 3 and self.activation_checkpointing:
+            out.append("zero_stage=3 with activation_checkpointing: recomputing a block would need "
+                       "its parameters all-gathered again during backward, which FSDP here does "
+                       "not do; use zero_stage 0, 1 or 2 with activation checkpointing")
         if self.zero_stage == 2 and self.sequence_parallel and self.tp > 1:
             out.append(f"zero_stage=2 with sequence_parallel and tp={self.tp}: ZeRO-2 reduce-scatters "
                        f"each gradient during backward, before the LayerNorms' sequence-parallel "

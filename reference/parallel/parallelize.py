@@ -26,7 +26,8 @@ outside, in a fixed order, each step the identity when its degree is 1:
    the pipeline then replace or drop.
 
 ZeRO-3 is the exception that changes how the forward runs (parameters all-gathered per
-block), so it applies to pp = 1, tp = 1 only (see `ParallelConfig`).
+block), so it applies to pp = 1, tp = 1 and no activation checkpointing only (refused by
+`ParallelConfig.validate`, before any rank starts).
 """
 from __future__ import annotations
 
@@ -129,10 +130,6 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
     if (mesh.dp, mesh.tp, mesh.pp, mesh.ep, mesh.cp) != (config.dp, config.tp, config.pp, config.ep,
                                                          config.cp):
         raise ValueError(f"the mesh ({mesh}) and the config ({config}) disagree on the degrees")
-    if config.zero_stage == 3 and (config.pp > 1 or config.tp > 1):
-        raise ValueError(f"zero_stage=3 is supported with pp=1 and tp=1 only, got pp={config.pp}, "
-                         f"tp={config.tp}: FSDP flattens each block's parameters, which loses the "
-                         f"tensor-parallel marks and the stage cut")
     # 1. tensor (+ sequence) parallelism: swaps modules inside the whole model
     apply_tensor_parallel(model, mesh, sequence_parallel=config.sequence_parallel, seed=seed)
     # 2. context parallelism: attention over the cp group, this rank's positions
@@ -140,7 +137,10 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
     # 3. expert parallelism: each MoE layer keeps this rank's experts
     if config.ep > 1:
         shard_experts(model, mesh.group("ep"))
-    schedule_kind = config.schedule if config.pp > 1 else "gpipe"
+    # One stage (pp = 1) runs its micro-batches (gradient accumulation) as F0 B0 F1 B1 ...:
+    # 1F1B with no warm-up, so one micro-batch's activations are alive at a time, as in
+    # DeepSpeed's accumulation. ("gpipe" would keep all m alive until the first backward.)
+    schedule_kind = config.schedule if config.pp > 1 else "1f1b"
     schedule = build_schedule(schedule_kind, config.pp, config.microbatches,
                               virtual=config.virtual_stages)
     common = dict(config=config, mesh=mesh, model_config=model.config, schedule=schedule,

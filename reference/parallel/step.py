@@ -204,10 +204,13 @@ def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
         scaler.update(overflow)
     norm = None
     if max_norm is not None and not overflow:
-        from reference.parallel.clip import clip_grad_norm_
+        from reference.parallel.clip import clip_grad_norm_, mark_parallel_params
 
         if pm.config.zero_stage in (1, 2) and pm.mesh.dp_cp > 1:
             optimizer.reduce_gradients()  # the shards' averaged gradients; step() won't redo it
+            # The flat shard mixes tensor-parallel slices, replicas over tp and the tied
+            # embedding's second copy: each slice of it is counted by its parameter's marks.
+            mark_parallel_params(pm.stages)
             norm = clip_grad_norm_(optimizer, max_norm, pm.mesh)
         else:
             norm = clip_grad_norm_(pm.stages, max_norm, pm.mesh)

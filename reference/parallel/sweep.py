@@ -1,0 +1,264 @@
+"""Every option of the composed GPT against every other: an all-pairs sweep of configurations.
+
+    cases, refused = covering_set()          # accepted cases covering every pair of values
+    for case in cases: ...                   # train 3 steps, compare with one process
+
+A run is a `ParallelConfig` plus two things outside it: whether the gradients are clipped
+(`clip`) and whether the model has experts (`moe`). `OPTIONS` lists the values each option
+takes here, within world sizes 1 to 8. The full product is hundreds of thousands of cases;
+an *all-pairs* set is much smaller and still puts every value of every option next to every
+value of every other option in at least one case that trains.
+
+Which pairs count. A value only matters where the run uses it (`effective`): `cp_kind`
+where cp > 1, sequence parallelism where tp > 1, the schedule, its virtual stages and the
+embedding stage where pp > 1, the ZeRO stage where there are data-parallel replicas
+(dp x cp > 1). The pairs to cover are the pairs of effective values.
+
+How the set is built (greedy, as AETG does): draw candidates at random, keep those
+`ParallelConfig.validate` accepts, take the one that covers the most pairs not yet covered,
+repeat. A pair no random draw covers is searched for directly (both values fixed, the rest
+drawn); a pair that no accepted case can hold is *refused*, and `covering_set` returns one
+refused case for it with `validate`'s reason. Everything is seeded: the same set every time.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+from typing import Optional
+
+from reference.parallel.config import ParallelConfig
+
+__all__ = ["OPTIONS", "SweepCase", "covering_set", "effective", "pairs_of", "MODEL_SIZES",
+           "BATCH", "N_EXPERTS", "full_product", "names_pair"]
+
+OPTIONS = {
+    "dp": (1, 2, 4),
+    "tp": (1, 2),
+    "pp": (1, 2),
+    "cp": (1, 2),
+    "cp_kind": ("ring", "ulysses"),
+    "ep": (1, 2),
+    "zero_stage": (0, 1, 2, 3),
+    "sequence_parallel": (False, True),
+    "schedule": ("gpipe", "1f1b", "interleaved"),
+    "virtual_stages": (1, 2),
+    "activation_checkpointing": (False, True),
+    "precision": ("fp32", "bf16", "fp16"),
+    "microbatches": (1, 2, 4),
+    "embedding_stage": (False, True),
+    "clip": (False, True),
+    "moe": (False, True),
+}
+# The model and batch every case trains: 4 heads and d_ff 128 split over tp and cp, four
+# layers cut into up to four stages, 16 sequences split over dp x microbatches up to 16.
+MODEL_SIZES = dict(n_layer=4, block_size=16)   # GPTConfig.tiny(**MODEL_SIZES)
+BATCH = (16, 16)                               # (B, T)
+N_EXPERTS = 4
+_CONFIG_KEYS = [k for k in OPTIONS if k not in ("clip", "moe")]
+
+
+@dataclass(frozen=True)
+class SweepCase:
+    config: ParallelConfig
+    clip: bool = False
+    moe: bool = False
+
+    def __str__(self) -> str:
+        extra = [x for x, on in (("clip", self.clip), ("moe", self.moe)) if on]
+        return " ".join([str(self.config)] + extra)
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    def values(self) -> dict:
+        out = {k: getattr(self.config, k) for k in _CONFIG_KEYS}
+        out.update(clip=self.clip, moe=self.moe)
+        return out
+
+    def problems(self) -> list[str]:
+        from reference.model import GPTConfig
+
+        c = self.config
+        return c._problems(c.world_size, GPTConfig.tiny(**MODEL_SIZES), BATCH,
+                           N_EXPERTS if self.moe else None)
+
+
+def effective(values: dict) -> dict:
+    """The values a run uses: options that do nothing in this case are left out."""
+    out = dict(values)
+    if values["cp"] == 1:
+        out.pop("cp_kind")
+    if values["tp"] == 1:
+        out.pop("sequence_parallel")
+    if values["pp"] == 1:
+        for k in ("schedule", "virtual_stages", "embedding_stage"):
+            out.pop(k)
+    if values["dp"] * values["cp"] == 1:
+        out.pop("zero_stage")
+    return out
+
+
+def pairs_of(values: dict) -> set:
+    eff = sorted(effective(values).items())
+    return {(a, b) for a, b in itertools.combinations(eff, 2)}
+
+
+# Settings that let every other option act (cp > 1 for cp_kind, and so on).
+_ENABLING = dict(dp=2, cp=2, tp=2, pp=2)
+
+
+def _all_pairs() -> set:
+    """Every pair of values of two options that can both act in one case."""
+    items = [(k, v) for k, vals in OPTIONS.items() for v in vals]
+    out = set()
+    for a, b in itertools.combinations(sorted(items, key=lambda kv: (kv[0], str(kv[1]))), 2):
+        if a[0] == b[0]:
+            continue
+        values = {k: vals[0] for k, vals in OPTIONS.items()}
+        values.update(_ENABLING)
+        values.update({a[0]: a[1], b[0]: b[1]})
+        eff = effective(values)
+        if a[0] in eff and b[0] in eff:
+            out.add((a, b))
+    return out
+
+
+def _case(values: dict) -> SweepCase:
+    kw = {k: values[k] for k in _CONFIG_KEYS}
+    return SweepCase(ParallelConfig(**kw), clip=values["clip"], moe=values["moe"])
+
+
+def _draw(rng: random.Random, fixed: Optional[dict] = None) -> dict:
+    values = {k: rng.choice(vals) for k, vals in OPTIONS.items()}
+    # Draw the options most often refused into their working region half of the time, so
+    # that accepted cases come up often enough: ep only with experts, interleaving with v=2.
+    if rng.random() < 0.5:
+        values["virtual_stages"] = 2 if values["schedule"] == "interleaved" else 1
+    if values["ep"] > 1 and rng.random() < 0.7:
+        values["moe"] = True
+    values.update(fixed or {})
+    return values
+
+
+def _key(pair) -> tuple:
+    (a, va), (b, vb) = pair
+    return ((a, str(va)), (b, str(vb)))
+
+
+def covering_set(seed: int = 0, draws: int = 200, max_world: int = 8):
+    """(accepted, refused): accepted `SweepCase`s covering every pair of effective values that
+    some accepted case can hold, and for each pair none can, (pair, a refused case, reason)."""
+    rng = random.Random(seed)
+    wanted = {_key(p) for p in _all_pairs()}
+    covered: set = set()
+    accepted: list[SweepCase] = []
+    cache: dict = {}
+
+    def ok(values):
+        case = _case(values)
+        if case.world_size > max_world:
+            return None
+        if case not in cache:
+            cache[case] = not case.problems()
+        return case if cache[case] else None
+
+    def gain(values):
+        return len({_key(p) for p in pairs_of(values)} & (wanted - covered))
+
+    stale = 0
+    while stale < 3:
+        best, best_gain = None, 0
+        for _ in range(draws):
+            values = _draw(rng)
+            if ok(values) is not None:
+                g = gain(values)
+                if g > best_gain:
+                    best, best_gain = values, g
+        if best is None:
+            stale += 1
+            continue
+        stale = 0
+        accepted.append(_case(best))
+        covered |= {_key(p) for p in pairs_of(best)}
+    refused = []
+    for pair in sorted(wanted - covered):
+        if pair in covered:
+            continue
+        (a, va), (b, vb) = pair
+        fixed = {a: _value(a, va), b: _value(b, vb)}
+        found, first_refusal = None, None
+        for _ in range(3000):
+            values = _draw(rng, fixed)
+            if _key(((a, fixed[a]), (b, fixed[b]))) not in {_key(p) for p in pairs_of(values)}:
+                continue  # one of the two values would do nothing in this draw
+            case = _case(values)
+            if case.world_size > max_world:
+                continue
+            if ok(values) is not None:
+                found = values
+                break
+            if first_refusal is None:
+                first_refusal = case
+        if found is not None:
+            accepted.append(_case(found))
+            covered |= {_key(p) for p in pairs_of(found)}
+        else:
+            case = _nearest_refusal(accepted, fixed, max_world)
+            refused.append(((a, fixed[a]), (b, fixed[b]), case, "; ".join(case.problems())))
+    return accepted, refused
+
+
+def _nearest_refusal(accepted, fixed: dict, max_world: int) -> SweepCase:
+    """The accepted case that, given the two values, is refused for the fewest reasons: its
+    reasons are the pair's own, not those of unrelated options."""
+    words = [w for option in fixed for w in _WORDS.get(option, (option,))]
+    best = None
+    for case in accepted:
+        values = case.values()
+        values.update(fixed)
+        candidate = _case(values)
+        if candidate.world_size > max_world:
+            continue
+        problems = candidate.problems()
+        if not problems:
+            continue
+        score = (not any(w in p for p in problems for w in words), len(problems))
+        if best is None or score < best[0]:
+            best = (score, candidate)
+    return best[1]
+
+
+# How `validate`'s reasons name each option.
+_WORDS = {"moe": ("experts",), "cp_kind": ("cp",), "schedule": ("schedule", "1F1B", "interleaved"),
+          "sequence_parallel": ("sequence_parallel", "sequence parallel"),
+          "clip": ("clip",), "precision": ("fp16", "bf16", "precision")}
+
+
+def names_pair(reason: str, a: str, b: str) -> bool:
+    """Whether a refusal's reason names at least one of the two options (test helper)."""
+    return any(w in reason for o in (a, b) for w in _WORDS.get(o, (o,)))
+
+
+def _value(option: str, text: str):
+    return next(v for v in OPTIONS[option] if str(v) == text)
+
+
+def full_product(max_world: int = 8):
+    """Every accepted case of the full product (with the options that do nothing in a case
+    fixed at their defaults, so that no run is repeated), for `bench/sweep_3d.py --full`."""
+    seen = set()
+    keys = list(OPTIONS)
+    for combo in itertools.product(*(OPTIONS[k] for k in keys)):
+        values = dict(zip(keys, combo))
+        eff = effective(values)
+        defaults = dict(cp_kind="ring", sequence_parallel=False, schedule="1f1b",
+                        virtual_stages=1, embedding_stage=False, zero_stage=0)
+        values = {k: eff.get(k, defaults.get(k, values[k])) for k in keys}
+        case = _case(values)
+        if case in seen or case.world_size > max_world:
+            continue
+        seen.add(case)
+        if not case.problems():
+            yield case
