@@ -9,8 +9,9 @@ functions the notebooks compute them with and against measurements.
 * 01: the data-parallel walls quoted for GPT-2 XL and GPT-3 6.7B.
 * 02: the 65B "480 GB -> 320 GB" analysis with the optimizer offloaded to the CPU (only the
   fp16 weights on the GPUs: 2 bytes per parameter).
-* 04: the stored bytes of a micro-batch on the middle ranks (about 17 times the input;
-  checkpointing divides GPipe's peak by about six), and the balance of the cuts into
+* 04: the stored bytes of a micro-batch on the middle ranks (about 17 times the input,
+  16 without the output this executor keeps; checkpointing divides GPipe's peak by about
+  six), interleaving's memory on rank 0 (1 + (p-1)/(pv) times 1F1B's), and the balance of the cuts into
   stages: an embedding-only stage computes nothing, the head's stage stores the
   log-probabilities, time and memory prefer different cuts.
 
@@ -28,7 +29,7 @@ from reference.comms import CostModel
 from reference.data import synthetic_batch
 from reference.memory import Precision, model_state_bytes
 from reference.model import GPT, GPTConfig
-from reference.pipeline_parallel import split_stages, stage_costs, stage_flops_formula, stored_bytes_formula
+from reference.pipeline_parallel import build_schedule, split_stages, stage_costs, stage_flops_formula, stored_bytes_formula
 from reference.runtime import launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,13 +177,26 @@ def test_middle_stage_stores_17_inputs_and_checkpointing_divides_by_six():
     spec = split_stages(GPT.from_config_seed(MEM_CFG, 0), 4)[1].spec       # block 1 alone
     parts = stored_bytes_formula(MEM_CFG, 1, spec)
     S = 1 * 8 * 16 * 4
-    assert parts == {"1 block(s), 16S + 4s + a each": 16 * S + 4 * 8 * 4 + 2 * 8 * 4,
+    assert parts == {"1 block(s), 16S + 4s + ℓ each": 16 * S + 4 * 8 * 4 + 2 * 8 * 4,
                      "output kept for its gradient, S": S}
     a, input_bytes = sum(parts.values()), S
     assert (a, input_bytes) == (8896, 512) and round(a / input_bytes) == 17
+    # the kept output is this executor's: freed after the send (as Megatron-LM does), about 16
+    assert round((a - parts["output kept for its gradient, S"]) / input_bytes) == 16
     recompute = a - input_bytes - S                                        # a' leaves out input and output
     m = 8
     assert round(m * a / (m * input_bytes + recompute)) == 6               # GPipe's peak, checkpointed
+
+
+@pytest.mark.parametrize("pp, m", [(4, 8), (4, 16), (2, 8), (8, 16)])
+def test_interleaving_holds_1_plus_p_minus_1_over_pv_times_1f1b(pp, m):
+    # rank 0 holds pv + p - 1 (micro-batch, chunk) pairs of 1/v stage each, against 1F1B's p stages
+    assert build_schedule("1f1b", pp, m).peak_in_flight(0) == pp
+    for v in (2, 4):
+        held = build_schedule("interleaved", pp, m, v).peak_in_flight(0)
+        assert held == pp * v + pp - 1
+        assert held / v / pp == 1 + (pp - 1) / (pp * v)
+    assert build_schedule("interleaved", 4, 8, 2).peak_in_flight(0) / 2 / 4 == 1.375   # "1.375 times"
 
 
 def _vocab_costs():

@@ -49,12 +49,12 @@ def saved_activation_bytes(module, x):
 
 
 def activation_formula(mode, t):
-    """The notebook's table: s = B T x 4 (a LayerNorm statistic), a = B n_head T x 4 (log-sum-exp)."""
-    s, a = B * T * 4, B * CFG.n_head * T * 4
-    return {"dense": 16 * S + 4 * s + a,
-            "TP": 4 * S + 4 * s + (12 * S + a) / t,
-            "TP+SP": 2 * S + (14 * S + 4 * s + a) / t,
-            "TP+SP, regather": (16 * S + 4 * s + a) / t}[mode]
+    """The notebook's table: s = B T x 4 (a LayerNorm statistic), ℓ = B n_head T x 4 (log-sum-exp)."""
+    s, lse = B * T * 4, B * CFG.n_head * T * 4
+    return {"dense": 16 * S + 4 * s + lse,
+            "TP": 4 * S + 4 * s + (12 * S + lse) / t,
+            "TP+SP": 2 * S + (14 * S + 4 * s + lse) / t,
+            "TP+SP, regather": (16 * S + 4 * s + lse) / t}[mode]
 
 
 MODES = {"TP": (False, False), "TP+SP": (True, False), "TP+SP, regather": (True, True)}

@@ -13,10 +13,12 @@ the logits it keeps for the loss's backward.
   the flops of its forward and backward (`torch.utils.flop_counter`, which counts
   matrix products; CPU attention kernels are not counted) and the bytes its
   forward leaves stored, counted the way `run_pipeline` counts them (saved
-  tensors, parameters left out, plus the output kept until its gradient arrives).
+  tensors, parameters left out, plus the output kept until its gradient arrives:
+  a cost of this executor, which Megatron-LM avoids by freeing the output's data
+  after the send, since backward needs only its grad_fn).
 * `stored_bytes_formula(config, micro_batch, spec)` is that last count in closed
   form, part by part, for the plain GPT in fp32 without dropout: a block keeps
-  16 S + 4 s + a (S = b T C * 4 bytes, s = b T * 4, a = b n_head T * 4: the
+  16 S + 4 s + ℓ (S = b T C * 4 bytes, s = b T * 4, ℓ = b n_head T * 4: the
   LayerNorm inputs, outputs and statistics, q, k, v, the attention output and
   log-sum-exp, the MLP's hidden layer; no T x T scores, the flash kernel
   recomputes them), the embedding its token ids and positions, the head its
@@ -103,7 +105,7 @@ def stored_bytes_formula(config: GPTConfig, micro_batch: int, spec: StageSpec) -
     if spec.embedding:
         parts["token ids and positions"] = b * T * 8 + T * 8          # int64
     if len(spec.layers):
-        parts[f"{len(spec.layers)} block(s), 16S + 4s + a each"] = len(spec.layers) * (16 * S + 4 * s + lse)
+        parts[f"{len(spec.layers)} block(s), 16S + 4s + ℓ each"] = len(spec.layers) * (16 * S + 4 * s + lse)
     if spec.head:
         # ln_f's input, statistics and output; log-softmax (b T, V); targets; the loss's weight total
         parts["head: LayerNorm, log-probabilities (b, T, V), targets"] = 2 * S + 2 * s + b * T * V * 4 + b * T * 8 + 4
