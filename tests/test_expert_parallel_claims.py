@@ -1,6 +1,7 @@
 """The claims of notebook 05 that the module tests do not already measure.
 
-* a larger capacity factor never drops more, and no limit drops nothing;
+* a larger capacity factor never drops more, and no limit drops nothing; a cap makes
+  every expert compute its empty slots, dropless computes every assignment;
 * Switch (k = 1) keeps the raw probability because a renormalised single
   weight is always 1 and gives the gate no gradient from the output;
 * memory per rank with expert parallelism is D + X / ep for D bytes of
@@ -55,6 +56,24 @@ def test_larger_capacity_factor_drops_less():
         lost_tokens.append(s.dropped_tokens)
     assert dropped == sorted(dropped, reverse=True) and lost_tokens == sorted(lost_tokens, reverse=True)
     assert dropped[0] > dropped[1] > 0 and dropped[-1] == 0 and lost_tokens[-1] == 0
+
+
+def test_capacity_is_a_trade_off_fixed_shapes_compute_empty_slots_dropless_computes_all():
+    """Notebook 05's table: with a cap every expert computes E * capacity * G rows, more than
+    the assignments it kept; dropless (None) computes every assignment and nothing else."""
+    x = skewed_batch()
+    G, T = x.shape[:2]
+    rows = {}
+    for f in (0.5, 1.0, 1.25, 2.0, None):
+        moe = make_moe(capacity_factor=f)
+        moe(x)
+        s = moe.last_stats
+        rows[f] = (E * s.capacity * G, int(s.kept_per_expert.sum()), int(s.kept_per_expert.max()))
+    assert rows[None][1] == G * T * 2                                   # dropless: all k T G assignments
+    fixed = [rows[f][0] for f in (0.5, 1.0, 1.25, 2.0)]
+    assert fixed == sorted(fixed) and all(rows[f][0] > rows[f][1] for f in (0.5, 1.0, 1.25, 2.0))
+    assert rows[None][2] > rows[2.0][2]                                 # the busiest expert grows uncapped
+    assert (rows[1.0][0], rows[1.0][1]) == (128, 58)                    # the notebook's printed row at f = 1
 
 
 def test_switch_renormalised_weight_gives_the_gate_no_gradient():
