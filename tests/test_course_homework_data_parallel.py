@@ -166,6 +166,9 @@ def test_zero1_full_marks_and_wrong_answers_lose_points():
     # Unsharded optimizer: right parameters, but state for every number on every rank.
     whole = _score(ZERO1, ZERO, WHOLE=True, OP=dist.ReduceOp.SUM)
     assert whole.points == 0 and "this rank's shard" in whole.reason
-    # A sum instead of a mean: SGD moves N times too far (Adam, scale-free, hides part of it).
+    # A sum instead of a mean: SGD moves N times too far, but AdamW, nearly blind to the
+    # gradient's scale, trains almost the same parameters (it used to keep 6 of 8 cases).
+    # The shard's gradient, checked after every step, tells them apart in every case.
     summed = _score(ZERO1, ZERO, WHOLE=False, OP=dist.ReduceOp.SUM)
-    assert summed.points < summed.max and "differs from one process" in summed.reason
+    assert summed.weighted() <= summed.weight / 2, summed.failures
+    assert summed.points == 0 and "summed instead of averaged" in summed.reason, summed.reason

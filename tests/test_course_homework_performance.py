@@ -87,7 +87,7 @@ def test_the_example_in_the_exercise_text():
 
 # ------------------------------------------------------------------ diagnose
 
-def _diagnose(comm_first=False, slow_by_waiting=False, crossover=lambda n, a, b: n * a * b):
+def _diagnose(comm_first=False, slow_by_waiting=False, crossover=lambda n, a, b: n * a / b):
     def diagnose(profile):
         ranks, n = profile["ranks"], profile["world_size"]
         steps = [r["compute"] + sum(r["communication"].values()) + r["idle"] for r in ranks]
@@ -114,7 +114,7 @@ def _diagnose(comm_first=False, slow_by_waiting=False, crossover=lambda n, a, b:
 
 def test_diagnose_right_answer_full_marks():
     score = _score(DIAGNOSE, _diagnose())
-    assert score.points == score.max == 8, score.failures
+    assert score.points == score.max == 12, score.failures
 
 
 @pytest.mark.parametrize("mistake, lost", [
@@ -122,12 +122,18 @@ def test_diagnose_right_answer_full_marks():
     (dict(comm_first=True), 4),
     # The straggler taken as the rank that communicates most: it is the one that waits least.
     (dict(slow_by_waiting=True), 2),
-    # The crossover from the latency term alone, 2(N-1) alpha beta: both latency cases' fixes.
-    (dict(crossover=lambda n, a, b: 2 * (n - 1) * a * b), 2),
+    # The crossover from the latency term alone, 2(N-1) alpha / beta: every latency case's fix
+    # but on 2 ranks, where 2(N - 1) = N.
+    (dict(crossover=lambda n, a, b: 2 * (n - 1) * a / b), 5),
+    # beta read as a bandwidth (N alpha beta, beta in bytes per second): every latency case is
+    # taken for a bandwidth one. Half the cases, half the exercise's points.
+    (dict(crossover=lambda n, a, b: n * a * b), 6),
 ])
 def test_diagnose_mistakes_lose_their_cases(mistake, lost):
     score = _score(DIAGNOSE, _diagnose(**mistake))
     assert score.max - score.points == lost, score.failures
+    if mistake.get("crossover") and lost == score.max // 2:  # the named mutant: half the weight
+        assert score.weighted() <= score.weight / 2
 
 
 # ------------------------------------------------------------------ powersgd_all_reduce
@@ -161,7 +167,7 @@ def _powersgd(feedback=True, average_q=True, reduce_p=True, whole=False):
 
 def test_powersgd_right_answer_full_marks():
     score = _score(POWERSGD, _powersgd())
-    assert score.points == score.max == 8, score.failures
+    assert score.points == score.max == 12, score.failures
 
 
 @pytest.mark.parametrize("mistake, lost, reason", [

@@ -35,14 +35,15 @@ _HINTS = {
     "planted problem is 'bubble'": ("with pp > 1, compute the 1F1B bubble (p - 1) / (m + p - 1) "
                                     "before the communication share: the stages wait in recv"),
     "planted problem is 'latency'": ("communication share over 30 % with small all-reduces: compare "
-                                     "the bytes per call with N alpha beta"),
+                                     "the bytes per call with the size where a ring's latency and bandwidth terms are equal"),
     "planted problem is 'bandwidth'": ("communication share over 30 % with large all-reduces: the "
-                                       "bytes per call are above N alpha beta"),
+                                       "bytes per call are above the size where a ring's two terms are equal"),
     "planted problem is 'healthy'": "the share is the mean over ranks of communication / step",
     "straggler: fix": "the fix of a straggler is its rank: the one that computes longest",
     "bubble: fix": "the smallest m with (p - 1) / (m + p - 1) <= target_bubble",
-    "latency: fix": ("a ring all-reduce of S bytes costs 2(N-1) alpha + 2(N-1)/N S / beta: find S "
-                     "where the two terms are equal"),
+    "latency: fix": ("a ring all-reduce of S bytes costs 2(N-1) alpha + 2(N-1)/N S beta, beta in "
+                     "seconds per byte as in notebook 00 (not a bandwidth): find S where the two "
+                     "terms are equal"),
     "not allowed": "only dist.all_reduce is allowed: P first, then Q",
     "all-reduced": "all-reduce P (n x r) and Q (m x r), never the whole gradient",
     "wrong approx": "approx = P^ new_q^T, with P^ from the all-reduced P and new_q the mean Q",

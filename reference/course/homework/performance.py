@@ -16,13 +16,16 @@
   returns (problem, fix) with problem one of PROBLEMS: a straggler (fix: its rank), a
   pipeline bubble above the target (fix: the fewest micro-batches that meet it), a
   communication share over 30 % of many small all-reduces (latency: fix the bucket size
-  in bytes at which a ring all-reduce's latency and bandwidth terms are equal, N alpha
-  beta, rtol 1e-9) or of large ones (bandwidth: fix None), or healthy (None). Cases are
-  clear-cut (a straggler computes at least 1.8 times the others; where the share decides,
-  it is below 20 % or above 35 %; bytes per call are a quarter of N alpha beta or less, or
-  4 times or more; no bubble target sits on a whole number of micro-batches) and set traps: a
-  straggler's and a bubble's waiting also raise the communication share, and a pipeline
-  with enough micro-batches has no bubble problem.
+  in bytes at which a ring all-reduce's latency and bandwidth terms are equal, N alpha /
+  beta, rtol 1e-9) or of large ones (bandwidth: fix None), or healthy (None). The
+  profile's `beta` is seconds per byte (1 / bandwidth), the convention of notebook 00 and
+  homework 00. Cases are clear-cut (a straggler computes at least 1.8 times the others;
+  where the share decides, it is below 20 % or above 35 %; bytes per call are a quarter
+  of N alpha / beta or less, or 4 times or more; no bubble target sits on a whole number of
+  micro-batches) and set traps: a straggler's and a bubble's waiting also raise the
+  communication share, and a pipeline with enough micro-batches has no bubble problem.
+  Half the cases are latency-bound, on 2 to 64 ranks: the one diagnosis whose fix is a
+  number, which reading beta as a bandwidth (N alpha beta) gets wrong in every case.
 * ``mfu(...)``: the written question, graded on other values to rtol 1e-9.
 PowerSGD's compressed all-reduce, the transfer exercise on ranks, is checked in
 `performance_powersgd`.
@@ -169,7 +172,8 @@ def course_diagnose(profile):
         return "healthy", None
     calls = sum(r["calls"].get("all_reduce", 0) for r in ranks)
     per_call = sum(r["bytes"].get("all_reduce", 0) for r in ranks) / calls
-    crossover = profile["world_size"] * profile["alpha"] * profile["beta"]   # latency = bandwidth
+    # 2(N-1) alpha = 2(N-1)/N S beta: the latency and bandwidth terms are equal at S = N alpha / beta.
+    crossover = profile["world_size"] * profile["alpha"] / profile["beta"]
     return ("latency", crossover) if per_call < crossover else ("bandwidth", None)
 
 
@@ -222,8 +226,9 @@ def make_diagnose_cases(generator: torch.Generator, world_size: int) -> list[Cas
         return _draw(generator, lo, hi)
 
     def profile(kind, n, pp=1, m=1, target=0.13):
-        alpha, beta = _pick(generator, (5e-6, 1e-5, 2e-5)), _pick(generator, (12.5e9, 25e9, 50e9))
-        cross, c = n * alpha * beta, draw(0.05, 0.2)
+        alpha = _pick(generator, (5e-6, 1e-5, 2e-5))
+        beta = 1 / _pick(generator, (12.5e9, 25e9, 50e9))       # seconds per byte
+        cross, c = n * alpha / beta, draw(0.05, 0.2)
         ranks = []
         slow = int(torch.randint(n, (), generator=generator))
         factor = draw(1.8, 3.0)
@@ -249,7 +254,9 @@ def make_diagnose_cases(generator: torch.Generator, world_size: int) -> list[Cas
              ("bubble, pp 4", profile("bubble", 4, pp=4, m=int(torch.randint(1, 5, (), generator=generator)),
                                       target=_pick(generator, (0.11, 0.13)))),
              ("bubble, pp 8 x dp 2", profile("bubble", 16, pp=8, m=8, target=_pick(generator, (0.17, 0.23)))),
-             ("latency", profile("latency", 8)),
+             ("latency", profile("latency", 8)), ("latency, 2 ranks", profile("latency", 2)),
+             ("latency, 16 ranks", profile("latency", 16)), ("latency, 32 ranks", profile("latency", 32)),
+             ("latency, 64 ranks", profile("latency", 64)),
              ("latency, a pipeline with enough micro-batches", profile("latency", 4, pp=2, m=16, target=0.11)),
              ("bandwidth", profile("bandwidth", 8)), ("healthy", profile("healthy", 4))]
     return [Case(name, [p]) for name, p in specs]

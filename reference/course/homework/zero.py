@@ -17,8 +17,12 @@ The cases: AdamW with a parameter count that does not divide by the world size
 class is the caller's), and a one-parameter model on more ranks than it has numbers
 (some ranks own only padding). Beyond the values, each rank's inner optimizer must
 hold one tensor of S = ceil(Psi / N) numbers and state tensors of S numbers only:
-the optimizer state is sharded, which is the point of stage 1. Only all-reduce,
-reduce-scatter and all-gather are allowed.
+the optimizer state is sharded, which is the point of stage 1. After every step the
+shard's gradient (what the inner optimizer stepped on) must be this rank's slice of
+the MEAN gradient: AdamW is nearly blind to the gradient's scale, so a reduce-scatter
+with SUM instead of AVG would train almost the same parameters, and only this check
+tells them apart in every case. Only all-reduce, reduce-scatter and all-gather are
+allowed.
 
 The transfer exercises (clip_sharded_grad_norm_, fsdp_schedule) and the written question
 (zero_max_params) are checked in `zero_extra`.
@@ -120,32 +124,60 @@ def call(fn, case: dict) -> dict:
                 and isinstance(returned[1], torch.optim.Optimizer)):
             return {"returned": type(returned).__name__}
         step, inner = returned
+        shard_grads = []  # after each step: the gradient the inner optimizer stepped on
         for s in range(STEPS):
             for p in params:
                 p.grad = None
             full_batch_loss(model, case["x"][s], case["y"][s]).backward()
             step()
+            inner_params = [p for group in inner.param_groups for p in group["params"]]
+            grad = inner_params[0].grad if len(inner_params) == 1 else None
+            shard_grads.append(None if grad is None else grad.detach().clone())
     shard = [int(p.numel()) for group in inner.param_groups for p in group["params"]]
     state = [int(t.numel()) for st in inner.state.values() for t in st.values()
              if isinstance(t, torch.Tensor) and t.dim() > 0]
     return {"returned": "tuple", "inner": type(inner).__name__, "shard": shard, "state": state,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "shard_grads": shard_grads}
 
 
 def expect(inputs: list) -> dict:
+    """The parameters after STEPS steps of one process on the whole batch, and each step's
+    whole-batch gradient, flat (Psi,): the mean of the ranks' gradients."""
     case = inputs[0]
     model = build_mlp(case)
     optimizer = OPTIMIZERS[case["optimizer"]](model.parameters(), **_kwargs(case))
+    grads = []
     for s in range(STEPS):
         optimizer.zero_grad(set_to_none=True)
         x = torch.cat([r["x"][s] for r in inputs])
         y = torch.cat([r["y"][s] for r in inputs])
         full_batch_loss(model, x, y).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
         optimizer.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "grads": grads}
+
+
+def _shard_grad_error(got, want_flat, rank: int, shard_numel: int, world_size: int) -> str:
+    """"" when `got` is rank's slice of the mean gradient (padding: anything), else why not."""
+    want = torch.cat([want_flat, want_flat.new_zeros(world_size * shard_numel - want_flat.numel())])
+    want = want[rank * shard_numel:(rank + 1) * shard_numel]
+    real = max(0, min(shard_numel, want_flat.numel() - rank * shard_numel))  # not padding
+    if got is None:
+        return "the inner optimizer's shard has no gradient after step() (set shard.grad to the average)"
+    if got.shape != want.shape:
+        return f"the shard's gradient has shape {tuple(got.shape)}, not ({shard_numel},)"
+    if torch.allclose(got[:real], want[:real], **TOLERANCE):
+        return ""
+    ratio = (got[:real].double().norm() / want[:real].double().norm().clamp_min(1e-30)).item()
+    scale = (f": it is {ratio:.3g} times the mean, summed instead of averaged?"
+             if abs(ratio - world_size) < 0.01 * world_size else "")
+    return f"the shard's gradient is not this rank's slice of the mean gradient{scale}"
 
 
 def judge(inputs, expected, outputs, world_size) -> str:
+    grads, expected = expected["grads"], expected["params"]
     psi = sum(t.numel() for t in expected.values())
     shard_numel = math.ceil(psi / world_size)  # S
     want_class = inputs[0]["optimizer"]
@@ -162,6 +194,9 @@ def judge(inputs, expected, outputs, world_size) -> str:
         if any(n != shard_numel for n in out["state"]):
             return (f"rank {rank}: optimizer state tensors of {out['state']} numbers; each must "
                     f"cover only the shard ({shard_numel})")
+        for step, (got, want) in enumerate(zip(out["shard_grads"], grads)):
+            if error := _shard_grad_error(got, want, rank, shard_numel, world_size):
+                return f"rank {rank}, step {step + 1}: {error}"
         for name, want in expected.items():
             got = out["params"][name]
             if not torch.allclose(got, want, **TOLERANCE):
