@@ -11,7 +11,9 @@
   Ulysses' fall as 1 / cp;
 * the transfer of a block hides behind a causal zig-zag step's compute from
   T/cp = 2 b F / (2 W): 16,000 tokens at 400 Tflop/s and 50 GB/s, 1,778 at 450 GB/s, so
-  a 131,072-token sequence on cp = 8 (16,384 a rank) hides it even across nodes;
+  a 131,072-token sequence on cp = 8 (16,384 a rank) just breaks even across nodes (1.02);
+* the contiguous split's last rank computes cp times rank 0's score entries (the diagonal
+  block whole) for about 2 cp - 1 times its pairs;
 * the pictures of `reference.context_parallel.viz`.
 
 Bytes, memory and work measured on ranks against the formulas are in
@@ -124,6 +126,16 @@ def test_ring_transfer_hides_behind_compute_from_the_notebooks_thresholds():
     assert across == 16_000                        # the notebook's 16,000
     assert inside == 1_778                         # the notebook's ceil(1,777.8)
     assert 131_072 // 8 == 16_384 >= across
+    assert 16_384 / across == pytest.approx(1.024)                 # "just breaks even"
+    from reference.comms.links import NIC, NVLINK
+    assert (NIC.bandwidth, NVLINK.bandwidth) == (50e9, 450e9)      # the course's links
+
+
+def test_flops_against_pairs_of_the_contiguous_split():
+    T, cp = 64, 4
+    pairs = causal_pairs_per_rank(T, cp, zigzag=False)
+    entries = ring_block_elements_per_rank(T, cp, zigzag=False)
+    assert entries[-1] / entries[0] == cp and 2 * cp - 2 < pairs[-1] / pairs[0] < 2 * cp - 1
 
 
 # ------------------------------------------------------------------ the pictures
