@@ -311,4 +311,9 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: Opt
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+    probs = F.softmax(logits, dim=-1)
+    if generator is not None and generator.device != probs.device:
+        # A CPU generator with logits on a GPU (or the reverse): draw where the generator
+        # lives, so that the same seed gives the same tokens on every device.
+        return torch.multinomial(probs.to(generator.device), 1, generator=generator).to(probs.device)
+    return torch.multinomial(probs, 1, generator=generator)

@@ -466,3 +466,29 @@ def test_notebook_runs_headless_on_gpus(path, tmp_path):
     import test_notebooks
 
     test_notebooks.test_notebook_runs_headless_within_budget(path, tmp_path)
+
+
+def _sample_on_gpu():
+    from reference.model import GPT, GPTConfig
+    from reference.parallel import ParallelConfig, generate, parallelize
+
+    _fp32_matmuls()
+    torch.manual_seed(0)
+    config = ParallelConfig.single()
+    model = GPT(GPTConfig.tiny()).to(runtime.device())
+    pm = parallelize(model, config.mesh().build_groups(), config)
+    prompt = torch.tensor([[1, 2, 3]])
+    on_gpu = generate(pm, prompt, 8, temperature=0.8, generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig.tiny())
+    on_cpu = plain.generate(prompt, 8, 0.8, None, torch.Generator().manual_seed(3))
+    return on_gpu.cpu(), on_cpu
+
+
+@needs_gpu
+def test_sampling_on_a_gpu_with_a_cpu_generator():
+    """The trainer samples at the end of a run with a CPU generator: on CUDA logits that
+    raised ("Expected a 'cuda' device type for generator"); now the tokens are drawn where
+    the generator lives, the same as on the CPU."""
+    got, want = launch(_sample_on_gpu, 1, backend="nccl", timeout=TIMEOUT, quiet=True)[0]
+    assert torch.equal(got, want)

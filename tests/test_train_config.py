@@ -39,7 +39,7 @@ def test_debug_3d_is_the_golden_debug_run():
     assert config.parallel_config(8) == ParallelConfig.debug_3d()
     assert config.gpt_config() == golden.MODEL
     assert config.batch_sizes(8) == (8, 2, 2) and config.seq_len() == 32
-    assert (config.optimizer.torch_class(), config.optimizer.kwargs()) == (torch.optim.AdamW, {"lr": 3e-3})
+    assert (config.optimizer.torch_class(), config.optimizer.kwargs()) == (torch.optim.AdamW, {"lr": 3e-3, "weight_decay": 0.01})
     assert (config.data.source, config.steps, config.checkpoint.every) == ("arithmetic", 30, 10)
     assert config.log.path.endswith(".jsonl") and config.about
     assert describe(config, 8).endswith("inconsistent or pointless: nothing found")
@@ -57,17 +57,46 @@ def test_moe_4d_has_experts_on_top_of_3d():
     assert describe(config, 8).endswith("nothing found")
 
 
-def test_article_config_loads_as_deepspeed_would_run_it():
-    """Pure DeepSpeed keys: on 8 ranks with no parallelism block, dp is 8 and ZeRO-3 fits."""
-    config = load_config(ARTICLE, world_size=8)
-    pc = config.parallel_config(8)
-    assert (pc.dp, pc.tp, pc.pp, pc.zero_stage, pc.precision, pc.microbatches) == (8, 1, 1, 3, "fp16", 8)
+def test_article_config_is_the_articles_file_and_check_explains_every_key():
+    """The article's file exactly (lr 6e-5, no scheduler, fp16 {"enabled": true}, ZeRO-3 with
+    the optimizer offloaded, an activation_checkpointing block). On 8 ranks with no
+    parallelism block dp is 8; the trainer refuses it, for reasons `describe` lists: nothing
+    is offloaded here, and ZeRO-3 does not recompute."""
+    raw = json.loads(ARTICLE.read_text())
+    assert raw["optimizer"] == {"type": "AdamW", "params": {"lr": 6e-5}}
+    assert "scheduler" not in raw and raw["fp16"] == {"enabled": True}
+    assert raw["activation_checkpointing"] == {"partition_activations": True,
+                                               "contiguous_memory_optimization": True}
+    config = load_config(ARTICLE)
     assert config.batch_sizes(8) == (4096, 64, 8)        # 4096 = 64 x 8 x dp 8
-    assert config.zero_optimization.offload and config.gradient_clipping == 1.0
+    assert config.optimizer.kwargs() == {"lr": 6e-5, "weight_decay": 0.0}   # DeepSpeed's default
     assert config.fp16.scaler_kwargs() == dict(initial_scale_power=16, window=1000, hysteresis=2,
-                                               min_scale=1.0, static=None)   # loss_scale 0: dynamic
-    assert config.scheduler.type == "WarmupLR" and config.optimizer.type == "AdamW"
-    assert "parallelism" not in json.loads(ARTICLE.read_text())
+                                               min_scale=1.0, static=None,
+                                               consecutive_hysteresis=False)
+    with pytest.raises(ValueError, match="zero_stage=3 with activation_checkpointing"):
+        config.parallel_config(8)
+    no_ckpt = load_config(ARTICLE, {"activation_checkpointing.enabled": "false"})
+    with pytest.raises(ValueError, match="offload_optimizer .device 'cpu'. is not implemented"):
+        no_ckpt.parallel_config(8)
+    text = describe(config, 8)
+    explained = {  # every key of the file, and where --check says what it does
+        "train_batch_size": "train_batch_size 4096 = micro-batch 64 x accumulation 8 x dp 8",
+        "gradient_accumulation_steps": "accumulation 8",
+        "optimizer": "AdamW (torch.optim.AdamW: lr 6e-05, weight_decay 0)",
+        "weight_decay (unset)": "DeepSpeed's default 0",
+        "gradient_clipping": "clip the global norm at 1",
+        "fp16": "fp16 with dynamic loss scaling from 2^16",
+        "zero_optimization.stage": "stage 3 at dp 8",
+        "zero_optimization.offload_optimizer": "offload_optimizer (device 'cpu') is not implemented",
+        "activation_checkpointing": "the activation_checkpointing block turns it on",
+        "activation_checkpointing.partition_activations": "partition_activations: no effect here",
+        "activation_checkpointing.contiguous_memory_optimization":
+            "contiguous_memory_optimization=True: DeepSpeed's, no effect here",
+        "scheduler (none)": "constant lr",
+    }
+    for key, words in explained.items():
+        assert words in text, key
+    assert "zero_stage=3 with activation_checkpointing" in text
 
 
 def test_describe_article_at_tensor_2_pipeline_4():
@@ -102,7 +131,7 @@ def test_overrides_reach_every_key_and_parse_strings():
         "optimizer.params.lr": "3e-4", "optimizer.params.betas": "[0.9, 0.95]", "steps": "10",
         "parallelism.tensor": 1, "parallelism.sequence_parallel": "false", "log.path": "x.jsonl",
         "scheduler.type": "WarmupCosineLR", "scheduler.params.warmup_num_steps": "2"})
-    assert config.optimizer.kwargs() == {"lr": 3e-4, "betas": (0.9, 0.95)}
+    assert config.optimizer.kwargs() == {"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.01}
     assert (config.steps, config.parallelism.tensor, config.parallelism.sequence_parallel) == (10, 1, False)
     assert config.log.path == "x.jsonl" and config.scheduler.params.warmup_num_steps == 2
     assert config.parallel_config(4).dp == 2            # dp = world / (tp x pp) = 4 / (1 x 2)
@@ -232,7 +261,7 @@ def test_optimizer_types_follow_deepspeed(tmp_path):
     # DeepSpeed's "Adam" applies decoupled weight decay unless adam_w_mode is false
     assert made({"type": "Adam", "params": {"weight_decay": 0.1}}) == (torch.optim.AdamW, {"weight_decay": 0.1})
     assert made({"type": "Adam", "params": {"adam_w_mode": False}})[0] is torch.optim.Adam
-    assert made({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}) == (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+    assert made({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}) == (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0})
 
 
 # ---------------------------------------------------------------------------- lr schedules

@@ -6,10 +6,20 @@ optimizer then sees the gradients divided by s again. Too large an s overflows t
 the scale is dynamic:
 
 * a step whose gradients hold an inf or a NaN on *any* rank (every rank must agree: one
-  rank skipping a step alone would desynchronise the replicas) is skipped, and the scale is
-  multiplied by `backoff` (1/2), after `hysteresis` consecutive overflows, never below
-  `min_scale`;
-* after `window` steps in a row without overflow the scale is multiplied by `growth` (2).
+  rank skipping a step alone would desynchronise the replicas) is skipped;
+* `hysteresis` (DeepSpeed's, its loss scaler's `delayed_shift`) is a budget of overflows
+  tolerated before the scale drops: each overflow spends one, and once one is left every
+  overflow multiplies the scale by `backoff` (1/2), never below `min_scale`;
+* the budget is refilled, with `consecutive_hysteresis=False` (DeepSpeed's default), only
+  when the scale grows; with `consecutive_hysteresis=True`, after every step without
+  overflow (so only overflows in a row lower the scale);
+* the scale is multiplied by `growth` (2) every `window` steps counted from the last
+  overflow (DeepSpeed: (iteration - last overflow iteration) % window == 0).
+
+So with hysteresis 2, overflows on alternate steps (O G O G ...) halve the scale from the
+second overflow on, as DeepSpeed does; with consecutive_hysteresis they never lower it.
+Unlike DeepSpeed's `raise_error_at_min_scale`, an overflow at `min_scale` does not stop
+the run: the step is skipped and the scale stays at the minimum.
 
 `DynamicLossScaler(static=s)` keeps s fixed (DeepSpeed's `loss_scale: s`, where 0 means
 dynamic). bf16 has fp32's exponent range and needs none of this.
@@ -27,7 +37,7 @@ __all__ = ["DynamicLossScaler"]
 class DynamicLossScaler:
     def __init__(self, initial_scale_power: int = 16, window: int = 1000, hysteresis: int = 2,
                  min_scale: float = 1.0, growth: float = 2.0, backoff: float = 0.5,
-                 static: Optional[float] = None):
+                 static: Optional[float] = None, consecutive_hysteresis: bool = False):
         if static is not None and not static > 0:
             raise ValueError(f"a static loss scale must be positive, got {static!r}")
         if window < 1 or hysteresis < 1 or not min_scale > 0:
@@ -37,7 +47,10 @@ class DynamicLossScaler:
         self.static = static is not None
         self.window, self.hysteresis, self.min_scale = window, hysteresis, min_scale
         self.growth, self.backoff = growth, backoff
-        self.good_steps, self.overflows_in_a_row, self.skipped = 0, 0, 0
+        self.consecutive_hysteresis = bool(consecutive_hysteresis)
+        self.cur_hysteresis = hysteresis            # overflows left before the scale drops
+        self.iteration, self.last_overflow = 0, -1  # DeepSpeed's cur_iter, last_overflow_iter
+        self.skipped = 0
 
     def unscale_and_check(self, grads, group=None) -> bool:
         """Divide ``grads`` by the scale; True when any rank of ``group`` (default: the
@@ -53,27 +66,32 @@ class DynamicLossScaler:
         return overflow
 
     def update(self, overflow: bool) -> None:
+        """After each step: DeepSpeed's `update_scale` (see the module docstring)."""
         if overflow:
             self.skipped += 1
-            self.good_steps = 0
-            self.overflows_in_a_row += 1
-            if not self.static and self.overflows_in_a_row >= self.hysteresis:
-                self.scale = max(self.scale * self.backoff, self.min_scale)
-                self.overflows_in_a_row = 0
-            return
-        self.overflows_in_a_row = 0
-        self.good_steps += 1
-        if not self.static and self.good_steps % self.window == 0:
-            self.scale *= self.growth
+            if not self.static:
+                if self.hysteresis == 1 or self.cur_hysteresis == 1:
+                    self.scale = max(self.scale * self.backoff, self.min_scale)
+                else:
+                    self.cur_hysteresis -= 1
+            self.last_overflow = self.iteration
+        elif not self.static:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.hysteresis
+            if (self.iteration - self.last_overflow) % self.window == 0:
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.hysteresis
+                self.scale *= self.growth
+        self.iteration += 1
 
     def state_dict(self) -> dict:
-        return dict(scale=self.scale, good_steps=self.good_steps,
-                    overflows_in_a_row=self.overflows_in_a_row, skipped=self.skipped)
+        return dict(scale=self.scale, cur_hysteresis=self.cur_hysteresis, iteration=self.iteration,
+                    last_overflow=self.last_overflow, skipped=self.skipped)
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = float(state["scale"])
-        self.good_steps = int(state["good_steps"])
-        self.overflows_in_a_row = int(state["overflows_in_a_row"])
+        self.cur_hysteresis = int(state["cur_hysteresis"])
+        self.iteration, self.last_overflow = int(state["iteration"]), int(state["last_overflow"])
         self.skipped = int(state["skipped"])
 
     def __repr__(self) -> str:

@@ -151,21 +151,26 @@ def main(argv=None) -> int:
     from reference.train.loop import run_rank
     from reference.train.settings import settings
 
-    plan = settings(cfg, world_size)
-    if args.resume:
-        from reference.train.checkpoint import latest_checkpoint
+    from reference.train.checkpoint import check_checkpoint, latest_checkpoint
+    from reference.train.loop import prepare_log
 
-        folder = plan.checkpoint_dir
-        if folder is None or latest_checkpoint(Path(folder)) is None:
-            raise FileNotFoundError(f"--resume: no checkpoint in {folder} (checkpoint.dir of "
-                                    f"{args.config}); train without --resume first")
+    plan = settings(cfg, world_size)
+    folder = plan.checkpoint_dir
+    latest = latest_checkpoint(Path(folder)) if folder is not None else None
+    if args.resume and latest is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {folder} (checkpoint.dir of "
+                                f"{args.config}); train without --resume first")
+    resuming = (args.resume or plan.resume_if_possible) and latest is not None
+    start = check_checkpoint(latest) if resuming else 0  # a corrupt one: one line, exit 2
     stop, follower = threading.Event(), None
     lead = not under_torchrun() or int(os.environ.get("RANK", "0")) == 0
     if not under_torchrun() and plan.log_path:
         log = Path(plan.log_path)
-        if not args.resume and log.exists():
-            log.unlink()
-        follower = threading.Thread(target=_follow, args=(log, plan.steps, 0, stop), daemon=True)
+        moved = prepare_log(log, start if resuming else None)
+        if moved is not None:
+            print(f"the earlier log {log} was moved to {moved}")
+        plan.log_prepared = True
+        follower = threading.Thread(target=_follow, args=(log, plan.steps, start, stop), daemon=True)
         follower.start()
     try:
         results = launch(run_rank, world_size, plan, world_size, args.resume, timeout=args.timeout)
@@ -186,11 +191,22 @@ def main(argv=None) -> int:
 
 def _main_with_clear_errors() -> int:
     """Bad input is one line on stderr and exit status 2, not a traceback."""
+    from reference.runtime.errors import RankError
+    from reference.train.checkpoint import CorruptCheckpointError
+
     try:
         return main()
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, CorruptCheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except RankError as err:
+        # A checkpoint whose bytes were overwritten is found corrupt only when the ranks
+        # read it: said once, like the other bad inputs, not once per rank.
+        last = err.traceback.strip().splitlines()[-1] if err.traceback.strip() else ""
+        if "CorruptCheckpointError: " in last:
+            print(f"error: {last.split('CorruptCheckpointError: ', 1)[1]}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

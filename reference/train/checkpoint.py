@@ -55,7 +55,8 @@ from reference.tensor_parallel import TensorParallelRNG
 from reference.train.reshard import (full_model_state, full_optimizer_state, full_shapes,
                                      load_optimizer_state, load_weights)
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "CorruptCheckpointError"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_checkpoint",
+           "CorruptCheckpointError"]
 
 _STEP = re.compile(r"^step_(\d+)$")
 _META = ("step", "extra", "layout", "rng", "param_groups", "scheduler", "scaler")
@@ -108,6 +109,19 @@ def _problems(path: Path) -> Optional[str]:
         if file.stat().st_size < size:
             return f"its data file {name} holds {file.stat().st_size} bytes, the metadata needs {size}"
     return None
+
+
+def check_checkpoint(path) -> int:
+    """Raise `CorruptCheckpointError` (naming the earlier checkpoint that loads) when the
+    checkpoint folder ``path`` cannot load, as `load_checkpoint` would; else return its step.
+    Reads the metadata and the files' sizes, not the data: the trainer's command line runs
+    it before starting any rank."""
+    path = Path(path)
+    why = _problems(path)
+    if why is not None:
+        raise _corrupt(path, why)
+    m = _STEP.match(path.name)
+    return int(m.group(1)) if m else 0
 
 
 def _corrupt(path: Path, why: str) -> CorruptCheckpointError:

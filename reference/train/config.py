@@ -9,7 +9,10 @@ DeepSpeed's keys mean what DeepSpeed's documentation says (docs/config-json):
 any two giving the third; `optimizer` {type, params}; `scheduler` {type, params} (WarmupLR,
 WarmupDecayLR, WarmupCosineLR: `reference.train.lr_schedules`); `gradient_clipping` (the
 global norm, 0 = off); `fp16` (`loss_scale` 0 = dynamic, from 2^`initial_scale_power`) and
-`bf16`; `zero_optimization` {stage, offload_optimizer}; `activation_checkpointing`. Two
+`bf16`; `zero_optimization` {stage; `offload_optimizer` is read and refused with its reason:
+nothing is offloaded here}; `activation_checkpointing`. Unset keys take DeepSpeed's defaults,
+where they differ from torch's too: `weight_decay` 0 (torch's AdamW: 0.01), WarmupLR's
+`warmup_max_lr` 0.001 (not the optimizer's lr). Two
 choices where DeepSpeed leaves the reader guessing:
 
 * optimizer "Adam" is DeepSpeed's: its `adam_w_mode` defaults to true, which is decoupled
@@ -22,7 +25,8 @@ choices where DeepSpeed leaves the reader guessing:
 The course's own blocks: `parallelism` {tensor, pipeline, expert, sequence_parallel,
 virtual_stages, schedule, embedding_stage} (dp is what the world size leaves), `model`
 {preset tiny | small | debug, or sizes, `experts`}, `data` {source stdlib | arithmetic |
-synthetic, seq_len, seed}, `steps`, `seed`, `checkpoint` {dir, every, resume}, `log` {path,
+synthetic, seq_len, seed}, `steps`, `seed`, `checkpoint` {dir, every, resume: continue from
+the latest checkpoint when there is one}, `log` {path,
 every, sample_tokens}. The pipeline's micro-batches are DeepSpeed's accumulation steps.
 
 JSON has no comments: keys starting with "_" are comments ("_about" says what a file is).
@@ -229,10 +233,21 @@ class TrainConfig:
                 pc.validate(world_size)
             if batch_error is not None:
                 raise batch_error
-            return pc.validate(world_size, self.gpt_config(), batch=(B, self.seq_len()),
-                               n_experts=self.n_experts)
+            pc.validate(world_size, self.gpt_config(), batch=(B, self.seq_len()),
+                        n_experts=self.n_experts)
+            if self.zero_optimization.offload:
+                raise ValueError(OFFLOAD_REFUSED.format(
+                    device=self.zero_optimization.offload_optimizer.device))
+            return pc
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
+
+
+# Why zero_optimization.offload_optimizer is refused (`--check` and the README say it too).
+OFFLOAD_REFUSED = ("zero_optimization.offload_optimizer (device {device!r}) is not implemented by this "
+                   "trainer: the optimizer state and its step stay on each rank's device. DeepSpeed "
+                   "would keep them, and the reduced gradients, in CPU memory and step there "
+                   "(ZeRO-Offload); to train here, remove the block or set its device to \"none\"")
 
 
 def _normalize(raw: dict) -> dict:

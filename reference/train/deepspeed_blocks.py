@@ -23,7 +23,8 @@ ADAM_KEYS, SGD_KEYS = ("betas", "eps", "adam_w_mode"), ("momentum",)
 
 @dataclass
 class OptimizerParams:
-    """torch's keyword arguments; None leaves the torch class's own default."""
+    """torch's keyword arguments; None is DeepSpeed's default (weight_decay 0, the rest
+    equal to torch's)."""
     lr: Optional[float] = spec(None, min=0.0)
     betas: Optional[tuple[float, float]] = None
     eps: Optional[float] = spec(None, min=0.0)
@@ -53,9 +54,14 @@ class OptimizerConfig:
         return torch.optim.AdamW if adam_w else torch.optim.Adam
 
     def kwargs(self) -> dict:
-        """`torch_class()(params, **kwargs())`, or `pm.make_optimizer(torch_class(), **kwargs())`."""
+        """`torch_class()(params, **kwargs())`, or `pm.make_optimizer(torch_class(), **kwargs())`.
+
+        An unset `weight_decay` is DeepSpeed's default, 0 (its FusedAdam's, for "Adam" and
+        "AdamW" alike), not torch.optim.AdamW's 0.01; the other unset keys have the same
+        default in both (lr 1e-3, betas (0.9, 0.999), eps 1e-8)."""
         out = {k: getattr(self.params, k) for k in ("lr", "eps", "weight_decay", "momentum")
                if getattr(self.params, k) is not None}
+        out.setdefault("weight_decay", 0.0)
         if self.params.betas is not None:
             out["betas"] = tuple(self.params.betas)
         return out
@@ -70,13 +76,14 @@ class FP16Config:
     hysteresis: int = spec(2, min=1)                   # overflows in a row before it halves
     min_loss_scale: float = spec(1.0, min=0.0, exclusive=True)
     auto_cast: bool = False                            # DeepSpeed's; no effect here
-    consecutive_hysteresis: bool = False               # DeepSpeed's; no effect here
+    consecutive_hysteresis: bool = False               # refill the budget after every good step
 
     def scaler_kwargs(self) -> dict:
         """Keyword arguments of `reference.parallel.scaler.DynamicLossScaler`."""
         return dict(initial_scale_power=self.initial_scale_power, window=self.loss_scale_window,
                     hysteresis=self.hysteresis, min_scale=self.min_loss_scale,
-                    static=self.loss_scale or None)
+                    static=self.loss_scale or None,
+                    consecutive_hysteresis=self.consecutive_hysteresis)
 
 
 @dataclass

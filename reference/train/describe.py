@@ -26,7 +26,7 @@ _ZERO_SHARDS = {0: "nothing (plain data parallelism: each dp rank holds every mo
 _NO_EFFECT = [("zero_optimization", k) for k in ("overlap_comm", "contiguous_gradients",
                                                  "reduce_scatter", "reduce_bucket_size",
                                                  "allgather_bucket_size")] + [
-    ("fp16", "auto_cast"), ("fp16", "consecutive_hysteresis"),
+    ("fp16", "auto_cast"),
     ("activation_checkpointing", "cpu_checkpointing"),
     ("activation_checkpointing", "contiguous_memory_optimization"),
     ("activation_checkpointing", "number_checkpoints"),
@@ -90,7 +90,11 @@ def describe(config, world_size: int) -> str:
     offload = z.offload_optimizer.device if z.offload else None
     line("ZeRO", f"stage {z.stage} at dp {dp}: shards {_ZERO_SHARDS[z.stage]}"
          + (f" over {dp} rank{'s' if dp > 1 else ''}" if z.stage else "")
-         + (f"; optimizer state and step offloaded to {offload}" if offload else ""))
+         + (f"; offload_optimizer to {offload}: refused (nothing is offloaded here)" if offload else ""))
+    if offload:
+        from reference.train.config import OFFLOAD_REFUSED
+
+        issues.append(OFFLOAD_REFUSED.format(device=offload))
     if z.stage and dp == 1 and fits:
         issues.append(f"dp is 1, so ZeRO-{z.stage} shards nothing: it splits "
                       f"{_ZERO_SHARDS[z.stage].split(' (')[0]} over the data-parallel ranks, and "
@@ -102,9 +106,14 @@ def describe(config, world_size: int) -> str:
     if config.precision == "fp16":
         scaling = (f"a fixed loss scale {f16.loss_scale:g}" if f16.loss_scale else
                    f"dynamic loss scaling from 2^{f16.initial_scale_power} = "
-                   f"{2 ** f16.initial_scale_power:g}, x2 after {f16.loss_scale_window} steps "
-                   f"without overflow, /2 after {f16.hysteresis} overflows in a row, never below "
-                   f"{f16.min_loss_scale:g}")
+                   f"{2 ** f16.initial_scale_power:g}, x2 every {f16.loss_scale_window} steps "
+                   f"without overflow; hysteresis {f16.hysteresis}: /2 from the "
+                   f"{_ordinal(f16.hysteresis)} overflow "
+                   + ("in a row on (consecutive_hysteresis)" if f16.consecutive_hysteresis else
+                      "since the scale last grew on (DeepSpeed's default, "
+                      "consecutive_hysteresis false)")
+                   + f", never below {f16.min_loss_scale:g}; an overflowing step is skipped and "
+                   f"does not advance the schedule")
         line("precision", f"fp16 with {scaling}")
     else:
         line("precision", f"{config.precision}: no loss scaling"
@@ -131,12 +140,19 @@ def describe(config, world_size: int) -> str:
     return "\n".join(out)
 
 
+def _ordinal(n: int) -> str:
+    return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")
+
+
 def _optimizer_lines(config, line, issues):
     o, s = config.optimizer, config.scheduler
     kwargs = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in o.kwargs().items())
     clip = f"clip the global norm at {config.gradient_clipping:g}" if config.gradient_clipping else "no clipping"
     line("optimizer", f"{o.type} (torch.optim.{o.torch_class().__name__}"
          + (f": {kwargs}" if kwargs else ", torch's defaults") + f"); {clip}")
+    if o.params.weight_decay is None:
+        line("", "weight_decay unset: DeepSpeed's default 0 (torch.optim.AdamW's own default "
+                 "would be 0.01), applied to every parameter")
     if s is None:
         line("schedule", "constant lr")
         return
@@ -149,6 +165,11 @@ def _optimizer_lines(config, line, issues):
                 f"steps ({r['warmup_type']}), then "
                 + ("constant" if s.type == "WarmupLR" else f"linear to 0 at step {r['total_num_steps']}"))
     line("schedule", f"{s.type}: {text}")
+    if s.type != "WarmupCosineLR" and s.params.warmup_max_lr is None and o.params.lr is not None \
+            and o.params.lr != r["warmup_max_lr"]:
+        issues.append(f"scheduler.params.warmup_max_lr unset: DeepSpeed's default "
+                      f"{r['warmup_max_lr']:g} is the peak lr, not optimizer.params.lr="
+                      f"{o.params.lr:g} (the schedule sets the lr outright)")
     if r["warmup_num_steps"] >= config.steps:
         issues.append(f"scheduler.params.warmup_num_steps={r['warmup_num_steps']} >= steps="
                       f"{config.steps}: the run ends inside the warm-up")
@@ -161,8 +182,9 @@ def _optimizer_lines(config, line, issues):
 def _run_lines(config, line, issues, tp):
     ac, p, d, ck, lg = (config.activation_checkpointing, config.parallelism, config.data,
                         config.checkpoint, config.log)
-    line("memory", "activation checkpointing: each block's forward is recomputed in backward"
-         if ac.enabled else "no activation checkpointing")
+    line("memory", "activation checkpointing: each block's forward is recomputed in backward "
+         "(here the activation_checkpointing block turns it on; in DeepSpeed the block tunes the "
+         "checkpoints the model's code asks for)" if ac.enabled else "no activation checkpointing")
     if p.sequence_parallel and tp == 1:
         issues.append("parallelism.sequence_parallel with tensor=1: no effect (it splits the "
                       "sequence over the tp ranks)")
@@ -178,7 +200,7 @@ def _run_lines(config, line, issues, tp):
          + (f", seq_len {d.seq_len}" if d.seq_len else "") + ")")
     line("checkpoint", (f"{ck.dir}, " + (f"every {ck.every} steps" if ck.every else "at the end")
           if ck.dir else "none")
-         + ("; resume from the latest" if ck.resume else ""))
+         + ("; resume from the latest one when there is one (checkpoint.resume)" if ck.resume else ""))
     every = f"every {lg.every} step{'s' if lg.every > 1 else ''}"
     line("log", f"{lg.path} (JSONL) {every}" if lg.path else f"stdout {every}")
     if ck.dir is None and (ck.every or ck.resume):

@@ -7,12 +7,16 @@ started by `reference.runtime.launch` on a laptop or by torchrun on one or many 
    its groups, the plain GPT built from `cfg.seed` on every rank and `parallelize`d;
 2. the optimizer (`pm.make_optimizer`: ZeRO's for stage 1-2), the learning-rate schedule
    and, for fp16, the dynamic loss scaler with the config's settings;
-3. with `resume`, the latest checkpoint of `cfg.checkpoint.dir` (model, optimizer, schedule,
-   scaler, random states and the data position): the run continues exactly where it stopped;
+3. with `resume` (`--resume`: a checkpoint must exist) or `checkpoint.resume: true` in the
+   JSON (the latest checkpoint if there is one, else a fresh start: what a job requeued by
+   SLURM wants), the latest checkpoint of `cfg.checkpoint.dir` (model, optimizer, schedule,
+   scaler, random states and the data position): the run continues exactly where it stopped,
+   and the log keeps its lines up to that step (`prepare_log`);
 4. per step: the global batch number `step` (the same on every rank: the data position is
    the step), `train_step`, the schedule's step; every `cfg.log.every` steps rank 0 appends
    a JSON line (loss, grad norm, lr, loss scale, tokens/s, bytes sent per group on rank 0,
-   peak memory of every rank) to `cfg.log.path`; every `cfg.checkpoint.every` steps and at
+   peak memory of every rank) to `cfg.log.path` (an earlier log is renamed, never deleted);
+   an fp16 step skipped for an overflow does not advance the schedule (DeepSpeed's rule); every `cfg.checkpoint.every` steps and at
    the end, a checkpoint;
 5. at the end, a sample of generated text.
 
@@ -37,7 +41,7 @@ from reference.parallel.golden import text_windows
 from reference.parallel.scaler import DynamicLossScaler
 from reference.runtime import device
 
-__all__ = ["run_rank", "batch_at", "peak_memory_bytes"]
+__all__ = ["run_rank", "batch_at", "peak_memory_bytes", "prepare_log"]
 
 
 def _arithmetic_batch(batch, seq_len: int, step: int, seed: int):
@@ -65,6 +69,35 @@ def peak_memory_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def prepare_log(log: Path, resumed_at=None):
+    """Make ``log`` ready for a run; returns where an earlier log was moved, or None.
+
+    A fresh run (``resumed_at`` None) never deletes an earlier log: a non-empty one is
+    renamed to the first free ``<name>.1``, ``<name>.2``, ... beside it. A run resumed from
+    the checkpoint of step s keeps the lines of steps <= s and drops the later ones (the
+    killed run logged them after its last checkpoint; they are about to be run again)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    if resumed_at is not None:
+        kept = []
+        for line in (log.read_text().splitlines() if log.exists() else []):
+            try:
+                if json.loads(line)["step"] <= resumed_at:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                break  # a line cut short by the kill: the rest is not trusted
+        log.write_text("".join(line + "\n" for line in kept))
+        return None
+    moved = None
+    if log.exists() and log.stat().st_size:
+        n = 1
+        while log.with_name(f"{log.name}.{n}").exists():
+            n += 1
+        moved = log.with_name(f"{log.name}.{n}")
+        log.rename(moved)
+    log.write_text("")
+    return moved
+
+
 def _lr(optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
 
@@ -88,18 +121,16 @@ def run_rank(cfg, world_size: int, resume: bool = False, sample_prompt: str = "1
 
     start = 0
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
-    if resume:
-        path = latest_checkpoint(ckpt_dir) if ckpt_dir is not None else None
-        if path is None:
-            raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir} (checkpoint.dir of "
-                                    f"the config); train without --resume first")
+    path = latest_checkpoint(ckpt_dir) if ckpt_dir is not None else None
+    if resume and path is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir} (checkpoint.dir of "
+                                f"the config); train without --resume first")
+    if (resume or cfg.resume_if_possible) and path is not None:
         start = load_checkpoint(path, pm, optimizer, scheduler=scheduler, scaler=pm.scaler)["step"]
 
     log = Path(cfg.log_path) if (cfg.log_path and rank == 0) else None
-    if log is not None:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            log.write_text("")
+    if log is not None and not cfg.log_prepared:
+        prepare_log(log, start if start else None)
     records = []
     bar = None
     if rank == 0 and under_torchrun():  # torchrun shows rank 0's output live
@@ -115,8 +146,8 @@ def run_rank(cfg, world_size: int, resume: bool = False, sample_prompt: str = "1
         if device().type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        if scheduler is not None:
-            scheduler.step()
+        if scheduler is not None and not result.skipped:
+            scheduler.step()  # DeepSpeed does not step the schedule on an fp16 overflow
         record = dict(step=step + 1, loss=float(result.loss), lr=lr, seconds=round(seconds, 5),
                       tokens_per_s=round(B * T / seconds, 1),
                       grad_norm=None if result.grad_norm is None else float(result.grad_norm),

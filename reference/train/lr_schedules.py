@@ -19,7 +19,8 @@ Optimizer step s runs at the schedule's value for s. (DeepSpeed's engine runs it
 optimizer step at the value it sets before any `step()`, warmup_min_lr, and its second at s = 0,
 also warmup_min_lr; here the schedule starts at s = 0 and is not repeated.)
 WarmupLR and WarmupDecayLR set the lr outright: `make_scheduler` writes warmup_max_lr
-(default: the optimizer's lr) into the optimizer, and the LambdaLR factor is lr(s) /
+(DeepSpeed's default 0.001, not the optimizer's lr: `describe` says so when the two differ)
+into the optimizer, and the LambdaLR factor is lr(s) /
 warmup_max_lr. total_num_steps defaults to the configuration's `steps`.
 """
 from __future__ import annotations
@@ -32,7 +33,11 @@ import torch
 
 from reference.train.jsonconfig import spec
 
-__all__ = ["SCHEDULERS", "SchedulerParams", "SchedulerConfig", "make_scheduler", "lr_factor"]
+# DeepSpeed's WarmupLR and WarmupDecayLR: the peak is 0.001 unless warmup_max_lr is given,
+# whatever lr the optimizer block says (the schedule owns the lr).
+DEFAULT_WARMUP_MAX_LR = 0.001
+
+__all__ = ["DEFAULT_WARMUP_MAX_LR", "SCHEDULERS", "SchedulerParams", "SchedulerConfig", "make_scheduler", "lr_factor"]
 
 # the params each DeepSpeed schedule takes (its constructor's keyword arguments)
 SCHEDULERS = {
@@ -46,7 +51,7 @@ SCHEDULERS = {
 
 @dataclass
 class SchedulerParams:
-    """None: DeepSpeed's default (warmup_min_lr 0, warmup_max_lr the optimizer's lr,
+    """None: DeepSpeed's default (warmup_min_lr 0, warmup_max_lr 0.001 whatever the optimizer's lr,
     warmup_num_steps 1000, warmup_type "log", warmup_min_ratio 0, cos_min_ratio 1e-4,
     total_num_steps the run's steps)."""
     warmup_min_lr: Optional[float] = spec(None, min=0.0)
@@ -76,7 +81,7 @@ class SchedulerConfig:
         """Every parameter of this schedule, DeepSpeed's defaults filled in."""
         p = self.params
         full = dict(warmup_min_lr=p.warmup_min_lr or 0.0,
-                    warmup_max_lr=optimizer_lr if p.warmup_max_lr is None else p.warmup_max_lr,
+                    warmup_max_lr=DEFAULT_WARMUP_MAX_LR if p.warmup_max_lr is None else p.warmup_max_lr,
                     warmup_num_steps=p.warmup_num_steps or 1000,
                     warmup_type=p.warmup_type or "log",
                     total_num_steps=p.total_num_steps or steps,

@@ -16,6 +16,7 @@ __all__ = ["RunPlan", "settings"]
 class RunPlan:
     config: object      # the TrainConfig
     world_size: int
+    log_prepared: bool = False   # the caller has already made the log ready (`prepare_log`)
 
     def __post_init__(self):
         self.train_batch_size, self.micro_batch, self.accumulation = \
@@ -81,6 +82,11 @@ class RunPlan:
     @property
     def checkpoint_every(self) -> int:
         return self.config.checkpoint.every
+
+    @property
+    def resume_if_possible(self) -> bool:
+        """`checkpoint.resume: true`: continue from the latest checkpoint when there is one."""
+        return bool(self.config.checkpoint.resume)
 
     @property
     def log_path(self):
