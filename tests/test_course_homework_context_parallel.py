@@ -212,6 +212,13 @@ def test_causal_ring_mistakes_lose_their_cases(mistake, lost, words):
     assert all(words in f for f in s.failures), s.failures
 
 
+def test_causal_ring_with_a_contiguous_mask_loses_over_half_the_exercise():
+    """The lecture's ring with the contiguous causal mask, on every world size the grader uses."""
+    s = _score(CAUSAL_RING_ATTENTION, lambda q, k, v, group: ring(q, k, v, group, contiguous=True))
+    assert s.weighted() <= s.weight / 2, s.failures
+    assert all("wrong output" in f for f in s.failures), s.failures
+
+
 def test_causal_ring_may_not_use_collectives_or_the_package():
     def gathered(q, k, v, group):
         keys = [torch.empty_like(k) for _ in range(dist.get_world_size(group))]
