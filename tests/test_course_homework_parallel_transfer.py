@@ -128,6 +128,16 @@ def test_visible_checks_print_pass_and_fail(capsys):
     check_reshard_plan(_tensor_split_plan)
     check_dp_gradient_bytes(lambda **kw: 1.0)
     out = capsys.readouterr().out
-    assert "FAIL global_grad_norm" in out and "tp rank 0 only" in out
+    assert "FAIL global_grad_norm" in out and "counted more than once" in out  # the symptom
+    assert "tp rank 0" not in out and "tp_group" not in out  # not the answer
     assert "PASS reshard_plan" in out
     assert "FAIL dp_gradient_bytes" in out and "whole number" in out
+
+
+def test_the_hints_name_symptoms_not_the_answer():
+    from reference.course.checks.parallel import _HINTS
+
+    answers = ("tp rank 0", "tp_group", "pp_group", "rank % tp", "tp apart", "dp * tp apart",
+               "12 C^2", "subtract a")
+    for key, hint in _HINTS.items():
+        assert not any(a in hint for a in answers), (key, hint)

@@ -21,30 +21,32 @@ from reference.course.homework.parallel_extra import DP_GRADIENT_BYTES, GLOBAL_G
 __all__ = ["check_mesh_groups", "check_parameters_per_rank", "check_global_grad_norm",
            "check_reshard_plan", "check_dp_gradient_bytes"]
 
+# Hints name the symptom and the part of a lecture to reread; they never give the answer.
+_LAYOUT = "notebook 06, 'The idea in a picture: one mesh, three kinds of group'"
+_MEMORY = "notebook 06, 'Memory per rank, measured against the calculator'"
 _HINTS = {
     "not implemented": NOT_IMPLEMENTED,
-    "not a dict": "return {'tp': [[...], ...], 'dp': ..., 'pp': ..., 'ep': ..., 'edp': ...}",
-    "tp groups": "a tp group is tp consecutive ranks: same pp and dp, tp_rank = rank % tp",
-    "dp groups": "a dp group: same pp and tp; its members are tp apart",
-    "pp groups": "a pp group: same dp and tp; its members are dp * tp apart",
-    "ep groups": ("ep is carved out of dp: dp_rank = edp_rank * ep + ep_rank, so an ep group is "
-                  "ep consecutive dp ranks (same pp, tp and edp)"),
-    "edp groups": "an edp group: same pp, tp and ep_rank; its dp ranks are ep apart",
+    "not a dict": "return a dict from each dimension's name ('tp', 'dp', ...) to its groups",
+    "tp groups": f"the tp groups differ from the mesh's: which coordinate varies fastest? Reread {_LAYOUT}",
+    "dp groups": f"the dp groups differ from the mesh's: how far apart are two dp neighbours? Reread {_LAYOUT}",
+    "pp groups": f"the pp groups differ from the mesh's: how far apart are two stages? Reread {_LAYOUT}",
+    "ep groups": ("the ep groups differ from the mesh's: ep is carved out of an existing "
+                  "dimension; which one, and how are its ranks numbered? Reread the exercise's "
+                  "text on ep and " + _LAYOUT),
+    "edp groups": ("the edp groups differ from the mesh's: which ranks hold the same experts? "
+                   "Reread the exercise's text on ep"),
     "not a list of ints": "return one int per rank, in rank order",
-    "holds": ("blocks are dealt out evenly, the later stages taking one more when pp does not "
-              "divide; each block is 12 C^2 + 13 C numbers, of which the two LayerNorms and the "
-              "two row-parallel biases (6 C) stay whole on every tp rank; the vocabulary is "
-              "padded to a multiple of tp and split; the positions (block_size x C) live on the "
-              "first stage; with tied weights the last stage holds its own copy of its shard of "
-              "the embedding, and ln_f (2 C) is on the last stage"),
-    "not allowed": "only dist.all_reduce is allowed (over tp_group, then pp_group)",
-    "ratio 1.": ("too large: a replicated tensor is the same numbers on every tp rank; count it "
-                 "on tp rank 0 only"),
-    "ratio 0.": ("too small: add the sums of squares of every tp rank (all-reduce over tp_group) "
-                 "and of every stage (over pp_group) before the square root"),
-    "changed its gradients": "compute the norm from copies or with out-of-place operations",
-    "new rank": ("intersect the new rank's rows [lo, hi) with each old rank's [a, b) and give the "
-                 "overlap in the old rank's numbering (subtract a)"),
+    "holds": ("a rank's count differs from what parallelize leaves on it: compare, for a small "
+              f"model, with the counts of {_MEMORY}; ask of each tensor whether tp splits it, "
+              "and which stage holds it"),
+    "not allowed": "a collective other than dist.all_reduce was called: a norm needs only sums",
+    "ratio 1.": (f"too large by that ratio: some numbers are counted more than once. Which tensors "
+                 f"are the same numbers on several ranks? Reread {_MEMORY}"),
+    "ratio 0.": (f"too small by that ratio: some ranks' numbers never reach the sum. Which ranks "
+                 f"hold which part of the model? Reread {_LAYOUT}"),
+    "changed its gradients": "the norm only reads the gradients: an in-place operation changed them",
+    "new rank": ("rows are missing or repeated for that new rank: write each old and new rank's "
+                 "rows as a range and compare them, for the case the message names"),
 }
 
 
