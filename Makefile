@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: lab test browser-test exercises bench demo clean
+.PHONY: lab test browser-test exercises bench demo clean numerics
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,3 +45,18 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The parity and numerical tests under each kernel family PyTorch can pick on this CPU
+# (ATEN_CPU_CAPABILITY) and at 1 and 2 intra-op threads per rank (COURSE_RANK_THREADS):
+# a tolerance that holds on one machine must hold on all of them.
+NUMERICS_TESTS ?= tests/test_parallel_sweep.py tests/test_parallel_parity.py tests/test_composition_findings.py \
+	tests/test_data_parallel.py tests/test_zero.py tests/test_clip.py tests/test_pipeline_parity.py \
+	tests/test_tensor_parallel_gpt.py tests/test_tensor_parallel_layers.py tests/test_tensor_parallel_loss.py \
+	tests/test_expert_parallel_dist.py tests/test_context_parallel.py tests/test_parallel_cp.py \
+	tests/test_parallel_fp16.py tests/test_adam8bit.py tests/test_optimizer_wrappers.py tests/test_pipeline_tp.py
+numerics: $(STAMP)
+	@caps="default avx2"; grep -q avx512f /proc/cpuinfo 2>/dev/null && caps="$$caps avx512"; \
+	for cap in $$caps; do for t in 1 2; do \
+	  echo "== ATEN_CPU_CAPABILITY=$$cap COURSE_RANK_THREADS=$$t"; \
+	  ATEN_CPU_CAPABILITY=$$cap COURSE_RANK_THREADS=$$t $(BIN)/python -m pytest -q $(NUMERICS_TESTS) || exit 1; \
+	done; done

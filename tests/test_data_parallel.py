@@ -42,6 +42,13 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 # AdamW is also blind to a gradient's scale (a sum mistaken for a mean would pass),
 # so the tests compare the gradients of every step too.
 ADAM_EPS = 1e-6
+# Parameters after STEPS AdamW steps: the gradients above agree to TOL, but a gradient
+# coordinate near zero carries an absolute rounding difference of a few 1e-9 (fp32 ulps of
+# the sums), which AdamW divides by eps: up to lr * 3e-9 / eps = 3e-6 per step, 1e-5 over
+# three. Which coordinates land there depends on the kernels the CPU picks (AVX-512 measured
+# 1.1e-6 where AVX2 and plain kernels stay under 1e-6), so the bound, not a measurement on
+# one machine, sets the tolerance.
+PARAM_TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -110,10 +117,12 @@ def _assert_equal(got, want, what, tol=TOL):
 
 
 def _assert_run_equal(got, want, what, tol=TOL):
-    """(params, grads per step) against the oracle's."""
+    """(params, grads per step) against the oracle's: gradients to ``tol``, parameters to
+    PARAM_TOL after AdamW's amplification (or to ``tol`` when it is stricter: exact runs)."""
     for step, (g, w) in enumerate(zip(got[1], want[1], strict=True)):
         _assert_equal(g, w, f"{what}, gradient of step {step}", tol)
-    _assert_equal(got[0], want[0], f"{what}, parameters after {len(want[1])} steps", tol)
+    param_tol = PARAM_TOL if tol is TOL else tol
+    _assert_equal(got[0], want[0], f"{what}, parameters after {len(want[1])} steps", param_tol)
 
 
 def _bytes(tensors):

@@ -26,7 +26,11 @@ def default_threads(world_size: int) -> int:
     """Intra-op threads per rank: the cores shared out, at least one.
 
     With more ranks than cores every rank gets one thread (as torchrun does);
-    more would only oversubscribe the cores."""
+    more would only oversubscribe the cores. ``COURSE_RANK_THREADS=n`` in the environment
+    sets n instead (`make numerics` runs the parity tests at 1 and 2 threads)."""
+    forced = os.environ.get("COURSE_RANK_THREADS")
+    if forced:
+        return max(1, int(forced))
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # macOS

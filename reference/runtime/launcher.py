@@ -241,7 +241,10 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 3
     if RANK_MARKER in os.environ:
         raise RuntimeError("launch was called inside a rank: start ranks from the caller only")
     backend = resolve_backend(backend, world_size, start_method)
-    threads = threads or default_threads(world_size)
+    # COURSE_RANK_THREADS (see default_threads) overrides even an explicit `threads`: the
+    # numerics matrix (`make numerics`) must reach every launch.
+    threads = (default_threads(world_size) if os.environ.get("COURSE_RANK_THREADS")
+               else threads or default_threads(world_size))
     ctx = _context(start_method)
     payload = dumps((fn, args))
     context = (dict(os.environ), os.getcwd(), list(sys.path))

@@ -1,0 +1,61 @@
+"""Every pair of options of the composed GPT, trained and compared with one process.
+
+`reference.parallel.sweep.covering_set` picks accepted configurations (dp, tp, pp, cp and its
+kind, ep, ZeRO stage, SP, schedule and virtual stages, recompute, precision, clipping,
+accumulation, embedding stage, experts; world sizes 1 to 8) so that every pair of values
+that can act together trains in at least one of them. Each trains 3 AdamW steps and must
+equal one process within `reference.parallel.sweep_run.TOLERANCES` (fp32: losses rtol 1e-5,
+weights atol 5e-6; bf16 and fp16 against the same-precision single process; the reasons are
+in that module's docstring). Each pair no accepted case can hold is refused by
+`ParallelConfig.validate`, with a reason that names one of the two options.
+
+One launch per world size runs all of that size's cases in turn. The full product of the
+options is `python bench/sweep_3d.py --full` (hours on a laptop).
+"""
+from __future__ import annotations
+
+import pytest
+
+from reference.parallel.sweep import covering_set, names_pair
+from reference.runtime import launch
+
+pytestmark = pytest.mark.timeout(900)
+
+ACCEPTED, REFUSED = covering_set()
+
+
+def test_the_covering_set_covers_every_pair_that_can_train():
+    from reference.parallel.sweep import OPTIONS, _all_pairs, _key, pairs_of
+
+    covered = set()
+    for case in ACCEPTED:
+        assert not case.problems(), case
+        covered |= {_key(p) for p in pairs_of(case.values())}
+    refused = {_key(((a, va), (b, vb))) for (a, va), (b, vb), _, _ in REFUSED}
+    assert {_key(p) for p in _all_pairs()} == covered | refused
+    assert not covered & refused
+    for option, values in OPTIONS.items():  # every value of every option trains somewhere
+        for v in values:
+            assert any(case.values()[option] == v for case in ACCEPTED), (option, v)
+
+
+def test_every_refused_pair_names_its_reason():
+    for (a, _), (b, _), case, reason in REFUSED:
+        assert case.problems(), case  # validate really refuses it
+        assert names_pair(reason, a, b), (a, b, reason)
+
+
+@pytest.mark.parametrize("world_size", sorted({c.world_size for c in ACCEPTED}))
+def test_every_accepted_case_equals_one_process(world_size, record_property):
+    from reference.parallel.sweep_run import compare, run_cases, single_process
+
+    cases = [c for c in ACCEPTED if c.world_size == world_size]
+    ranks = launch(run_cases, world_size, cases, timeout=800)
+    rows = []
+    for i, case in enumerate(cases):
+        for r in ranks[1:]:  # every rank reports the same global losses
+            assert r[i][0] == ranks[0][i][0], f"{case}: ranks disagree on the loss"
+        rows.append(compare(case, ranks[0][i], single_process(case)))
+    record_property("sweep", rows)
+    bad = [row for row in rows if not row["ok"]]
+    assert not bad, bad
