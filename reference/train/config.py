@@ -43,9 +43,9 @@ from typing import Optional, Union
 
 from reference.model import GPTConfig
 from reference.parallel.config import SCHEDULES, ParallelConfig
-from reference.train.deepspeed_blocks import (ActivationCheckpointingConfig, BF16Config, FP16Config,
-                                              OffloadConfig, OptimizerConfig, OptimizerParams,
-                                              ZeroConfig)
+from reference.train.deepspeed_blocks import (OFFLOAD_REFUSED, ActivationCheckpointingConfig,
+                                              BF16Config, FP16Config, OffloadConfig, OptimizerConfig,
+                                              OptimizerParams, ZeroConfig)
 from reference.train.describe import describe
 from reference.train.jsonconfig import build, parse_value, set_dotted, spec
 from reference.train.lr_schedules import SCHEDULERS, SchedulerConfig, make_scheduler
@@ -241,13 +241,6 @@ class TrainConfig:
             return pc
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
-
-
-# Why zero_optimization.offload_optimizer is refused (`--check` and the README say it too).
-OFFLOAD_REFUSED = ("zero_optimization.offload_optimizer (device {device!r}) is not implemented by this "
-                   "trainer: the optimizer state and its step stay on each rank's device. DeepSpeed "
-                   "would keep them, and the reduced gradients, in CPU memory and step there "
-                   "(ZeRO-Offload); to train here, remove the block or set its device to \"none\"")
 
 
 def _normalize(raw: dict) -> dict:

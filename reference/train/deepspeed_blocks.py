@@ -14,8 +14,14 @@ from typing import Optional
 
 from reference.train.jsonconfig import spec
 
-__all__ = ["OPTIMIZERS", "OptimizerParams", "OptimizerConfig", "FP16Config", "BF16Config",
+__all__ = ["OFFLOAD_REFUSED", "OPTIMIZERS", "OptimizerParams", "OptimizerConfig", "FP16Config", "BF16Config",
            "OffloadConfig", "ZeroConfig", "ActivationCheckpointingConfig"]
+
+# Why zero_optimization.offload_optimizer is refused (`--check` and the README say it too).
+OFFLOAD_REFUSED = ("zero_optimization.offload_optimizer (device {device!r}) is not implemented by this "
+                   "trainer: the optimizer state and its step stay on each rank's device. DeepSpeed "
+                   "would keep them, and the reduced gradients, in CPU memory and step there "
+                   "(ZeRO-Offload); to train here, remove the block or set its device to \"none\"")
 
 OPTIMIZERS = ("AdamW", "Adam", "SGD")
 ADAM_KEYS, SGD_KEYS = ("betas", "eps", "adam_w_mode"), ("momentum",)

@@ -92,7 +92,7 @@ def describe(config, world_size: int) -> str:
          + (f" over {dp} rank{'s' if dp > 1 else ''}" if z.stage else "")
          + (f"; offload_optimizer to {offload}: refused (nothing is offloaded here)" if offload else ""))
     if offload:
-        from reference.train.config import OFFLOAD_REFUSED
+        from reference.train.deepspeed_blocks import OFFLOAD_REFUSED
 
         issues.append(OFFLOAD_REFUSED.format(device=offload))
     if z.stage and dp == 1 and fits:
