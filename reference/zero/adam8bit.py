@@ -7,7 +7,7 @@ Quantization") store each moment in 8 bits instead:
 
 * the moment, flattened, is cut into blocks of `block_size` numbers (default
   256); each block keeps one fp32 scale, its absmax, and 8-bit codes of its
-  numbers divided by that scale (so they lie in [-1, 1]; v in [0, 1]);
+  numbers divided by that scale (so they lie in [-1, 1]; sqrt(v) in [0, 1]);
 * every step dequantises the moments, runs AdamW's update in fp32, and
   requantises them: the fp32 moments exist for one parameter at a time only.
 
@@ -34,12 +34,26 @@ for (a `QuantCode`); quantising a number picks the nearest entry. Two are here:
   paper's table and the one of bitsandbytes differ in small details: bin
   midpoints as values, one extra bit of fraction; the idea is the same.)
 
-Why the default is dynamic: the second moment spans the *square* of the
-gradients' range. In a block whose largest gradient is 30 times an element's,
-that element's v is 1/900 of the block's absmax, below the linear uint8 grid's
-first step (1/510): it is stored as 0 while its m is not, and the next step
-divides m by sqrt(0) + eps. The dynamic code stores it with about 7% error.
-`tests/test_adam8bit.py` shows both.
+**The second moment is stored as its square root**, sqrt(v) (bitsandbytes
+stores v itself). v spans the *square* of the gradients' range: in a block
+whose largest gradient is 1e4 times an element's, that element's v is 1e-8 of
+the block's absmax, below the dynamic code's smallest value (1e-7, and 1/510
+for the linear code). Stored as 0 under a nonzero m, the next step divides m by
+sqrt(0) + eps = 1e-8 and the element jumps by thousands of lr: training
+diverges. sqrt(v) spans the gradients' own range (1e-4 of its absmax here,
+inside the dynamic code's 8 decades), and is the number the update divides by,
+so its rounding error reaches the update once, not halved by a square root.
+The bytes are the same. What 8 bits still cost at such a spread: m of the small
+elements, 1e-4 of its block's absmax, has only a few code values nearby, so
+those elements move more slowly than fp32 Adam's (they no longer run away).
+`tests/test_adam8bit.py` trains a 256-number block with gradients spread over
+1e4 for 200 steps against fp32 AdamW.
+
+Why the default code is dynamic: in a block whose largest gradient is 1000
+times an element's, that element's m and sqrt(v) are 1/1000 of their absmax,
+below half the linear grids' first steps (1/254 and 1/510): the linear code
+stores both as 0 and the element stops moving; the dynamic code keeps them to
+a few %.
 
 **Memory, not communication.** In data parallelism the optimizer state is never
 communicated: every rank keeps its own copy and only gradients are all-reduced.
@@ -169,7 +183,8 @@ class Adam8bit(torch.optim.Optimizer):
     The update is torch.optim.AdamW's (decoupled weight decay, bias-corrected
     moments), computed in fp32 on the dequantised moments; only the storage of
     the moments differs. Per parameter the state holds `exp_avg_codes` (int8,
-    the parameter's shape), `exp_avg_sq_codes` (uint8), their `*_absmax` (fp32,
+    the parameter's shape, m), `exp_avg_sq_codes` (uint8, sqrt(v): the module's
+    docstring says why the root), their `*_absmax` (fp32,
     one per block) and `step` (a Python int). `code` is "dynamic" (default) or
     "linear"; the second moment uses its unsigned variant.
     """
@@ -218,8 +233,9 @@ class Adam8bit(torch.optim.Optimizer):
                     state["exp_avg_sq_codes"] = torch.zeros_like(p, dtype=torch.uint8)
                     state["exp_avg_sq_absmax"] = torch.zeros(n_blocks, dtype=torch.float32, device=p.device)
                 # Dequantise: the fp32 moments of this parameter only, (p.shape) each.
+                # The second moment is stored as sqrt(v) (the module's docstring says why).
                 m = dequantize_blockwise(state["exp_avg_codes"], state["exp_avg_absmax"], code_m, block)
-                v = dequantize_blockwise(state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"], code_v, block)
+                v = dequantize_blockwise(state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"], code_v, block).square()
                 state["step"] += 1
                 t = state["step"]
                 # AdamW, in torch.optim.AdamW's order of operations.
@@ -230,7 +246,7 @@ class Adam8bit(torch.optim.Optimizer):
                 p.addcdiv_(m.to(p.dtype), denom.to(p.dtype), value=-lr / (1 - beta1 ** t))
                 # Requantise for storage until the next step.
                 state["exp_avg_codes"], state["exp_avg_absmax"] = quantize_blockwise(m, code_m, block)
-                state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"] = quantize_blockwise(v, code_v, block)
+                state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"] = quantize_blockwise(v.sqrt(), code_v, block)  # sqrt(v)
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:
