@@ -34,9 +34,9 @@ EXERCISE = ROOT / "exercises" / "00_collectives.ipynb"
 IDS = ["ring_all_reduce", "ring_all_gather"]  # the exercises this batch grades
 WEIGHTS = {spec.id: weight(spec) for spec in HOMEWORK["00_collectives"] if spec.id in IDS}
 MARKER = f"course-grade-orphan-{uuid.uuid4().hex[:12]}"  # in the command line of every sleeper
-NOTEBOOK_TIMEOUT = 45     # s; the notebooks need ~10 s, ~25 s on a loaded 2-core machine
-CHECK_TIMEOUT = 20        # s per hidden-check launch (~1 s needed): only the hanging case waits
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the fixture grades 15 notebooks
+NOTEBOOK_TIMEOUT = 60     # s; the notebooks need ~10 s, ~25 s on a loaded 2-core machine
+CHECK_TIMEOUT = 30        # s per hidden-check launch (~1 s needed): only the hanging case waits
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the fixture grades 11 files
 FAKE = '{"submissions": [{"path": "fake", "total": 999, "max": 36}]}'
 SLEEPER = f"[sys.executable, '-c', 'import time; time.sleep(600)', {MARKER!r}]"
 
@@ -124,11 +124,16 @@ def _submissions(folder: Path) -> dict:
     notebooks = {
         "solution": sol(),
         "exercise": ex(),
-        "prints_pass": _insert_after(ex(), "ex2-check", 'print("PASS " * 10)\nprint("36/36")'),
-        "edits_checks": _edit_checks(ex()),
-        "patches_checks": _insert_after(ex(), "parameters", PATCH_CHECKS),
-        "deletes_checks": _delete_checks(sol()),
-        "raises": _insert_after(sol(), "setup", 'raise RuntimeError("a cell that fails")'),
+        # Every way of faking the visible checks, and files written where the grades go, in
+        # one exercise notebook: each would have to earn a point on its own to earn any.
+        "cheats": _insert_after(
+            _insert_after(_insert_after(_edit_checks(ex()), "ex2-check",
+                                        'print("PASS " * 10)\nprint("36/36")'),
+                          "parameters", PATCH_CHECKS),
+            "setup", f"FAKE = {FAKE!r}\nHERE = {str(folder)!r}\n{WRITE_FILES}"),
+        # The solution without its check cells, and with a cell that raises.
+        "deletes_checks_raises": _insert_after(_delete_checks(sol()), "setup",
+                                               'raise RuntimeError("a cell that fails")'),
         "sys_exit": _insert_after(sol(), "ex1-check", "import sys\nsys.exit(0)"),
         "os_exit": _insert_after(sol(), "ex1-check", "import os\nos._exit(0)"),
         "loops": _insert_after(sol(), "ex1-check", "while True:\n    pass"),
@@ -138,8 +143,6 @@ def _submissions(folder: Path) -> dict:
         "spawns": _replace_in(_insert_after(sol(), "setup",
                                             f"SPAWN_LOG = {str(folder / 'spawned.txt')!r}{SPAWN}"),
                               "ex2", "    p = dist.get_world_size(group)", SPAWN_IN_RANK),
-        "writes_files": _insert_after(ex(), "setup",
-                                      f"FAKE = {FAKE!r}\nHERE = {str(folder)!r}\n{WRITE_FILES}"),
     }
     paths = {}
     for name, nb in notebooks.items():
@@ -242,17 +245,14 @@ def test_results_json_csv_and_table(graded):
 
 # ----------------------------------------------------------------- hostile submissions
 
-@pytest.mark.parametrize("name", ["prints_pass", "edits_checks", "patches_checks"])
-def test_faking_the_visible_checks_earns_nothing(graded, name):
-    _assert_zero(graded, name, "not implemented")
+def test_faking_the_visible_checks_earns_nothing(graded):
+    # It prints "PASS", replaces the check cells by prints and patches the checks and
+    # torch.allclose in the kernel.
+    _assert_zero(graded, "cheats", "not implemented")
 
 
-def test_deleting_the_check_cells_changes_nothing(graded):
-    _assert_full(graded, "deletes_checks")
-
-
-def test_a_cell_that_raises_does_not_stop_the_rest(graded):
-    _assert_full(graded, "raises")
+def test_deleting_the_check_cells_or_a_cell_that_raises_stops_nothing(graded):
+    _assert_full(graded, "deletes_checks_raises")
 
 
 def test_sys_exit_is_one_failing_cell_among_others(graded):
@@ -290,9 +290,9 @@ def test_processes_a_submission_starts_are_all_killed(graded):
 
 
 def test_files_a_submission_writes_cannot_change_the_grades(graded):
-    _assert_zero(graded, "writes_files", "not implemented")
+    _assert_zero(graded, "cheats", "not implemented")
     text = graded["out"].read_text()
-    assert "999" not in text and "fake" not in text
+    assert '"total": 999' not in text and '"path": "fake"' not in text
     assert (graded["folder"] / "results.json").read_text() == FAKE  # it wrote, to no effect
 
 

@@ -26,14 +26,15 @@ _HINTS = {
     "not the pair": "return a tuple (out, lse)",
     "changed its inputs": "build new tensors (no in-place ops on the arguments)",
     "changed q": "leave q, k and v as they are: stack or clone them before changing anything",
-    "NaN": ("e^lse over- or underflows when |lse| is large: write the weights as "
-            "e^(lse_a - lse) and e^(lse_b - lse) with lse = logaddexp(lse_a, lse_b); and a row "
-            "of a block that met no key (-inf everywhere) must give 0, not NaN"),
+    "NaN": ("a NaN appears: either e^lse over- or underflows (|lse| near 1000: never form "
+            "e^lse itself), or a row that met no key (lse -inf) computes -inf - (-inf); look "
+            "at the case's name, and at the exercise's last paragraph"),
     "wrong output": ("at step s rank i holds the keys of rank (i - s) % cp; mask them with your "
                      "zigzag_mask and merge the block into the running (out, lse)"),
-    "wrong out": ("the merged output is out_a e^(lse_a - lse) + out_b e^(lse_b - lse): each "
-                  "block's softmax rescaled to the sum over both blocks' keys"),
-    "wrong lse": "lse = log(e^lse_a + e^lse_b), computed as torch.logaddexp(lse_a, lse_b)",
+    "wrong out": ("the merged output is wrong: each block's output must be weighted by its "
+                  "share of the total, e^(its lse) over the sum of every block's; reread the "
+                  "lecture's merge of two blocks"),
+    "wrong lse": "the merged lse is wrong: it is the log of the sum of every block's e^lse",
     "no ValueError": "raise ValueError when T % (2 * cp) != 0 (no padding)",
     "entries wrong": ("rank r holds chunk r then chunk 2*cp-1-r, each of T/(2*cp) tokens; a query "
                       "may attend to a key at the same or an earlier position"),
@@ -65,8 +66,9 @@ def _check(spec, fn, world_sizes, success: str, skip: bool) -> None:
 def check_merge_attention_blocks(fn, skip: bool = False) -> None:
     """Visible check of exercise merge_attention_blocks (against the float64 merge)."""
     n = len(public_cases(MERGE_ATTENTION_BLOCKS, 1))
-    _check(MERGE_ATTENTION_BLOCKS, fn, (1,), f"equals the attention over both blocks on {n} cases "
-           f"(float32 and float64, lse near +1000 and -1000, rows that met no key)", skip)
+    _check(MERGE_ATTENTION_BLOCKS, fn, (1,), f"equals the attention over every block on {n} cases "
+           f"(1 to 5 blocks, float32 and float64, lse near +1000 and -1000, rows that met no "
+           f"key of a block or of any)", skip)
 
 
 def check_zigzag_mask(fn, skip: bool = False) -> None:

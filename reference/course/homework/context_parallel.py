@@ -1,11 +1,13 @@
 """Hidden checks of homework 08: long sequences split over a cp group.
 
-* ``merge_attention_blocks(out_a, lse_a, out_b, lse_b)`` (the warm-up, one process):
-  the online-softmax merge of two blocks' normalised outputs (B, H, T, D) and
-  log-sum-exps (B, H, T) into the attention over both blocks' keys. Cases: float32 and
-  float64; log-sum-exps near +1000 and -1000 (e^lse over- or underflows: only the
-  shifted form survives); rows where one block met no key (lse -inf, output 0); one
-  block far heavier than the other; a single token. The inputs must not change.
+* ``merge_attention_blocks(outs, lses)`` (one process): the online-softmax merge of k
+  blocks' normalised outputs (B, H, T, D) and log-sum-exps (B, H, T), k from 1 to 5, into
+  the attention over every block's keys: the lecture merged two, here any number, in a
+  numerically safe order. Cases: float32 and float64; log-sum-exps near +1000 and -1000
+  (e^lse over- or underflows: only a shifted form survives); rows where some blocks met
+  no key (lse -inf, output 0), and rows no block met (output 0, lse -inf: folding the
+  lecture's two-block formula pair by pair gives NaN there, e^(-inf - -inf)); one block
+  far heavier than the others; a single block; a single token. The inputs must not change.
 * ``zigzag_mask(T, cp, i, j)`` (one process): the (T/cp, T/cp) boolean mask of the
   causal pairs between rank i's queries and rank j's keys under the zig-zag layout
   (rank r holds chunks r and 2 cp - 1 - r of 2 cp), every (i, j) of a case checked;
@@ -45,51 +47,64 @@ MERGE_FLOAT32 = {"rtol": 1e-4, "atol": 1e-5}  # |lse| up to 1000: a float32 ulp 
 
 # ------------------------------------------------------------------ merge_attention_blocks
 
-def course_merge_attention_blocks(out_a, lse_a, out_b, lse_b):
-    """The course's answer: log-sum-exps added in log space, outputs weighted by e^(lse - new)."""
-    lse = torch.logaddexp(lse_a, lse_b)  # (B, H, T)
-    out = out_a * torch.exp(lse_a - lse).unsqueeze(-1) + out_b * torch.exp(lse_b - lse).unsqueeze(-1)
+def course_merge_attention_blocks(outs, lses):
+    """The course's answer: every block's lse shifted by the largest, weights e^(lse_i - max)
+    <= 1, a row that no block met (all -inf) left at output 0 and lse -inf."""
+    lse_all = torch.stack(list(lses))                                  # (k, B, H, T)
+    top = lse_all.amax(dim=0)                                          # (B, H, T)
+    shift = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
+    weights = torch.exp(lse_all - shift)                               # (k, B, H, T), in [0, 1]
+    total = weights.sum(dim=0)                                         # >= 1 unless no key at all
+    lse = shift + torch.log(total)                                     # -inf where total is 0
+    share = weights / torch.where(total > 0, total, torch.ones_like(total))
+    out = (torch.stack(list(outs)) * share.unsqueeze(-1)).sum(dim=0)   # (B, H, T, D)
     return out, lse
 
 
-# (name, B, H, T, D, dtype, centre of the lse, spread, rows of b masked, rows of a masked)
+# (name, k, B, H, T, D, dtype, centre of the lse, spread, which rows a block met no key of)
 MERGE_SHAPES = (
-    ("float32 (2, 3, 5, 4)", 2, 3, 5, 4, torch.float32, 0.0, 3.0, False, False),
-    ("float64 (1, 2, 7, 3)", 1, 2, 7, 3, torch.float64, 0.0, 3.0, False, False),
-    ("float32 lse near +1000", 1, 2, 6, 4, torch.float32, 1000.0, 2.0, False, False),
-    ("float64 lse near +1000", 2, 1, 4, 5, torch.float64, 1000.0, 2.0, False, False),
-    ("float32 lse near -1000", 1, 2, 6, 4, torch.float32, -1000.0, 2.0, False, False),
-    ("float32 rows where block b met no key", 2, 2, 6, 3, torch.float32, 0.0, 3.0, True, False),
-    ("float64 rows where block a met no key", 1, 3, 5, 2, torch.float64, 0.0, 3.0, False, True),
-    ("float32 one block 60 nats heavier", 1, 2, 4, 4, torch.float32, 0.0, 60.0, False, False),
-    ("float64 one token (1, 1, 1, 8)", 1, 1, 1, 8, torch.float64, 0.5, 1.0, False, False),
+    ("float32 2 blocks (2, 3, 5, 4)", 2, 2, 3, 5, 4, torch.float32, 0.0, 3.0, None),
+    ("float64 3 blocks (1, 2, 7, 3)", 3, 1, 2, 7, 3, torch.float64, 0.0, 3.0, None),
+    ("float32 a single block", 1, 1, 2, 4, 4, torch.float32, 0.0, 3.0, None),
+    ("float32 4 blocks, lse near +1000", 4, 1, 2, 6, 4, torch.float32, 1000.0, 2.0, None),
+    ("float64 5 blocks, lse near +1000", 5, 2, 1, 4, 5, torch.float64, 1000.0, 2.0, None),
+    ("float32 3 blocks, lse near -1000", 3, 1, 2, 6, 4, torch.float32, -1000.0, 2.0, None),
+    ("float32 4 blocks, rows some blocks met no key of", 4, 2, 2, 6, 3, torch.float32, 0.0, 3.0,
+     "some"),
+    ("float64 3 blocks, rows no block met", 3, 1, 3, 5, 2, torch.float64, 0.0, 3.0, "all"),
+    ("float32 3 blocks, one 60 nats heavier", 3, 1, 2, 4, 4, torch.float32, 0.0, 60.0, None),
+    ("float64 5 blocks of one token (1, 1, 1, 8)", 5, 1, 1, 1, 8, torch.float64, 0.5, 1.0, None),
 )
 
 
 def make_merge_cases(generator: torch.Generator, world_size: int) -> list[Case]:
     cases = []
-    for name, B, H, T, D, dtype, centre, spread, mask_b, mask_a in MERGE_SHAPES:
+    for name, k, B, H, T, D, dtype, centre, spread, masked in MERGE_SHAPES:
         def draw(*shape):
             return torch.randn(shape, generator=generator, dtype=torch.float64)
-        out_a, out_b = draw(B, H, T, D), draw(B, H, T, D)
-        lse_a, lse_b = centre + spread * draw(B, H, T), centre + spread * draw(B, H, T)
-        if "heavier" in name:  # block a e^60 times heavier than block b on every row
-            lse_a, lse_b = centre + draw(B, H, T), centre - spread + draw(B, H, T)
-        for masked, out, lse in ((mask_b, out_b, lse_b), (mask_a, out_a, lse_a)):
-            if masked:  # every other row met no key of this block: lse -inf, output 0
-                rows = torch.arange(T) % 2 == 0
-                lse[..., rows] = -math.inf
-                out[..., rows, :] = 0.0
-        case = {"out_a": out_a.to(dtype), "lse_a": lse_a.to(dtype),
-                "out_b": out_b.to(dtype), "lse_b": lse_b.to(dtype)}
+        outs = [draw(B, H, T, D) for _ in range(k)]
+        lses = [centre + spread * draw(B, H, T) for _ in range(k)]
+        if "heavier" in name:  # block 1 e^60 times heavier than the others on every row
+            lses = [centre + (0.0 if i == 1 else -spread) + draw(B, H, T) for i in range(k)]
+        rows = torch.arange(T)
+        for i in range(k):
+            if masked == "some":    # block i met no key on rows r = i mod 3; the others did
+                none = rows % 3 == i % 3
+            elif masked == "all":   # rows 0 and 3: no block met a key (a fully masked query)
+                none = (rows == 0) | (rows == 3) | ((rows + i) % 2 == 0)
+            else:
+                continue
+            lses[i][..., none] = -math.inf
+            outs[i][..., none, :] = 0.0
+        case = {"outs": [o.to(dtype) for o in outs], "lses": [l.to(dtype) for l in lses]}
         cases.append(Case(name, [case]))
     return cases
 
 
 def call_merge(fn, case: dict) -> dict:
-    args = [case[n].clone() for n in ("out_a", "lse_a", "out_b", "lse_b")]
-    result = fn(*args)
-    changed = any(not torch.equal(a, case[n]) for a, n in zip(args, ("out_a", "lse_a", "out_b", "lse_b")))
+    outs, lses = [o.clone() for o in case["outs"]], [l.clone() for l in case["lses"]]
+    result = fn(outs, lses)
+    changed = any(not torch.equal(a, b) for a, b in zip(outs + lses, case["outs"] + case["lses"]))
     pair = isinstance(result, (tuple, list)) and len(result) == 2
     return {"pair": pair, "type": type(result).__name__, "changed": changed,
             "out": plain(result[0]) if pair else None, "lse": plain(result[1]) if pair else None}
@@ -97,13 +112,14 @@ def call_merge(fn, case: dict) -> dict:
 
 def expect_merge(inputs: list) -> list:
     c = inputs[0]
-    out, lse = course_merge_attention_blocks(*(c[n].double() for n in ("out_a", "lse_a", "out_b", "lse_b")))
+    out, lse = course_merge_attention_blocks([o.double() for o in c["outs"]],
+                                             [l.double() for l in c["lses"]])
     return [{"out": out, "lse": lse}]
 
 
 def judge_merge(inputs, expected, outputs, world_size) -> str:
     c, want, got = inputs[0], expected[0], outputs[0]
-    dtype = c["out_a"].dtype
+    dtype = c["outs"][0].dtype
     if not got["pair"]:
         return f"returned {got['type']}, not the pair (out, lse)"
     if got["changed"]:
@@ -194,8 +210,8 @@ def ring_forward_bytes_formula(B, T, n_heads, n_kv_heads, head_dim, cp, bytes_pe
 
 
 MERGE_ATTENTION_BLOCKS = ExerciseSpec(
-    id="merge_attention_blocks", title="The online-softmax merge of two attention blocks",
-    difficulty="★☆☆ easy", world_sizes=(1,), make_cases=make_merge_cases, call=call_merge,
+    id="merge_attention_blocks", title="The online-softmax merge of k attention blocks",
+    difficulty="★★☆ medium", world_sizes=(1,), make_cases=make_merge_cases, call=call_merge,
     expect=expect_merge, judge=judge_merge, reference=course_merge_attention_blocks,
     banned=("reference.course.homework.context_parallel.course_merge_attention_blocks",
             "reference.context_parallel.blocks", "reference.context_parallel.ring"))
