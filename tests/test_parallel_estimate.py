@@ -1,11 +1,13 @@
 """The cost formulas of `reference.parallel.estimate` against the tiny model's real numbers,
-and the article's 175B configuration analysed with them."""
+the article's 175B configuration analysed with them, and the step time built on them."""
 import pytest
 import torch
 
 from reference.model import GPT, GPTConfig
 from reference.parallel.config import ParallelConfig
-from reference.parallel.estimate import activation_bytes_per_block, block_params, estimate, stage_params
+from reference.parallel.estimate import (H100_BF16_PEAK, Hardware, activation_bytes_per_block, block_params,
+                                         estimate, link_of, stage_params, step_time)
+from reference.profile import training_flops
 from reference.runtime import launch
 
 CFG = GPTConfig.tiny(n_layer=4, block_size=16)
@@ -69,13 +71,18 @@ def _measure(configs):
             train_step(pm, opt, idx, idx)
         sent = {dim: m.sent_bytes(op, group=comms.group_label(mesh.group(dim)))
                 for dim, op in (("dp", "all_reduce"), ("pp", "send")) if getattr(mesh, dim) > 1}
+        if config.zero_stage and mesh.dp > 1:  # ZeRO's own collectives (the all-reduce: the loss)
+            sent["zero"] = sum(m.sent_bytes(op, group=comms.group_label(mesh.group("dp")))
+                               for op in ("reduce_scatter", "all_gather"))
         out.append((mesh.pp_rank, sum(p.numel() for p in pm.parameters()), sent))
     return out
 
 
 @pytest.mark.parametrize("world_size, configs", [
     (4, [ParallelConfig(dp=2, pp=2, microbatches=2), ParallelConfig(tp=2, pp=2, microbatches=2),
-         ParallelConfig(dp=2, tp=2)]),
+         ParallelConfig(dp=2, tp=2),
+         # ZeRO-2 and ZeRO-3 accumulating over 2 micro-batches: they communicate per micro-batch
+         ParallelConfig(dp=4, zero_stage=2, microbatches=2), ParallelConfig(dp=4, zero_stage=3, microbatches=2)]),
     (8, [ParallelConfig.debug_3d()]),
 ])
 def test_parameters_and_bytes_per_rank_match_the_formulas(world_size, configs):
@@ -85,10 +92,13 @@ def test_parameters_and_bytes_per_rank_match_the_formulas(world_size, configs):
         e = estimate(CFG, config, micro_batch=b, global_batch=8, precision=None, act_bytes=4,
                      grad_bytes=4)
         for pp_rank, n_params, sent in (r[i] for r in ranks):
+            d = config.dp
+            if config.zero_stage:  # ZeRO-3 holds shards; ZeRO-2's dp traffic grows with m
+                assert sent["zero"] == e.bytes_per_step["dp"], config
+                continue
             assert n_params == stage_params(CFG, config, pp_rank), config
             if config.dp > 1:  # the gradients' all-reduce, 2 (d-1)/d x 4 bytes x params, and
                 # the loss's (4 bytes) to make it the global mean
-                d = config.dp
                 assert sent["dp"] == 2 * (d - 1) / d * 4 * n_params + 2 * (d - 1) / d * 4
             if config.pp > 1:  # one activation or one gradient per micro-batch, S each
                 S = b * 16 * CFG.n_embd * 4 // (config.tp if config.sequence_parallel else 1)
@@ -96,6 +106,58 @@ def test_parameters_and_bytes_per_rank_match_the_formulas(world_size, configs):
             if config.dp > 1 and pp_rank == 0:
                 assert sent["dp"] - 2 * (d - 1) / d * 4 == e.bytes_per_step["dp"]
         assert e.params_per_gpu == stage_params(CFG, config, 0)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_zero_traffic_is_charged_per_micro_batch(zero):
+    """Accumulating over m micro-batches (pp = 1), per GPU and step, P parameters, g = 2 bytes:
+    ZeRO-0/1 reduce once, 2 (d-1)/d P g; ZeRO-2 reduce-scatters after every micro-batch's
+    backward and all-gathers once, (m + 1) (d-1)/d P g; ZeRO-3 all-gathers forward and
+    backward and reduce-scatters in every micro-batch, 3 m (d-1)/d P g."""
+    d = 16
+    model = GPTConfig(vocab_size=50257, block_size=2048, n_layer=24, n_head=32, n_embd=2048)
+    got, want = {}, {}
+    for m in (1, 2, 4, 8):
+        e = estimate(model, ParallelConfig(dp=d, zero_stage=zero, microbatches=m, precision="bf16"),
+                     micro_batch=1, global_batch=d * m)
+        once = (d - 1) / d * e.params_per_gpu * 2
+        got[m] = e.bytes_per_step["dp"]
+        want[m] = {0: 2 * once, 1: 2 * once, 2: (m + 1) * once, 3: 3 * m * once}[zero]
+    assert got == pytest.approx(want, rel=1e-12)
+    assert e.microbatches == 8  # what step_time divides the compute by
+    assert sum(b * n for _, b, n, _ in e.dp_transfers) == pytest.approx(want[8], rel=1e-12)
+
+
+def test_step_time_is_compute_exposed_communication_and_bubble():
+    """dp 16 (two nodes: the gradients cross them) with ZeRO-0 and m = 4; then the same
+    GPUs as tp 8 x pp 2: tp on NVLink, pp across nodes, the bubble (pp-1)/m of the busy time."""
+    model = GPTConfig(vocab_size=50257, block_size=2048, n_layer=24, n_head=32, n_embd=2048)
+    hw = Hardware()
+    assert hw.peak_flops == H100_BF16_PEAK and hw.intra.bandwidth == 450e9 and hw.inter_bandwidth == 50e9
+    n = stage_params(model, ParallelConfig(), 0)
+    flops = training_flops(n, 64 * 2048, 24, 2048, 2048)
+    e = estimate(model, ParallelConfig(dp=16, precision="bf16"), micro_batch=1, global_batch=64)
+    t = step_time(e)
+    compute = flops / 16 / H100_BF16_PEAK
+    backward = compute / 4 * 2 / 3  # one micro-batch's backward: the all-reduce hides under it
+    assert t["compute"] == pytest.approx(compute)
+    assert t["dp"] == pytest.approx(max(0.0, 2 * 15 / 16 * n * 2 / 50e9 - backward)) and t["dp"] > 0
+    assert t["tp"] == t["pp"] == t["bubble"] == 0
+    assert t["total"] == pytest.approx(compute + t["dp"])
+    # full recompute: a third more compute, and the all-reduce hides under a longer backward
+    r = step_time(estimate(model, ParallelConfig(dp=16, precision="bf16", activation_checkpointing=True),
+                           micro_batch=1, global_batch=64))
+    assert r["compute"] == pytest.approx(4 / 3 * compute) and r["dp"] < t["dp"]
+
+    c = ParallelConfig(tp=8, pp=2, microbatches=64, sequence_parallel=True, precision="bf16")
+    assert (link_of(c, "tp"), link_of(c, "pp"), link_of(c, "dp")) == ("intra", "inter", "intra")
+    e = estimate(model, c, micro_batch=1, global_batch=64)
+    t = step_time(e)
+    assert t["tp"] == pytest.approx(e.bytes_per_step["tp"] / 450e9)
+    assert t["pp"] == pytest.approx(e.bytes_per_step["pp"] / 50e9)
+    assert t["bubble"] == pytest.approx((t["compute"] + t["tp"] + t["pp"]) * 1 / 64)
+    assert t["bubble"] / (t["total"]) == pytest.approx(e.bubble)  # (p-1)/(m+p-1) of the step
+    assert t["total"] == pytest.approx(sum(t[k] for k in ("compute", "tp", "pp", "dp", "bubble")))
 
 
 def _held(cases):

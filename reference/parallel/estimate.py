@@ -1,7 +1,9 @@
-"""What a parallel configuration costs per GPU, from formulas: memory, bubble, bytes per link.
+"""What a parallel configuration costs per GPU, from formulas: memory, bubble, bytes per link,
+and an estimated step time.
 
     e = estimate(GPTConfig(...), ParallelConfig.article_175b(), micro_batch=1, global_batch=1536)
     e.memory_gb, e.fits(80e9), e.bubble, e.bytes_per_step   # per GPU
+    step_time(e)["total"]                 # seconds, under Hardware()'s assumptions
 
 Memory per GPU (the pipeline's first stage, the heaviest):
 
@@ -33,8 +35,31 @@ S = b s h x activation bytes, one activation of one micro-batch):
   the same bytes; full recompute repeats the forward's 2;
 * pp (across nodes): one activation forward and one gradient backward per micro-batch, S each
   (S / t with sequence parallelism: the activation between stages is sequence-split);
-* dp (across nodes): the gradients' all-reduce, 2 (d-1)/d x gradient bytes (ZeRO-1/2: a
-  reduce-scatter plus an all-gather of the parameters, the same; ZeRO-3: 1.5 times that).
+* dp (across nodes), P the stage's parameters, g bytes per gradient element, m micro-batches
+  per step (accumulation when pp = 1), each where it happens, as `reference.zero` does it:
+
+      ZeRO-0     the gradients' all-reduce, once per step             2 (d-1)/d P g
+      ZeRO-1     reduce-scatter + all-gather, once per step           2 (d-1)/d P g
+      ZeRO-2     a reduce-scatter per micro-batch (its backward's hooks: no full gradient
+                 to accumulate into) + the all-gather once per step  (m + 1) (d-1)/d P g
+      ZeRO-3     per micro-batch, two all-gathers (forward, backward)
+                 and a reduce-scatter                                 3 m (d-1)/d P g
+
+  (so ZeRO-2/3 pay for accumulation, and `ParallelConfig` refuses them with a pipeline; the
+  flat layout's padding of P to a multiple of d is left out).
+  `Estimate.dp_transfers` lists these transfers with what each may hide under.
+
+Step time (`step_time`, under `Hardware`'s assumptions, each shown in `Hardware.describe`):
+compute = the step's training FLOPs (`reference.profile.training_flops`, plus the forward
+again with full recompute, plus attention's with selective) over the GPUs, at the peak
+FLOP/s; tp and pp traffic is exposed (a TP collective's output is the next matmul's input,
+a stage waits for its neighbour's activation); dp traffic hides under the compute it runs
+beside (DDP's buckets and ZeRO-1's reduce-scatter under the last micro-batch's backward,
+ZeRO-2's under each backward, ZeRO-3's prefetched gathers under each micro-batch) and only
+what outlasts it is exposed; the parameters' all-gather after the optimizer step is
+exposed; the bubble idles (pp - 1) / (v m) of the busy time (compute + tp + pp). A link is
+NVLink when its group fits in one node (Megatron's order, tp innermost, then dp, then pp),
+else the GPU's share of the node's NICs; latency (alpha) is left out.
 
 The course's tests check these formulas against the tiny model's measured parameters and
 bytes (`tests/test_parallel_estimate.py`).
@@ -43,10 +68,42 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from reference.comms.links import GPUS_PER_NODE, NIC, NICS_PER_NODE, NVLINK, Link
 from reference.memory import MemoryBytes, Precision, human_bytes, model_state_bytes
 from reference.parallel.config import ParallelConfig
+from reference.profile import training_flops
 
-__all__ = ["Estimate", "estimate", "block_params", "stage_params", "activation_bytes_per_block"]
+__all__ = ["Estimate", "estimate", "block_params", "stage_params", "activation_bytes_per_block",
+           "Hardware", "H100_BF16_PEAK", "step_time", "link_of"]
+
+# FLOP/s of an H100 SXM's dense bf16 tensor cores (the datasheet's peak; the node whose links
+# reference.comms.links describes). Real steps reach about half of it: compute here is a floor.
+H100_BF16_PEAK = 989e12
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What `step_time` assumes: the peak FLOP/s of one GPU and its links (defaults: the H100
+    node of `reference.comms.links`, one NIC per GPU)."""
+
+    peak_flops: float = H100_BF16_PEAK
+    intra: Link = NVLINK              # inside a node
+    inter: Link = NIC                 # one network card to another node
+    gpus_per_node: int = GPUS_PER_NODE
+    nics_per_node: int = NICS_PER_NODE
+
+    @property
+    def inter_bandwidth(self) -> float:
+        """Bytes/s one GPU sends across nodes: its share of the node's NICs."""
+        return self.inter.bandwidth * self.nics_per_node / self.gpus_per_node
+
+    def describe(self) -> str:
+        return (f"compute at {self.peak_flops / 1e12:.0f} TFLOP/s per GPU (peak); "
+                f"{self.intra.bandwidth / 1e9:.0f} GB/s per GPU inside a node of {self.gpus_per_node}, "
+                f"{self.inter_bandwidth / 1e9:.0f} GB/s across nodes; tp and pp traffic exposed, "
+                f"dp traffic hidden under the backward it runs beside (ZeRO-3: under each "
+                f"micro-batch) up to its length, the all-gather after the step exposed; "
+                f"bubble (pp-1)/(v m) of the busy time; latency left out")
 
 
 def _pad(v: int, t: int) -> int:
@@ -105,6 +162,11 @@ class Estimate:
     activations: float
     bubble: float
     bytes_per_step: dict = field(default_factory=dict)  # link -> bytes one GPU sends per step
+    microbatches: int = 1             # m per step (accumulation when pp = 1)
+    flops: float = 0.0                # training FLOPs one GPU computes per step, recompute included
+    forward_flops: float = 0.0        # of which the first forward's
+    # dp's transfers: (what, bytes each, times per step, hides under "backward" / "micro-batch" / "")
+    dp_transfers: tuple = ()
 
     @property
     def total_bytes(self) -> float:
@@ -159,12 +221,60 @@ def estimate(model, config: ParallelConfig, *, micro_batch: int, global_batch: i
     S = s * b * h * act_bytes
     blocks_here = L / p
     tp_calls = 4 + (2 if recompute == "full" else 0)
+    # Data parallelism, each transfer where it happens (the module docstring's table).
+    once = (d - 1) / d * params * grad_bytes if d > 1 else 0.0
+    dp_transfers = {
+        0: (("the gradients' all-reduce", 2 * once, 1, "backward"),),
+        1: (("the gradients' reduce-scatter", once, 1, "backward"),
+            ("the parameters' all-gather after the step", once, 1, "")),
+        2: (("a reduce-scatter per micro-batch", once, m, "backward"),
+            ("the parameters' all-gather after the step", once, 1, "")),
+        3: (("all-gathers (forward, backward) and a reduce-scatter per micro-batch", 3 * once, m,
+             "micro-batch"),),
+    }.get(config.zero_stage, ()) if d > 1 else ()
     per_gpu = {
         "tp": blocks_here * m * tp_calls * 2 * (t - 1) / t * S if t > 1 else 0.0,
         # a middle stage sends an activation on and a gradient back per micro-batch; with
         # pp = 2 each end sends one of the two
         "pp": (2 if p > 2 else 1) * m * S / (t if config.sequence_parallel else 1) if p > 1 else 0.0,
-        "dp": (2 * (d - 1) / d * params * grad_bytes * (1.5 if config.zero_stage == 3 else 1.0)
-               if d > 1 else 0.0),
+        "dp": sum(nbytes * times for _, nbytes, times, _ in dp_transfers),
     }
-    return Estimate(config, params, states, acts, bubble, per_gpu)
+    # FLOPs: the whole model's over every GPU (tokens split by dp, weights by tp and pp)
+    world = d * t * p
+    tokens = global_batch * s
+    flops = training_flops(stage_params(model, ParallelConfig(), 0), tokens, L, s, h) / world
+    forward = flops / 3
+    extra = {"full": forward, "selective": tokens * 4 * L * s * h / world}.get(recompute, 0.0)
+    return Estimate(config, params, states, acts, bubble, per_gpu, m, flops + extra, forward,
+                    dp_transfers)
+
+
+def link_of(config: ParallelConfig, kind: str, hardware: Hardware = Hardware()) -> str:
+    """Whether the ``kind`` group (tp, pp or dp) fits inside one node ("intra") or not ("inter"):
+    Megatron's order puts tp innermost (stride 1), then dp (stride tp), then pp (stride tp dp)."""
+    span = {"tp": config.tp, "dp": config.tp * config.dp,
+            "pp": config.tp * config.dp * config.pp}[kind]
+    size = {"tp": config.tp, "dp": config.dp, "pp": config.pp}[kind]
+    return "intra" if size == 1 or span <= hardware.gpus_per_node else "inter"
+
+
+def step_time(e: Estimate, hardware: Hardware = Hardware()) -> dict:
+    """Seconds of one step on one GPU: {"compute", "tp", "pp", "dp", "bubble", "total"}, the
+    communication parts being what is exposed (`Hardware.describe` says what overlaps)."""
+    c = e.config
+
+    def seconds(nbytes, kind):
+        bw = hardware.intra.bandwidth if link_of(c, kind, hardware) == "intra" else hardware.inter_bandwidth
+        return nbytes / bw
+
+    m = e.microbatches
+    compute = e.flops / hardware.peak_flops
+    per_mb = compute / m
+    backward = per_mb - e.forward_flops / m / hardware.peak_flops  # recompute runs in backward
+    window = {"backward": backward, "micro-batch": per_mb, "": 0.0}
+    dp = sum(times * max(0.0, seconds(nbytes, "dp") - window[under])
+             for _, nbytes, times, under in e.dp_transfers)
+    tp, pp = seconds(e.bytes_per_step["tp"], "tp"), seconds(e.bytes_per_step["pp"], "pp")
+    bubble = (compute + tp + pp) * (c.pp - 1) / (c.virtual_stages * m)
+    return dict(compute=compute, tp=tp, pp=pp, dp=dp, bubble=bubble,
+                total=compute + tp + pp + dp + bubble)

@@ -6,23 +6,36 @@
 
 `feasible_configs` tries every factorisation n_gpus = dp x tp x pp with tp inside a node
 (tp <= gpus_per_node: TP communicates in every layer, so it needs the node's fast links),
-tp dividing the heads, pp dividing the layers, ZeRO 0-1 with a pipeline and 0-3 without
-one (`ParallelConfig`'s rule), micro-batches of `micro_batch` sequences, with and without
-full activation recomputation; it keeps those whose memory per GPU (`estimate`) fits, sorted
-by bubble, then by the bytes each GPU sends across nodes. The explorer shows the first rows
-as a table; like the course's other explorers it works with no frontend (`.html` holds the
-table of the current settings).
+pp dividing the layers (equal stages), m = global_batch / (dp micro_batch) micro-batches of
+`micro_batch` sequences, ZeRO 0-3, with and without sequence parallelism, with and without
+full activation recomputation. It keeps
+only what `ParallelConfig.validate` accepts for the model, the batch and ``n_experts`` (so no
+ZeRO-2/3 with a pipeline, no ZeRO-3 with tp or recomputation, no ZeRO-2 with SP, heads and
+layers that divide) and whose memory per GPU (`estimate`) fits, and ranks them by the
+estimated step time of `reference.parallel.estimate.step_time`:
+
+    step = compute + exposed tp, pp and dp communication + bubble
+
+under `Hardware`'s assumptions (peak FLOP/s and the links of `reference.comms.links`; the
+explorer prints them above its table, `Hardware().describe()`). Each row carries the parts
+(``row["time"]``). A pipeline can win: it divides the parameters each GPU reduces over dp by
+pp, which pays when that traffic outlasts the backward it hides under and m keeps the bubble
+small. The explorer shows the first rows as a table; like the course's other explorers it
+works with no frontend (`.html` holds the table of the current settings).
 """
 from __future__ import annotations
 
 import html
+from dataclasses import replace
+from itertools import product
+from typing import Optional
 
 import ipywidgets as widgets
 
 from reference.memory import human_bytes
 from reference.model import GPTConfig
 from reference.parallel.config import ParallelConfig
-from reference.parallel.estimate import estimate
+from reference.parallel.estimate import Hardware, estimate, link_of, step_time
 
 __all__ = ["MODELS", "feasible_configs", "ConfigExplorer", "config_explorer"]
 
@@ -40,43 +53,58 @@ def _divisors(n: int) -> list[int]:
 
 def feasible_configs(model: GPTConfig, n_gpus: int, gpus_per_node: int = 8,
                      device_bytes: float = 80e9, global_batch: int = 1536,
-                     micro_batch: int = 1) -> list[dict]:
+                     micro_batch: int = 1, n_experts: Optional[int] = None,
+                     hardware: Optional[Hardware] = None) -> list[dict]:
+    """Every candidate that validates and fits, fastest estimated step first (rows: dicts of
+    config, estimate, memory, bubble, time = `step_time`'s parts, step_time, cross_node and
+    inside = bytes one GPU sends per step over links that leave / stay in its node)."""
+    hardware = hardware or Hardware(gpus_per_node=gpus_per_node)
+    if hardware.gpus_per_node != gpus_per_node:
+        hardware = replace(hardware, gpus_per_node=gpus_per_node)
+    batch = (global_batch, model.block_size)
     rows = []
     for tp in _divisors(n_gpus):
-        if tp > gpus_per_node or model.n_head % tp or model.d_ff % tp:
+        if tp > gpus_per_node:
             continue
         for pp in _divisors(n_gpus // tp):
-            if model.n_layer % pp:
+            if model.n_layer % pp:  # balanced stages only: step_time assumes equal ones
                 continue
             dp = n_gpus // (tp * pp)
             if global_batch % (dp * micro_batch):
                 continue
             m = global_batch // (dp * micro_batch)
-            if pp > 1 and m < pp:
-                continue
-            for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
-                for ckpt in (False, True):
-                    config = ParallelConfig(dp=dp, tp=tp, pp=pp, zero_stage=zero, microbatches=m,
-                                            sequence_parallel=tp > 1, activation_checkpointing=ckpt,
-                                            precision="bf16")
-                    e = estimate(model, config, micro_batch=micro_batch, global_batch=global_batch)
-                    if e.fits(device_bytes):
-                        rows.append(dict(config=config, estimate=e, memory=e.total_bytes,
-                                         bubble=e.bubble, cross_node=e.bytes_per_step["dp"]
-                                         + e.bytes_per_step["pp"], inside=e.bytes_per_step["tp"]))
-    rows.sort(key=lambda r: (round(r["bubble"], 3), r["cross_node"], r["memory"]))
+            for zero, sp, ckpt in product((0, 1, 2, 3), (True, False) if tp > 1 else (False,),
+                                          (False, True)):
+                config = ParallelConfig(dp=dp, tp=tp, pp=pp, zero_stage=zero, microbatches=m,
+                                        sequence_parallel=sp, activation_checkpointing=ckpt,
+                                        precision="bf16")
+                if config._problems(n_gpus, model, batch, n_experts):
+                    continue  # only what `ParallelConfig.validate` accepts
+                e = estimate(model, config, micro_batch=micro_batch, global_batch=global_batch)
+                if not e.fits(device_bytes):
+                    continue
+                time = step_time(e, hardware)
+                sent = {"inter": 0.0, "intra": 0.0}
+                for kind, nbytes in e.bytes_per_step.items():
+                    sent[link_of(config, kind, hardware)] += nbytes
+                rows.append(dict(config=config, estimate=e, memory=e.total_bytes, bubble=e.bubble,
+                                 time=time, step_time=time["total"], cross_node=sent["inter"],
+                                 inside=sent["intra"]))
+    rows.sort(key=lambda r: (r["step_time"], r["memory"]))
     return rows
 
 
 def _table(rows: list[dict], limit: int) -> str:
-    head = ("dp", "tp", "pp", "ZeRO", "m", "recompute", "memory / GPU", "bubble",
-            "sent across nodes", "sent inside a node")
+    head = ("dp", "tp", "pp", "ZeRO", "SP", "m", "recompute", "memory / GPU", "step (s)",
+            "compute (s)", "exposed comm (s)", "bubble", "sent across nodes", "sent inside a node")
     cells = ["<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
     for r in rows[:limit]:
-        c = r["config"]
-        values = (c.dp, c.tp, c.pp, c.zero_stage, c.microbatches,
-                  "full" if c.activation_checkpointing else "none", human_bytes(r["memory"]),
-                  f"{r['bubble']:.1%}", human_bytes(r["cross_node"]), human_bytes(r["inside"]))
+        c, t = r["config"], r["time"]
+        values = (c.dp, c.tp, c.pp, c.zero_stage, "yes" if c.sequence_parallel else "no",
+                  c.microbatches, "full" if c.activation_checkpointing else "none",
+                  human_bytes(r["memory"]), f"{r['step_time']:.2f}", f"{t['compute']:.2f}",
+                  f"{t['tp'] + t['pp'] + t['dp']:.2f}", f"{r['bubble']:.1%} ({t['bubble']:.2f} s)",
+                  human_bytes(r["cross_node"]), human_bytes(r["inside"]))
         cells.append("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in values) + "</tr>")
     return "<table>" + "".join(cells) + "</table>"
 
@@ -110,7 +138,9 @@ class ConfigExplorer(widgets.VBox):
         self.summary.value = (f"<b>{len(self.rows)}</b> configurations fit {self.model.value} on "
                               f"{self.n_gpus.value} GPUs of {self.device.value} GB "
                               f"(8 per node); the first {min(self.limit, len(self.rows))}, "
-                              f"smallest bubble first:")
+                              f"fastest estimated step first.<br><small>Step = compute + exposed "
+                              f"communication + bubble, assuming "
+                              f"{html.escape(Hardware().describe())}.</small>")
         self.output.value = _table(self.rows, self.limit) if self.rows else \
             "<i>nothing fits: more GPUs, more memory per GPU, or a smaller model</i>"
         self.html = self.output.value
