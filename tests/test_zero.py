@@ -393,8 +393,12 @@ def test_bad_arguments_are_explained():
         ZeroOptimizer(params, torch.optim.AdamW, stage=3)
     with pytest.raises(TypeError, match="torch.optim.Optimizer subclass"):
         ZeroOptimizer(params, torch.optim.AdamW(params), stage=1)
-    with pytest.raises(TypeError, match="not parameter groups"):
-        ZeroOptimizer([{"params": params}], torch.optim.AdamW, stage=1)
+    # Parameter groups may differ in weight_decay only (tests/test_weight_decay_groups.py).
+    with pytest.raises(ValueError, match="may differ only in weight_decay.*'betas'"):
+        ZeroOptimizer([{"params": params[:1], "betas": (0.9, 0.9)}, {"params": params[1:]}],
+                      torch.optim.AdamW, stage=1)
+    with pytest.raises(TypeError, match="not a mix"):
+        ZeroOptimizer([{"params": params[:1]}, params[1]], torch.optim.AdamW, stage=1)
 
 
 def test_flat_layout_pads_to_equal_shards():

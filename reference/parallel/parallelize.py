@@ -110,10 +110,28 @@ class ParallelGPT:
     def eval(self) -> "ParallelGPT":
         return self.train(False)
 
-    def make_optimizer(self, optimizer_class=torch.optim.AdamW, **kwargs):
+    def make_optimizer(self, optimizer_class=torch.optim.AdamW, weight_decay=None, **kwargs):
         """The optimizer of this rank's parameters: ZeRO's sharded one for zero_stage 1-2,
-        a plain one otherwise (ZeRO-3's FSDP already holds only its shards)."""
+        a plain one otherwise (ZeRO-3's FSDP already holds only its shards).
+
+        `weight_decay` given (the trainer always gives it): the single-process trainer's
+        groups (`reference.train.single.make_optimizer`), matrices (dim >= 2) decayed, biases
+        and LayerNorm gains (dim < 2) not, for every zero stage (ZeroOptimizer takes the
+        groups; ZeRO-3 with dp > 1 refuses a decay > 0: FSDP's flat shards mix both kinds).
+        Unset: `optimizer_class`'s own default over every parameter, one group.
+        """
         params = [p for p in self.parameters() if p.requires_grad]
+        if weight_decay is not None:
+            if weight_decay and self.config.zero_stage == 3 and self.mesh.dp_cp > 1:
+                raise ValueError(f"weight_decay={weight_decay} with zero_stage=3 (dp*cp="
+                                 f"{self.mesh.dp_cp}) is not supported: FSDP's flat shards mix "
+                                 f"matrices (decayed) with biases and LayerNorm gains (not), and "
+                                 f"per-group decay is not implemented for them; use zero_stage "
+                                 f"1 or 2, or weight_decay=0")
+            params = ([{"params": params, "weight_decay": 0.0}] if weight_decay == 0 else
+                      [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                       {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}])
+            params = [g for g in params if g["params"]]  # torch refuses an empty group
         if self.config.zero_stage in (1, 2) and self.mesh.dp_cp > 1:
             return ZeroOptimizer(params, optimizer_class, stage=self.config.zero_stage,
                                  group=self.mesh.group("dp_cp"), **kwargs)

@@ -48,6 +48,20 @@ optimizer's groups (the same dicts), so an LR scheduler that writes `lr` (or
 OneCycleLR's `betas`) there changes what the inner step uses; `state_dict()` is
 this rank's shard of the state, with the layout it belongs to.
 
+**Parameter groups that differ in weight decay.** GPT-2's rule decays the
+matrices and not the biases and LayerNorm gains (`reference.train.single.
+make_optimizer`): two groups. One flat shard is one inner parameter, so
+`ZeroOptimizer` takes torch-style groups (a list of dicts) that differ only in
+`weight_decay` and applies the decay itself, range by range of its shard (each
+parameter's piece of the shard is a contiguous range): decoupled for AdamW
+(and `Adam8bit`), `p *= 1 - lr * wd` before the inner step, as torch's AdamW
+does; coupled L2 for SGD, Adam, Adagrad, RMSprop, `grad += wd * p` (on the
+shard's gradient, in place), as theirs do. The inner optimizer then runs with
+`weight_decay=0`, and the numbers equal torch's optimizer over those groups.
+`param_groups` stays the inner optimizer's one group (lr, betas, ...; its
+`weight_decay` reads 0); `weight_decays` lists the groups' decays. Groups with
+one decay between them are one group, decayed by the inner optimizer as before.
+
 Honest limits. Stage 2 communicates once per backward: several backwards before
 one step (gradient accumulation) send the bytes above once each, as DeepSpeed's
 stage 2 does. Autograd's own memory comes on top of the peak above: the gradient
@@ -69,6 +83,7 @@ import torch
 import torch.distributed as dist
 
 from reference import comms
+from reference.zero.adam8bit import Adam8bit
 from reference.zero.fsdp import FSDP
 from reference.zero.reducer import BucketReducer
 from reference.zero.shard import FlatLayout, trainable_unique
@@ -83,7 +98,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loss.backward(); opt.step(); opt.zero_grad()
 
     `params` may hold frozen parameters (never updated nor communicated) and a
-    tied weight reached twice (stored once). Every rank must hold the same model;
+    tied weight reached twice (stored once). It may also be torch-style groups,
+    `[{"params": [...], "weight_decay": 0.1}, {"params": [...], "weight_decay": 0.0}]`,
+    that differ only in `weight_decay` (the module's docstring says how it is applied). Every rank must hold the same model;
     at construction the trainable parameters are broadcast from the group's rank
     0, so they start equal even if the ranks initialised them differently. After
     `step()` every rank holds all the updated parameters. `bucket_cap_mb` (MiB,
@@ -105,6 +122,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                             f"(e.g. torch.optim.AdamW), got {optimizer_class!r}")
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
+        params, decay_of, optimizer_kwargs = _parse_groups(params, optimizer_kwargs)
         self.params, self.frozen = trainable_unique(params)
         if not self.params:
             raise ValueError("ZeroOptimizer got no trainable parameter (all frozen or none given)")
@@ -132,6 +150,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # updates the module's numbers in place.
         self.shard = torch.nn.Parameter(self.layout.shard(self.flat_param, self.dp_rank))
         self.optimizer = optimizer_class([self.shard], **optimizer_kwargs)
+        # Weight decay by group: ((start, end, wd), ...) over the shard, applied in step().
+        self.decay_kind, self.decay_ranges = None, ()
+        default_wd = self.optimizer.defaults.get("weight_decay", 0.0)
+        decays = [decay_of.get(id(p), default_wd) for p in self.params]
+        self.weight_decays = sorted(set(decays))
+        if len(self.weight_decays) == 1 and decay_of:  # groups with one decay: the inner step's
+            if "weight_decay" in self.optimizer.defaults:
+                for g in self.optimizer.param_groups:
+                    g["weight_decay"] = self.weight_decays[0]
+            elif self.weight_decays[0] != 0:
+                raise ValueError(f"{optimizer_class.__name__} has no weight_decay, but the groups "
+                                 f"ask for {self.weight_decays[0]}")
+        if len(self.weight_decays) > 1:
+            self.decay_kind = _decay_kind(optimizer_class, self.optimizer.defaults)
+            self.decay_ranges = self._shard_ranges(decays)
+            for g in self.optimizer.param_groups:
+                g["weight_decay"] = 0.0  # the inner step must not decay again
         # torch.optim.Optimizer's own set-up (step hooks, the profiler's names),
         # then one set of groups and one state, the inner optimizer's.
         super().__init__([self.shard], self.optimizer.defaults)
@@ -148,6 +183,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             cap_numel = max(1, int(bucket_cap_mb * 2**20) // self.flat_param.element_size())
             self.reducer = BucketReducer(self.params, self.layout, self.shard, group, cap_numel)
+
+    def _shard_ranges(self, decays: list[float]) -> tuple[tuple[int, int, float], ...]:
+        """((start, end, wd), ...): this rank's shard cut where the parameters' decay changes."""
+        lo, hi = self.layout.shard_range(self.dp_rank)
+        ranges = []
+        for offset, numel, wd in zip(self.layout.offsets, self.layout.numels, decays):
+            start, end = max(offset, lo), min(offset + numel, hi)
+            if start >= end or wd == 0:
+                continue
+            if ranges and ranges[-1][2] == wd and ranges[-1][1] == start - lo:
+                ranges[-1] = (ranges[-1][0], end - lo, wd)  # merge neighbours with one decay
+            else:
+                ranges.append((start - lo, end - lo, wd))
+        return tuple(ranges)
+
+    @torch.no_grad()
+    def _apply_weight_decay(self) -> None:
+        """The groups' decay on this rank's shard, in torch's own operations (exact)."""
+        lr = self.param_groups[0]["lr"]
+        for start, end, wd in self.decay_ranges:
+            if self.decay_kind == "decoupled":  # AdamW: p *= 1 - lr * wd, before the update
+                self.shard[start:end].mul_(1 - lr * wd)
+            else:                               # L2 (SGD, Adam): grad += wd * p
+                self.shard.grad[start:end].add_(self.shard[start:end], alpha=wd)
 
     def _share_inner(self) -> None:
         # The same list of the same dicts: what a scheduler writes into
@@ -202,6 +261,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure: run backward before step()")
         self.reduce_gradients()  # a no-op when the caller already reduced (to clip)
+        if self.decay_ranges and self.shard.grad is not None:
+            self._apply_weight_decay()  # groups' decays; the inner step runs with weight_decay=0
         self.optimizer.step()
         self.gradients_reduced = False
         # The input is a copy: the output buffer contains the shard itself, and
@@ -247,14 +308,64 @@ class ZeroOptimizer(torch.optim.Optimizer):
                              f"over {self.layout.numel}")
         self.optimizer.load_state_dict(state_dict)
         self._share_inner()  # loading gives the inner optimizer new group dicts
+        if self.decay_ranges:  # a state saved by a one-group optimizer would bring its decay back
+            for g in self.param_groups:
+                g["weight_decay"] = 0.0
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_groups_shared", False):
             raise ValueError("ZeroOptimizer keeps all its parameters in one flat buffer and one "
-                             "group: build it over every parameter at once")
+                             "group: build it over every parameter at once (groups that differ "
+                             "in weight_decay go to the constructor as a list of dicts)")
         super().add_param_group(param_group)  # torch.optim.Optimizer.__init__'s own group, replaced
 
     def __repr__(self) -> str:
         buckets = f", buckets={len(self.buckets)}" if self.stage == 2 else ""
+        decays = f", weight_decays={self.weight_decays}" if self.decay_ranges else ""
         return (f"ZeroOptimizer(stage={self.stage}, dp_rank={self.dp_rank}, dp_size={self.dp_size}, "
-                f"{self.layout}{buckets}, inner={type(self.optimizer).__name__})")
+                f"{self.layout}{buckets}{decays}, inner={type(self.optimizer).__name__})")
+
+
+def _parse_groups(params, optimizer_kwargs: dict):
+    """(parameters, {id(p): weight_decay}, optimizer_kwargs) from tensors or torch-style groups.
+
+    Groups may differ in `weight_decay` only: any other key must have one value in
+    every group (and agree with the keyword arguments); it joins the keyword arguments.
+    """
+    params = list(params)
+    if not any(isinstance(g, dict) for g in params):
+        return params, {}, optimizer_kwargs
+    if not all(isinstance(g, dict) and "params" in g for g in params):
+        raise TypeError("pass either parameters or parameter groups (dicts with 'params'), not a mix")
+    kwargs, flat, decay_of = dict(optimizer_kwargs), [], {}
+    keys = {k for g in params for k in g} - {"params", "weight_decay"}
+    for key in sorted(keys):
+        missing = object()
+        values = [g.get(key, kwargs.get(key, missing)) for g in params]
+        if any(v is missing or v != values[0] for v in values):
+            raise ValueError(f"ZeroOptimizer's parameter groups may differ only in weight_decay "
+                             f"(one flat shard, one inner group); {key!r} is "
+                             f"{['(unset)' if v is missing else v for v in values]} across the groups")
+        kwargs[key] = values[0]
+    for g in params:
+        group = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        for p in group:
+            if "weight_decay" in g:
+                wd = float(g["weight_decay"])
+                if decay_of.setdefault(id(p), wd) != wd:
+                    raise ValueError(f"a parameter of shape {tuple(p.shape)} is in two groups, with "
+                                     f"weight_decay {decay_of[id(p)]} and {wd}")
+        flat.extend(group)
+    return flat, decay_of, kwargs
+
+
+def _decay_kind(optimizer_class, defaults: dict) -> str:
+    """'decoupled' (AdamW's p *= 1 - lr wd) or 'coupled' (L2: grad += wd p), as `optimizer_class` decays."""
+    if issubclass(optimizer_class, (torch.optim.AdamW, Adam8bit)) or defaults.get("decoupled_weight_decay"):
+        return "decoupled"
+    if issubclass(optimizer_class, (torch.optim.SGD, torch.optim.Adam, torch.optim.Adagrad,
+                                    torch.optim.RMSprop, torch.optim.Adamax)):
+        return "coupled"
+    raise ValueError(f"ZeroOptimizer applies per-group weight decay itself and knows AdamW's "
+                     f"decoupled form and the L2 form of SGD, Adam, Adagrad, RMSprop and Adamax; "
+                     f"{optimizer_class.__name__} is neither: give every group one weight_decay")
