@@ -31,7 +31,7 @@ def average_gradients(module, group=None):
 """
 
 BUCKETS = COMMON + """
-def bucketed_all_reduce(module, bucket_bytes, group=None):
+def bucketed_all_reduce(module, bucket_bytes, accumulation_steps=1, group=None):
     world_size = dist.get_world_size(group)
     buckets, nbytes = [], 0
     for p in reversed([p for p in module.parameters() if p.requires_grad]):
@@ -41,7 +41,7 @@ def bucketed_all_reduce(module, bucket_bytes, group=None):
             nbytes = 0
         buckets[-1].append(p)
         nbytes += size
-    state = {"ready": [0] * len(buckets), "next": 0, "launched": []}
+    state = {"fired": {}, "ready": [0] * len(buckets), "next": 0, "launched": []}
 
     def launch_ready():
         while state["next"] < len(buckets) and state["ready"][state["next"]] == len(buckets[state["next"]]):
@@ -52,6 +52,9 @@ def bucketed_all_reduce(module, bucket_bytes, group=None):
 
     def make_hook(i):
         def hook(param):
+            state["fired"][param] = state["fired"].get(param, 0) + 1
+            if state["fired"][param] < (1 if EVERY_BACKWARD else accumulation_steps):
+                return
             state["ready"][i] += 1
             if not LATE:
                 launch_ready()
@@ -72,7 +75,7 @@ def bucketed_all_reduce(module, bucket_bytes, group=None):
             for p in bucket:
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
-        state.update(ready=[0] * len(buckets), next=0, launched=[])
+        state.update(fired={}, ready=[0] * len(buckets), next=0, launched=[])
     return finish
 """
 
@@ -135,12 +138,19 @@ def test_average_gradients_may_not_use_another_collective():
     assert score.points == 0 and "broadcast is not allowed" in score.reason
 
 
+RIGHT = {"CAP": lambda b: b, "LATE": False, "EVERY_BACKWARD": False}
+
+
 @pytest.mark.parametrize("mistake, constants, points, reason", [
-    ("none", {"CAP": lambda b: b, "LATE": False}, "all", ""),
+    ("none", RIGHT, "all", ""),
     # One bucket per parameter: right gradients, wrong number of all-reduces, except in
     # the case where the cap already gives one parameter per bucket.
-    ("per parameter", {"CAP": lambda b: 1, "LATE": False}, "one case per size", "all-reduce sizes"),
-    ("after backward", {"CAP": lambda b: b, "LATE": True}, 0, "not inside backward"),
+    ("per parameter", {**RIGHT, "CAP": lambda b: 1}, "one case per size", "all-reduce sizes"),
+    ("after backward", {**RIGHT, "LATE": True}, 0, "not inside the step's last backward"),
+    # The lecture's buckets: launched in every backward, so in the first of K micro-batches:
+    # right only in the case without accumulation.
+    ("every backward", {**RIGHT, "EVERY_BACKWARD": True}, "one case per size",
+     "did not yet hold every micro-batch"),
 ])
 def test_bucketed_checks_count_size_and_timing(mistake, constants, points, reason):
     score = _score(BUCKETED, BUCKETS, **constants)
@@ -150,11 +160,13 @@ def test_bucketed_checks_count_size_and_timing(mistake, constants, points, reaso
     expected = len(BUCKETED.world_sizes) if points == "one case per size" else points
     assert score.points == expected, score.failures
     assert reason in score.reason
+    if mistake == "every backward":  # the lecture's buckets lose most of the exercise
+        assert score.weighted() <= score.weight / 2
 
 
 def test_bucketed_gradients_must_be_the_mean():
     source = BUCKETS.replace("flat.div_(world_size)", "pass")
-    score = _score(BUCKETED, source, CAP=lambda b: b, LATE=False)
+    score = _score(BUCKETED, source, **RIGHT)
     assert score.points == 0 and "divide by the world size" in score.reason
 
 

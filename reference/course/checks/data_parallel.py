@@ -42,7 +42,11 @@ _HINTS = {
     "all-reduce sizes": ("walk the trainable parameters in reverse order; start a new bucket when "
                          "the next gradient would make the bucket exceed bucket_bytes; one "
                          "all-reduce of one flat tensor per bucket"),
-    "not inside backward": "register_post_accumulate_grad_hook on each parameter, and launch there",
+    "not inside the step's last backward": ("the all-reduces came after backward, in finish(): "
+                                            "reread the lecture's hooks"),
+    "did not yet hold every micro-batch": ("a bucket went out in one of the first K - 1 backward "
+                                           "passes: its hooks fire in every backward; when is a "
+                                           "gradient complete?"),
     "only once every gradient": "launch a bucket from the hook of its last gradient, not at the end",
     "returned": "check the return value against the contract in the exercise text",
 }
@@ -103,7 +107,8 @@ def check_average_gradients(fn, world_sizes=(2,), timeout: float = 60.0, skip: b
 def check_bucketed_all_reduce(fn, world_sizes=(2,), timeout: float = 60.0, skip: bool = False) -> None:
     """Visible check of exercise bucketed_all_reduce."""
     run_model_check(BUCKETED, fn, "full-batch gradients, one all-reduce per bucket, launched "
-                    "inside backward", _HINTS, world_sizes, timeout, skip)
+                    "inside the step's last backward, with 1 to 3 micro-batches", _HINTS,
+                    world_sizes, timeout, skip)
 
 
 def check_accumulate_gradients(fn, world_sizes=(3,), timeout: float = 60.0,

@@ -13,12 +13,18 @@ one process (the ranks' batches concatenated; the batches are equal in size, so 
 the mean of the ranks' gradients) and compares it with every rank's ``p.grad``, with
 the course's fp32 tolerance. A frozen parameter must keep ``grad`` None.
 
-The bucketed exercise is also checked through its all-reduces, counted on the process
-group itself (so any import of ``all_reduce`` is seen): one per bucket per step, of
-the bucket's number of elements, in bucket order, every one launched inside
-``backward()``, and, with more than one bucket, the first one launched while some
-gradients did not exist yet (communication overlapping backward). Every collective
-other than all-reduce is switched off.
+The bucketed exercise goes where the lecture's buckets did not: gradient accumulation.
+Each step runs ``accumulation_steps`` (K = 1, 2 or 3) micro-batches, each loss divided by
+K and backward, then ``finish()``; the buckets must wait for the K-th backward of the
+step (a parameter's post-accumulate-grad hook fires in every one of them). The gradient
+after ``finish()`` is the full-batch gradient of every rank's every micro-batch. It is
+also checked through its all-reduces, counted on the process group itself (so any import
+of ``all_reduce`` is seen): one per bucket per step, of the bucket's number of elements,
+in bucket order, every one launched inside the step's LAST ``backward()`` (none while
+accumulating, none in ``finish()``), and, with more than one bucket, the first one
+launched while some gradients of that backward were not complete yet (communication
+overlapping backward). The lecture's buckets, which launch in the first backward of a
+step, lose every case with K > 1. Every collective other than all-reduce is switched off.
 """
 from __future__ import annotations
 
@@ -97,41 +103,55 @@ def judge_average(inputs, expected, outputs, world_size) -> str:
 
 def make_bucket_cases(generator, world_size) -> list:
     cases = []
-    for name, frozen in (("one parameter per bucket", ()), ("cap not a multiple of 4 bytes", ()),
-                         ("everything in one bucket", ()), ("frozen first layer", ("0.weight",))):
+    for name, frozen, micro in (("one parameter per bucket, no accumulation", (), 1),
+                                ("cap not a multiple of 4 bytes, 2 micro-batches", (), 2),
+                                ("everything in one bucket, 3 micro-batches", (), 3),
+                                ("frozen first layer, 2 micro-batches", ("0.weight",), 2),
+                                ("2 to 4 buckets, 3 micro-batches", (), 3)):
         sizes = _random_sizes(generator)
         numels = [a * b + b for a, b in zip(sizes[:-1], sizes[1:])]  # per layer, weight + bias
-        cap = {"one parameter per bucket": 4,
-               "everything in one bucket": 4 * sum(numels) + int(torch.randint(0, 64, (1,), generator=generator))}
+        cap = {"one": 4, "everything": 4 * sum(numels) + int(torch.randint(0, 64, (1,), generator=generator))}
         # Between the last layer's size and the whole: 2 to 4 buckets, odd bytes.
-        cap_bytes = cap.get(name, 4 * (numels[-1] + int(torch.randint(0, 8, (1,), generator=generator))) + 2)
-        cases.append(Case(name, model_case(generator, world_size, sizes, frozen=frozen,
-                                           bucket_bytes=cap_bytes)))
+        cap_bytes = cap.get(name.split()[0],
+                            4 * (numels[-1] + int(torch.randint(0, 8, (1,), generator=generator))) + 2)
+        inputs = model_case(generator, world_size, sizes, frozen=frozen, bucket_bytes=cap_bytes,
+                            micro=micro)
+        for rank_input in inputs:  # (STEPS, K, BATCH, ...): K micro-batches per step
+            rank_input["x"] = torch.randn(STEPS, micro, BATCH, sizes[0], generator=generator)
+            rank_input["y"] = torch.randn(STEPS, micro, BATCH, sizes[-1], generator=generator)
+        cases.append(Case(name, inputs))
     return cases
 
 
 def call_bucketed(fn, case: dict) -> dict:
     model = build_mlp(case)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    calls, phase = [], ["before"]
+    micro = case["micro"]
+    calls, phase, done = [], ["before"], set()
 
     def record(method, numel, dtype):
-        missing = sum(p.grad is None for p in trainable)  # gradients not produced yet
+        missing = sum(id(p) not in done for p in trainable)  # not complete in this backward
         calls.append([phase[0], numel, missing])
 
+    for p in trainable:  # registered first: they run before the student's hooks
+        p.register_post_accumulate_grad_hook(lambda param: done.add(id(param)))
     with collectives_allowed(("allreduce",), record):
-        finish = fn(model, case["bucket_bytes"])
+        finish = fn(model, case["bucket_bytes"], accumulation_steps=micro)
         if not callable(finish):
             return {"grads": [], "calls": [], "finish_type": type(finish).__name__}
-
-        def backward_then_finish(loss):
-            phase[0] = "backward"
-            loss.backward()
+        grads = []
+        for step in range(STEPS):
+            for p in model.parameters():
+                p.grad = None
+            for j in range(micro):
+                phase[0] = "backward" if j == micro - 1 else f"accumulation backward {j + 1} of {micro}"
+                done.clear()
+                (full_batch_loss(model, case["x"][step][j], case["y"][step][j]) / micro).backward()
             phase[0] = "finish"
             finish()
             phase[0] = "after"
-
-        grads = _run_steps(backward_then_finish, case, model)
+            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
+                          if p.grad is not None})
     return {"grads": grads, "calls": calls, "finish_type": "function"}
 
 
@@ -148,23 +168,30 @@ def judge_bucketed(inputs, expected, outputs, world_size) -> str:
                     f"bucket order")
         late = [i for i, (phase, _, _) in enumerate(out["calls"]) if phase != "backward"]
         if late:
-            return (f"rank {rank}: all-reduce {late[0]} was launched during {out['calls'][late[0]][0]}, "
-                    f"not inside backward() (launch each bucket from a gradient hook)")
+            where = out["calls"][late[0]][0]
+            why = ("its gradients did not yet hold every micro-batch of the step"
+                   if where.startswith("accumulation") else
+                   "not inside the step's last backward() (launch each bucket from a gradient hook)")
+            return f"rank {rank}: all-reduce {late[0]} was launched during {where}: {why}"
         if len(buckets) > 1 and out["calls"][0][2] == 0:
             return (f"rank {rank}: the first all-reduce started only once every gradient existed "
                     f"(launch a bucket as soon as its own gradients are ready)")
     return judge_grads(expected, outputs)
 
 
-def course_bucketed_all_reduce(module, bucket_bytes, group=None):
+def course_bucketed_all_reduce(module, bucket_bytes, accumulation_steps=1, group=None):
     """The course's answer, the exercise's signature: `plan_buckets`' buckets, each one async
-    all-reduce launched in bucket order from post-accumulate-grad hooks; finish() waits."""
+    all-reduce launched in bucket order from post-accumulate-grad hooks once a parameter's
+    hook has fired `accumulation_steps` times in the step; finish() waits."""
     world_size = dist.get_world_size(group)
     buckets = plan_buckets(module.named_parameters(), bucket_bytes)
-    ready, launched = [0] * len(buckets), []
+    ready, launched, fired = [0] * len(buckets), [], {}
 
     def hook(index):
         def ready_one(param):
+            fired[param] = fired.get(param, 0) + 1
+            if fired[param] < accumulation_steps:  # more micro-batches to add to its grad
+                return
             ready[index] += 1
             while len(launched) < len(buckets) and ready[len(launched)] == len(buckets[len(launched)].params):
                 bucket = buckets[len(launched)]
@@ -185,6 +212,7 @@ def course_bucketed_all_reduce(module, bucket_bytes, group=None):
                 p.grad.copy_(flat[offset:offset + numel].view_as(p))
         ready[:] = [0] * len(buckets)
         launched.clear()
+        fired.clear()
     return finish
 
 
@@ -197,7 +225,7 @@ AVERAGE_GRADIENTS = ExerciseSpec(
     forbidden=tuple(c for c in COLLECTIVES if c != "all_reduce"),
     banned=("reference.data_parallel.ddp.naive_all_reduce_gradients", "reference.data_parallel"))
 BUCKETED = ExerciseSpec(
-    id="bucketed_all_reduce", title="bucketed all-reduce launched from gradient hooks",
+    id="bucketed_all_reduce", title="bucketed all-reduce from gradient hooks, under accumulation",
     difficulty="★★★ hard", world_sizes=(2, 4), make_cases=make_bucket_cases, call=call_bucketed,
     expect=expect_grads, judge=judge_bucketed,
     reference=None,  # no built-in has this contract (reference.data_parallel.DDP wraps the module)
