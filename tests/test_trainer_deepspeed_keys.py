@@ -199,3 +199,18 @@ def test_corrupt_latest_checkpoint_is_one_line_and_exit_2(tmp_path):
     lines = [x for x in run.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: checkpoint "), run.stderr
     assert "is corrupt" in lines[0] and "step_000002" in lines[0]
+
+
+def test_weight_decay_with_zero3_is_refused_before_any_rank_starts(tmp_path):
+    """Weight decay exempts biases and LayerNorms in every trainer and every ZeRO stage but 3,
+    whose flat shards hold one group: refused in the configuration (and said by --check),
+    not on every rank once the optimizer is made."""
+    from reference.train.config import describe, load_config
+
+    path = _write(tmp_path, optimizer={"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+                  zero_optimization={"stage": 3})
+    config = load_config(path)
+    with pytest.raises(ValueError, match="weight_decay=0.1 with zero_optimization.stage 3 at dp=2"):
+        config.parallel_config(2)
+    assert "weight_decay=0.1 with zero_optimization.stage 3" in describe(config, 2)
+    config.parallel_config(1)  # dp 1: nothing is sharded, the groups work

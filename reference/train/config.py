@@ -235,6 +235,12 @@ class TrainConfig:
                 raise batch_error
             pc.validate(world_size, self.gpt_config(), batch=(B, self.seq_len()),
                         n_experts=self.n_experts)
+            wd = self.optimizer.params.weight_decay or 0.0
+            if wd and pc.zero_stage == 3 and pc.dp * pc.cp > 1:
+                raise ValueError(f"optimizer.params.weight_decay={wd:g} with zero_optimization.stage 3 "
+                                 f"at dp={pc.dp}: FSDP's flat shards here hold one optimizer group, "
+                                 f"so biases and LayerNorms could not be exempt from the decay as in "
+                                 f"every other stage; use stage 1 or 2, or weight_decay 0")
             if self.zero_optimization.offload:
                 raise ValueError(OFFLOAD_REFUSED.format(
                     device=self.zero_optimization.offload_optimizer.device))

@@ -14,7 +14,8 @@ the parameters as well (P_os+g+p). Where each part lives:
 * `reference.zero.optimizer`: `ZeroOptimizer`, stages 1 and 2, a drop-in for the
   optimizer of a model every rank holds whole (a `torch.optim.Optimizer`, so LR
   schedulers and `state_dict` work); its docstring has the bytes and the
-  memory table;
+  memory table; `reference.zero.groups`: its weight-decay groups (matrices decayed,
+  biases and LayerNorms not), applied on ranges of its flat shard;
 * `reference.zero.reducer`: stage 2's gradient path, `BucketReducer`: buckets of
   the flat layout reduce-scattered from gradient hooks during backward, so a
   rank holds its shard and one bucket of gradient at most;
