@@ -323,6 +323,18 @@ def test_unfinished_reads_the_stub_in_the_function_and_its_notebook_helpers():
     assert unfinished(namespace["exercise"], "demo")  # the stub is in a class it calls
     assert not unfinished(namespace["exercise"], "other")  # another exercise's stub: not this one
     assert not unfinished(namespace["done"], "demo")
+    # A finished autograd Function: its class and its backward class point to each other.
+    exec("import torch\n"
+         "class Twice(torch.autograd.Function):\n"
+         "    @staticmethod\n"
+         "    def forward(ctx, x):\n"
+         "        return 2 * x\n"
+         "    @staticmethod\n"
+         "    def backward(ctx, g):\n"
+         "        return 2 * g\n"
+         "def twice(x):\n"
+         "    return Twice.apply(x)\n", namespace)
+    assert not unfinished(namespace["twice"], "demo")
 
 
 def test_example_turns_an_unfinished_exercise_into_one_line(capsys):

@@ -85,32 +85,33 @@ def mlp_course(x, a, b, group=None):
 
 class CE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, vocab_size, group, mask, shift):
+    def forward(ctx, logits, targets, vocab_size, group, mask, shift, lecture=False):
         n, v = logits.shape
         start = dist.get_rank(group) * v
-        z = logits.clone()
+        z = logits.clone() if lecture else logits.float().clone()  # the lecture: no upcast
+        counts = torch.ones_like(targets, dtype=torch.bool) if lecture else targets != -100
         if mask:
             z[:, max(0, vocab_size - start):] = float("-inf")
         m = z.max(dim=1).values
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         if shift:
             z -= m.unsqueeze(1)
-        mine = (targets >= start) & (targets < start + v)
+        mine = counts & (targets >= start) & (targets < start + v)
         local = (targets - start).masked_fill(~mine, 0)
         zt = z.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
         dist.all_reduce(zt, group=group)
         e = z.exp()
         s = e.sum(dim=1)
         dist.all_reduce(s, group=group)
-        ctx.save_for_backward(e / s.unsqueeze(1), mine, local)
-        return (s.log() - zt).mean()
+        ctx.save_for_backward(e / s.unsqueeze(1), counts, mine, local)
+        return ((s.log() - zt) * counts).sum() / counts.sum()
 
     @staticmethod
     def backward(ctx, grad_loss):
-        p, mine, local = ctx.saved_tensors
-        grad = p.clone()
+        p, counts, mine, local = ctx.saved_tensors
+        grad = p * counts.unsqueeze(1)
         grad[torch.arange(grad.shape[0])[mine], local[mine]] -= 1.0
-        return grad * (grad_loss / grad.shape[0]), None, None, None, None, None
+        return grad * (grad_loss / counts.sum()), None, None, None, None, None, None
 
 
 def ce(logits, targets, vocab_size, group=None):
@@ -123,6 +124,10 @@ def ce_no_padding_mask(logits, targets, vocab_size, group=None):
 
 def ce_no_max_shift(logits, targets, vocab_size, group=None):
     return CE.apply(logits, targets, vocab_size, group, True, False)
+
+
+def ce_lecture(logits, targets, vocab_size, group=None):  # every token counts, no upcast
+    return CE.apply(logits, targets, vocab_size, group, True, True, True)
 
 
 def ce_sum_not_mean(logits, targets, vocab_size, group=None):
@@ -140,7 +145,7 @@ def ce_gathered_by_all_reduce(logits, targets, vocab_size, group=None):
     mine = torch.zeros_like(full)
     mine[:, r * v:(r + 1) * v] = 1.0
     whole = full * (1 - mine) + F.pad(logits, (r * v, (p - r - 1) * v))
-    return F.cross_entropy(whole[:, :vocab_size], targets)
+    return F.cross_entropy(whole[:, :vocab_size].float(), targets)
 
 
 def ce_all_gather(logits, targets, vocab_size, group=None):
@@ -201,6 +206,15 @@ def test_padding_and_overflow_mistakes_lose_exactly_their_cases():
     assert all("scale 100" in line and "wrong loss" in line for line in no_shift.failures)
     summed = _score(CROSS_ENTROPY, "ce_sum_not_mean", world_sizes=(2,))
     assert summed.points == 1 and "N=1" not in " ".join(summed.failures)  # one token: sum = mean
+
+
+def test_the_lecture_loss_loses_the_ignored_tokens_and_bfloat16_cases():
+    lecture = _score(CROSS_ENTROPY, "ce_lecture", world_sizes=(2,))
+    lost = {line.split(", ", 1)[1].split(":")[0] for line in lecture.failures}
+    assert lost == {"N=6, V=7 (3 tokens ignored)", "N=5, V=9 (bfloat16 logits)",
+                    "N=7, V=7 (bfloat16 logits of scale 10, 2 tokens ignored)"}, lecture.failures
+    assert any("the mean is over the" in line for line in lecture.failures)
+    assert any("float32" in line for line in lecture.failures)
 
 
 def test_gathering_the_logits_is_refused_whichever_collective_does_it():

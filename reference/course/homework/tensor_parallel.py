@@ -14,14 +14,20 @@ float64: Z and x.grad on every rank, and each rank's columns of dA and rows of
 dB; plus one all-reduce forward and one backward (the cost of the pair).
 
 vocab_parallel_cross_entropy (2 and 4 ranks): the mean cross-entropy of
-vocab-sharded logits (N, V_pad / tp), V_pad = V rounded up to a multiple of tp.
+vocab-sharded logits (N, V_pad / tp), V_pad = V rounded up to a multiple of tp, with
+what the lecture only described: targets equal to IGNORE_INDEX (-100, padding tokens)
+take no part (the mean is over the other tokens, their gradient rows are 0), and
+bfloat16 logits are upcast, the loss computed and returned in float32.
 Cases: V divisible by tp, V not divisible (padding columns hold large garbage,
 so a loss that reads them is wrong), V leaving the last rank only padding (4
 ranks), logits of scale 100 (exp overflows in float32 without the max shift),
-and N = 1. Judged against F.cross_entropy on the full (N, V) logits in float64:
-the loss on every rank, and each rank's shard of the gradient (zero on padding);
-plus at most 4 N numbers all-reduced in all (the reference sends 3 N, gathering
-the logits would send N * V_pad).
+N = 1, ignored tokens, bfloat16 logits (with and without ignored tokens). Judged
+against F.cross_entropy(..., ignore_index=-100) on the full (N, V) logits in float64:
+the loss (float32) on every rank, and each rank's shard of the gradient (zero on
+padding and on ignored rows; bfloat16 gradients to rtol 1e-2, atol 1e-3, their own
+rounding); plus at most 4 N numbers all-reduced in all (the reference sends 3 N,
+gathering the logits would send N * V_pad). The lecture's loss, which divides by N and
+computes in the logits' dtype, loses every case with ignored tokens or bfloat16.
 
 Tolerances: rtol=1e-5, atol=1e-5 for Z, x.grad, dA, dB and the loss (not the
 course's atol=1e-6): the ranks' partial sums are added in another order than one
@@ -48,6 +54,8 @@ __all__ = ["MLP", "CROSS_ENTROPY", "EXERCISES", "ONLY_ALL_REDUCE", "counted_all_
 ONLY_ALL_REDUCE = tuple(c for c in COLLECTIVES if c != "all_reduce")
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 GRAD_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+BF16_GRAD_TOLERANCE = {"rtol": 1e-2, "atol": 1e-3}  # a bfloat16 gradient's own rounding
+IGNORE_INDEX = -100
 # The backend's own method, taken when this module is imported: in a rank that is
 # before any exercise rules replace it (the spec's unpickling imports this module).
 _ALLREDUCE = dist.ProcessGroup.__dict__["allreduce"]
@@ -145,19 +153,28 @@ def make_mlp_cases(generator: torch.Generator, world_size: int) -> list[Case]:
 
 def make_cross_entropy_cases(generator: torch.Generator, world_size: int) -> list[Case]:
     tp = world_size
-    plan = [(6, 4 * tp, 1.0, "V divides by tp"), (5, 4 * tp - 1, 1.0, "padding"),
-            (4, 4 * tp - 3, 100.0, "padding, logits of scale 100"), (1, 2 * tp + 1, 1.0, "N = 1")]
-    if tp == 4:
-        plan.append((3, 9, 1.0, "the last rank holds only padding"))  # V_pad 12: rank 3 [9, 12)
+    f32, bf16 = torch.float32, torch.bfloat16
+    # (N, V, scale, what, dtype, the tokens whose target is IGNORE_INDEX)
+    plan = [(6, 4 * tp, 1.0, "V divides by tp", f32, ()),
+            (5, 4 * tp - 1, 1.0, "padding", f32, ()),
+            (4, 4 * tp - 3, 100.0, "padding, logits of scale 100", f32, ()),
+            (1, 2 * tp + 1, 1.0, "N = 1", f32, ()),
+            (6, 4 * tp - 1, 1.0, "3 tokens ignored", f32, (2, 3, 5)),
+            (5, 4 * tp + 1, 1.0, "bfloat16 logits", bf16, ()),
+            (7, 4 * tp - 1, 10.0, "bfloat16 logits of scale 10, 2 tokens ignored", bf16, (2, 6))]
+    if tp == 4:  # V_pad 12: rank 3 [9, 12)
+        plan.append((3, 9, 1.0, "the last rank holds only padding", f32, ()))
     cases = []
-    for n, vocab, scale, what in plan:
+    for n, vocab, scale, what, dtype, ignored in plan:
         v_pad = -(-vocab // tp) * tp
         logits = torch.randn(n, v_pad, generator=generator) * scale
         logits[:, vocab:] = 10 * scale + 20  # garbage that would dominate any softmax
+        logits = logits.to(dtype)
         targets = torch.randint(0, vocab, (n,), generator=generator)
         targets[0] = vocab - 1  # the last real column: next to the padding
         if n > 1:
             targets[1] = 0
+        targets[list(ignored)] = IGNORE_INDEX
         inputs = [{"logits": shard.contiguous(), "targets": targets, "vocab_size": vocab}
                   for shard in logits.chunk(tp, dim=1)]
         cases.append(Case(f"N={n}, V={vocab} ({what})", inputs))
@@ -182,7 +199,7 @@ def expect_cross_entropy(inputs: list) -> list:
     vocab = inputs[0]["vocab_size"]
     full = torch.cat([i["logits"] for i in inputs], dim=1).double()  # (N, V_pad)
     real = full[:, :vocab].clone().requires_grad_()
-    loss = F.cross_entropy(real, inputs[0]["targets"])
+    loss = F.cross_entropy(real, inputs[0]["targets"], ignore_index=IGNORE_INDEX)
     loss.backward()
     grad = torch.zeros_like(full)
     grad[:, :vocab] = real.grad  # padding columns take no part: zero gradient
@@ -239,6 +256,8 @@ def judge_mlp(inputs: list, expected: list, outputs: list, world_size: int) -> s
 
 def judge_cross_entropy(inputs: list, expected: list, outputs: list, world_size: int) -> str:
     n = inputs[0]["targets"].numel()
+    bf16 = inputs[0]["logits"].dtype == torch.bfloat16
+    ignored = int((inputs[0]["targets"] == IGNORE_INDEX).sum())
     for rank, (out, want) in enumerate(zip(outputs, expected)):
         loss = out["loss"]
         if loss is None:
@@ -246,11 +265,20 @@ def judge_cross_entropy(inputs: list, expected: list, outputs: list, world_size:
         if loss.dim() != 0:
             return (f"rank {rank} returned shape {tuple(loss.shape)}; expected the mean loss, "
                     f"a 0-dim tensor")
+        if loss.dtype != torch.float32:
+            return f"rank {rank}: the loss is {loss.dtype}; it is computed and returned in float32"
         if error := _error(loss, want["loss"], TOLERANCE):
-            return f"rank {rank}: wrong loss {loss.item():.6g}, expected {want['loss'].item():.6g}"
+            why = ""
+            if ignored:
+                why = (f" ({ignored} of the {n} tokens are ignored: they add nothing, and the "
+                       f"mean is over the {n - ignored} others)")
+            elif bf16:
+                why = " (computed in bfloat16? its 8 bits of mantissa cannot hold the loss)"
+            return (f"rank {rank}: wrong loss {loss.item():.6g}, expected "
+                    f"{want['loss'].item():.6g}{why}")
         if not out["requires_grad"]:
             return f"rank {rank}: the loss does not require grad (no backward to the logits)"
-        if error := _error(out["grad"], want["grad"], GRAD_TOLERANCE):
+        if error := _error(out["grad"], want["grad"], BF16_GRAD_TOLERANCE if bf16 else GRAD_TOLERANCE):
             pad_from = inputs[rank]["vocab_size"] - rank * want["grad"].shape[1]
             got = out["grad"]
             if (got is not None and got.shape == want["grad"].shape and pad_from < got.shape[1]
