@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tqdm import tqdm  # noqa: E402
 
-from reference.parallel.sweep import covering_set, full_product  # noqa: E402
+from reference.parallel.sweep import covering_set, full_product, names_pair  # noqa: E402
 from reference.parallel.sweep_run import TOLERANCES, compare, run_cases, single_process  # noqa: E402
 from reference.runtime import launch  # noqa: E402
 
@@ -47,20 +47,24 @@ def main(argv=None) -> int:
                     rows.append(compare(case, ranks[0][j], single_process(case)))
                     bar.update(1)
     bad = [r for r in rows if not r["ok"]]
-    tol = ", ".join(f"{k}: losses rtol {v['loss_rtol']:g}, weights atol {v['atol']:g}"
+    tol = "; ".join(f"{k}: losses rtol {v['loss_rtol']:g}, weights atol {v['atol']:g}"
+                    + (f", mean {v['mean_atol']:g}" if "mean_atol" in v else "")
                     for k, v in TOLERANCES.items())
     if args.markdown:
         print(f"{len(rows)} accepted cases, {len(rows) - len(bad)} equal to one process ({tol}).\n")
-        print("| world | case | loss, relative | weights, absolute |")
-        print("|---|---|---|---|")
+        print("| world | case | loss, relative | weights, largest | weights, mean |")
+        print("|---|---|---|---|---|")
         for r in sorted(rows, key=lambda r: (r["world_size"], r["case"])):
             mark = "" if r["ok"] else " **outside tolerance**"
-            print(f"| {r['world_size']} | `{r['case']}` | {r['loss_rel']:.1e} | {r['weight_abs']:.1e}{mark} |")
+            print(f"| {r['world_size']} | `{r['case']}` | {r['loss_rel']:.1e} | {r['weight_abs']:.1e} | "
+                  f"{r['weight_mean']:.1e}{mark} |")
         print(f"\n{len(refused)} pairs refused, each with `ParallelConfig.validate`'s reason:\n")
         print("| pair | reason |")
         print("|---|---|")
         for (a, va), (b, vb), _, reason in refused:
-            print(f"| {a}={va}, {b}={vb} | {reason.split('; ')[0]} |")
+            parts = reason.split("; ")
+            named = [x for x in parts if names_pair(x, a, b)] or parts
+            print(f"| {a}={va}, {b}={vb} | {named[0]} |")
     else:
         for r in rows:
             print(f"{'ok ' if r['ok'] else 'BAD'} world {r['world_size']}  loss {r['loss_rel']:.1e}  "

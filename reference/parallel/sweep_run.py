@@ -19,12 +19,17 @@ Tolerances, and why (`TOLERANCES`):
   coordinate whose gradient is near zero turns that difference into up to lr x 1e-9 / eps
   = 1e-6 of weight per step: 3e-6 over three steps, whichever kernels (AVX-512, AVX2 or
   plain) the CPU picks.
-* bf16 and fp16, against the single process in the same precision: losses rtol 1e-3 and
-  weights atol 3 x 2 lr = 6e-3. A half-precision rounding is 4e-3 (bf16) or 5e-4 (fp16)
-  relative, and the parallel run rounds its partial sums at other places; the loss, a mean
-  over thousands of roundings that do not line up, moves far less than one rounding, but a
-  single weight whose gradient is near zero can take AdamW's full step lr in either
-  direction, so a weight is only bounded by 2 lr per step.
+* bf16 and fp16, against the single process in the same precision: losses rtol 1e-3, and the
+  *mean* absolute weight difference at most 5e-4 (bf16) or 2e-5 (fp16). A half-precision
+  rounding is 4e-3 (bf16) or 5e-4 (fp16) relative, and the parallel run rounds its partial
+  sums at other places; the loss, a mean over thousands of roundings that do not line up,
+  moves far less than one rounding. A single weight whose gradient is near zero can take
+  AdamW's whole step in either direction: over three steps Adam's |m/sqrt(v)| is at most
+  1.0036 (beta1 0.9, beta2 0.999), so one weight can differ by up to 3 x 2 x 1.0036 lr =
+  6.02e-3, and the largest difference (atol 6.1e-3) only catches a weight that went astray
+  beyond any step. What can fail is the mean: measured at most 1.4e-4 (bf16, ZeRO-3 with
+  experts, where a rounding can send a token to another expert) and 1.1e-6 (fp16) over the
+  sweep; a wrong reduction moves most weights by a good fraction of lr = 1e-3.
 """
 from __future__ import annotations
 
@@ -37,8 +42,8 @@ __all__ = ["STEPS", "LR", "EPS", "TOLERANCES", "batches", "run_cases", "single_p
 
 STEPS, LR, EPS = 3, 1e-3, 1e-6
 TOLERANCES = {"fp32": dict(loss_rtol=1e-5, atol=5e-6),
-              "bf16": dict(loss_rtol=1e-3, atol=6e-3),
-              "fp16": dict(loss_rtol=1e-3, atol=6e-3)}
+              "bf16": dict(loss_rtol=1e-3, atol=6.1e-3, mean_atol=5e-4),
+              "fp16": dict(loss_rtol=1e-3, atol=6.1e-3, mean_atol=2e-5)}
 FP16_POWER = 12   # the loss scale starts at 2^12: the tiny model's gradients stay finite
 
 
@@ -142,15 +147,18 @@ def compare(case, got, want) -> dict:
     g_loss, g_skip, g_state = got
     w_loss, w_skip, w_state = want
     loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(g_loss, w_loss))
-    weight_diff, missing = 0.0, []
+    weight_diff, total, count, missing = 0.0, 0.0, 0, []
     for name, value in w_state.items():
         if name not in g_state:
             if name != "lm_head.weight":  # tied: the same tensor as the embedding
                 missing.append(name)
             continue
-        weight_diff = max(weight_diff, float((g_state[name].float() - value.float()).abs().max()))
+        diff = (g_state[name].float() - value.float()).abs()
+        weight_diff = max(weight_diff, float(diff.max()))
+        total, count = total + float(diff.sum()), count + diff.numel()
+    mean_diff = total / max(count, 1)
     ok = (loss_diff <= tol["loss_rtol"] and weight_diff <= tol["atol"] and not missing
-          and g_skip == w_skip)
+          and mean_diff <= tol.get("mean_atol", float("inf")) and g_skip == w_skip)
     return dict(case=str(case), world_size=case.world_size, loss_rel=loss_diff,
-                weight_abs=weight_diff, skipped=g_skip, expected_skipped=w_skip,
-                missing=missing, ok=ok)
+                weight_abs=weight_diff, weight_mean=mean_diff, skipped=g_skip,
+                expected_skipped=w_skip, missing=missing, ok=ok)
