@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from reference.course.homework import homework
 from reference.course.homework.parallel_extra import (
-    DP_GRADIENT_BYTES, GLOBAL_GRAD_NORM, RESHARD_PLAN, course_reshard_plan,
-    dp_gradient_bytes_formula,
+    GLOBAL_GRAD_NORM, RESHARD_PLAN, STEP_BYTES_3D, course_reshard_plan,
+    step_bytes_3d_formula,
 )
 from reference.course.homework.scoring import score_exercise
 
@@ -37,7 +37,7 @@ def _norm(count_replicated_everywhere=False, reduce_pp=True, reduce_tp=True):
 def test_homework_06_has_its_warm_up_two_transfers_and_a_question():
     ids = [s.id for s in homework("06_3d_parallel")]
     assert ids == ["mesh_groups", "parameters_per_rank", "global_grad_norm", "reshard_plan",
-                   "dp_gradient_bytes"]
+                   "step_bytes_3d"]
 
 
 def test_global_grad_norm_right_answer_scores_full_marks():
@@ -104,34 +104,40 @@ def test_reshard_right_answer_full_marks_and_global_row_numbers_lose():
     assert wrong.points == 1, wrong.failures
 
 
-def test_dp_gradient_bytes_is_graded_exactly():
-    assert dp_gradient_bytes_formula(1_200, 7, 2, 3, 4) == 2 * 6 * 29 * 4   # ceil(200 / 7) = 29
+def test_step_bytes_3d_is_graded_exactly():
+    # The worked example of the notebook: tp 4 * 2 * 1/2 * 24 * 2 layers * 5 mbs = 960 elements,
+    # pp 5 * 24 per direction, dp 2 * 6 * ceil(200 / 7) = 348; times 4 bytes.
+    assert step_bytes_3d_formula(1_200, 6, 1, 4, 6, 5, 7, 2, 3, 2, 4) == (960 + 120 + 348) * 4
+    assert step_bytes_3d_formula(1_200, 6, 1, 4, 6, 5, 7, 2, 3, 1, 4) == (960 + 240 + 348) * 4
 
-    def dp_gradient_bytes(n_params, dp, tp, pp, bytes_per_element):  # the course's is refused
-        return 2 * (dp - 1) * math.ceil(n_params // (tp * pp) / dp) * bytes_per_element
-    right = _score(DP_GRADIENT_BYTES, dp_gradient_bytes)
-    assert right.points == right.max == 7, right.failures
+    def step_bytes_3d(n_params, n_layer, b, s, h, microbatches, dp, tp, pp, pp_rank,
+                      bytes_per_element, forget=""):  # the course's is refused
+        act = b * s * h
+        tp_sent = 0 if forget == "tp" else (n_layer // pp) * microbatches * 8 * (tp - 1) * act // tp
+        stages = (pp_rank < pp - 1) + (pp_rank > 0) if forget != "ends" else 2 * (pp > 1)
+        dp_sent = 2 * (dp - 1) * math.ceil(n_params // (tp * pp) / dp)
+        return (tp_sent + microbatches * act * stages + dp_sent) * bytes_per_element
 
-    def no_ceiling(n_params, dp, tp, pp, bytes_per_element):
-        return 2 * (dp - 1) * (n_params // (tp * pp)) // dp * bytes_per_element
-    assert _score(DP_GRADIENT_BYTES, no_ceiling).points < 7
-
-    def whole_model(n_params, dp, tp, pp, bytes_per_element):  # forgets the tp x pp split
-        return 2 * (dp - 1) * math.ceil(n_params / dp) * bytes_per_element
-    assert _score(DP_GRADIENT_BYTES, whole_model).points < 7
+    right = _score(STEP_BYTES_3D, step_bytes_3d)
+    assert right.points == right.max == 8, right.failures
+    # Every stage sending both ways: right only where pp = 1 (no sends) or for middle stages.
+    ends = _score(STEP_BYTES_3D, lambda **kw: step_bytes_3d(**kw, forget="ends"))
+    assert ends.points < 8
+    only_dp_and_pp = _score(STEP_BYTES_3D, lambda **kw: step_bytes_3d(**kw, forget="tp"))
+    assert only_dp_and_pp.points < 8
 
 
 def test_visible_checks_print_pass_and_fail(capsys):
-    from reference.course.checks.parallel import (check_dp_gradient_bytes, check_global_grad_norm,
-                                                  check_reshard_plan)
+    from reference.course.checks.parallel import (check_global_grad_norm, check_reshard_plan,
+                                                  check_step_bytes_3d)
     check_global_grad_norm(_norm(count_replicated_everywhere=True))
     check_reshard_plan(_tensor_split_plan)
-    check_dp_gradient_bytes(lambda **kw: 1.0)
+    check_step_bytes_3d(lambda **kw: 1.0)
     out = capsys.readouterr().out
     assert "FAIL global_grad_norm" in out and "counted more than once" in out  # the symptom
     assert "tp rank 0" not in out and "tp_group" not in out  # not the answer
     assert "PASS reshard_plan" in out
-    assert "FAIL dp_gradient_bytes" in out and "whole number" in out
+    assert "FAIL step_bytes_3d" in out and "whole number" in out
 
 
 def test_the_hints_name_symptoms_not_the_answer():

@@ -46,8 +46,8 @@ from reference.course.checks.expert_parallel import (
     check_global_balance_loss, check_top_k_routing,
 )
 from reference.course.checks.parallel import (
-    check_dp_gradient_bytes, check_global_grad_norm, check_mesh_groups, check_parameters_per_rank,
-    check_reshard_plan,
+    check_global_grad_norm, check_mesh_groups, check_parameters_per_rank, check_reshard_plan,
+    check_step_bytes_3d,
 )
 from reference.course.checks.context_parallel import (
     check_causal_ring_attention, check_merge_attention_blocks, check_ring_forward_bytes,
@@ -84,7 +84,7 @@ __all__ = [
     "check_top_k_routing", "check_dispatch_combine", "check_dispatch_combine_dedup",
     "check_global_balance_loss", "check_dedup_all_to_all_bytes",
     "check_mesh_groups", "check_parameters_per_rank", "check_global_grad_norm",
-    "check_reshard_plan", "check_dp_gradient_bytes", "check_question",
+    "check_reshard_plan", "check_step_bytes_3d", "check_question",
     "check_step_breakdown", "check_diagnose", "check_powersgd_all_reduce", "check_mfu",
     "check_merge_attention_blocks", "check_zigzag_mask", "check_causal_ring_attention",
     "check_ring_forward_bytes",

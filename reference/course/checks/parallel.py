@@ -4,7 +4,7 @@
     check_parameters_per_rank(parameters_per_rank)
     check_global_grad_norm(global_grad_norm)         # on 2 and 4 ranks
     check_reshard_plan(reshard_plan)
-    check_dp_gradient_bytes(dp_gradient_bytes)       # the kind of number, never its value
+    check_step_bytes_3d(step_bytes_3d)               # the kind of number, never its value
 
 The pure functions (mesh_groups, parameters_per_rank, reshard_plan) run on one rank,
 global_grad_norm on 2 and 4 ranks, each on the same kinds of cases as the hidden checks
@@ -16,10 +16,10 @@ from __future__ import annotations
 from reference.course.checks.runner import NOT_IMPLEMENTED, public_cases, run_cases, run_visible
 from reference.course.checks.questions import check_question
 from reference.course.homework.parallel import MESH_GROUPS, PARAMETERS_PER_RANK
-from reference.course.homework.parallel_extra import DP_GRADIENT_BYTES, GLOBAL_GRAD_NORM, RESHARD_PLAN
+from reference.course.homework.parallel_extra import GLOBAL_GRAD_NORM, RESHARD_PLAN, STEP_BYTES_3D
 
 __all__ = ["check_mesh_groups", "check_parameters_per_rank", "check_global_grad_norm",
-           "check_reshard_plan", "check_dp_gradient_bytes"]
+           "check_reshard_plan", "check_step_bytes_3d"]
 
 # Hints name the symptom and the part of a lecture to reread; they never give the answer.
 _LAYOUT = "notebook 06, 'The idea in a picture: one mesh, three kinds of group'"
@@ -87,7 +87,8 @@ def check_reshard_plan(fn, skip: bool = False) -> None:
     _check(RESHARD_PLAN, fn, "every new rank's pieces rebuild exactly its new shard", skip)
 
 
-def check_dp_gradient_bytes(fn, skip: bool = False) -> None:
-    """Visible check of the written question dp_gradient_bytes: an int comes back."""
-    check_question(DP_GRADIENT_BYTES, fn, {"n_params": 124_439_808, "dp": 8, "tp": 2, "pp": 2,
-                                           "bytes_per_element": 2}, "int", skip)
+def check_step_bytes_3d(fn, skip: bool = False) -> None:
+    """Visible check of the written question step_bytes_3d: an int comes back."""
+    check_question(STEP_BYTES_3D, fn, {"n_params": 124_439_808, "n_layer": 12, "b": 4, "s": 1024,
+                                       "h": 768, "microbatches": 8, "dp": 4, "tp": 2, "pp": 2,
+                                       "pp_rank": 0, "bytes_per_element": 2}, "int", skip)

@@ -14,7 +14,7 @@
   a vocabulary tp does not divide, layers pp does not divide, pp = 1 and tp = 1.
 Both are pure functions: one rank runs each case; nothing is communicated.
 The transfer exercises (global_grad_norm, reshard_plan) and the written question
-(dp_gradient_bytes) are checked in `parallel_extra`.
+(step_bytes_3d) are checked in `parallel_extra`.
 """
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ HOMEWORK_ID = "06_3d_parallel"
 # The warm-up, a transfer of the lecture's counting, two transfers to what it did not
 # show (clipping, resharding; parallel_extra) and the written question.
 from reference.course.homework.parallel_extra import (  # noqa: E402 - after the specs it extends
-    DP_GRADIENT_BYTES, GLOBAL_GRAD_NORM, RESHARD_PLAN,
+    GLOBAL_GRAD_NORM, RESHARD_PLAN, STEP_BYTES_3D,
 )
 
-EXERCISES = (MESH_GROUPS, PARAMETERS_PER_RANK, GLOBAL_GRAD_NORM, RESHARD_PLAN, DP_GRADIENT_BYTES)
+EXERCISES = (MESH_GROUPS, PARAMETERS_PER_RANK, GLOBAL_GRAD_NORM, RESHARD_PLAN, STEP_BYTES_3D)

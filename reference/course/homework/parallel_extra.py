@@ -16,9 +16,14 @@
   ``(old_rank, start, stop)`` pieces (row ranges in the old rank's local numbering)
   whose concatenation is its new shard; empty pieces may be left out. Cases: sizes
   that divide and do not, growing and shrinking tp, more ranks than rows, tp 1.
-* ``dp_gradient_bytes(n_params, dp, tp, pp, bytes_per_element)``: the written
-  question, graded exactly: bytes one rank sends in the ring all-reduce of its
-  gradients over its dp group in one step.
+* ``step_bytes_3d(n_params, n_layer, b, s, h, microbatches, dp, tp, pp, pp_rank,
+  bytes_per_element)``: the written question, graded exactly: every byte one rank of a
+  3D run sends in one training step, the three dimensions together: tensor parallelism's
+  four ring all-reduces of a (b, s, h) activation per layer of its stage and
+  micro-batch, the pipeline's activation forward and gradient backward per micro-batch
+  (none forward from the last stage, none backward from the first), and data
+  parallelism's ring all-reduce of the rank's n_params / (tp pp) gradients. Cases with
+  one-stage pipelines, first, middle and last stages, dp, tp or pp of 1.
 """
 from __future__ import annotations
 
@@ -31,8 +36,8 @@ from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.questions import question
 from reference.course.homework.scoring import Case, ExerciseSpec
 
-__all__ = ["GLOBAL_GRAD_NORM", "RESHARD_PLAN", "DP_GRADIENT_BYTES", "course_global_grad_norm",
-           "course_reshard_plan", "dp_gradient_bytes_formula"]
+__all__ = ["GLOBAL_GRAD_NORM", "RESHARD_PLAN", "STEP_BYTES_3D", "course_global_grad_norm",
+           "course_reshard_plan", "step_bytes_3d_formula"]
 
 NORM_TOLERANCE = 1e-5
 
@@ -211,11 +216,19 @@ def make_reshard_cases(generator: torch.Generator, world_size: int) -> list[Case
 
 # ------------------------------------------------------------------ the written question
 
-def dp_gradient_bytes_formula(n_params, dp, tp, pp, bytes_per_element) -> int:
-    """Ring all-reduce over dp of the rank's n_params / (tp·pp) gradients: 2 (dp-1) chunks
-    of ceil(m / dp) elements."""
+def step_bytes_3d_formula(n_params, n_layer, b, s, h, microbatches, dp, tp, pp, pp_rank,
+                          bytes_per_element) -> int:
+    """Bytes one rank sends in one step of a dp x tp x pp run (1F1B, ring collectives, no SP)."""
+    act = b * s * h                                     # one (b, s, h) activation, elements
+    # TP: 2 all-reduces forward and 2 backward per layer of the stage and micro-batch; a ring
+    # all-reduce of n elements sends 2 (tp - 1) / tp n of them (tp divides b s h).
+    tp_sent = (n_layer // pp) * microbatches * 4 * 2 * (tp - 1) * act // tp
+    # PP: per micro-batch an activation to the next stage, a gradient to the previous one.
+    pp_sent = microbatches * act * ((pp_rank < pp - 1) + (pp_rank > 0))
+    # DP: the ring all-reduce of this rank's gradients, 2 (dp - 1) chunks of ceil(m / dp).
     m = n_params // (tp * pp)
-    return 2 * (dp - 1) * -(-m // dp) * bytes_per_element
+    dp_sent = 2 * (dp - 1) * -(-m // dp)
+    return (tp_sent + pp_sent + dp_sent) * bytes_per_element
 
 
 GLOBAL_GRAD_NORM = ExerciseSpec(
@@ -232,10 +245,18 @@ RESHARD_PLAN = ExerciseSpec(
     call=call_reshard, expect=expect_reshard, judge=judge_reshard, reference=course_reshard_plan,
     banned=("reference.course.homework.parallel_extra.course_reshard_plan",
             "reference.train.reshard"))
-DP_GRADIENT_BYTES = question(
-    "dp_gradient_bytes", "Bytes a rank sends for its gradients in a 3D step",
-    dp_gradient_bytes_formula,
-    {"n_params": (124_439_808, 6_000_000_000, 1_200, 350_000_016, 175_000_000_008),
-     "dp": (1, 2, 3, 8, 64), "tp": (1, 2, 4), "pp": (1, 2, 3), "bytes_per_element": (2, 4)},
-    fixed=({"n_params": 1_200, "dp": 7, "tp": 2, "pp": 3, "bytes_per_element": 4},),
-    banned=("reference.course.homework.parallel_extra.dp_gradient_bytes_formula",))
+# pp_rank is drawn below 1 (the first stage) or 2: with pp = 1 the only stage sends no
+# activation and no gradient, with pp = 2 a rank is first or last, with pp = 3 or more
+# rank 1 is a middle stage. n_params divides by tp pp and b s h by tp in every draw.
+STEP_BYTES_3D = question(
+    "step_bytes_3d", "Every byte a rank sends in one step of a 3D run",
+    step_bytes_3d_formula,
+    {"n_params": (124_439_808, 6_000_000_000, 1_200, 350_000_016), "n_layer": (12, 24, 48, 96),
+     "b": (1, 2, 4), "s": (1024, 2048), "h": (768, 2048, 12288), "microbatches": (1, 4, 8, 16),
+     "dp": (1, 2, 3, 8), "tp": (1, 2, 4), "pp": (1, 2, 3, 4), "pp_rank": (0, 1),
+     "bytes_per_element": (2, 4)},
+    fixed=({"n_params": 1_200, "n_layer": 6, "b": 1, "s": 4, "h": 6, "microbatches": 5,
+            "dp": 7, "tp": 2, "pp": 3, "pp_rank": 2, "bytes_per_element": 4},
+           {"n_params": 1_200, "n_layer": 4, "b": 2, "s": 4, "h": 4, "microbatches": 3,
+            "dp": 1, "tp": 1, "pp": 1, "pp_rank": 0, "bytes_per_element": 2}),
+    banned=("reference.course.homework.parallel_extra.step_bytes_3d_formula",))
