@@ -167,10 +167,28 @@ def test_all_to_all_single_is_let_through_only_inside_the_call():
 def test_sending_rows_many_times_over_is_seen():
     # Every row sent 8 times (blocks stay in destination order), then one copy kept.
     score = _score(DISPATCH_COMBINE, (
-        "dist.all_to_all_single(received, rows, recv_splits, send_splits, group=group)",
-        "copies = received.new_empty((8 * received.shape[0], received.shape[1]))\n"
-        "    dist.all_to_all_single(copies, rows.repeat_interleave(8, dim=0),\n"
-        "                           [8 * n for n in recv_splits], [8 * n for n in send_splits],\n"
-        "                           group=group)\n"
-        "    received = copies[::8]"))
+        "received = AllToAll.apply(rows, recv_splits, send_splits, group)",
+        "received = AllToAll.apply(rows.repeat_interleave(8, dim=0), [8 * n for n in recv_splits],\n"
+        "                              [8 * n for n in send_splits], group)[::8]"))
     assert 0 < score.max - score.points and "through all_to_all_single" in score.reason
+
+
+def test_the_lecture_forward_only_dispatch_loses_every_case():
+    """all_to_all_single called directly: right values, but no gradient reaches the tokens."""
+    score = _score(DISPATCH_COMBINE, (
+        "received = AllToAll.apply(rows, recv_splits, send_splits, group)",
+        "received = rows.new_empty((sum(recv_splits), rows.shape[1]))\n"
+        "    dist.all_to_all_single(received, rows, recv_splits, send_splits, group=group)"), (
+        "returned = AllToAll.apply(torch.cat(blocks), send_splits, recv_splits, group)  # (n, C)",
+        "returned = torch.empty_like(rows)\n"
+        "    dist.all_to_all_single(returned, torch.cat(blocks), send_splits, recv_splits, group=group)"))
+    assert score.points == 0, score.failures
+    assert all("no gradient reached the tokens" in f for f in score.failures), score.failures
+
+
+def test_a_backward_that_does_not_swap_the_splits_is_seen():
+    score = _score(DISPATCH_COMBINE, (
+        "dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)",
+        "dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)\n"
+        "        back = back.flip(0)"))
+    assert score.points < score.max and "wrong gradient of the tokens" in score.reason

@@ -46,6 +46,11 @@ _HINTS = {
     "wrong output": ("the combine all-to-all returns rows in the order you sent them; scatter them "
                      "back to their tokens (index_add_) times their weights"),
     "through all_to_all_single": "send each row only to the rank that holds its expert",
+    "no gradient reached": ("all_to_all_single has no backward of its own: wrap it in an "
+                            "autograd Function (reread the exercise's 'Differentiable')"),
+    "wrong gradient of the": ("the values are right, the gradients not: where must the gradient "
+                              "of a received row go, and in which order?"),
+    "in backward, more than": "backward retraces the rows' way back, nothing more",
     "returned": "check the return value against the contract in the exercise text",
 }
 # Looked up before the dispatch hints (the first key found in a reason picks the hint).
@@ -103,7 +108,8 @@ def check_dispatch_combine(fn, world_sizes=(2, 3), timeout: float = 30.0,
     """Visible check of exercise dispatch_combine (compares with the single-process sum)."""
     sizes = " and ".join(str(w) for w in world_sizes)
     run_case_check(DISPATCH_COMBINE, fn, world_sizes,
-                   f"the single-process MoE sum on {sizes} ranks, each expert on its own rank",
+                   f"the single-process MoE sum and its gradients on {sizes} ranks, each "
+                   f"expert on its own rank",
                    timeout=timeout, skip=skip)
 
 

@@ -9,13 +9,17 @@ one token, capacity large enough to keep everything, and logits skewed towards a
 few experts so that first and second choices compete for the same slots. Indices
 and the keep mask must be equal; weights within rtol=1e-5, atol=1e-6.
 
-Exercise `dispatch_combine` (2 and 4 ranks, only `all_to_all_single` allowed): each
-rank holds its own tokens, their expert assignments (-1 = dropped at capacity) and
+Exercise `dispatch_combine` (2 and 4 ranks, only `all_to_all_single` allowed; a bonus):
+each rank holds its own tokens, their expert assignments (-1 = dropped at capacity) and
 weights; the expert function the grader hands in records where it runs and on how
 many rows. The result must equal the grader's single-process sum
-``out[t] = sum_j w[t, j] * f(e[t, j], x[t])``; every expert must run only on the
-rank that holds it, on exactly the rows that chose it; no point-to-point message,
-and no more all-to-all traffic than the rows need. Cases: uneven token counts per
+``out[t] = sum_j w[t, j] * f(e[t, j], x[t])``, and, what the lecture's dispatch did not
+do, it must be differentiable: after ``out.backward(grad_out)`` on every rank, the
+gradients of this rank's tokens and weights must equal the single-process ones (the
+backward of an all-to-all is the all-to-all with the splits swapped). Every expert
+must run only on the rank that holds it, on exactly the rows that chose it; no
+point-to-point message, and no more all-to-all traffic than the rows need, forward and
+backward. The lecture's forward-only dispatch loses every case. Cases: uneven token counts per
 rank, every token to one expert (empty splits), dropped assignments and a token
 that lost all of them, a rank with no tokens, k = 3.
 
@@ -32,7 +36,7 @@ import torch
 
 from reference.course.homework.expert_traffic import (  # noqa: F401 (re-exported for the checks)
     TOLERANCE, all_to_all_single_allowed, assignments, expert_fn_value, plain,
-    call_dispatch_combine,
+    call_dispatch_combine, call_dispatch_combine_backward,
 )
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.scoring import WARM_UP, Case, ExerciseSpec
@@ -171,7 +175,7 @@ def make_dispatch_cases(generator: torch.Generator, world_size: int) -> list[Cas
         if k > 1:  # GShard's renormalised weights; k = 1 keeps a raw probability below 1 (Switch)
             weights = weights / weights.sum(dim=1, keepdim=True)
         return {"tokens": tokens, "expert_idx": expert_idx, "weights": weights,
-                "experts_per_rank": epr}
+                "experts_per_rank": epr, "grad_out": torch.randn(n, C, generator=generator)}
 
     def sizes(low, high):
         return [int(torch.randint(low, high + 1, (), generator=generator)) for _ in range(P)]
@@ -191,18 +195,38 @@ def make_dispatch_cases(generator: torch.Generator, world_size: int) -> list[Cas
     ]
 
 
+def _combined(x, idx, w):
+    """Every token's weighted sum over its kept experts, (N, C), differentiable."""
+    out = torch.zeros_like(x)  # (N, C)
+    for j in range(idx.shape[1]):
+        for e in idx[:, j].unique().tolist():
+            if e >= 0:
+                rows = idx[:, j] == e
+                out = out.index_put((rows,), out[rows] + w[rows, j, None] * expert_fn_value(e, x[rows]))
+    return out
+
+
 def expect_dispatch_combine(inputs: list) -> list:
     """The single-process answer: every token's weighted sum over its kept experts (float64)."""
+    return [_combined(c["tokens"].double(), c["expert_idx"], c["weights"].double()).float()
+            for c in inputs]
+
+
+def expect_dispatch_combine_backward(inputs: list) -> list:
+    """The single-process answer and, from each rank's grad_out, the gradients of its tokens
+    and weights (float64, returned as float32)."""
     results = []
     for case in inputs:
-        x, idx, w = case["tokens"].double(), case["expert_idx"], case["weights"].double()
-        out = torch.zeros_like(x)  # (N, C)
-        for j in range(idx.shape[1]):
-            for e in idx[:, j].unique().tolist():
-                if e >= 0:
-                    rows = idx[:, j] == e
-                    out[rows] += w[rows, j, None] * expert_fn_value(e, x[rows])
-        results.append(out.float())
+        x = case["tokens"].double().requires_grad_()
+        w = case["weights"].double().requires_grad_()
+        out = _combined(x, case["expert_idx"], w)
+        if out.requires_grad:  # not when no assignment is kept (a rank without tokens)
+            out.backward(case["grad_out"].double())
+        results.append({"out": out.detach().float(),
+                        "grad_tokens": (torch.zeros_like(case["tokens"]) if x.grad is None
+                                        else x.grad.float()),
+                        "grad_weights": (torch.zeros_like(case["weights"]) if w.grad is None
+                                         else w.grad.float())})
     return results
 
 
@@ -252,6 +276,34 @@ def judge_dispatch_combine(inputs: list, expected: list, outputs: list, world_si
     return ""
 
 
+def judge_dispatch_combine_backward(inputs: list, expected: list, outputs: list,
+                                    world_size: int) -> str:
+    """The forward's checks (values, where experts ran, traffic for both directions), then
+    the gradients of every rank's tokens and weights."""
+    values = [e["out"] for e in expected]
+    forward = [dict(o, all_to_all=o["all_to_all"][:o["forward_calls"]]) for o in outputs]
+    if why := judge_dispatch_combine(inputs, values, forward, world_size):
+        return why
+    for rank, out in enumerate(outputs):
+        sent_forward = sum(s for s, _ in out["all_to_all"][:out["forward_calls"]])
+        sent_backward = sum(s for s, _ in out["all_to_all"][out["forward_calls"]:])
+        if sent_backward > sent_forward:
+            return (f"rank {rank} sent {sent_backward} elements in backward, more than the "
+                    f"{sent_forward} of the forward: the gradients retrace the rows' way")
+    for rank, (out, want) in enumerate(zip(outputs, expected)):
+        for name, what in (("grad_tokens", "tokens"), ("grad_weights", "weights")):
+            got, w = out[name], want[name]
+            if got is None:
+                return (f"rank {rank}: no gradient reached the {what} (is the dispatch "
+                        f"differentiable? all_to_all_single itself is not)")
+            if got.shape != w.shape:
+                return f"rank {rank}: the gradient of the {what} has shape {tuple(got.shape)}"
+            if not torch.allclose(got, w, **TOLERANCE):
+                return (f"rank {rank}: wrong gradient of the {what} (max abs error "
+                        f"{(got - w).abs().max().item():.3g})")
+    return ""
+
+
 def reference_dispatch_combine(case: dict) -> torch.Tensor:
     return expect_dispatch_combine([case])[0]
 
@@ -266,8 +318,8 @@ TOP_K_ROUTING = ExerciseSpec(
 DISPATCH_COMBINE = ExerciseSpec(
     id="dispatch_combine", title="dispatch and combine with all-to-all", difficulty="★★★ hard",
     bonus=True,
-    world_sizes=(2, 4), make_cases=make_dispatch_cases, call=call_dispatch_combine,
-    expect=expect_dispatch_combine, judge=judge_dispatch_combine,
+    world_sizes=(2, 4), make_cases=make_dispatch_cases, call=call_dispatch_combine_backward,
+    expect=expect_dispatch_combine_backward, judge=judge_dispatch_combine_backward,
     reference=reference_dispatch_combine,
     forbidden=tuple(c for c in COLLECTIVES if c != "all_to_all_single"),
     banned=("reference.course.homework.expert_dedup.course_dispatch_combine",

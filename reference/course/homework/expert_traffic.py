@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["TOLERANCE", "expert_fn_value", "assignments", "plain", "all_to_all_single_allowed",
-           "call_dispatch_combine"]
+           "call_dispatch_combine", "call_dispatch_combine_backward"]
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -81,3 +81,28 @@ def call_dispatch_combine(fn, case: dict) -> dict:
                  case["experts_per_rank"], expert_fn)
     return {"returned": plain(out), "returned_type": type(out).__name__, "ran": ran,
             "all_to_all": [list(t) for t in traffic]}
+
+
+def call_dispatch_combine_backward(fn, case: dict) -> dict:
+    """As `call_dispatch_combine`, then backward from the case's `grad_out` on every rank:
+    the gradients of this rank's tokens and weights come back too. A result that does not
+    require grad gets no backward (no rank waits for it: an answer whose backward has no
+    all-to-all never communicates in backward)."""
+    ran = []
+
+    def expert_fn(e, rows):
+        ran.append([int(e), int(rows.shape[0])])
+        return expert_fn_value(int(e), rows)
+
+    tokens = case["tokens"].clone().requires_grad_()
+    weights = case["weights"].clone().requires_grad_()
+    traffic = []
+    with all_to_all_single_allowed(traffic):
+        out = fn(tokens, case["expert_idx"].clone(), weights, case["experts_per_rank"], expert_fn)
+        forward_calls = len(traffic)
+        differentiable = isinstance(out, torch.Tensor) and out.requires_grad
+        if differentiable and out.shape == case["grad_out"].shape:
+            out.backward(case["grad_out"])
+    return {"returned": plain(out), "returned_type": type(out).__name__, "ran": ran,
+            "all_to_all": [list(t) for t in traffic], "forward_calls": forward_calls,
+            "grad_tokens": plain(tokens.grad), "grad_weights": plain(weights.grad)}
