@@ -18,6 +18,8 @@ def test_presets_are_consistent():
     gpt3 = GPTConfig(vocab_size=50257, block_size=2048, n_layer=96, n_head=96, n_embd=12288)
     big.validate(1024, gpt3, batch=(1536, 2048))  # GPT-3's batch of 1536 sequences
     assert c.mesh().world_size == 8 and c.with_(dp=1).world_size == 4
+    # ZeRO-3 per parameter composes with TP (and SP), a pipeline and checkpointing
+    c.with_(zero_stage=3, activation_checkpointing=True).validate(8, TINY, batch=(8, 32))
 
 
 def _problems(config, world_size, cfg=TINY, batch=None, n_experts=None) -> str:
@@ -38,10 +40,8 @@ def _problems(config, world_size, cfg=TINY, batch=None, n_experts=None) -> str:
     (ParallelConfig(dp=2, ep=2), 2, {}, "needs a model with experts"),
     (ParallelConfig(dp=2, microbatches=3), 2, {"batch": 8},
      "global batch 8 does not divide into dp=2 x microbatches=3 = 6"),
-    (ParallelConfig(dp=2, pp=2, zero_stage=3, microbatches=2), 4, {},
-     "zero_stage=3 with pp=2: a pipeline would all-gather the parameters once per micro-batch"),
     (ParallelConfig(dp=2, pp=2, zero_stage=2, microbatches=2), 4, {},
-     "zero_stage=2 with pp=2"),
+     "zero_stage=2 with pp=2: a pipeline would reduce-scatter the gradients once per micro-batch"),
     (ParallelConfig(tp=2, sequence_parallel=True), 2, {"batch": (4, 31)},
      "T=31 is not a multiple of tp=2"),
     (ParallelConfig(virtual_stages=2, pp=2, microbatches=2), 2, {},

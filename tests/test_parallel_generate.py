@@ -36,7 +36,7 @@ SETTINGS = [(1.0, None), (0.8, 5), (0.0, None)]
 
 @pytest.mark.parametrize("world_size, configs", [
     (2, [ParallelConfig(pp=2, microbatches=2), ParallelConfig(tp=2, sequence_parallel=True)]),
-    (8, [ParallelConfig.debug_3d()]),
+    (8, [ParallelConfig.debug_3d(), ParallelConfig.debug_3d().with_(zero_stage=3)]),
 ])
 def test_parallel_sampling_equals_the_dense_model(world_size, configs):
     ranks = launch(_rank, world_size, configs, SETTINGS, timeout=300)

@@ -96,6 +96,9 @@ RESUME = [
     (ParallelConfig(dp=2, pp=2, zero_stage=1, microbatches=2), CFG),
     (ParallelConfig(dp=4, zero_stage=3), CFG),
     (ParallelConfig(tp=2, pp=2, microbatches=2), ODD),
+    # ZeRO-3 per parameter: dim-0 rows of TP slices (ODD: 255-row vocabulary, rows padded)
+    (ParallelConfig(dp=2, tp=2, zero_stage=3, sequence_parallel=True), ODD),
+    (ParallelConfig(dp=2, pp=2, zero_stage=3, microbatches=2), CFG),
 ]
 
 
@@ -184,7 +187,7 @@ def _load_elsewhere(configs, root):
 
 def test_reshard_into_other_layouts(tmp_path):
     """A (dp 2, tp 2, pp 2) ZeRO-1 checkpoint loads into one process, into tp 2, into FSDP
-    over dp 2 and into (dp 2, pp 2) ZeRO-1; the next two losses are the 8-rank run's (the
+    over dp 2, into (dp 2, pp 2) ZeRO-1 and into ZeRO-3 x TP (dp 2, tp 2); the next two losses are the 8-rank run's (the
     4th reads the weights, the 5th the AdamW moments and the schedule as well).
 
     Tolerance rtol 1e-5: the weights and AdamW moments are restored exactly; the step's
@@ -194,7 +197,8 @@ def test_reshard_into_other_layouts(tmp_path):
     want = launch(_save_3d, 8, tmp_path, timeout=240)[0]
     targets = {1: [ParallelConfig()],
                2: [ParallelConfig(tp=2), ParallelConfig(dp=2, zero_stage=3)],
-               4: [ParallelConfig(dp=2, pp=2, zero_stage=1, microbatches=2)]}
+               4: [ParallelConfig(dp=2, pp=2, zero_stage=1, microbatches=2),
+                   ParallelConfig(dp=2, tp=2, zero_stage=3)]}
     for world, configs in targets.items():
         ranks = launch(_load_elsewhere, world, configs, tmp_path, timeout=240)
         for i, config in enumerate(configs):

@@ -34,6 +34,10 @@ as torch's function does. The rule that counts each number once (Megatron-LM's, 
   (ZeRO-3) hold after their reduce-scatter a *different* shard on every dp (x cp) rank
   (``p.data_parallel_shard``): every rank counts its own, each slice of the flat shard
   with the marks of the parameter it belongs to (the padding is zero and adds nothing).
+  ZeRO-3 per parameter (`reference.zero.fsdp_param`) shards each tensor along dim 0:
+  every dp (x cp) rank counts its rows, with the tensor's own tp and tied marks (a
+  row-block of a replicated LayerNorm gain on tp rank 0 only, of a column-parallel
+  weight on every tp rank).
 
 Where the marks come from: `mark_parallel_params(modules)` reads them off the module
 types (`ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding`, the
@@ -118,7 +122,10 @@ def mark_parallel_params(modules) -> list[nn.Parameter]:
     shard_ids = {id(u.shard) for f in subs if isinstance(f, FSDP) for u in f.units}
     for p in params:
         if id(p) not in shard_ids:
-            _set_marks(p, id(p) in split, id(p) in shared, id(p) in experts, False)
+            # ZeRO-3 per parameter (`ShardedParameters`): p holds its dim-0 rows of the
+            # (TP-local) tensor, different numbers on every dp x cp rank
+            _set_marks(p, id(p) in split, id(p) in shared, id(p) in experts,
+                       getattr(p, "fsdp_sharded", False))
     return params
 
 
@@ -164,7 +171,8 @@ def _collect(params):
         rest = [m for m in modules if not isinstance(m, FSDP)]
         items = mark_parallel_params(rest) if rest else []
         grads = [p for p in items if p.grad is not None]
-        return pieces + [(p, p.grad, False) for p in grads], targets + [p.grad for p in grads]
+        return (pieces + [(p, p.grad, p.data_parallel_shard) for p in grads],
+                targets + [p.grad for p in grads])
     seen, unique = set(), []
     for p in items:
         if not isinstance(p, torch.Tensor):

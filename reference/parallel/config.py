@@ -12,12 +12,14 @@ training state (0 = plain data parallelism, 1 = optimizer state, 2 = and gradien
 pp = 1 the micro-batches are gradient accumulation and always run F0 B0 F1 B1 ..., one
 micro-batch's activations alive at a time.
 
-Why ZeRO-3 (and ZeRO-2) are refused with pp > 1, as DeepSpeed's pipeline engine does:
-a pipeline runs m micro-batches per step, each forward and backward on every stage. ZeRO-3
-would all-gather each stage's parameters again for every micro-batch (2 m gathers a step
-instead of 2), and ZeRO-2 would reduce-scatter the gradient after every micro-batch's
-backward instead of once. Both multiply the data-parallel traffic by m; with a pipeline,
-ZeRO-1 (the optimizer state, touched once a step) is what pays.
+Why ZeRO-2 is refused with pp > 1, as DeepSpeed's pipeline engine does: a pipeline runs m
+micro-batches per step, each backward on every stage, and ZeRO-2 would reduce-scatter the
+gradient after every micro-batch's backward instead of once, multiplying its traffic by m.
+ZeRO-3 composes with a pipeline, with tensor parallelism and with activation checkpointing
+the way torchtitan does it (`reference.zero.fsdp_param`): each parameter is sharded along
+dim 0 over dp (x cp), a stage's parameters are gathered once per step and kept whole
+through all m micro-batches (memory: the stage whole during the step, against traffic:
+one all-gather and one reduce-scatter a step instead of 3 m).
 
 Context parallelism (`cp`, `cp_kind`): the cp ranks of one dp rank split each sequence
 (`reference.context_parallel`); "ring" attention needs T divisible by 2 cp (the zig-zag
@@ -158,19 +160,10 @@ class ParallelConfig:
                        f"data-parallel ranks)")
         if self.zero_stage not in (0, 1, 2, 3):
             out.append(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        elif self.zero_stage >= 2 and self.pp > 1:
-            out.append(f"zero_stage={self.zero_stage} with pp={self.pp}: a pipeline would "
-                       f"{'all-gather the parameters' if self.zero_stage == 3 else 'reduce-scatter the gradients'}"
-                       f" once per micro-batch (m={self.microbatches}); use zero_stage 0 or 1 "
-                       f"with a pipeline, as DeepSpeed does")
-        if self.zero_stage == 3 and self.tp > 1:
-            out.append(f"zero_stage=3 with tp={self.tp}: FSDP here flattens each block's parameters "
-                       f"into one shard over dp, which mixes tensor-parallel slices with replicated "
-                       f"tensors; use zero_stage 0, 1 or 2 with tensor parallelism")
-        if self.zero_stage == 3 and self.activation_checkpointing:
-            out.append("zero_stage=3 with activation_checkpointing: recomputing a block would need "
-                       "its parameters all-gathered again during backward, which FSDP here does "
-                       "not do; use zero_stage 0, 1 or 2 with activation checkpointing")
+        elif self.zero_stage == 2 and self.pp > 1:
+            out.append(f"zero_stage=2 with pp={self.pp}: a pipeline would reduce-scatter the "
+                       f"gradients once per micro-batch (m={self.microbatches}); use zero_stage 0, "
+                       f"1 or 3 with a pipeline (DeepSpeed refuses 2 and 3)")
         if self.zero_stage == 2 and self.sequence_parallel and self.tp > 1:
             out.append(f"zero_stage=2 with sequence_parallel and tp={self.tp}: ZeRO-2 reduce-scatters "
                        f"each gradient during backward, before the LayerNorms' sequence-parallel "

@@ -10,7 +10,9 @@
 * expert parallelism: each rank's experts are renamed from local to global indices
   (expert l of ep rank r is expert r * E / ep + l) and collected over the ep group;
 * the pipeline: each stage's names are collected over the pp group;
-* ZeRO-3: `FSDP.full_state_dict`. (Data-parallel replicas hold equal values.)
+* ZeRO-3: `FSDP.full_state_dict` (tp = pp = 1), or composed (`ShardedParameters`) every
+  parameter's dim-0 rows all-gathered over dp x cp first, then the rest as above.
+  (Data-parallel replicas hold equal values.)
 
 Keys are the plain GPT's own (`h.3.attn.c_attn.weight`), values CPU tensors: what
 `GPT.load_state_dict` takes, and what the parity tests compare with one process.
@@ -70,6 +72,14 @@ def full_state_dict(pm) -> dict[str, torch.Tensor]:
     every rank of the mesh calls it)."""
     if pm.fsdp is not None:
         return pm.fsdp.full_state_dict()
+    if getattr(pm, "sharded", None) is not None:  # ZeRO-3 per parameter: rows over dp first
+        with pm.sharded.gathered_params():
+            return _stages_state_dict(pm)
+    return _stages_state_dict(pm)
+
+
+def _stages_state_dict(pm) -> dict[str, torch.Tensor]:
+    """`full_state_dict` of whole (TP-local) stages: undo TP, rename experts, merge ep and pp."""
     mesh = pm.mesh
     tp_group = mesh.group("tp") if mesh.tp > 1 else None
     mine: dict[str, torch.Tensor] = {}

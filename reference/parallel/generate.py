@@ -67,6 +67,10 @@ def generate(pm, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.
                          f"at a time and does not split over the cp ranks; sample with cp=1")
     if pm.fsdp is not None:  # ZeRO-3: the wrapped GPT gathers its own parameters
         return pm.fsdp.module.generate(idx, max_new_tokens, temperature, top_k, generator)
+    sharded = getattr(pm, "sharded", None)
+    if sharded is not None and not sharded.gathered:  # ZeRO-3 per parameter: whole while sampling
+        with sharded.gathered_params():
+            return generate(pm, idx, max_new_tokens, temperature, top_k, generator)
     device = rank_device()
     was_training = [st.training for st in pm.stages]
     pm.eval()

@@ -25,9 +25,14 @@ outside, in a fixed order, each step the identity when its degree is 1:
    expert-data-parallel group). Wrapping earlier would wrap parameters that TP, CP, EP or
    the pipeline then replace or drop.
 
-ZeRO-3 is the exception that changes how the forward runs (parameters all-gathered per
-block), so it applies to pp = 1, tp = 1 and no activation checkpointing only (refused by
-`ParallelConfig.validate`, before any rank starts).
+ZeRO-3 comes in two forms. With tp = pp = 1 and no activation checkpointing, the flat
+`FSDP` wraps the whole model and gathers each block per micro-batch, forward and backward
+(the least memory: one block whole at a time; 3 m transfers a step, what `estimate`
+charges). Composed with tensor or pipeline parallelism or checkpointing, each parameter of
+this rank's stages is sharded on its own along dim 0 (`ShardedParameters`, the FSDP2
+design), gathered once before the step and kept whole through every micro-batch, and its
+gradient reduce-scattered once after the last backward (torchtitan's
+``reshard_after_forward=False`` under a pipeline: the stage's memory against m-fold traffic).
 """
 from __future__ import annotations
 
@@ -45,7 +50,7 @@ from reference.parallel.scaler import DynamicLossScaler
 from reference.pipeline_parallel import (build_embedding_group, build_schedule, local_stages,
                                          split_stages)
 from reference.tensor_parallel import apply_tensor_parallel
-from reference.zero import FSDP, ZeroOptimizer
+from reference.zero import FSDP, ShardedParameters, ZeroOptimizer
 
 __all__ = ["ParallelGPT", "parallelize", "count_experts"]
 
@@ -68,7 +73,8 @@ class ParallelGPT:
     stages: list                     # this rank's pipeline chunks (GPTStage), or [FSDP] for ZeRO-3
     schedule: object                 # the pipeline schedule (a pipeline of 1 when pp = 1)
     tied_group: Optional[object] = None
-    fsdp: Optional[FSDP] = None      # ZeRO-3: the wrapped whole model
+    fsdp: Optional[FSDP] = None      # ZeRO-3 at tp = pp = 1: the wrapped whole model
+    sharded: Optional[ShardedParameters] = None  # ZeRO-3 composed: per-parameter dim-0 shards
     has_experts: bool = False
     scaler: Optional[object] = None  # fp16: the DynamicLossScaler train_step uses
     extra: dict = field(default_factory=dict)
@@ -112,7 +118,8 @@ class ParallelGPT:
 
     def make_optimizer(self, optimizer_class=torch.optim.AdamW, weight_decay=None, **kwargs):
         """The optimizer of this rank's parameters: ZeRO's sharded one for zero_stage 1-2,
-        a plain one otherwise (ZeRO-3's FSDP already holds only its shards).
+        a plain one otherwise (ZeRO-3's FSDP, or `ShardedParameters`, already holds only
+        its shards: the parameters themselves are the shards between steps).
 
         `weight_decay` given (the trainer always gives it): the single-process trainer's
         groups (`reference.train.single.make_optimizer`), matrices (dim >= 2) decayed, biases
@@ -122,7 +129,8 @@ class ParallelGPT:
         """
         params = [p for p in self.parameters() if p.requires_grad]
         if weight_decay is not None:
-            if weight_decay and self.config.zero_stage == 3 and self.mesh.dp_cp > 1:
+            # (The per-parameter shards keep each tensor's dim: matrices stay dim >= 2.)
+            if weight_decay and self.fsdp is not None:
                 raise ValueError(f"weight_decay={weight_decay} with zero_stage=3 (dp*cp="
                                  f"{self.mesh.dp_cp}) is not supported: FSDP's flat shards mix "
                                  f"matrices (decayed) with biases and LayerNorm gains (not), and "
@@ -164,7 +172,8 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
     common = dict(config=config, mesh=mesh, model_config=model.config, schedule=schedule,
                   has_experts=n_experts is not None,
                   scaler=DynamicLossScaler() if config.precision == "fp16" else None)
-    if config.zero_stage == 3 and mesh.dp_cp > 1:
+    flat_fsdp = config.tp == config.pp == 1 and not config.activation_checkpointing
+    if config.zero_stage == 3 and mesh.dp_cp > 1 and flat_fsdp:
         # 6 (ZeRO-3): FSDP wraps the whole model; it runs as one "stage" without the executor
         wrapped = FSDP(model, group=mesh.group("dp_cp"))
         return ParallelGPT(stages=[wrapped], fsdp=wrapped, **common)
@@ -175,5 +184,10 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
     tied = build_embedding_group(mesh) if config.pp > 1 else None
     # 5. activation checkpointing is the executor's per-chunk flag (see `train_step`);
     # 6. data parallelism / ZeRO: the optimizer (`make_optimizer`) and `train_step`'s
-    #    gradient averaging act on exactly these local parameters.
-    return ParallelGPT(stages=mine, tied_group=tied, **common)
+    #    gradient averaging act on exactly these local parameters; ZeRO-3 composed shards
+    #    each of them along dim 0 over dp x cp (TP slices included), `train_step` gathers
+    #    them before the schedule and reduce-scatters the gradients after it.
+    sharded = None
+    if config.zero_stage == 3 and mesh.dp_cp > 1:
+        sharded = ShardedParameters([p for m in mine for p in m.parameters()], mesh.group("dp_cp"))
+    return ParallelGPT(stages=mine, tied_group=tied, sharded=sharded, **common)

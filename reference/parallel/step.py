@@ -19,7 +19,8 @@ What happens, in order, on every rank:
    summed over tp, then dense gradients averaged over dp (over dp x cp, the ``dp_cp``
    group, with context parallelism: every cp rank's loss is the mean over its equal share
    of the tokens) and expert gradients over the expert-data-parallel group (ZeRO-1/2 do
-   their own reduce-scatter in `step()`);
+   their own reduce-scatter in `step()`; composed ZeRO-3, `pm.sharded`, reduce-scatters each
+   whole gradient into its dim-0 shard here, having all-gathered the parameters before 2);
 4. global-norm clipping over every shard (`reference.parallel.clip`), when asked;
 5. the optimizer step;
 6. the loss made the global mean on every rank: the last stage's mean over micro-batches,
@@ -50,7 +51,8 @@ __all__ = ["StepResult", "StepEvent", "train_step", "local_batch"]
 
 @dataclass(frozen=True)
 class StepEvent:
-    """One thing a rank did in a step: ``kind`` in F, B, SEND, RECV, reduce, optimizer."""
+    """One thing a rank did in a step: ``kind`` in F, B, SEND, RECV, gather
+    (composed ZeRO-3's parameters), reduce, optimizer."""
 
     kind: str
     label: str
@@ -119,6 +121,9 @@ def _synchronise_gradients(pm, optimizer) -> None:
     if mesh.tp > 1 and pm.config.sequence_parallel:
         for stage in pm.stages:
             allreduce_sequence_parallel_grads(stage, mesh.group("tp"))
+    if getattr(pm, "sharded", None) is not None:
+        pm.sharded.reduce_scatter()  # after the SP sum above: each whole gradient averaged once
+        return
     if mesh.dp_cp == 1 or pm.fsdp is not None or pm.config.zero_stage in (1, 2):
         return  # nothing to average, or the ZeRO optimizer / FSDP reduce-scatters itself
     if pm.has_experts:
@@ -182,6 +187,9 @@ def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
         loss = _run_fsdp(pm, x, y, device, scale)
         trace.append(StepEvent("F", "forward and backward", 0.0, time.perf_counter() - t0))
     else:
+        if getattr(pm, "sharded", None) is not None:  # ZeRO-3 composed: whole for the step
+            pm.sharded.gather()
+            trace.append(StepEvent("gather", "parameters", 0.0, time.perf_counter() - t0))
         offset = time.perf_counter() - t0  # the executor's clock starts about here
         with _autocast(pm.config.precision, device):
             result = run_pipeline(

@@ -9,12 +9,13 @@ and each optimizer state (AdamW's exp_avg, exp_avg_sq, step) whole in the same w
 it cuts such tensors back into any layout's slices:
 
     save   ZeRO-1/2, FSDP flat shard (S,) --all-gather over dp--> (P,) --views--> per-parameter
+           ZeRO-3 per parameter: rows (c, *rest) --all-gather over dp x cp--> (d0, *rest)
            per-parameter local tensor --undo TP (`reference.parallel.gather`), rename experts
            to global ids, merge pipeline stages--> full tensor, under its plain-GPT name
     load   full tensor --exactly as `parallelize` slices a weight (column rows with q|k|v
            chunks, row columns, padded vocabulary rows, this stage's names, experts by
            global id)--> per-parameter local --ZeRO / FSDP: flatten into this optimizer's
-           layout, keep this rank's shard--> the optimizer's state
+           layout, keep this rank's shard (per parameter: its dim-0 rows)--> the optimizer's state
 
 Saving uses `full_model_state` and `full_optimizer_state`, loading `full_shapes` (to check
 a checkpoint fits), `load_weights` and `load_optimizer_state`. A weight tied to the
@@ -146,6 +147,11 @@ def gather_full(pm, local: list[tuple[Entry, dict]]) -> dict[str, dict[str, torc
     return mine
 
 
+def _sharded(pm, p) -> bool:
+    """Whether ``p`` is a per-parameter ZeRO-3 shard (its dim-0 rows of the TP-local tensor)."""
+    return getattr(pm, "sharded", None) is not None and getattr(p, "fsdp_sharded", False)
+
+
 def _flat_groups(pm, optimizer):
     """(flat shard the optimizer steps on, layout, the parameters laid out in it, dp group) for
     ZeRO-1/2 (one) and FSDP (one per unit); empty for a plain optimizer."""
@@ -161,6 +167,8 @@ def _optimizer_local_state(pm, optimizer) -> dict[int, dict[str, torch.Tensor]]:
     """{id(parameter): {key: tensor shaped like the rank's parameter, or 0-dim}} (collective
     over dp for ZeRO / FSDP: each flat state (S,) is all-gathered to (P,) and cut into views)."""
     groups = _flat_groups(pm, optimizer)
+    if not groups and getattr(pm, "sharded", None) is not None:  # ZeRO-3 per parameter: rows
+        return pm.sharded.full_optimizer_state(optimizer)          # all-gathered over dp x cp
     if not groups:
         return {id(p): dict(s) for p, s in optimizer.state.items() if s}
     out: dict[int, dict] = {}
@@ -241,8 +249,9 @@ def load_weights(pm, full: dict[str, torch.Tensor]) -> None:
     """Write the whole tensors ``full`` (plain-GPT names) into this rank's parameters."""
     es = entries(pm)
     if pm.fsdp is None:
-        for e in es:
-            e.param.copy_(local_slice(pm, e, full[e.name]))
+        for e in es:  # ZeRO-3 per parameter: this rank's rows of its TP-local slice
+            value = local_slice(pm, e, full[e.name])
+            e.param.copy_(pm.sharded.shard_of(value) if _sharded(pm, e.param) else value)
         return
     name_of = {id(e.param): e.name for e in es}
     sharded = set()
@@ -281,7 +290,8 @@ def full_optimizer_state(pm, optimizer) -> dict[str, dict[str, torch.Tensor]]:
 
 def full_shapes(pm) -> dict[str, tuple[int, ...]]:
     """{plain-GPT name: whole shape} of every parameter of the model, on every rank (collective)."""
-    shapes = {e.name: full_shape(pm, e, e.param.shape) for e in entries(pm)}
+    shapes = {e.name: full_shape(pm, e, pm.sharded.full_shape(e.param) if _sharded(pm, e.param)
+                                 else e.param.shape) for e in entries(pm)}
     if not dist.is_initialized():
         return shapes
     parts = [None] * dist.get_world_size()
@@ -296,5 +306,8 @@ def load_optimizer_state(pm, optimizer, full: dict[str, dict[str, torch.Tensor]]
     per_param: dict = {}
     for e in entries(pm):
         for key, v in full.get(e.name, {}).items():
-            per_param.setdefault(id(e.param), {})[key] = v if v.dim() == 0 else local_slice(pm, e, v)
+            if v.dim() > 0:
+                v = local_slice(pm, e, v)
+                v = pm.sharded.shard_of(v) if _sharded(pm, e.param) else v  # its dim-0 rows
+            per_param.setdefault(id(e.param), {})[key] = v
     _load_optimizer_local_state(pm, optimizer, per_param, hyper)

@@ -1,0 +1,184 @@
+"""ZeRO-3 per parameter (the FSDP2 design): each tensor's dim 0 split over the data-parallel ranks.
+
+    sharded = ShardedParameters(params, group)   # every parameter now holds its rows only
+    sharded.gather()                             # before the step: every parameter whole again
+    ... forward and backward of every micro-batch (any pipeline schedule, TP, checkpointing) ...
+    sharded.reduce_scatter()                     # after the last backward: .data and .grad = shards
+    optimizer.step()                             # a plain torch optimizer over the same parameters
+
+`reference.zero.fsdp` flattens a block's tensors into one buffer and cuts that: a shard then
+mixes pieces of several tensors, which is fine while every tensor is whole and replicated,
+but not once tensor parallelism has split some of them (a shard would hold a slice of a
+column-parallel weight next to a LayerNorm gain replicated over tp). Here every parameter
+is sharded on its own, along dim 0, as PyTorch's `fully_shard` (FSDP2) does with
+`Shard(0)` DTensors; a parameter that is already a tensor-parallel slice (out / tp, in) is
+simply split again:
+
+    p (d0, *rest)   c = ceil(d0 / N) rows per rank, dim 0 padded with zeros to N c
+    rank r holds rows [r c, (r + 1) c) of the padded tensor:   shard (c, *rest)
+
+Between steps `p.data` *is* the shard (the full tensor freed), so the optimizer, its state,
+the gradient clip and `reference.memory.measure` all see 1/N of each tensor. The padding
+rows are zero in the parameter and in the gradient, so an element-wise optimizer (SGD,
+Adam, AdamW) leaves them zero.
+
+When to gather (torchtitan's ``reshard_after_forward=False`` under pipeline parallelism):
+all of this rank's parameters are gathered once before the step and kept through every
+micro-batch's forward and backward, then the gradients reduce-scattered once after the
+last backward. That costs one all-gather and one reduce-scatter of the stage per step,
+(N-1)/N x 2 x its bytes, whatever the number of micro-batches m (the flat `FSDP` gathers
+twice and reduce-scatters once per micro-batch: 3 m times), against holding the whole
+stage's parameters and gradients during the step (the flat FSDP holds one block). With a
+pipeline a stage runs 2 m times a step, so gathering per micro-batch would multiply the
+data-parallel traffic by m; with tensor parallelism the stage is already 1/tp of the
+model. It also composes with anything the executor does, activation checkpointing
+included: the executor only ever sees whole (TP-local) parameters.
+
+Both collectives move all parameters in one call (FSDP2's copy-in / copy-out): the shards
+are packed end to end into one buffer (S,) per rank, all-gathered to (N, S), and each
+parameter's N row blocks copied out; the gradients are packed the other way, (N, S) with
+block r holding every tensor's rows for rank r, and reduce-scattered to (S,).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+
+from reference import comms
+
+__all__ = ["ShardedParameters", "shard_rows"]
+
+
+def shard_rows(full: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+    """Rows [r c, (r + 1) c) of ``full`` (d0, *rest) padded with zero rows to n c, c = ceil(d0 / n)."""
+    c = math.ceil(full.shape[0] / n)
+    out = full.new_zeros((c,) + tuple(full.shape[1:]))
+    rows = full[rank * c:(rank + 1) * c]  # fewer than c (or none) on the last ranks
+    out[:rows.shape[0]] = rows
+    return out
+
+
+class ShardedParameters:
+    """This rank's parameters, each sharded along dim 0 over ``group`` (the dp x cp ranks).
+
+    ``params``: the distinct parameters of this rank's pipeline stages (tensor-parallel slices
+    included). Each is marked ``p.fsdp_sharded = True`` for the gradient clip and checkpoints."""
+
+    def __init__(self, params, group):
+        self.group = group
+        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.params = list({id(p): p for p in params}.values())  # a tied weight once
+        self.shapes = [p.shape for p in self.params]               # the whole (TP-local) shapes
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(f"ShardedParameters packs one buffer: parameters of dtypes {dtypes}")
+        self.dtype = dtypes.pop() if dtypes else torch.float32
+        self.gathered = False
+        for p in self.params:
+            with torch.no_grad():
+                p.data = shard_rows(p.data, self.rank, self.n)  # (c, *rest): the full tensor freed
+            p.fsdp_sharded = True
+
+    # ------------------------------------------------------------------ arithmetic
+    def shard_shape(self, i: int) -> torch.Size:
+        shape = self.shapes[i]
+        return torch.Size((math.ceil(shape[0] / self.n),) + tuple(shape[1:]))
+
+    @property
+    def shard_numel(self) -> int:
+        """S: the numbers this rank holds, padding included (its parameter bytes / element size)."""
+        return sum(self.shard_shape(i).numel() for i in range(len(self.params)))
+
+    def full_shape(self, p) -> torch.Size:
+        """Parameter ``p``'s whole (TP-local) shape, whatever it holds now."""
+        return self.shapes[self.index[id(p)]]
+
+    def full_of(self, shard: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's whole (TP-local) tensor from this rank's ``shard`` (c, *rest) of it, or
+        of anything shaped like it (an optimizer state). Collective over the group."""
+        out = torch.empty((self.n * shard.shape[0],) + tuple(shard.shape[1:]), dtype=shard.dtype,
+                          device=shard.device)
+        comms.all_gather_into_tensor(out, shard.contiguous(), group=self.group)  # (N c, *rest)
+        return out[:self.shapes[i][0]]                                            # (d0, *rest)
+
+    def full_optimizer_state(self, optimizer) -> dict[int, dict[str, torch.Tensor]]:
+        """{id(p): {key: whole (TP-local) state, on the CPU}} from ``optimizer``'s states of the
+        shards, each all-gathered like `full_of` (collective: every rank, the same order)."""
+        out = {}
+        for i, p in enumerate(self.params):
+            state = optimizer.state.get(p, {})
+            out[id(p)] = {k: v if v.dim() == 0 else self.full_of(v, i).cpu()  # step: 0-dim, kept
+                          for k, v in sorted(state.items())}
+        return {k: v for k, v in out.items() if v}
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a whole (TP-local) tensor (a loaded weight or optimizer state)."""
+        return shard_rows(full, self.rank, self.n)
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def gather(self) -> None:
+        """Every parameter whole: one all-gather of the packed shards (S,) -> (N, S)."""
+        if self.gathered or not self.params:
+            self.gathered = True
+            return
+        device = self.params[0].device
+        packed = torch.cat([p.data.reshape(-1) for p in self.params])             # (S,)
+        out = torch.empty(self.n * packed.numel(), dtype=self.dtype, device=device)
+        comms.all_gather_into_tensor(out, packed, group=self.group)               # (N S,)
+        out = out.view(self.n, packed.numel())                                    # (N, S)
+        offset = 0
+        for i, p in enumerate(self.params):
+            c_shape, k = self.shard_shape(i), self.shard_shape(i).numel()
+            rows = out[:, offset:offset + k].reshape((self.n * c_shape[0],) + tuple(c_shape[1:]))
+            p.data = rows[:self.shapes[i][0]].clone()                             # (d0, *rest)
+            offset += k
+        self.gathered = True
+
+    @torch.no_grad()
+    def reduce_scatter(self) -> None:
+        """After the last backward: average each whole gradient over the group into this rank's
+        rows (one reduce-scatter of (N, S) -> (S,)), and shrink every parameter back to its shard."""
+        if not self.gathered:
+            raise RuntimeError("reduce_scatter() without gather(): the parameters are shards already")
+        with_grad = [p.grad is not None for p in self.params]
+        if any(with_grad):
+            device = self.params[0].device
+            blocks = []  # per parameter (N, c * rest): row block r of its padded gradient
+            for i, p in enumerate(self.params):
+                c_shape = self.shard_shape(i)
+                g = p.grad if p.grad is not None else torch.zeros(self.shapes[i], device=device,
+                                                                  dtype=self.dtype)
+                padded = g.new_zeros((self.n * c_shape[0],) + tuple(c_shape[1:]))
+                padded[:g.shape[0]] = g
+                blocks.append(padded.reshape(self.n, -1))
+            packed = torch.cat(blocks, dim=1)                                      # (N, S)
+            out = torch.empty(packed.shape[1], dtype=packed.dtype, device=device)  # (S,)
+            comms.reduce_scatter_tensor(out, packed.reshape(-1), group=self.group)  # (N S,) -> (S,)
+            out /= self.n  # the mean over the dp x cp ranks (gloo has no AVG)
+        offset = 0
+        for i, p in enumerate(self.params):
+            c_shape, k = self.shard_shape(i), self.shard_shape(i).numel()
+            p.data = shard_rows(p.data, self.rank, self.n)                         # (c, *rest)
+            p.grad = out[offset:offset + k].view(c_shape).clone() if with_grad[i] else None
+            offset += k
+        self.gathered = False
+
+    @contextlib.contextmanager
+    def gathered_params(self):
+        """Every parameter whole inside the block (to read or overwrite it), shards again after:
+        each rank keeps its rows of whatever the whole tensor then holds."""
+        was = self.gathered
+        self.gather()
+        try:
+            yield self
+        finally:
+            if not was:
+                with torch.no_grad():
+                    for p in self.params:
+                        p.data = shard_rows(p.data, self.rank, self.n)
+                self.gathered = False

@@ -1,0 +1,119 @@
+"""ZeRO-3 per parameter (`reference.zero.fsdp_param`) composed with TP, SP, PP and checkpointing.
+
+Each configuration trains `sweep_run.STEPS` AdamW steps on 8 gloo ranks (clipped at a
+global norm of 1, so the clip's counting of dim-0 shards is checked too) and must equal
+one process within `sweep_run.TOLERANCES`. Memory: between steps each rank holds, for
+parameters, gradients and AdamW's two moments, its dim-0 rows of each of its stage's
+TP-local tensors, ceil(d0 / dp) x rest numbers each: the model's numbers / (dp x tp x pp)
+up to that padding (and to the replicated LayerNorms and biases of TP), measured by
+`reference.memory.measure` against the formula. The traffic of ZeRO-3 is one all-gather
+and one reduce-scatter of those numbers per step, whatever the number of micro-batches.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from reference.parallel.config import ParallelConfig
+from reference.parallel.sweep import SweepCase
+from reference.runtime import launch
+
+pytestmark = pytest.mark.timeout(600)
+
+CASES = [
+    SweepCase(ParallelConfig(dp=4, tp=2, zero_stage=3, microbatches=2), clip=True),
+    SweepCase(ParallelConfig(dp=4, tp=2, zero_stage=3, sequence_parallel=True,
+                             activation_checkpointing=True), clip=True),
+    SweepCase(ParallelConfig(dp=4, pp=2, zero_stage=3, microbatches=2), clip=True),
+    SweepCase(ParallelConfig(dp=2, tp=2, pp=2, zero_stage=3, sequence_parallel=True,
+                             microbatches=4, schedule="interleaved", virtual_stages=2), clip=True),
+    # fp16: the loss scaler unscales and checks the reduce-scattered shard gradients
+    SweepCase(ParallelConfig(dp=2, tp=2, pp=2, zero_stage=3, microbatches=2, precision="fp16",
+                             activation_checkpointing=True), clip=True),
+]
+
+
+def _run(cases):
+    """run_cases, plus per case: (measured MemoryBytes, formula numbers, ZeRO bytes sent)."""
+    import torch.distributed as dist
+
+    from reference import comms, memory
+    from reference.parallel.gather import full_state_dict
+    from reference.parallel.parallelize import parallelize
+    from reference.parallel.step import train_step
+    from reference.parallel.sweep import BATCH
+    from reference.parallel.sweep_run import EPS, LR, _scaler, batches, model_for
+
+    out = []
+    for case in cases:
+        mesh = case.config.mesh().build_groups()
+        # the formula, from the same layout without ZeRO: this rank's TP-local tensors of its
+        # stages, (d0, *rest) each, of which it keeps ceil(d0 / dp) rows
+        plain = parallelize(model_for(case), mesh, case.config.with_(zero_stage=0), batch=BATCH)
+        dp = mesh.dp_cp
+        local = sum(p.numel() for p in plain.parameters())   # the model's numbers / (tp x pp)
+        rows = sum(math.ceil(p.shape[0] / dp) * p[0].numel() for p in plain.parameters())
+        pad = sum(p[0].numel() for p in plain.parameters())  # at most dp - 1 rows each
+        pm = parallelize(model_for(case), mesh, case.config, batch=BATCH)
+        if pm.scaler is not None:
+            pm.scaler = _scaler()  # the sweep's initial scale, as the single process uses
+        opt = pm.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+        losses, skipped, sent = [], [], []
+        for idx, tgt in batches():
+            with comms.meter() as m:
+                r = train_step(pm, opt, idx, tgt, max_norm=1.0 if case.clip else None)
+            sent.append({op: m.sent_bytes(op, group=comms.group_label(mesh.group("dp_cp")))
+                         for op in ("all_gather", "reduce_scatter")})
+            losses.append(float(r.loss))
+            skipped.append(bool(r.skipped))
+        held = memory.measure(pm.parameters(), opt)
+        state = full_state_dict(pm)
+        rank0 = dist.get_rank() == 0
+        out.append(((losses, skipped, state if rank0 else None), held, rows, sent,
+                    sum(p.numel() for p in pm.parameters()), local, pad))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return launch(_run, 8, CASES, timeout=500)
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=[str(c) for c in CASES])
+def test_zero3_composed_equals_one_process(ranks, i):
+    from reference.parallel.sweep_run import compare, single_process
+
+    case = CASES[i]
+    for r in ranks[1:]:
+        assert r[i][0][0] == ranks[0][i][0][0], f"{case}: ranks disagree on the loss"
+    row = compare(case, ranks[0][i][0], single_process(case))
+    assert row["ok"], row
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=[str(c) for c in CASES])
+def test_zero3_composed_holds_its_rows_of_each_tensor(ranks, i):
+    """Parameters, gradients and AdamW's two moments: 4 bytes x its rows each, per rank;
+    one all-gather and one reduce-scatter of (dp-1)/dp x dp x those bytes per step."""
+    config = CASES[i].config
+    dp = config.dp * config.cp
+    total = 0
+    for r in ranks:
+        _, held, rows, sent, numel, local, pad = r[i]
+        assert numel == rows                          # the parameters are the shards
+        assert 0 <= dp * rows - local <= (dp - 1) * pad  # total / dp / tp / pp, padded per tensor
+        assert held.params == 4 * rows and held.grads == 4 * rows, held
+        assert held.optimizer_state == 2 * 4 * rows, held  # AdamW's moments, shaped like the shard
+        for s in sent:                                # the ring's (N-1)/N of N shards, each way
+            assert s == {"all_gather": (dp - 1) * 4 * rows, "reduce_scatter": (dp - 1) * 4 * rows}
+        total += rows
+    # over all dp x tp x pp ranks the shards add up to the model's numbers, plus the padding
+    # and the tensors replicated over tp (LayerNorms, row biases) counted tp times, and the
+    # tied embedding's copy on the last pipeline stage
+    from reference.parallel.sweep_run import model_for
+
+    weights = model_for(CASES[i]).state_dict()
+    whole = sum(p.numel() for p in model_for(CASES[i]).parameters())
+    tied = weights["wte.weight"].numel() if config.pp > 1 else 0
+    assert whole <= total <= (whole + tied) * config.tp
