@@ -1,4 +1,5 @@
-"""ZeRO-3 per parameter (`reference.zero.fsdp_param`) composed with TP, SP, PP and checkpointing.
+"""ZeRO-3 per parameter (`reference.zero.fsdp_param`) composed with TP, SP, PP and checkpointing,
+and ZeRO-2 with sequence parallelism.
 
 Each configuration trains `sweep_run.STEPS` AdamW steps on 8 gloo ranks (clipped at a
 global norm of 1, so the clip's counting of dim-0 shards is checked too) and must equal
@@ -117,3 +118,20 @@ def test_zero3_composed_holds_its_rows_of_each_tensor(ranks, i):
     whole = sum(p.numel() for p in model_for(CASES[i]).parameters())
     tied = weights["wte.weight"].numel() if config.pp > 1 else 0
     assert whole <= total <= (whole + tied) * config.tp
+
+
+# ZeRO-2 with sequence parallelism: its hooks reduce-scatter the LayerNorms' partial gradients
+# during backward; train_step sums their slices of the shard over tp afterwards.
+ZERO2_SP = [SweepCase(ParallelConfig(dp=2, tp=2, zero_stage=2, sequence_parallel=True,
+                                     microbatches=2), clip=True),
+            SweepCase(ParallelConfig(dp=2, tp=2, zero_stage=2, sequence_parallel=True,
+                                     precision="fp16"))]
+
+
+def test_zero2_with_sequence_parallelism_equals_one_process():
+    from reference.parallel.sweep_run import compare, run_cases, single_process
+
+    ranks = launch(run_cases, 4, ZERO2_SP, timeout=300)
+    for i, case in enumerate(ZERO2_SP):
+        row = compare(case, ranks[0][i], single_process(case))
+        assert row["ok"], row

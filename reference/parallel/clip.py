@@ -134,7 +134,7 @@ def _set_marks(p, tensor_model_parallel, shared, expert_parallel, data_parallel_
     p.expert_parallel, p.data_parallel_shard = expert_parallel, data_parallel_shard
 
 
-def _flat_shard_pieces(layout, params, rank, shard_grad):
+def flat_shard_pieces(layout, params, rank, shard_grad):
     """(parameter, slice of the shard gradient (S,) holding that parameter's numbers)."""
     start, end = layout.shard_range(rank)
     out = []
@@ -152,7 +152,7 @@ def _collect(params):
         if params.shard.grad is None:
             raise ValueError("the ZeroOptimizer holds no reduced gradient: call its "
                              "reduce_gradients() after backward, then clip, then step")
-        pieces = _flat_shard_pieces(params.layout, params.params, params.dp_rank, params.shard.grad)
+        pieces = flat_shard_pieces(params.layout, params.params, params.dp_rank, params.shard.grad)
         return [(p, g, True) for p, g in pieces], [params.shard.grad]
     if isinstance(params, torch.Tensor):
         params = [params]
@@ -165,7 +165,7 @@ def _collect(params):
             mark_parallel_params(f.module)
             for unit in f.units:
                 if unit.shard.grad is not None:
-                    flat = _flat_shard_pieces(unit.layout, unit.params, unit.dp_rank, unit.shard.grad)
+                    flat = flat_shard_pieces(unit.layout, unit.params, unit.dp_rank, unit.shard.grad)
                     pieces += [(p, g, True) for p, g in flat]
                     targets.append(unit.shard.grad)
         rest = [m for m in modules if not isinstance(m, FSDP)]

@@ -164,10 +164,6 @@ class ParallelConfig:
             out.append(f"zero_stage=2 with pp={self.pp}: a pipeline would reduce-scatter the "
                        f"gradients once per micro-batch (m={self.microbatches}); use zero_stage 0, "
                        f"1 or 3 with a pipeline (DeepSpeed refuses 2 and 3)")
-        if self.zero_stage == 2 and self.sequence_parallel and self.tp > 1:
-            out.append(f"zero_stage=2 with sequence_parallel and tp={self.tp}: ZeRO-2 reduce-scatters "
-                       f"each gradient during backward, before the LayerNorms' sequence-parallel "
-                       f"gradients are summed over tp; use zero_stage 1 with sequence parallelism")
         if self.zero_stage and self.ep > 1:
             out.append(f"zero_stage={self.zero_stage} with ep={self.ep}: experts and dense "
                        f"parameters are reduced over different groups; use zero_stage=0 with experts")

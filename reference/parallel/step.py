@@ -19,7 +19,8 @@ What happens, in order, on every rank:
    summed over tp, then dense gradients averaged over dp (over dp x cp, the ``dp_cp``
    group, with context parallelism: every cp rank's loss is the mean over its equal share
    of the tokens) and expert gradients over the expert-data-parallel group (ZeRO-1/2 do
-   their own reduce-scatter in `step()`; composed ZeRO-3, `pm.sharded`, reduce-scatters each
+   their own reduce-scatter in `step()`, ZeRO-2 during backward, so with SP its shard's
+   sequence-parallel slices are summed over tp afterwards; composed ZeRO-3, `pm.sharded`, reduce-scatters each
    whole gradient into its dim-0 shard here, having all-gathered the parameters before 2);
 4. global-norm clipping over every shard (`reference.parallel.clip`), when asked;
 5. the optimizer step;
@@ -144,6 +145,30 @@ def _synchronise_gradients(pm, optimizer) -> None:
         offset += g.numel()
 
 
+@torch.no_grad()
+def _sum_sequence_parallel_shard(pm, optimizer) -> None:
+    """ZeRO-2 with sequence parallelism. Its hooks reduce-scatter every gradient over dp during
+    backward, the LayerNorms' and row biases' too, while those are still each tp rank's partial
+    sums (their tokens only); `allreduce_sequence_parallel_grads` then finds no `.grad` left.
+    The tp ranks of one dp rank lay out the same TP-local shapes, so their flat shards cover the
+    same ranges: summing those parameters' slices of the shard over tp gives the sum of the
+    dp means, which is the dp mean of the sum (both are linear)."""
+    from reference.parallel.clip import flat_shard_pieces
+
+    optimizer.reduce_gradients()  # the last buckets; step() will not reduce again
+    pieces = [g for p, g in flat_shard_pieces(optimizer.layout, optimizer.params, optimizer.dp_rank,
+                                              optimizer.shard.grad)
+              if getattr(p, "sequence_parallel", False)]
+    if not pieces:  # the same on every tp rank: the same layout
+        return
+    flat = torch.cat(pieces)  # (k,) this shard's numbers of sequence-parallel parameters
+    comms.all_reduce(flat, group=pm.mesh.group("tp"))
+    offset = 0
+    for g in pieces:
+        g.copy_(flat[offset: offset + g.numel()])
+        offset += g.numel()
+
+
 def _global_loss(pm, loss: Optional[torch.Tensor], device) -> torch.Tensor:
     mesh = pm.mesh
     value = (loss.detach().float() if loss is not None else torch.zeros((), device=device)).clone()
@@ -205,6 +230,9 @@ def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
             trace.append(StepEvent(kind, str(e.action), offset + e.start, offset + e.end))
     start = time.perf_counter() - t0
     _synchronise_gradients(pm, optimizer)
+    if (pm.config.zero_stage == 2 and pm.mesh.dp_cp > 1 and pm.mesh.tp > 1
+            and pm.config.sequence_parallel):
+        _sum_sequence_parallel_shard(pm, optimizer)
     trace.append(StepEvent("reduce", "gradients", start, time.perf_counter() - t0))
     overflow = False
     if scaler is not None:  # unscale, and agree across every rank whether to step
