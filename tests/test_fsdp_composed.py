@@ -135,3 +135,37 @@ def test_zero2_with_sequence_parallelism_equals_one_process():
     for i, case in enumerate(ZERO2_SP):
         row = compare(case, ranks[0][i], single_process(case))
         assert row["ok"], row
+
+
+def _train_uneven(config):
+    """3 AdamW steps of a model whose tensors do not split evenly over dp = 3 (vocabulary 255,
+    n_embd 64, 4 heads): the last rank's rows of each tensor are padded with zeros."""
+    import torch.distributed as dist
+
+    from reference.model import GPT, GPTConfig
+    from reference.parallel.gather import full_state_dict
+    from reference.parallel.parallelize import parallelize
+    from reference.parallel.step import train_step
+    from reference.parallel.sweep_run import EPS, LR, batches
+
+    torch.manual_seed(0)
+    cfg = GPTConfig.tiny(n_layer=4, block_size=16, vocab_size=255)
+    pm = parallelize(GPT(cfg), config.mesh().build_groups(), config)
+    opt = pm.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    for idx, tgt in batches():
+        train_step(pm, opt, idx[:12] % 255, tgt[:12] % 255, max_norm=1.0)
+    state = full_state_dict(pm)
+    return state if not dist.is_initialized() or dist.get_rank() == 0 else None
+
+
+def test_zero3_pads_uneven_rows():
+    """dp 3 x pp 2 (6 ranks): 255 vocabulary rows are 85 a rank, 64 LayerNorm numbers 22, 22
+    and 20 (two padding zeros), and the trained weights are one process's."""
+    got = launch(_train_uneven, 6, ParallelConfig(dp=3, pp=2, zero_stage=3, microbatches=2),
+                 timeout=300)[0]
+    want = launch(_train_uneven, 1, ParallelConfig(microbatches=6), timeout=300)[0]
+    assert got.keys() - want.keys() <= {"lm_head.weight"}  # the pipeline's copy of the tied wte
+    for name, value in got.items():
+        value = want["wte.weight" if name not in want else name]
+        torch.testing.assert_close(got[name], value, rtol=0, atol=5e-6, msg=name)
+    assert torch.equal(got["wte.weight"], got["lm_head.weight"])
