@@ -128,6 +128,25 @@ def test_zero_traffic_is_charged_per_micro_batch(zero):
     assert sum(b * n for _, b, n, _ in e.dp_transfers) == pytest.approx(want[8], rel=1e-12)
 
 
+def test_composed_zero3_gathers_once_per_step_and_holds_the_stage():
+    """ZeRO-3 with tp, pp or recompute shards each tensor and keeps the stage gathered through
+    the step: 2 (d-1)/d P g per step whatever m (one all-gather, one reduce-scatter), and the
+    stage's parameters and gradients held whole during the step. On the tiny model at dp 4 x
+    tp 2 each transfer is (d-1)/d x 4 x 30,464 = 91,392 bytes, what tests/test_fsdp_composed.py
+    measures on 8 ranks."""
+    cfg = GPTConfig.tiny(n_layer=4, block_size=16)
+    for m in (1, 2, 4):
+        e = estimate(cfg, ParallelConfig(dp=4, tp=2, zero_stage=3, microbatches=m), micro_batch=2,
+                     global_batch=8 * m)
+        assert e.params_per_gpu == 30_464
+        assert [b for _, b, n, _ in e.dp_transfers] == [91_392, 91_392]
+        assert e.bytes_per_step["dp"] == 2 * 91_392
+        assert e.held_in_step == 30_464 * (4 + 4)  # fp32 parameters and gradients
+        assert e.total_bytes == e.model_states.model_states + e.activations + e.held_in_step
+    flat = estimate(cfg, ParallelConfig(dp=4, zero_stage=3, microbatches=4), micro_batch=2, global_batch=32)
+    assert flat.held_in_step == 0 and len(flat.dp_transfers) == 1  # blocks gathered per micro-batch
+
+
 def test_step_time_is_compute_exposed_communication_and_bubble():
     """dp 16 (two nodes: the gradients cross them) with ZeRO-0 and m = 4; then the same
     GPUs as tp 8 x pp 2: tp on NVLink, pp across nodes, the bubble (pp-1)/m of the busy time."""

@@ -43,10 +43,16 @@ S = b s h x activation bytes, one activation of one micro-batch):
       ZeRO-2     a reduce-scatter per micro-batch (its backward's hooks: no full gradient
                  to accumulate into) + the all-gather once per step  (m + 1) (d-1)/d P g
       ZeRO-3     per micro-batch, two all-gathers (forward, backward)
-                 and a reduce-scatter                                 3 m (d-1)/d P g
+                 and a reduce-scatter (FSDP by blocks: tp = pp = 1,
+                 no recompute)                                        3 m (d-1)/d P g
+      ZeRO-3     composed with tp, pp or recompute (`ShardedParameters`):
+                 the stage gathered once per step and kept through its
+                 micro-batches, its gradients reduce-scattered once   2 (d-1)/d P g
 
-  (so ZeRO-2/3 pay for accumulation, and `ParallelConfig` refuses them with a pipeline; the
-  flat layout's padding of P to a multiple of d is left out).
+  (so ZeRO-2 and block-wise ZeRO-3 pay for accumulation, and `ParallelConfig` refuses ZeRO-2
+  with a pipeline; the composed ZeRO-3 pays in memory instead: the whole stage's parameters
+  and gradients, P (param + grad bytes), are held during the step, `Estimate.held_in_step`;
+  the flat layout's padding of P to a multiple of d is left out).
   `Estimate.dp_transfers` lists these transfers with what each may hide under.
 
 Step time (`step_time`, under `Hardware`'s assumptions, each shown in `Hardware.describe`):
@@ -167,10 +173,11 @@ class Estimate:
     forward_flops: float = 0.0        # of which the first forward's
     # dp's transfers: (what, bytes each, times per step, hides under "backward" / "micro-batch" / "")
     dp_transfers: tuple = ()
+    held_in_step: float = 0.0         # composed ZeRO-3: the stage's gathered parameters and gradients
 
     @property
     def total_bytes(self) -> float:
-        return self.model_states.model_states + self.activations
+        return self.model_states.model_states + self.activations + self.held_in_step
 
     @property
     def memory_gb(self) -> float:
@@ -182,8 +189,10 @@ class Estimate:
     def table(self) -> str:
         ms = self.model_states
         rows = [("parameters", ms.params), ("gradients", ms.grads),
-                ("optimizer state", ms.optimizer_state), ("activations", self.activations),
-                ("total", self.total_bytes)]
+                ("optimizer state", ms.optimizer_state), ("activations", self.activations)]
+        if self.held_in_step:
+            rows.append(("gathered in step", self.held_in_step))
+        rows.append(("total", self.total_bytes))
         out = [f"{self.config}: {self.params_per_gpu / 1e9:.2f}B parameters per GPU"]
         out += [f"  {name:<16} {human_bytes(v):>10}" for name, v in rows]
         out.append(f"  bubble {self.bubble:.1%}; bytes sent per step: " + ", ".join(
@@ -232,6 +241,15 @@ def estimate(model, config: ParallelConfig, *, micro_batch: int, global_batch: i
         3: (("all-gathers (forward, backward) and a reduce-scatter per micro-batch", 3 * once, m,
              "micro-batch"),),
     }.get(config.zero_stage, ()) if d > 1 else ()
+    # ZeRO-3 composed with tp, pp or recompute shards each tensor (`ShardedParameters`): the
+    # stage is gathered once per step and held whole through its micro-batches.
+    composed = (config.zero_stage == 3 and d > 1
+                and not (t == p == 1 and not config.activation_checkpointing))
+    held = 0.0
+    if composed:
+        dp_transfers = (("the stage's parameters all-gathered once per step", once, 1, ""),
+                        ("the gradients' reduce-scatter once per step", once, 1, "backward"))
+        held = params * (precision.param + precision.grad)
     per_gpu = {
         "tp": blocks_here * m * tp_calls * 2 * (t - 1) / t * S if t > 1 else 0.0,
         # a middle stage sends an activation on and a gradient back per micro-batch; with
@@ -246,7 +264,7 @@ def estimate(model, config: ParallelConfig, *, micro_batch: int, global_batch: i
     forward = flops / 3
     extra = {"full": forward, "selective": tokens * 4 * L * s * h / world}.get(recompute, 0.0)
     return Estimate(config, params, states, acts, bubble, per_gpu, m, flops + extra, forward,
-                    dp_transfers)
+                    dp_transfers, held)
 
 
 def link_of(config: ParallelConfig, kind: str, hardware: Hardware = Hardware()) -> str:

@@ -10,8 +10,8 @@ pp dividing the layers (equal stages), m = global_batch / (dp micro_batch) micro
 `micro_batch` sequences, ZeRO 0-3, with and without sequence parallelism, with and without
 full activation recomputation. It keeps
 only what `ParallelConfig.validate` accepts for the model, the batch and ``n_experts`` (so no
-ZeRO-2/3 with a pipeline, no ZeRO-3 with tp or recomputation, no ZeRO-2 with SP, heads and
-layers that divide) and whose memory per GPU (`estimate`) fits, and ranks them by the
+ZeRO-2 with a pipeline, no ZeRO with experts, heads and layers that divide; ZeRO-3 with tp,
+pp or recomputation is the composed one, its stage held whole through the step) and whose memory per GPU (`estimate`) fits, and ranks them by the
 estimated step time of `reference.parallel.estimate.step_time`:
 
     step = compute + exposed tp, pp and dp communication + bubble

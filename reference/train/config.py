@@ -236,11 +236,13 @@ class TrainConfig:
             pc.validate(world_size, self.gpt_config(), batch=(B, self.seq_len()),
                         n_experts=self.n_experts)
             wd = self.optimizer.params.weight_decay or 0.0
-            if wd and pc.zero_stage == 3 and pc.dp * pc.cp > 1:
+            flat_fsdp = pc.tp == pc.pp == 1 and not pc.activation_checkpointing
+            if wd and pc.zero_stage == 3 and pc.dp * pc.cp > 1 and flat_fsdp:
                 raise ValueError(f"optimizer.params.weight_decay={wd:g} with zero_optimization.stage 3 "
-                                 f"at dp={pc.dp}: FSDP's flat shards here hold one optimizer group, "
-                                 f"so biases and LayerNorms could not be exempt from the decay as in "
-                                 f"every other stage; use stage 1 or 2, or weight_decay 0")
+                                 f"at dp={pc.dp} (tp=pp=1, no recompute: FSDP by blocks): its flat "
+                                 f"shards hold one optimizer group, so biases and LayerNorms could not "
+                                 f"be exempt from the decay as in every other layout; use stage 1 or "
+                                 f"2, or weight_decay 0")
             if self.zero_optimization.offload:
                 raise ValueError(OFFLOAD_REFUSED.format(
                     device=self.zero_optimization.offload_optimizer.device))

@@ -128,13 +128,18 @@ def describe(config, world_size: int) -> str:
         for item in (items[1:] if len(items) > 1 else items):
             if item.startswith("zero_stage=") and "pp=" in item:
                 issues.append(f"ZeRO-{z.stage} with pipeline {pp}: DeepSpeed's pipeline engine "
-                              f"refuses ZeRO-2 and 3, and so does ParallelConfig ({item})")
+                              f"refuses ZeRO-2 and 3, and ParallelConfig refuses ZeRO-2 ({item})")
             elif not any(item in known for known in issues):
                 issues.append(f"ParallelConfig: {item}" if len(items) > 1 else item)
-    if z.stage >= 2 and pp > 1 and not any("pipeline engine" in i for i in issues):
-        issues.append(f"ZeRO-{z.stage} with pipeline {pp}: DeepSpeed's pipeline engine refuses "
-                      f"ZeRO-2 and 3 (and so does ParallelConfig): they would communicate once per "
-                      f"micro-batch; use stage 0 or 1 with a pipeline")
+    if z.stage == 2 and pp > 1 and not any("pipeline engine" in i for i in issues):
+        issues.append(f"ZeRO-2 with pipeline {pp}: DeepSpeed's pipeline engine refuses ZeRO-2 and 3, "
+                      f"and ParallelConfig refuses ZeRO-2: it would reduce-scatter once per "
+                      f"micro-batch; use stage 0, 1 or 3 with a pipeline")
+    if z.stage == 3 and pp > 1:
+        issues.append(f"ZeRO-3 with pipeline {pp}: DeepSpeed's pipeline engine refuses ZeRO-2 and 3; "
+                      f"this trainer differs and runs it as torchtitan does (each parameter sharded "
+                      f"over dp, a stage gathered once per step and kept whole through its "
+                      f"micro-batches: memory for traffic)")
     out.append("inconsistent or pointless:" if issues else "inconsistent or pointless: nothing found")
     out += [f"  - {i}" for i in issues]
     return "\n".join(out)
