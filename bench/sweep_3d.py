@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tqdm import tqdm  # noqa: E402
 
-from reference.parallel.sweep import covering_set, full_product, names_pair  # noqa: E402
+from reference.parallel.sweep import covering_set, full_product, pair_reason  # noqa: E402
 from reference.parallel.sweep_run import TOLERANCES, compare, run_cases, single_process  # noqa: E402
 from reference.runtime import launch  # noqa: E402
 
@@ -62,9 +62,7 @@ def main(argv=None) -> int:
         print("| pair | reason |")
         print("|---|---|")
         for (a, va), (b, vb), _, reason in refused:
-            parts = reason.split("; ")
-            named = [x for x in parts if names_pair(x, a, b)] or parts
-            print(f"| {a}={va}, {b}={vb} | {named[0]} |")
+            print(f"| {a}={va}, {b}={vb} | {pair_reason(reason, a, b)} |")
     else:
         for r in rows:
             print(f"{'ok ' if r['ok'] else 'BAD'} world {r['world_size']}  loss {r['loss_rel']:.1e}  "

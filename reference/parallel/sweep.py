@@ -30,7 +30,7 @@ from typing import Optional
 from reference.parallel.config import ParallelConfig
 
 __all__ = ["OPTIONS", "SweepCase", "covering_set", "effective", "pairs_of", "MODEL_SIZES",
-           "BATCH", "N_EXPERTS", "full_product", "names_pair"]
+           "BATCH", "N_EXPERTS", "full_product", "names_pair", "pair_reason"]
 
 OPTIONS = {
     "dp": (1, 2, 4),
@@ -218,22 +218,44 @@ def _nearest_refusal(accepted, fixed: dict, max_world: int) -> SweepCase:
     for case in accepted:
         values = case.values()
         values.update(fixed)
+        for option in fixed:  # let each fixed value act (cp_kind needs cp > 1, and so on)
+            values.update({k: v for k, v in _ENABLE.get(option, {}).items() if k not in fixed})
+        if values["dp"] * values["cp"] == 1 and "zero_stage" in fixed:
+            values["dp"] = 2
+        acting = effective(values)
+        if any(k not in acting or str(acting[k]) != str(v) for k, v in fixed.items()):
+            continue
         candidate = _case(values)
         if candidate.world_size > max_world:
             continue
         problems = candidate.problems()
         if not problems:
             continue
-        score = (not any(w in p for p in problems for w in words), len(problems))
+        # the fewest reasons that do not name either option, then the fewest reasons
+        score = (sum(not any(w in p for w in words) for p in problems), len(problems))
         if best is None or score < best[0]:
             best = (score, candidate)
     return best[1]
 
 
+# What each option needs of the others to act at all (`effective`).
+_ENABLE = {"cp_kind": {"cp": 2}, "sequence_parallel": {"tp": 2}, "schedule": {"pp": 2},
+           "virtual_stages": {"pp": 2}, "embedding_stage": {"pp": 2}}
+
 # How `validate`'s reasons name each option.
-_WORDS = {"moe": ("experts",), "cp_kind": ("cp",), "schedule": ("schedule", "1F1B", "interleaved"),
+_WORDS = {"moe": ("experts",), "cp_kind": ("cp=", "cp_kind"), "schedule": ("schedule", "1F1B", "interleaved"),
           "sequence_parallel": ("sequence_parallel", "sequence parallel"),
-          "clip": ("clip",), "precision": ("fp16", "bf16", "precision")}
+          "clip": ("clip",), "precision": ("fp16", "bf16", "precision"),
+          "dp": ("dp=",), "tp": ("tp=",), "pp": ("pp=",), "cp": ("cp=",), "ep": ("ep=",)}
+
+
+def pair_reason(reason: str, a: str, b: str) -> str:
+    """The one of `validate`'s reasons (joined by "; ") that best explains refusing options a
+    and b together: one naming both, else one naming either, else the first."""
+    parts = reason.split("; ")
+    both = [p for p in parts if names_pair(p, a, a) and names_pair(p, b, b)]
+    either = [p for p in parts if names_pair(p, a, b)]
+    return (both or either or parts)[0]
 
 
 def names_pair(reason: str, a: str, b: str) -> bool:
