@@ -32,12 +32,8 @@ test: $(STAMP)
 # The course as a student sees it: JupyterLab started by `make lab`, driven in Chromium
 # (tests/test_browser.py). Needs /usr/bin/chromium (apt-get install chromium); without
 # it the test skips and says why. `make test` runs it too.
-browser-# Two workers, each taking whole test files (module fixtures such as the graded homework
-# run once): the ranks a test starts wait on each other often enough that two files at a
-# time use the two cores of a laptop better than one.
-PYTEST_WORKERS ?= 2
-test: $(STAMP)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m browser tests/test_browser.py
+browser-test: $(STAMP)
+	$(BIN)/python -m pytest -m browser tests/test_browser.py
 
 exercises: $(STAMP)
 	$(BIN)/python -m reference.course exercises
