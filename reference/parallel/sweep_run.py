@@ -20,7 +20,7 @@ Tolerances, and why (`TOLERANCES`):
   = 1e-6 of weight per step: 3e-6 over three steps, whichever kernels (AVX-512, AVX2 or
   plain) the CPU picks.
 * bf16 and fp16, against the single process in the same precision: losses rtol 1e-3, and the
-  *mean* absolute weight difference at most 5e-4 (bf16) or 2e-5 (fp16). A half-precision
+  *mean* absolute weight difference at most 5e-4 (bf16) or 1e-4 (fp16). A half-precision
   rounding is 4e-3 (bf16) or 5e-4 (fp16) relative, and the parallel run rounds its partial
   sums at other places; the loss, a mean over thousands of roundings that do not line up,
   moves far less than one rounding. A single weight whose gradient is near zero can take
@@ -28,8 +28,10 @@ Tolerances, and why (`TOLERANCES`):
   1.0036 (beta1 0.9, beta2 0.999), so one weight can differ by up to 3 x 2 x 1.0036 lr =
   6.02e-3, and the largest difference (atol 6.1e-3) only catches a weight that went astray
   beyond any step. What can fail is the mean: measured at most 1.4e-4 (bf16, ZeRO-3 with
-  experts, where a rounding can send a token to another expert) and 1.1e-6 (fp16) over the
-  sweep; a wrong reduction moves most weights by a good fraction of lr = 1e-3.
+  experts, where a rounding can send a token to another expert) and, in fp16, 1.2e-6 without
+  experts but 2.5e-5 with them on PyTorch's plain kernels (ATEN_CPU_CAPABILITY=default: a
+  token routed to another expert again); a wrong reduction moves most weights by a good
+  fraction of lr = 1e-3.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ __all__ = ["STEPS", "LR", "EPS", "TOLERANCES", "batches", "run_cases", "single_p
 STEPS, LR, EPS = 3, 1e-3, 1e-6
 TOLERANCES = {"fp32": dict(loss_rtol=1e-5, atol=5e-6),
               "bf16": dict(loss_rtol=1e-3, atol=6.1e-3, mean_atol=5e-4),
-              "fp16": dict(loss_rtol=1e-3, atol=6.1e-3, mean_atol=2e-5)}
+              "fp16": dict(loss_rtol=1e-3, atol=6.1e-3, mean_atol=1e-4)}
 FP16_POWER = 12   # the loss scale starts at 2^12: the tiny model's gradients stay finite
 
 
