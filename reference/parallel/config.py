@@ -105,6 +105,14 @@ class ParallelConfig:
     def n_stages(self) -> int:
         return self.pp * self.virtual_stages
 
+    @property
+    def zero3_by_blocks(self) -> bool:
+        """Whether ZeRO-3 runs as FSDP by blocks (`reference.zero.FSDP`: each block gathered in
+        forward and again in backward): with data-parallel replicas at tp = pp = 1 without
+        recompute. Any other ZeRO-3 shards each parameter (`reference.zero.ShardedParameters`)."""
+        return (self.zero_stage == 3 and self.dp * self.cp > 1 and self.tp == self.pp == 1
+                and not self.activation_checkpointing)
+
     def mesh(self):
         """The `reference.mesh.Mesh` of these degrees (groups not built yet)."""
         from reference.mesh import Mesh

@@ -243,8 +243,7 @@ def estimate(model, config: ParallelConfig, *, micro_batch: int, global_batch: i
     }.get(config.zero_stage, ()) if d > 1 else ()
     # ZeRO-3 composed with tp, pp or recompute shards each tensor (`ShardedParameters`): the
     # stage is gathered once per step and held whole through its micro-batches.
-    composed = (config.zero_stage == 3 and d > 1
-                and not (t == p == 1 and not config.activation_checkpointing))
+    composed = config.zero_stage == 3 and d > 1 and not config.zero3_by_blocks
     held = 0.0
     if composed:
         dp_transfers = (("the stage's parameters all-gathered once per step", once, 1, ""),

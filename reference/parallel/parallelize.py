@@ -172,8 +172,7 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
     common = dict(config=config, mesh=mesh, model_config=model.config, schedule=schedule,
                   has_experts=n_experts is not None,
                   scaler=DynamicLossScaler() if config.precision == "fp16" else None)
-    flat_fsdp = config.tp == config.pp == 1 and not config.activation_checkpointing
-    if config.zero_stage == 3 and mesh.dp_cp > 1 and flat_fsdp:
+    if config.zero3_by_blocks:
         # 6 (ZeRO-3): FSDP wraps the whole model; it runs as one "stage" without the executor
         wrapped = FSDP(model, group=mesh.group("dp_cp"))
         return ParallelGPT(stages=[wrapped], fsdp=wrapped, **common)

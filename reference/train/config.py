@@ -236,8 +236,7 @@ class TrainConfig:
             pc.validate(world_size, self.gpt_config(), batch=(B, self.seq_len()),
                         n_experts=self.n_experts)
             wd = self.optimizer.params.weight_decay or 0.0
-            flat_fsdp = pc.tp == pc.pp == 1 and not pc.activation_checkpointing
-            if wd and pc.zero_stage == 3 and pc.dp * pc.cp > 1 and flat_fsdp:
+            if wd and pc.zero3_by_blocks:
                 raise ValueError(f"optimizer.params.weight_decay={wd:g} with zero_optimization.stage 3 "
                                  f"at dp={pc.dp} (tp=pp=1, no recompute: FSDP by blocks): its flat "
                                  f"shards hold one optimizer group, so biases and LayerNorms could not "
