@@ -4,6 +4,7 @@
     check_parameters_per_rank(parameters_per_rank)
     check_global_grad_norm(global_grad_norm)         # on 2 and 4 ranks
     check_reshard_plan(reshard_plan)
+    check_finish_step(finish_step)                   # on 4 ranks, against one process
     check_step_bytes_3d(step_bytes_3d)               # the kind of number, never its value
 
 The pure functions (mesh_groups, parameters_per_rank, reshard_plan) run on one rank,
@@ -17,13 +18,15 @@ from reference.course.checks.runner import NOT_IMPLEMENTED, public_cases, run_ca
 from reference.course.checks.questions import check_question
 from reference.course.homework.parallel import MESH_GROUPS, PARAMETERS_PER_RANK
 from reference.course.homework.parallel_extra import GLOBAL_GRAD_NORM, RESHARD_PLAN, STEP_BYTES_3D
+from reference.course.homework.parallel_step import FINISH_STEP
 
 __all__ = ["check_mesh_groups", "check_parameters_per_rank", "check_global_grad_norm",
-           "check_reshard_plan", "check_step_bytes_3d"]
+           "check_reshard_plan", "check_finish_step", "check_step_bytes_3d"]
 
 # Hints name the symptom and the part of a lecture to reread; they never give the answer.
-_LAYOUT = "notebook 06, 'The idea in a picture: one mesh, three kinds of group'"
+_LAYOUT = "notebook 06, 'Step 1 · The mesh and its groups'"
 _MEMORY = "notebook 06, 'Memory per rank, measured against the calculator'"
+_CLINIC = "notebook 06, 'The composition clinic: six mistakes, six symptoms'"
 _HINTS = {
     "not implemented": NOT_IMPLEMENTED,
     "not a dict": "return a dict from each dimension's name ('tp', 'dp', ...) to its groups",
@@ -50,19 +53,44 @@ _HINTS = {
 }
 
 
+# finish_step's own: its messages say "loss", "norm" and "differs", with the ratio.
+_STEP_HINTS = {
+    "not implemented": NOT_IMPLEMENTED,
+    "not allowed": "a collective other than dist.all_reduce and dist.broadcast was called",
+    "(partial) differs": ("a gradient marked partial differs from one process's by the ratio shown: "
+                          "one process's gradient covers every token of the sequence; what does "
+                          f"this rank's cover? Reread {_CLINIC}"),
+    "tied) differs": ("a copy of the tied embedding differs from one process's: in one process "
+                      "the embedding and the head are one tensor; what does its gradient hold "
+                      "there? Reread notebook 06, Step 3"),
+    "differs from one process": ("a gradient differs from one process's by the ratio shown: "
+                                 "compare the ratio with 1 / dp and dp: how many replicas' "
+                                 "gradients are in it, and how many times were they averaged?"),
+    "loss": ("the loss differs from one process's by the ratio shown: which ranks hold a loss, "
+             f"and what do the others add to a sum or a mean? Reread {_CLINIC}"),
+    "returned a norm": "with dp_reduce False the norm is not yours to compute: return None",
+    "norm is right, but": ("the norm is right but the clipped gradients are not: the clip "
+                           "multiplies by torch's min(1, max_norm / (norm + 1e-6)), once"),
+    "was replaced": "the optimizer holds these tensors: change each one in place",
+    "norm ": (f"the norm differs by the ratio shown: above 1, some numbers are counted more "
+              f"than once; below 1, some never reach the sum. Which tensors hold the same "
+              f"numbers on several ranks? Reread {_CLINIC}"),
+}
+
+
 def _check(spec, fn, success: str, skip: bool) -> None:
     run_visible(spec, fn, lambda: run_cases(spec, fn, 1, public_cases(spec, 1), timeout=60.0),
                 success, _HINTS, skip)
 
 
-def _check_on(spec, fn, world_sizes, success: str, skip: bool) -> None:
+def _check_on(spec, fn, world_sizes, success: str, skip: bool, hints=_HINTS) -> None:
     def attempt():
         for ws in world_sizes:
             reason = run_cases(spec, fn, ws, public_cases(spec, ws), timeout=60.0)
             if reason[0]:
                 return reason
         return ""
-    run_visible(spec, fn, attempt, success, _HINTS, skip)
+    run_visible(spec, fn, attempt, success, hints, skip)
 
 
 def check_mesh_groups(fn, skip: bool = False) -> None:
@@ -85,6 +113,13 @@ def check_global_grad_norm(fn, skip: bool = False) -> None:
 def check_reshard_plan(fn, skip: bool = False) -> None:
     """Visible check of exercise reshard_plan (against the true row ranges)."""
     _check(RESHARD_PLAN, fn, "every new rank's pieces rebuild exactly its new shard", skip)
+
+
+def check_finish_step(fn, skip: bool = False) -> None:
+    """Visible check of exercise finish_step on 4 ranks (dp x tp with SP, tp x pp and dp x pp
+    tied, the optimizer averaging dp, a clip that does not act), against one process."""
+    _check_on(FINISH_STEP, fn, (4,),
+              "every rank's gradients, loss and norm equal one process's", skip, _STEP_HINTS)
 
 
 def check_step_bytes_3d(fn, skip: bool = False) -> None:

@@ -19,9 +19,8 @@ gradients of this rank's tokens and weights must equal the single-process ones (
 backward of an all-to-all is the all-to-all with the splits swapped). Every expert
 must run only on the rank that holds it, on exactly the rows that chose it; no
 point-to-point message, and no more all-to-all traffic than the rows need, forward and
-backward. Values and gradients within rtol 1e-5, atol 1e-6 of the float64 reference,
-widened by `expert_traffic.rounding_bounds` (float32 rounds sin's argument x (e + 1), and
-CPUs' sin kernels differ by that much). The lecture's forward-only dispatch loses every case. Cases: uneven token counts per
+backward. Values and gradients within rtol 1e-5, atol 1e-6 of the float64 reference
+plus `expert_traffic.rounding_bounds` (float32's rounding of sin's argument x (e + 1)). The lecture's forward-only dispatch loses every case. Cases: uneven token counts per
 rank, every token to one expert (empty splits), dropped assignments and a token
 that lost all of them, a rank with no tokens, k = 3.
 
@@ -37,8 +36,7 @@ from __future__ import annotations
 import torch
 
 from reference.course.homework.expert_traffic import (  # noqa: F401 (re-exported for the checks)
-    TOLERANCE, all_to_all_single_allowed, assignments, close, expert_fn_value, plain,
-    rounding_bounds,
+    TOLERANCE, all_to_all_single_allowed, assignments, close, expert_fn_value, plain, rounding_bounds,
     call_dispatch_combine, call_dispatch_combine_backward,
 )
 from reference.course.homework.guard import COLLECTIVES

@@ -14,7 +14,9 @@
   a vocabulary tp does not divide, layers pp does not divide, pp = 1 and tp = 1.
 Both are pure functions: one rank runs each case; nothing is communicated.
 The transfer exercises (global_grad_norm, reshard_plan) and the written question
-(step_bytes_3d) are checked in `parallel_extra`.
+(step_bytes_3d) are checked in `parallel_extra`; the composed exercise (finish_step: one
+step's gradients, loss and norm of a dp x tp x pp run, against one process) in
+`parallel_step`.
 """
 from __future__ import annotations
 
@@ -158,5 +160,8 @@ HOMEWORK_ID = "06_3d_parallel"
 from reference.course.homework.parallel_extra import (  # noqa: E402 - after the specs it extends
     GLOBAL_GRAD_NORM, RESHARD_PLAN, STEP_BYTES_3D,
 )
+# The composed exercise: one step's gradients, loss and norm, against one process.
+from reference.course.homework.parallel_step import FINISH_STEP  # noqa: E402
 
-EXERCISES = (MESH_GROUPS, PARAMETERS_PER_RANK, GLOBAL_GRAD_NORM, RESHARD_PLAN, STEP_BYTES_3D)
+EXERCISES = (MESH_GROUPS, PARAMETERS_PER_RANK, GLOBAL_GRAD_NORM, RESHARD_PLAN, FINISH_STEP,
+             STEP_BYTES_3D)

@@ -1,0 +1,162 @@
+"""Homework 06's composed exercise (finish_step): its expected answer is one process's, the
+solution earns every case, and each mistake of notebook 06's composition clinic loses the
+cases that can see it.
+
+Every wrong answer is the solution notebook's function with one change, scored directly
+with `score_exercise` on the 4-rank cases (every clinic mistake shows there; the whole
+notebook, with 6 and 8 ranks, is graded in tests/test_course_homework.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import cloudpickle
+import nbformat
+import pytest
+import torch
+
+from reference.course.homework import parallel_step
+from reference.course.homework.parallel_step import (FINISH_STEP, _tp_dim, expect_finish_step,
+                                                     make_finish_cases)
+from reference.course.homework.scoring import score_exercise
+
+SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "06_3d_parallel.ipynb"
+TIMEOUT = 60  # s per launch; a 4-rank launch takes a few seconds on a loaded 2-core machine
+pytestmark = pytest.mark.timeout(300)
+ON_FOUR = dataclasses.replace(FINISH_STEP, world_sizes=(4,))
+
+
+def _source() -> str:
+    nb = nbformat.read(SOLUTION, as_version=4)
+    return next(c.source for c in nb.cells if c.cell_type == "code"
+                and c.metadata.get("course", {}).get("exercise") == "finish_step")
+
+
+def _student(*edits) -> bytes:
+    source = _source()
+    for old, new in edits:
+        assert old in source, old
+        source = source.replace(old, new, 1)
+    namespace = {"__name__": "student"}  # not importable: pickled by value, like a notebook's
+    exec("import math\nimport torch\nimport torch.distributed as dist\n" + source, namespace)
+    return cloudpickle.dumps(namespace["finish_step"])
+
+
+@pytest.mark.parametrize("world_size", [4, 6, 8])
+def test_the_expected_answer_is_one_process_gradient_of_the_whole_batch(monkeypatch, world_size):
+    """`expect_finish_step` builds its answer from the ranks' float32 parts; it must be the
+    GPT's own gradient of the mean loss over the whole batch, computed in one process (the
+    clip applied), its loss and its norm, each rank's slice where the rank holds it. The
+    float32 parts round to 1e-7 of each tensor's largest element, hence atol 1e-6 of it."""
+    made = []
+    real = parallel_step._case_model
+    monkeypatch.setattr(parallel_step, "_case_model",
+                        lambda *args: made.append(real(*args)) or made[-1])
+    cases = make_finish_cases(torch.Generator().manual_seed(7), world_size)
+    assert len(cases) == len(made) == len(parallel_step.MESHES[world_size])
+    for case, (model, idx, tgt) in zip(cases, made):
+        dp, tp, pp = case.inputs[0]["dims"]
+        model.zero_grad(set_to_none=True)
+        _, loss = model(idx, tgt)
+        loss.backward()
+        whole = {n: p.grad for n, p in model.named_parameters()}  # the tied tensor once
+        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in whole.values()))
+        if model.config.tie_weights and pp > 1:  # the head's copy, on the last stage
+            whole["lm_head.weight"] = whole["wte.weight"]
+        expected = expect_finish_step(case.inputs)
+        held = set()
+        for rank, (inp, want) in enumerate(zip(case.inputs, expected)):
+            assert math.isclose(want["loss"], float(loss.detach()), rel_tol=1e-6), case.name
+            dp_reduce = inp["dp_reduce"]
+            if dp_reduce:
+                assert math.isclose(want["norm"], norm, rel_tol=1e-6), case.name
+            m = inp["max_norm"]
+            coef = 1.0 if m is None else min(1.0, m / (norm + 1e-6))
+            t = rank % tp
+            for name, g in want["grads"].items():
+                full = whole[name] * coef
+                dim = _tp_dim(name)
+                if inp["layout"][name]["tp"] == "split":
+                    full = full.tensor_split(tp, dim=dim)[t]
+                held.add(name)
+                if dp_reduce:
+                    scale = float(full.abs().max())
+                    assert torch.allclose(g, full, rtol=1e-5, atol=1e-6 * scale), (case.name, name)
+        if not case.inputs[0]["dp_reduce"]:  # each rank its replica's: their mean is one process's
+            for rank in range(tp * dp):
+                s = rank // (tp * dp)
+                mean = {n: sum(expected[(s * dp + d) * tp + rank % tp]["grads"][n] for d in range(dp)) / dp
+                        for n in expected[rank]["grads"]}
+                for name, g in mean.items():
+                    full = whole[name]
+                    if case.inputs[rank]["layout"][name]["tp"] == "split":
+                        full = full.tensor_split(tp, dim=_tp_dim(name))[rank % tp]
+                    assert torch.allclose(g, full, rtol=1e-5, atol=1e-6 * float(full.abs().max()))
+        assert held == set(whole), case.name  # every tensor of the model on some rank
+
+
+def test_the_cases_hold_what_each_mistake_needs_to_show():
+    """Over the three world sizes: sequence parallelism with tp > 1, a tied embedding across
+    stages, pp > 1, a middle stage, a clip that acts and one that does not, and the
+    optimizer averaging dp with dp > 1."""
+    seen = set()
+    for ws in FINISH_STEP.world_sizes:
+        for case in make_finish_cases(torch.Generator().manual_seed(3), ws):
+            first = case.inputs[0]
+            dp, tp, pp = first["dims"]
+            kinds = {v["tp"] for c in case.inputs for v in c["layout"].values()}
+            seen |= {"partial"} & kinds
+            if any(v["tied"] for c in case.inputs for v in c["layout"].values()):
+                seen.add("tied")
+            if pp > 2:
+                seen.add("middle stage")
+            if first["max_norm"] is not None:
+                norm = expect_finish_step(case.inputs)[0]["norm"]
+                seen.add("clip acts" if first["max_norm"] < norm else "clip idle")
+            if not first["dp_reduce"] and dp > 1:
+                seen.add("optimizer averages dp")
+    assert seen == {"partial", "tied", "middle stage", "clip acts", "clip idle",
+                    "optimizer averages dp"}
+
+
+def test_the_solution_earns_every_case_on_four_ranks():
+    score = score_exercise(ON_FOUR, _student(), seed=11, timeout=TIMEOUT)
+    assert (score.points, score.max) == (4, 4), score.failures
+
+
+CLINIC = {
+    "SP not summed over tp": ([("            dist.all_reduce(g, group=tp_group)\n", "            pass\n")],
+                              "(partial) differs"),
+    "tied copies drift": ([('            dist.all_reduce(g, group=groups["embedding"])', "            pass")],
+                          "tied) differs"),
+    "loss averaged over pp": ([("    dist.all_reduce(value, group=pp_group)\n",
+                                "    dist.all_reduce(value, group=pp_group)\n"
+                                "    value /= dist.get_world_size(pp_group)\n")], "ratio 0.5"),
+    "replicated counted tp times": ([('        if layout[name]["tp"] != "split" and not first_tp:',
+                                      "        if False:")], "norm "),
+    "dp averaged twice with ZeRO": ([("    if not dp_reduce:\n        return",
+                                      "    if not dp_reduce:\n"
+                                      "        for g in grads.values():\n"
+                                      "            g /= dp\n"
+                                      "        return")], "0.5 times one process's"),
+}
+
+
+@pytest.mark.parametrize("mistake", list(CLINIC))
+def test_each_clinic_mistake_loses_the_cases_that_show_it(mistake):
+    edits, symptom = CLINIC[mistake]
+    score = score_exercise(ON_FOUR, _student(*edits), seed=11, timeout=TIMEOUT)
+    assert 0 < score.points < score.max, (mistake, score.failures)
+    assert all(symptom in f for f in score.failures), (mistake, score.failures)
+
+
+def test_replacing_a_gradient_tensor_is_refused():
+    """The optimizer holds the tensors: a function that rebinds `grads[name]` loses."""
+    score = score_exercise(ON_FOUR, _student(
+        ("            dist.all_reduce(g, group=dp_group)\n            g /= dp\n",
+         "            dist.all_reduce(g, group=dp_group)\n"
+         "        for name in list(grads):\n"
+         "            grads[name] = grads[name] / dp\n")), seed=11, timeout=TIMEOUT)
+    assert score.points < score.max and any("replaced" in f for f in score.failures), score.failures
