@@ -11,7 +11,9 @@ The rewritten copy differs from the submission in three ways:
     grader ignores its exit status);
   * after every code cell, a cell added by the grader saves each exercise function
     that exists at that point, with cloudpickle, into a folder outside the
-    kernel's working directory. A notebook that stops early (sys.exit, os._exit, a
+    kernel's working directory (a function whose whole body is `raise
+    NotImplementedError`, an untouched stub, is saved as the marker `stub:`: it
+    scores zero without starting ranks that would only raise it). A notebook that stops early (sys.exit, os._exit, a
     crash, the time limit) keeps the credit of what it defined before;
   * a first and a last added cell leave the files `started` and `finished`, so the
     grader can tell "never ran" (retry) from "stopped early" (report it).
@@ -37,6 +39,19 @@ STARTED, FINISHED = "started", "finished"
 # The cell the grader adds after each code cell. It defines, calls and deletes one
 # function so that the student's namespace is left as it was.
 _SAVE_CELL = '''\
+def _course_grader_stub(fn):
+    """Added by the grader: True for a function whose whole body raises NotImplementedError."""
+    import builtins, dis, types
+    if not isinstance(fn, types.FunctionType) or fn.__code__.co_names != ("NotImplementedError",):
+        return False
+    if fn.__globals__.get("NotImplementedError", builtins.NotImplementedError) is not builtins.NotImplementedError:
+        return False
+    ops = set(i.opname for i in dis.get_instructions(fn))
+    quiet = set(("RESUME", "NOP", "CACHE", "EXTENDED_ARG", "LOAD_GLOBAL", "LOAD_CONST", "PUSH_NULL",
+                 "PRECALL", "CALL", "CALL_FUNCTION", "RAISE_VARARGS"))
+    return "RAISE_VARARGS" in ops and ops <= quiet
+
+
 def _course_grader_save(names={names!r}, folder={folder!r}, marker={marker!r}):
     """Added by the grader: save the exercise functions as they are now."""
     import os, cloudpickle
@@ -47,7 +62,7 @@ def _course_grader_save(names={names!r}, folder={folder!r}, marker={marker!r}):
                 os.remove(path)
             continue
         try:
-            data = cloudpickle.dumps(fn)
+            data = b"stub:" if _course_grader_stub(fn) else cloudpickle.dumps(fn)
         except Exception as exc:
             data = ("error:" + type(exc).__name__ + ": " + str(exc))[:300].encode()
         with open(path + ".tmp", "wb") as f:
@@ -56,7 +71,7 @@ def _course_grader_save(names={names!r}, folder={folder!r}, marker={marker!r}):
     if marker:
         open(os.path.join(folder, marker), "w").close()
 _course_grader_save()
-del _course_grader_save
+del _course_grader_save, _course_grader_stub
 '''
 
 
