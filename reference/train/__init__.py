@@ -18,7 +18,8 @@ Where each part lives:
   (`RunPlan`, a configuration resolved at one world size), `reference.train.loop` (what
   each rank runs), `reference.train.parity` (a run's losses against one process) and
   `reference.train.plot` (loss and throughput curves from the JSONL log). Checkpoints:
-  `reference.train.checkpoint` (on torch.distributed.checkpoint, published atomically) and
+  `reference.train.checkpoint` (on torch.distributed.checkpoint),
+  `reference.train.checkpoint_publish` (the atomic publish every rank agrees on) and
   `reference.train.reshard` (the training state without its layout, and back: any
   (dp, tp, pp, ZeRO) layout loads any checkpoint).
 """

@@ -29,19 +29,19 @@ streams), so training continues bit for bit. Another layout: the model, the opti
 the scheduler and the scaler are restored; the RNG states are not (a rank of the new
 layout has no counterpart in the old), and each rank keeps its current state.
 
-Atomic publish: a save writes `.step_000010.partial` inside the directory; after every rank
-has written, rank 0 renames it to `step_000010` (`os.replace` of a folder on one filesystem:
-there is no moment when a half-written `step_000010` exists) and writes nothing after. A
-save killed part-way leaves only a partial folder, which `latest_checkpoint` ignores and the
-next save of that step clears. Checkpoints are pickles: load only those you trust.
+Atomic publish (`reference.train.checkpoint_publish`): a save writes `.step_000010.partial`
+inside the directory and renames it to `step_000010` only when every rank agrees, before
+writing on the step and after writing that every rank's write succeeded; otherwise nothing
+is published, the partial folder is cleared and every rank raises the same
+`CheckpointNotPublishedError`, naming the ranks, their steps and their errors. A save killed
+part-way leaves only a partial folder, which `latest_checkpoint` ignores and the next save
+of that step clears. Checkpoints are pickles: load only those you trust.
 """
 from __future__ import annotations
 
-import os
 import pickle
 import random
 import re
-import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -52,11 +52,12 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from reference.runtime import device
 from reference.tensor_parallel import TensorParallelRNG
+from reference.train.checkpoint_publish import CheckpointNotPublishedError, agree, publish
 from reference.train.reshard import (full_model_state, full_optimizer_state, full_shapes,
                                      load_optimizer_state, load_weights)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_checkpoint",
-           "CorruptCheckpointError"]
+           "CorruptCheckpointError", "CheckpointNotPublishedError"]
 
 _STEP = re.compile(r"^step_(\d+)$")
 _META = ("step", "extra", "layout", "rng", "param_groups", "scheduler", "scaler")
@@ -69,12 +70,6 @@ class CorruptCheckpointError(RuntimeError):
 # ---------------------------------------------------------------------- folders
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
 
 def _steps(directory: Path) -> list[tuple[int, Path]]:
     """(step, folder) of every published checkpoint in ``directory``, highest step first."""
@@ -183,8 +178,7 @@ def _set_rng_state(pm, state: dict) -> None:
 
 
 def _layout(pm) -> dict:
-    m = pm.mesh
-    return dict(dp=m.dp, tp=m.tp, pp=m.pp, ep=m.ep, world_size=m.world_size)
+    return {k: getattr(pm.mesh, k) for k in ("dp", "tp", "pp", "ep", "world_size")}
 
 
 # ---------------------------------------------------------------------- save
@@ -202,45 +196,37 @@ def _state_to_save(pm, optimizer, step, extra, scheduler, scaler, rng) -> dict:
     return out
 
 
+def _save_problem(directory: Path, step, extra) -> Optional[str]:
+    """Why this rank cannot save ``step`` (a bad argument, the step already saved), or None."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"step must be a non-negative int, got {step!r}"
+    if extra is not None and not isinstance(extra, dict):
+        return f"extra must be a dict of plain data, got {type(extra).__name__}"
+    final = directory / f"step_{step:06d}"
+    if final.exists():
+        return f"checkpoint {final} already exists (step={step}); remove it or save another step"
+    return None
+
+
 def save_checkpoint(directory, step: int, pm, optimizer, *, scheduler=None, scaler=None,
                     extra: Optional[dict] = None) -> Path:
     """Save the training state after ``step`` as ``directory/step_<step>``; returns that path.
 
     ``pm`` a `ParallelGPT`, ``optimizer`` what ``pm.make_optimizer`` returned; ``scheduler``
     and ``scaler`` anything with state_dict / load_state_dict; ``extra`` a dict of plain data
-    (the data position, ...). Collective: every rank calls it with the same arguments.
+    (the data position, ...). Collective: every rank calls it with the same arguments; ranks
+    that pass different steps, or a rank whose write fails, publish nothing and raise
+    `CheckpointNotPublishedError` on every rank (`reference.train.checkpoint_publish`).
     The RNG states are left as they were on entry, so saving changes nothing in the run."""
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    if extra is not None and not isinstance(extra, dict):
-        raise TypeError(f"extra must be a dict of plain data, got {type(extra).__name__}")
     directory = Path(directory)
-    final = directory / f"step_{step:06d}"
-    partial = directory / f".{final.name}.partial"
-    if final.exists():
-        raise FileExistsError(f"checkpoint {final} already exists (step={step}); remove it or "
-                              f"save another step")
+    problem = _save_problem(directory, step, extra)
+    agree(step, problem, "before writing")  # before any collective of the state's gather
     mine = _rng_state(pm)
     rng = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
     if dist.is_initialized():
         dist.all_gather_object(rng, mine)  # rank r's states at index r
     state = _state_to_save(pm, optimizer, step, extra, scheduler, scaler, rng)
-    if _rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        if partial.exists():  # left by a save that was killed: never published, never read
-            shutil.rmtree(partial)
-        partial.mkdir()
-    _barrier()
-    dcp.save(state, checkpoint_id=str(partial))  # every rank writes its share, rank 0 .metadata
-    _barrier()  # every file of every rank is written
-    if _rank() == 0:
-        os.replace(partial, final)  # the publish: one atomic rename, nothing written after
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the rename itself reaches the disk
-        finally:
-            os.close(fd)
-    _barrier()
+    final = publish(directory, step, lambda partial: dcp.save(state, checkpoint_id=str(partial)))
     _set_rng_state(pm, mine)
     return final
 

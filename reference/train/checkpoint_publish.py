@@ -1,0 +1,140 @@
+"""The atomic publish of a checkpoint, agreed by every rank (`reference.train.checkpoint`).
+
+    agree(step, problem, "before writing")    # every rank: the same step, no problem
+    publish(directory, step, write)           # write(partial) on every rank, then step_<step>
+
+A save writes `.step_000010.partial` inside the directory, and only then renames it to
+`step_000010` (`os.replace` of a folder on one filesystem: there is no moment when a
+half-written `step_000010` exists). The rename happens only when every rank agrees, twice:
+
+    before writing   each rank contributes (its step, its problem or None): a bad step, an
+                     existing step_<step> it sees, ... ; ranks that disagree write nothing
+    after writing    each rank contributes (its step, whether its write raised): a rank whose
+                     `dcp.save` raised catches the error and still takes part, so that no
+                     rank waits for it at a barrier
+
+Each agreement is one `all_gather_object` of a (step, error) pair per rank. When the ranks
+disagree, or one failed, the partial folder is cleared (never published) and every rank
+raises the same `CheckpointNotPublishedError`, naming each rank's step and error. After the
+rename, rank 0 sends its outcome to every rank (a rename can fail too), and nothing more is
+written. A save killed part-way leaves only a partial folder, which `latest_checkpoint`
+ignores and the next save of that step clears.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import traceback
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+__all__ = ["CheckpointNotPublishedError", "agree", "publish", "describe_error"]
+
+
+class CheckpointNotPublishedError(RuntimeError):
+    """The ranks did not agree on a save (their steps differ, or a rank's write failed):
+    nothing was published. Raised on every rank with the same message."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def describe_error(err: BaseException) -> str:
+    """One line for ``err``; DCP's CheckpointException names each failed rank's own error."""
+    if isinstance(err, dcp.CheckpointException):
+        parts = []
+        for rank, failure in sorted(err.failures.items()):
+            exc = failure[0] if isinstance(failure, tuple) else failure
+            parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+        return "dcp.save failed (" + "; ".join(parts) + ")"
+    return "".join(traceback.format_exception_only(type(err), err)).strip()
+
+
+def agree(step, error: Optional[str], when: str) -> None:
+    """Collective: every rank gives its ``step`` and its ``error`` (None: all went well);
+    raise `CheckpointNotPublishedError` on every rank unless all steps are equal and no
+    rank has an error. ``when`` says which agreement ("before writing", "after writing")."""
+    pairs = [(step, error)]
+    if dist.is_initialized():
+        pairs = [None] * dist.get_world_size()
+        dist.all_gather_object(pairs, (step, error))
+    steps = sorted({repr(s) for s, _ in pairs})
+    if len(steps) == 1 and all(e is None for _, e in pairs):
+        return
+    lines = []
+    if len(steps) > 1:
+        by_step = {}
+        for rank, (s, _) in enumerate(pairs):
+            by_step.setdefault(repr(s), []).append(rank)
+        lines.append("the ranks passed different steps: " + "; ".join(
+            f"step {s} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+            for s, r in by_step.items()))
+    lines += [f"rank {rank} (step {s!r}): {e}" for rank, (s, e) in enumerate(pairs) if e is not None]
+    raise CheckpointNotPublishedError(f"checkpoint not published ({when}; nothing was "
+                                      f"renamed to step_*): " + "; ".join(lines))
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself reaches the disk
+    finally:
+        os.close(fd)
+
+
+def _broadcast_outcome(error: Optional[str]) -> Optional[str]:
+    """Rank 0's ``error`` (None: success) on every rank."""
+    box = [error]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def publish(directory: Path, step: int, write: Callable[[Path], None]) -> Path:
+    """Collective, after `agree` on ``step``: write every rank's files with
+    ``write(partial)``, agree that every write succeeded, rename the partial folder to
+    ``directory/step_<step>``. Returns that path; raises `CheckpointNotPublishedError` on
+    every rank when a write failed or the folder cannot be made or renamed."""
+    final = directory / f"step_{step:06d}"
+    partial = directory / f".{final.name}.partial"
+    error = None
+    if _rank() == 0:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            if partial.exists():  # left by a save that was killed: never published, never read
+                shutil.rmtree(partial)
+            partial.mkdir()
+        except OSError as err:
+            error = describe_error(err)
+    error = _broadcast_outcome(error)  # every rank waits until the folder exists
+    if error is not None:
+        raise CheckpointNotPublishedError(f"checkpoint not published: rank 0 could not create "
+                                          f"{partial}: {error}")
+    try:
+        write(partial)  # every rank writes its share, rank 0 .metadata
+        mine = None
+    except (Exception, dcp.CheckpointException) as err:  # CheckpointException is a BaseException
+        mine = describe_error(err)
+    try:
+        agree(step, mine, "after writing")
+    except CheckpointNotPublishedError:
+        if _rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # never published: nobody will read it
+        _broadcast_outcome(None)  # the partial folder is gone when any rank raises
+        raise
+    outcome = None
+    if _rank() == 0:
+        try:
+            os.replace(partial, final)  # the publish: one atomic rename, nothing written after
+            _fsync_dir(directory)
+        except OSError as err:
+            outcome = describe_error(err)
+    outcome = _broadcast_outcome(outcome)
+    if outcome is not None:
+        raise CheckpointNotPublishedError(f"checkpoint not published: rank 0 could not rename "
+                                          f"{partial} to {final}: {outcome}")
+    return final
