@@ -8,20 +8,21 @@ Both are collective: every rank of the mesh calls them. Storage is DCP's (`dcp.s
 `dcp.load`, one folder per checkpoint: a `.metadata` file and the ranks' data files,
 `__<rank>_0.distcp`); the content is layout-free (`reference.train.reshard`), under these keys:
 
-    model/<name>               every parameter, whole, under the plain GPT's name
-    optim/<name>/<key>         the optimizer's per-parameter state, whole (exp_avg, exp_avg_sq,
-                               step): ZeRO-1/2 and FSDP shards turned back into parameters first
+    model/<name>               every parameter, under the plain GPT's name, shaped whole
+    optim/<name>/<key>         the optimizer's per-parameter state (exp_avg, exp_avg_sq, step),
+                               shaped as its parameter, also under ZeRO-1/2 and FSDP
     meta/<what>                pickled bytes (DCP stores a non-tensor leaf with torch.save and
                                reads it back with torch.load): step, extra, the optimizer's
                                param_groups hyper-parameters (lr, betas, initial_lr, ...),
                                scheduler and scaler state_dicts, the layout (dp, tp, pp, ep),
                                and every rank's RNG states as one list indexed by global rank
 
-Every rank holds the whole tensors, so DCP writes each once (its plans drop replicated
-duplicates and spread the writes over the ranks). Loading reads them whole on every rank
-and cuts each rank's slice, so any (dp, tp, pp, ep, ZeRO stage) loads any checkpoint of the
-same model. That keeps the code short and costs each rank the whole model in memory for a
-moment, as `full_state_dict` does; a large model would save DTensor shards instead.
+No rank builds a whole tensor (`reference.train.checkpoint_shards`): each hands DCP views
+of what it holds, as boxes of the whole tensor (DCP's chunks: offsets and sizes), one copy
+of a replicated box is written, and loading reads into each rank's own parameters and
+optimizer buffers the parts of the stored chunks they overlap. So any (dp, tp, pp, ep,
+ZeRO stage) loads any checkpoint of the same model, holding only its shard; a load that
+fails part-way (a corrupt file) leaves the weights partly loaded.
 
 Same layout: everything is restored, the RNG states too (torch's CPU generator, the GPU's
 when a rank computes on one, Python's `random`, numpy's, the tensor-parallel dropout
@@ -53,13 +54,15 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from reference.runtime import device
 from reference.tensor_parallel import TensorParallelRNG
 from reference.train.checkpoint_publish import CheckpointNotPublishedError, agree, publish
-from reference.train.reshard import (full_model_state, full_optimizer_state, full_shapes,
-                                     load_optimizer_state, load_weights)
+from reference.train.checkpoint_planners import ShardLoadPlanner, ShardSavePlanner
+from reference.train.checkpoint_shards import check_shapes, load_boxes, save_boxes
+from reference.train.reshard import _load_optimizer_local_state
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_checkpoint",
            "CorruptCheckpointError", "CheckpointNotPublishedError"]
 
 _STEP = re.compile(r"^step_(\d+)$")
+last_bytes: dict = {}  # this rank's last save / load: bytes handed to DCP, written, read, allocated
 _META = ("step", "extra", "layout", "rng", "param_groups", "scheduler", "scaler")
 
 
@@ -182,18 +185,22 @@ def _layout(pm) -> dict:
 
 
 # ---------------------------------------------------------------------- save
-def _state_to_save(pm, optimizer, step, extra, scheduler, scaler, rng) -> dict:
-    """The flat dict handed to `dcp.save`: whole tensors and pickled meta (collective)."""
-    out = {f"model/{name}": v for name, v in full_model_state(pm).items()}
-    for name, values in full_optimizer_state(pm, optimizer).items():
-        out.update({f"optim/{name}/{key}": v for key, v in values.items()})
+def _meta_to_save(pm, optimizer, step, extra, scheduler, scaler, rng) -> dict:
+    """The pickled meta data handed to `dcp.save` (written once, by the coordinator)."""
     meta = dict(step=step, extra=extra, layout=_layout(pm), rng=rng,
                 param_groups=[{k: v for k, v in g.items() if k != "params"}
                               for g in optimizer.param_groups],
                 scheduler=None if scheduler is None else scheduler.state_dict(),
                 scaler=None if scaler is None else scaler.state_dict())
-    out.update({f"meta/{k}": pickle.dumps(v) for k, v in meta.items()})
-    return out
+    return {f"meta/{k}": pickle.dumps(v) for k, v in meta.items()}
+
+
+def _write(path: Path, pm, optimizer, meta: dict) -> None:
+    """Every rank writes the boxes it holds, rank 0 the meta data and .metadata."""
+    boxes, scalars = save_boxes(pm, optimizer)
+    dcp.save({**meta, **scalars}, checkpoint_id=str(path), planner=(planner := ShardSavePlanner(boxes)))
+    last_bytes.update(handed=sum(t.nbytes for _, bs in boxes.values() for _, t in bs),
+                      written=planner.written)
 
 
 def _save_problem(directory: Path, step, extra) -> Optional[str]:
@@ -225,31 +232,16 @@ def save_checkpoint(directory, step: int, pm, optimizer, *, scheduler=None, scal
     rng = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
     if dist.is_initialized():
         dist.all_gather_object(rng, mine)  # rank r's states at index r
-    state = _state_to_save(pm, optimizer, step, extra, scheduler, scaler, rng)
-    final = publish(directory, step, lambda partial: dcp.save(state, checkpoint_id=str(partial)))
+    meta = _meta_to_save(pm, optimizer, step, extra, scheduler, scaler, rng)
+    final = publish(directory, step, lambda partial: _write(partial, pm, optimizer, meta))
     _set_rng_state(pm, mine)
     return final
 
 
 # ---------------------------------------------------------------------- load
-def _check_shapes(path: Path, pm, tensors: dict) -> None:
-    """Every tensor the model needs is in the checkpoint, with the whole shape this model has."""
-    want = full_shapes(pm)
-    have = {k[6:]: tuple(v) for k, v in tensors.items() if k.startswith("model/")}
-    problems = [f"{k}: {have[k]} in the checkpoint, {want[k]} in this model"
-                for k in want if k in have and have[k] != want[k]]
-    for k, shape in tensors.items():  # the optimizer's states are shaped like their parameter
-        name = k[6:].rsplit("/", 1)[0]
-        if k.startswith("optim/") and len(shape) and name in want and tuple(shape) != want[name]:
-            problems.append(f"{k[6:]}: {tuple(shape)} in the checkpoint, {want[name]} in this model")
-    for what, names in (("missing from the checkpoint", set(want) - set(have)),
-                        ("in the checkpoint but not in this model", set(have) - set(want))):
-        if names:
-            problems.append(f"{what}: {', '.join(sorted(names))}")
-    if problems:
-        more = [f"... and {len(problems) - 12} more"] if len(problems) > 12 else []
-        raise ValueError(f"checkpoint {path} does not fit this model ({pm.config}):\n  - "
-                         + "\n  - ".join(problems[:12] + more))
+def _read_error(err: BaseException) -> str:
+    first = next(iter(err.failures.values()))[0] if isinstance(err, dcp.CheckpointException) else err
+    return f"reading it failed ({type(first).__name__}: {first})"
 
 
 def load_checkpoint(path, pm, optimizer, *, scheduler=None, scaler=None) -> dict:
@@ -268,29 +260,25 @@ def load_checkpoint(path, pm, optimizer, *, scheduler=None, scaler=None) -> dict
     if missing:
         raise _corrupt(path, f"it has no {', '.join(missing)}")
     tensors = {k: md.size for k, md in layout.items() if not isinstance(md, BytesStorageMetadata)}
-    _check_shapes(path, pm, tensors)
-    state = {k: (b"" if isinstance(md, BytesStorageMetadata)
-                 else torch.empty(md.size, dtype=md.properties.dtype)) for k, md in layout.items()}
-    try:
-        dcp.load(state, checkpoint_id=str(path))
-    except (Exception, dcp.CheckpointException) as err:  # bytes overwritten inside the files
-        first = next(iter(err.failures.values()))[0] if isinstance(err, dcp.CheckpointException) else err
-        raise _corrupt(path, f"reading it failed ({type(first).__name__}: {first})") from None
-    try:
+    check_shapes(path, pm, tensors)
+    try:  # the meta data first: a refusal below changes nothing
+        state = {f"meta/{k}": b"" for k in _META}
+        dcp.load(state, checkpoint_id=str(path), planner=ShardLoadPlanner({}))
         meta = {k: pickle.loads(state[f"meta/{k}"]) for k in _META}
-    except Exception as err:
-        raise _corrupt(path, f"its meta data cannot be read ({type(err).__name__}: {err})") from None
-    for what, obj in (("scheduler", scheduler), ("scaler", scaler)):  # refused before any change
+    except (Exception, dcp.CheckpointException) as err:
+        raise _corrupt(path, _read_error(err)) from None
+    for what, obj in (("scheduler", scheduler), ("scaler", scaler)):
         if obj is not None and meta[what] is None:
             raise ValueError(f"a {what} was given, but checkpoint {path} was saved without one")
-    load_weights(pm, {k[6:]: v for k, v in state.items() if k.startswith("model/")})
+    boxes, scalars, finish, allocated = load_boxes(pm, optimizer, metadata)
+    planner = ShardLoadPlanner(boxes)
+    try:  # each rank reads the parts of the stored chunks its boxes need, in place
+        dcp.load(scalars, checkpoint_id=str(path), planner=planner)
+    except (Exception, dcp.CheckpointException) as err:  # bytes overwritten inside the files
+        raise _corrupt(path, _read_error(err)) from None
+    last_bytes.update(read=planner.read, allocated=allocated)
     if optimizer is not None:
-        full: dict = {}
-        for k, v in state.items():
-            if k.startswith("optim/"):
-                name, key = k[6:].rsplit("/", 1)
-                full.setdefault(name, {})[key] = v
-        load_optimizer_state(pm, optimizer, full, meta["param_groups"])
+        _load_optimizer_local_state(pm, optimizer, finish(), meta["param_groups"], flat=True)
     for what, obj in (("scheduler", scheduler), ("scaler", scaler)):
         if obj is not None:
             obj.load_state_dict(meta[what])

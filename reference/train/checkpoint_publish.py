@@ -73,7 +73,11 @@ def agree(step, error: Optional[str], when: str) -> None:
         lines.append("the ranks passed different steps: " + "; ".join(
             f"step {s} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
             for s, r in by_step.items()))
-    lines += [f"rank {rank} (step {s!r}): {e}" for rank, (s, e) in enumerate(pairs) if e is not None]
+    errors = [(rank, s, e) for rank, (s, e) in enumerate(pairs) if e is not None]
+    if len(errors) == len(pairs) > 1 and len({(s, e) for _, s, e in errors}) == 1:
+        lines.append(f"every rank (step {errors[0][1]!r}): {errors[0][2]}")  # DCP's shared error
+    else:
+        lines += [f"rank {rank} (step {s!r}): {e}" for rank, s, e in errors]
     raise CheckpointNotPublishedError(f"checkpoint not published ({when}; nothing was "
                                       f"renamed to step_*): " + "; ".join(lines))
 

@@ -17,8 +17,11 @@ it cuts such tensors back into any layout's slices:
            global id)--> per-parameter local --ZeRO / FSDP: flatten into this optimizer's
            layout, keep this rank's shard (per parameter: its dim-0 rows)--> the optimizer's state
 
-Saving uses `full_model_state` and `full_optimizer_state`, loading `full_shapes` (to check
-a checkpoint fits), `load_weights` and `load_optimizer_state`. A weight tied to the
+Checkpoints no longer build whole tensors (`reference.train.checkpoint_shards` maps each
+rank's slices to boxes of them with `entries`, `full_shape` and the same cuts); they use
+`full_shapes` (to check a checkpoint fits) and hand the optimizer its states through
+`_load_optimizer_local_state`. `full_model_state`, `full_optimizer_state`, `load_weights`
+and `load_optimizer_state` are the whole-tensor round trip, kept as the simple version. A weight tied to the
 embedding (`lm_head.weight` when `tie_weights`) is stored once, as `wte.weight`; both
 pipeline copies are loaded from it. Every function here that moves data is collective over
 the mesh: every rank calls it, in the same order.
@@ -212,10 +215,12 @@ def _flat_state(per_param: dict, params, layout, rank: int, what: str) -> dict:
     return out
 
 
-def _load_optimizer_local_state(pm, optimizer, per_param: dict, hyper: list[dict]) -> None:
+def _load_optimizer_local_state(pm, optimizer, per_param: dict, hyper: list[dict],
+                                flat: bool = False) -> None:
     """Give ``optimizer`` the per-parameter states ``per_param`` ({id(p): {key: local tensor}}),
-    flattened into its own layout under ZeRO / FSDP, and the hyper-parameters ``hyper`` (one
-    dict per param group), through its own `load_state_dict`."""
+    flattened into its own layout under ZeRO / FSDP (``flat``: already its flat shards'
+    states, by id of the shard), and the hyper-parameters ``hyper`` (one dict per param
+    group), through its own `load_state_dict`."""
     if len(hyper) != len(optimizer.param_groups):
         # Weight-decay groups: a plain optimizer keeps one group per decay, ZeroOptimizer one
         # inner group (it applies each decay itself). Beyond weight_decay, which the run's
@@ -227,7 +232,7 @@ def _load_optimizer_local_state(pm, optimizer, per_param: dict, hyper: list[dict
                              f"than weight_decay")
         hyper = [{**common[0], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
     groups = _flat_groups(pm, optimizer)
-    if groups:  # ZeRO / FSDP: the optimizer's parameters are the flat shards
+    if groups and not flat:  # ZeRO / FSDP: the optimizer's parameters are the flat shards
         per_param = {id(shard): _flat_state(per_param, params, layout, dist.get_rank(group),
                                             f"flat shard of {len(params)} tensors")
                      for shard, layout, params, _, group in groups}

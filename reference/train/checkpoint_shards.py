@@ -1,0 +1,290 @@
+"""Checkpoints saved as shards: each rank writes what it holds and reads what it needs.
+
+A tensor of the checkpoint (``model/<name>``, ``optim/<name>/<key>``) is the plain GPT's
+whole tensor, but no rank ever builds it. DCP stores it as chunks, each a box of the whole
+tensor (`ChunkStorageMetadata(offsets, sizes)` in the tensor's `TensorStorageMetadata`),
+and each rank hands DCP the boxes it holds, as views of its own parameters and optimizer
+states:
+
+    rank's tensor            its boxes, in the TP-local tensor (d0, *rest)
+    whole (TP-local)         one box, the whole of it
+    ZeRO-3 rows (c, *rest)   rows [r c, r c + c) of it, the padding rows dropped
+    flat shard (S,)          each parameter's piece of [r S, (r + 1) S): a part row, whole rows,
+                             a part row (recursively over the dims), each contiguous in (S,)
+
+    then each box --as `parallelize` cut the weight--> boxes of the whole tensor:
+    column rows (a chunk per q|k|v block), row-parallel columns (offset in dim 1), the
+    vocabulary's rows [start, end) with the padding rows past V dropped
+
+A replicated box (dp replicas, LayerNorms over tp, a tied head on the last pipeline stage)
+is declared by every rank holding it; DCP's global plan keeps one copy (`dedup_save_plans`,
+the rank with the fewest bytes so far) and checks that the boxes tile each tensor exactly.
+Loading declares the same boxes over this rank's destinations (the parameters themselves,
+zeroed first, and zero optimizer buffers shaped as the optimizer keeps them), and DCP reads,
+for each, the overlapping parts of the stored chunks (`create_read_items_for_chunk_list`),
+whatever layout wrote them (`reference.train.checkpoint_planners`). A rank's memory is its
+shard, plus, one at a time, DCP's copy of a box that is a view into a larger buffer (saving)
+or of a stored chunk it needs part of (loading: at most the largest chunk the saving layout
+wrote; the whole tensor when one process saved it).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from reference.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                       VocabParallelEmbedding, padded_vocab_size)
+from reference.train.reshard import (Entry, _flat_groups, _is_head, _sharded, entries, full_shape,
+                                     full_shapes)
+
+__all__ = ["Holding", "weight_holdings", "state_holdings", "pieces", "check_shapes", "save_boxes",
+           "load_boxes"]
+
+Box = tuple[tuple[int, ...], torch.Tensor]  # (offsets in the whole tensor, a view of the data)
+
+
+@dataclass
+class Holding:
+    """What this rank holds of one parameter-shaped tensor: ``kind`` "whole" (TP-local),
+    "rows" (its rows from ``start`` on, ZeRO-3) or "flat" (its flattened numbers [start, end)
+    at position ``at`` of a flat shard); ``shape`` the whole TP-local shape."""
+
+    entry: Entry
+    shape: tuple[int, ...]
+    kind: str = "whole"
+    start: int = 0
+    end: int = 0
+    at: int = 0
+
+
+# ---------------------------------------------------------------------- boxes
+def _flat_boxes(shape, a: int, b: int, base: int = 0) -> list[tuple[tuple, tuple, int]]:
+    """Numbers [a, b) of a tensor of ``shape``, flattened, as boxes (offsets, sizes, first
+    number): a part of a row, whole rows, a part of a row (the parts recursively)."""
+    if a >= b:
+        return []
+    if not shape:
+        return [((), (), base + a)]
+    inner = math.prod(shape[1:])
+    out = []
+    if a % inner:  # a part of row a // inner
+        row, end = a // inner, min(b, (a // inner + 1) * inner)
+        out += [((row,) + o, (1,) + s, f) for o, s, f in
+                _flat_boxes(shape[1:], a - row * inner, end - row * inner, base + row * inner)]
+        a = end
+    if b // inner > -(-a // inner):  # whole rows
+        first, last = -(-a // inner), b // inner
+        out.append(((first,) + (0,) * (len(shape) - 1), (last - first,) + tuple(shape[1:]),
+                    base + first * inner))
+        a = last * inner
+    if a < b:  # a part of the last row
+        row = a // inner
+        out += [((row,) + o, (1,) + s, f) for o, s, f in
+                _flat_boxes(shape[1:], a - row * inner, b - row * inner, base + row * inner)]
+    return out
+
+
+def _local_boxes(h: Holding, t: torch.Tensor) -> list[Box]:
+    """The boxes of the TP-local tensor that ``t`` (this rank's data for ``h``) holds."""
+    if h.kind == "whole":
+        return [((0,) * t.dim(), t)]
+    if h.kind == "rows":  # (c, *rest): rows [start, start + c) of (d0, *rest), padded with zeros
+        valid = max(0, min(t.shape[0], h.shape[0] - h.start))
+        return [((h.start,) + (0,) * (t.dim() - 1), t[:valid])] if valid else []
+    return [(o, t[h.at + f - h.start:h.at + f - h.start + math.prod(s)].view(s))
+            for o, s, f in _flat_boxes(h.shape, h.start, h.end)]
+
+
+def _segments(pm, e: Entry, shape) -> tuple[list[tuple[int, int, int]], int]:
+    """How the TP-local tensor's rows sit in the whole tensor: [(local row, whole row, rows)]
+    (the padded vocabulary's rows past V left out), and the column offset (row-parallel)."""
+    o, d0 = e.owner, shape[0] if shape else 0
+    if isinstance(o, VocabParallelEmbedding):
+        return [(0, o.vocab_start_index, max(0, min(d0, o.num_embeddings - o.vocab_start_index)))], 0
+    if isinstance(o, ColumnParallelLinear):
+        whole = padded_vocab_size(pm.model_config.vocab_size, o.tp) if _is_head(e) else o.out_features
+        real = pm.model_config.vocab_size if _is_head(e) else o.out_features
+        block, piece = whole // o.chunks, whole // (o.chunks * o.tp)
+        out = []
+        for c in range(o.chunks):  # rank r holds piece r of each block [q | k | v]
+            g = c * block + o.tp_rank * piece
+            out.append((c * piece, g, max(0, min(piece, real - g))))
+        return out, 0
+    if isinstance(o, RowParallelLinear) and e.local.endswith(".weight"):
+        return [(0, 0, d0)], o.tp_rank * (o.in_features // o.tp)
+    return [(0, 0, d0)], 0
+
+
+def pieces(pm, h: Holding, t: torch.Tensor) -> list[Box]:
+    """The boxes of the whole tensor that ``t`` holds, each with a view of ``t``'s data."""
+    if t.dim() == 0:
+        return [((), t)]
+    rows, col = _segments(pm, h.entry, h.shape)
+    out = []
+    for offsets, data in _local_boxes(h, t):
+        lo, n = offsets[0], data.shape[0]
+        for local, whole, count in rows:
+            a, b = max(lo, local), min(lo + n, local + count)
+            if a < b:
+                rest = offsets[1:]
+                if rest and col:
+                    rest = (rest[0] + col,) + rest[1:]
+                out.append(((whole + a - local,) + rest, data[a - lo:b - lo]))
+    return out
+
+
+# ---------------------------------------------------------------------- what a rank holds
+def skip_tied_head(pm, e: Entry) -> bool:
+    """The last stage's copy of a weight tied to the embedding: the first stage's is saved."""
+    return _is_head(e) and e.name != e.local and pm.mesh.pp > 1
+
+
+def weight_holdings(pm) -> list[tuple[Holding, torch.Tensor]]:
+    """(holding, the tensor holding it) for every parameter this rank holds."""
+    es = entries(pm)
+    if pm.fsdp is None:
+        out = []
+        for e in es:
+            if _sharded(pm, e.param):
+                shape = tuple(pm.sharded.full_shape(e.param))
+                out.append((Holding(e, shape, "rows", pm.sharded.rank * e.param.shape[0]), e.param))
+            else:
+                out.append((Holding(e, tuple(e.param.shape)), e.param))
+        return out
+    by_id = {id(e.param): e for e in es}
+    out, flat = [], set()
+    for u in pm.fsdp.units:
+        out += _flat_holdings(by_id, u.layout, u.params, u.shapes, u.dp_rank, u.shard)
+        flat.update(id(p) for p in u.params)
+    return out + [(Holding(e, tuple(e.param.shape)), e.param) for e in es if id(e.param) not in flat]
+
+
+def _flat_holdings(by_id, layout, params, shapes, rank, shard) -> list[tuple[Holding, torch.Tensor]]:
+    s, end = layout.shard_range(rank)
+    out = []
+    for p, shape, o, n in zip(params, shapes, layout.offsets, layout.numels):
+        a, b = max(s, o), min(end, o + n)  # this rank's numbers of p, in the flat buffer
+        out.append((Holding(by_id[id(p)], tuple(shape), "flat", max(0, a - o), max(0, b - o),
+                            a - s if a < b else 0), shard))
+    return out
+
+
+def state_holdings(pm, optimizer) -> list[tuple[Holding, torch.Tensor]]:
+    """(holding, the optimizer's parameter whose state holds it) for each parameter: a flat
+    shard under ZeRO-1/2 and FSDP, else the parameter itself (whole, or rows under ZeRO-3)."""
+    groups = _flat_groups(pm, optimizer)
+    if not groups:
+        return [(h, t) for h, t in weight_holdings(pm)]
+    by_id = {id(e.param): e for e in entries(pm)}
+    out = []
+    for shard, layout, params, shapes, group in groups:
+        out += _flat_holdings(by_id, layout, params, shapes, dist.get_rank(group), shard)
+    return out
+
+
+# ---------------------------------------------------------------------- save and load
+def check_shapes(path: Path, pm, tensors: dict) -> None:
+    """Every tensor the model needs is in the checkpoint, with the whole shape this model has."""
+    want = full_shapes(pm)
+    have = {k[6:]: tuple(v) for k, v in tensors.items() if k.startswith("model/")}
+    problems = [f"{k}: {have[k]} in the checkpoint, {want[k]} in this model"
+                for k in want if k in have and have[k] != want[k]]
+    for k, shape in tensors.items():  # the optimizer's states are shaped like their parameter
+        name = k[6:].rsplit("/", 1)[0]
+        if k.startswith("optim/") and len(shape) and name in want and tuple(shape) != want[name]:
+            problems.append(f"{k[6:]}: {tuple(shape)} in the checkpoint, {want[name]} in this model")
+    for what, names in (("missing from the checkpoint", set(want) - set(have)),
+                        ("in the checkpoint but not in this model", set(have) - set(want))):
+        if names:
+            problems.append(f"{what}: {', '.join(sorted(names))}")
+    if problems:
+        more = [f"... and {len(problems) - 12} more"] if len(problems) > 12 else []
+        raise ValueError(f"checkpoint {path} does not fit this model ({pm.config}):\n  - "
+                         + "\n  - ".join(problems[:12] + more))
+
+
+def save_boxes(pm, optimizer) -> tuple[dict, dict]:
+    """({fqn: (whole shape, boxes)} of the weights and optimizer states this rank holds,
+    {fqn: 0-dim state}): what `dcp.save` gets, with no copy of any tensor."""
+    boxes: dict[str, tuple[tuple, list[Box]]] = {}
+    scalars: dict[str, torch.Tensor] = {}
+    for h, t in weight_holdings(pm):
+        if not skip_tied_head(pm, h.entry):
+            whole = full_shape(pm, h.entry, h.shape)
+            boxes.setdefault(f"model/{h.entry.name}", (whole, []))[1].extend(pieces(pm, h, t.detach()))
+    for h, src in state_holdings(pm, optimizer):
+        if skip_tied_head(pm, h.entry):
+            continue
+        for key, v in sorted(optimizer.state.get(src, {}).items()):
+            fqn = f"optim/{h.entry.name}/{key}"
+            if not torch.is_tensor(v):
+                raise TypeError(f"optimizer state {key!r} of {h.entry.name} is a "
+                                f"{type(v).__name__}; a checkpoint stores tensor states only")
+            if v.dim() == 0:  # AdamW's step: the same on every rank holding the parameter
+                scalars[fqn] = v.detach()
+            else:
+                whole = full_shape(pm, h.entry, h.shape)
+                boxes.setdefault(fqn, (whole, []))[1].extend(pieces(pm, h, v.detach()))
+    return boxes, scalars
+
+
+def load_boxes(pm, optimizer, metadata) -> tuple[dict, dict, callable, int]:
+    """({fqn: boxes}, {fqn: 0-dim tensor}, finish, bytes allocated) for `dcp.load`: the boxes
+    are views of this rank's parameters (zeroed here: the padding stays 0) and of zero
+    optimizer buffers shaped as the optimizer keeps them (the bytes allocated);
+    ``finish()`` returns {id(optimizer parameter): {key: state}} once they are read."""
+    layout = metadata.state_dict_metadata
+    boxes: dict[str, list[Box]] = {}
+    done = set()
+    for h, t in weight_holdings(pm):
+        t = t.detach()  # the same storage, outside autograd: DCP copies into its views
+        if t.data_ptr() not in done:
+            t.zero_()
+            done.add(t.data_ptr())
+        boxes.setdefault(f"model/{h.entry.name}", []).extend(pieces(pm, h, t))
+    keys: dict[str, list[str]] = {}
+    for fqn in layout:
+        if fqn.startswith("optim/"):
+            name, key = fqn[6:].rsplit("/", 1)
+            keys.setdefault(name, []).append(key)
+    scalars: dict[str, torch.Tensor] = {}
+    buffers: dict[int, dict[str, torch.Tensor]] = {}
+    users: dict[int, list[Entry]] = {}
+    for h, src in (state_holdings(pm, optimizer) if optimizer is not None else []):
+        users.setdefault(id(src), []).append(h.entry)
+        for key in keys.get(h.entry.name, []):
+            fqn, md = f"optim/{h.entry.name}/{key}", layout[f"optim/{h.entry.name}/{key}"]
+            if len(md.size) == 0:
+                scalars[fqn] = torch.empty((), dtype=md.properties.dtype)
+                continue
+            mine = buffers.setdefault(id(src), {})
+            if key not in mine:
+                mine[key] = torch.zeros(src.shape, dtype=md.properties.dtype, device=src.device)
+            boxes.setdefault(fqn, []).extend(pieces(pm, h, mine[key]))
+
+    def finish() -> dict[int, dict[str, torch.Tensor]]:
+        out = {}
+        for src, es in users.items():
+            found = [set(keys.get(e.name, [])) for e in es]
+            if not any(found):
+                continue
+            if any(f != found[0] for f in found):
+                raise ValueError(f"the checkpoint holds optimizer states {sorted(found[0])} for "
+                                 f"{es[0].name} but not for every tensor sharing its flat shard")
+            state = dict(buffers.get(src, {}))
+            for key in sorted(found[0]):
+                values = [scalars[f"optim/{e.name}/{key}"] for e in es
+                          if f"optim/{e.name}/{key}" in scalars]
+                if values:  # one count for a flat shard: every parameter's must agree
+                    if any(not torch.equal(v, values[0]) for v in values):
+                        raise ValueError(f"{key!r} differs between the tensors of one flat "
+                                         f"shard ({sorted({float(v) for v in values})})")
+                    state[key] = values[0].clone()
+            out[src] = state
+        return out
+
+    return boxes, scalars, finish, sum(t.nbytes for b in buffers.values() for t in b.values())
