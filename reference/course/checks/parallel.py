@@ -5,12 +5,14 @@
     check_global_grad_norm(global_grad_norm)         # on 2 and 4 ranks
     check_reshard_plan(reshard_plan)
     check_finish_step(finish_step)                   # on 4 ranks, against one process
+    check_recompute(recompute)                       # one process, against fn called directly
     check_step_bytes_3d(step_bytes_3d)               # the kind of number, never its value
 
 The pure functions (mesh_groups, parameters_per_rank, reshard_plan) run on one rank,
 global_grad_norm on 2 and 4 ranks, each on the same kinds of cases as the hidden checks
 drawn from a public seed, compared with the course's mesh, the parameters that
-`parallelize` really leaves on each rank, the true norm and the true row ranges.
+`parallelize` really leaves on each rank, the true norm and the true row ranges; recompute
+runs in one process against the same functions called directly from the same seed.
 """
 from __future__ import annotations
 
@@ -18,10 +20,11 @@ from reference.course.checks.runner import NOT_IMPLEMENTED, public_cases, run_ca
 from reference.course.checks.questions import check_question
 from reference.course.homework.parallel import MESH_GROUPS, PARAMETERS_PER_RANK
 from reference.course.homework.parallel_extra import GLOBAL_GRAD_NORM, RESHARD_PLAN, STEP_BYTES_3D
+from reference.course.homework.parallel_recompute import RECOMPUTE
 from reference.course.homework.parallel_step import FINISH_STEP
 
 __all__ = ["check_mesh_groups", "check_parameters_per_rank", "check_global_grad_norm",
-           "check_reshard_plan", "check_finish_step", "check_step_bytes_3d"]
+           "check_reshard_plan", "check_finish_step", "check_recompute", "check_step_bytes_3d"]
 
 # Hints name the symptom and the part of a lecture to reread; they never give the answer.
 _LAYOUT = "notebook 06, 'Step 1 · The mesh and its groups'"
@@ -77,6 +80,39 @@ _STEP_HINTS = {
               f"numbers on several ranks? Reread {_CLINIC}"),
 }
 
+# recompute's own: symptoms of a recomputation that is not the forward, or not one at all.
+_CHECKPOINTING = "notebook 04, 'Activation checkpointing'"
+_RECOMPUTE_HINTS = {
+    "not implemented": NOT_IMPLEMENTED,
+    "not allowed": "one process, no collective: nothing here needs torch.distributed",
+    "not a tensor": "return what fn returns: one tensor",
+    "shape": "return what fn returns: a tensor of fn's output shape",
+    "does not require grad": ("the output is cut off from autograd: backward can never reach x "
+                              f"or fn's weights through it. Reread {_CHECKPOINTING}"),
+    "run directly with the same seed": (
+        "the output differs from a direct run from the same seed: what did your forward draw, "
+        "or change in the generator, before or after fn drew its masks? In a row, each block "
+        "draws where the one before left the generator"),
+    "bytes of tensors for backward": ("your forward keeps fn's intermediate activations (autograd "
+                                      "saved them while fn ran): what is the least backward needs "
+                                      f"to compute them again? Reread {_CHECKPOINTING}"),
+    "during backward": "backward runs fn a number of times other than once: the recomputation is one run",
+    "no gradient": ("after backward, x or a weight of fn has no gradient: from which tensor does "
+                    "the recomputation's graph start, and where do its gradients go?"),
+    "(no dropout)": ("the gradients differ even without dropout: compare what your backward "
+                     "backpropagates with the gradient it receives, and what it returns for x"),
+    "caller's random draws after the forward": (
+        "after your forward the generator does not stand where one direct call of fn leaves it: "
+        "the caller's next masks (the next block's dropout) are drawn from there"),
+    "caller's random draws after the backward": (
+        "your backward moved the caller's generator: after it the caller's next draws must be "
+        "those of a run without checkpointing, whatever the recomputation drew"),
+    "differs from a run without checkpointing": (
+        "the gradients are right without dropout (that case passed) but differ with it: which "
+        "elements does the recomputation drop, compared with the forward? Reread "
+        "notebook 06, 'The sixth mistake needs dropout'"),
+}
+
 
 def _check(spec, fn, success: str, skip: bool) -> None:
     run_visible(spec, fn, lambda: run_cases(spec, fn, 1, public_cases(spec, 1), timeout=60.0),
@@ -120,6 +156,15 @@ def check_finish_step(fn, skip: bool = False) -> None:
     tied, the optimizer averaging dp, a clip that does not act), against one process."""
     _check_on(FINISH_STEP, fn, (4,),
               "every rank's gradients, loss and norm equal one process's", skip, _STEP_HINTS)
+
+
+def check_recompute(fn, skip: bool = False) -> None:
+    """Visible check of exercise recompute in one process (a GPT block without dropout, a block
+    and an MLP with dropout, two blocks in a row, the caller's draws), against fn called
+    directly from the same seed."""
+    _check_on(RECOMPUTE, fn, (1,), "the output, the gradients and the caller's random draws equal "
+              "a run without checkpointing, and the forward keeps only the input", skip,
+              _RECOMPUTE_HINTS)
 
 
 def check_step_bytes_3d(fn, skip: bool = False) -> None:

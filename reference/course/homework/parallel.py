@@ -16,7 +16,9 @@ Both are pure functions: one rank runs each case; nothing is communicated.
 The transfer exercises (global_grad_norm, reshard_plan) and the written question
 (step_bytes_3d) are checked in `parallel_extra`; the composed exercise (finish_step: one
 step's gradients, loss and norm of a dp x tp x pp run, against one process) in
-`parallel_step`.
+`parallel_step`; activation checkpointing by hand (recompute: the input and the random
+state kept, the same dropout masks drawn again in backward, against fn called directly) in
+`parallel_recompute`.
 """
 from __future__ import annotations
 
@@ -162,6 +164,8 @@ from reference.course.homework.parallel_extra import (  # noqa: E402 - after the
 )
 # The composed exercise: one step's gradients, loss and norm, against one process.
 from reference.course.homework.parallel_step import FINISH_STEP  # noqa: E402
+# The clinic's sixth mistake: a recomputation that draws other dropout masks.
+from reference.course.homework.parallel_recompute import RECOMPUTE  # noqa: E402
 
 EXERCISES = (MESH_GROUPS, PARAMETERS_PER_RANK, GLOBAL_GRAD_NORM, RESHARD_PLAN, FINISH_STEP,
-             STEP_BYTES_3D)
+             RECOMPUTE, STEP_BYTES_3D)
