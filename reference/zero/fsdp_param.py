@@ -97,28 +97,6 @@ class ShardedParameters:
         """Parameter ``p``'s whole (TP-local) shape, whatever it holds now."""
         return self.shapes[self.index[id(p)]]
 
-    def full_of(self, shard: torch.Tensor, i: int) -> torch.Tensor:
-        """Parameter i's whole (TP-local) tensor from this rank's ``shard`` (c, *rest) of it, or
-        of anything shaped like it (an optimizer state). Collective over the group."""
-        out = torch.empty((self.n * shard.shape[0],) + tuple(shard.shape[1:]), dtype=shard.dtype,
-                          device=shard.device)
-        comms.all_gather_into_tensor(out, shard.contiguous(), group=self.group)  # (N c, *rest)
-        return out[:self.shapes[i][0]]                                            # (d0, *rest)
-
-    def full_optimizer_state(self, optimizer) -> dict[int, dict[str, torch.Tensor]]:
-        """{id(p): {key: whole (TP-local) state, on the CPU}} from ``optimizer``'s states of the
-        shards, each all-gathered like `full_of` (collective: every rank, the same order)."""
-        out = {}
-        for i, p in enumerate(self.params):
-            state = optimizer.state.get(p, {})
-            out[id(p)] = {k: v if v.dim() == 0 else self.full_of(v, i).cpu()  # step: 0-dim, kept
-                          for k, v in sorted(state.items())}
-        return {k: v for k, v in out.items() if v}
-
-    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a whole (TP-local) tensor (a loaded weight or optimizer state)."""
-        return shard_rows(full, self.rank, self.n)
-
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def gather(self) -> None:
