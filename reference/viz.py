@@ -20,6 +20,10 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from reference.runtime import preload
+
+preload(__name__)  # matplotlib: every rank that draws or imports a picture starts with it
+
 # Data values take colours from these categorical maps, in order of first appearance.
 _CATEGORICAL = [c for name in ("tab20", "tab20b", "tab20c") for c in colormaps[name].colors]
 _EMPTY = "#eeeeee"

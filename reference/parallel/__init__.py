@@ -43,6 +43,9 @@ from reference.parallel.gather import full_state_dict
 from reference.parallel.generate import generate
 from reference.parallel.parallelize import ParallelGPT, parallelize
 from reference.parallel.step import StepResult, train_step
+from reference.runtime import preload
+
+preload(__name__)  # the composed GPT's ranks import all of it: once, in the fork server
 
 __all__ = [
     "ParallelConfig", "parallelize", "ParallelGPT", "train_step", "StepResult",

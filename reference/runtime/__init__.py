@@ -7,7 +7,7 @@ Where each part lives:
 
 * `reference.runtime.launcher`: `launch` (forkserver ranks with a cloudpickle
   payload, FileStore rendezvous, per-rank output, failures and hangs as one clear
-  error, nothing left running);
+  error, nothing left running) and `preload` (modules every rank starts with);
 * `reference.runtime.backend`: the backend choice (`resolve_backend`: gloo on CPU,
   NCCL with one GPU per rank), `device()`, the device of this rank, threads per
   rank, and the torchrun path;
@@ -28,10 +28,10 @@ from reference.runtime.errors import RankError, RankTimeoutError
 from reference.runtime.backend import (
     default_threads, device, init_from_env, resolve_backend, under_torchrun,
 )
-from reference.runtime.launcher import kill_processes, launch
+from reference.runtime.launcher import kill_processes, launch, preload
 from reference.runtime.seeds import rank_seed
 
 __all__ = [
-    "launch", "RankError", "RankTimeoutError", "device", "resolve_backend",
+    "launch", "preload", "RankError", "RankTimeoutError", "device", "resolve_backend",
     "init_from_env", "under_torchrun", "default_threads", "kill_processes", "rank_seed",
 ]
