@@ -15,6 +15,9 @@ Where each part lives:
   parameters over dp, experts over the expert-data-parallel group);
 * `reference.expert_parallel.comms`: the all-to-all with its backward, and the
   bytes it moves per step;
+* `reference.expert_parallel.sequence_parallel`: MoE layers under Megatron sequence
+  parallelism (`sequence_parallel_experts`): the sequence gathered over tp and routed
+  whole, as one process routes it, this rank's rows kept;
 * `reference.expert_parallel.viz` and `viz_extra`: loads, routes, the all-to-all
   drawn from real routes, memory per rank, the gate and balance over training.
 

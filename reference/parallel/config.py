@@ -25,7 +25,9 @@ Context parallelism (`cp`, `cp_kind`): the cp ranks of one dp rank split each se
 (`reference.context_parallel`); "ring" attention needs T divisible by 2 cp (the zig-zag
 split: chunks r and 2 cp - 1 - r on rank r), "ulysses" needs T divisible by cp and each tp
 rank's n_head / tp heads divisible by cp (the all-to-all deals out heads). With Megatron SP
-each cp rank's T / cp tokens are split again over tp. Refused with cp > 1: experts (a
+each cp rank's T / cp tokens are split again over tp. Experts compose with SP: each MoE
+layer all-gathers the sequence over tp and routes it whole, as without SP
+(`reference.expert_parallel.sequence_parallel`). Refused with cp > 1: experts (a
 router counts capacity per whole sequence) and dropout (ring attention has none, and the
 cp ranks would need dropout streams of their own). Gradients are averaged over dp x cp.
 """
@@ -207,9 +209,6 @@ class ParallelConfig:
                            f"of tp={self.tp}")
         if n_experts is not None and self.ep > 1 and n_experts % self.ep:
             out.append(f"n_experts={n_experts} is not a multiple of ep={self.ep}")
-        if n_experts is not None and self.sequence_parallel and self.tp > 1:
-            out.append(f"sequence_parallel with experts (n_experts={n_experts}, tp={self.tp}): the "
-                       f"router's capacity is counted per whole sequence; use sequence_parallel=False")
         if n_experts is None and self.ep > 1:
             out.append(f"ep={self.ep} needs a model with experts (pass n_experts)")
         if self.cp > 1 or self.cp_kind not in CP_KINDS:

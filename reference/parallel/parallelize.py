@@ -13,7 +13,8 @@ outside, in a fixed order, each step the identity when its degree is 1:
    projections TP made; before the cut, which hands the final modules out;
 3. **expert parallelism**: each MoE layer keeps only this rank's experts. After TP,
    because TP does not touch the experts, and before the pipeline cut, which must see
-   the final modules it hands out;
+   the final modules it hands out. With SP each MoE layer then gathers the sequence
+   over tp and routes it whole (`reference.expert_parallel.sequence_parallel`);
 4. **the pipeline split**: the (now TP- and EP-sharded) model is cut into
    pp x virtual_stages stages and this rank keeps its chunks; with tied weights the
    first and last stages form the "embedding group" that sums the tied gradient;
@@ -43,6 +44,7 @@ import torch
 import torch.nn as nn
 
 from reference.expert_parallel import MoE, expert_parameters, shard_experts
+from reference.expert_parallel.sequence_parallel import sequence_parallel_experts
 from reference.model import GPT
 from reference.parallel.config import ParallelConfig
 from reference.parallel.context import apply_context_parallel_dim
@@ -163,6 +165,8 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
     # 3. expert parallelism: each MoE layer keeps this rank's experts
     if config.ep > 1:
         shard_experts(model, mesh.group("ep"))
+    if config.sequence_parallel and config.tp > 1:  # MoE layers route the gathered sequence
+        sequence_parallel_experts(model, mesh.group("tp"))
     # One stage (pp = 1) runs its micro-batches (gradient accumulation) as F0 B0 F1 B1 ...:
     # 1F1B with no warm-up, so one micro-batch's activations are alive at a time, as in
     # DeepSpeed's accumulation. ("gpipe" would keep all m alive until the first backward.)

@@ -150,12 +150,10 @@ def _check_divisible(model: GPT, mesh, sequence_parallel: bool = False) -> None:
     for i, block in enumerate(model.h):
         # A mixture of experts (an ffn with .experts) stays whole on every tp rank: its input
         # is the replicated residual stream, so each tp rank computes the same experts (expert
-        # parallelism, not TP, splits them). Under SP its input would be a sequence shard and
-        # capacity, which is counted per sequence, would change: refused.
+        # parallelism, not TP, splits them). Under SP its input is a sequence shard: the
+        # composed GPT (`reference.parallel.parallelize`) gathers it whole for the router
+        # (`reference.expert_parallel.sequence_parallel`), so capacity stays per sequence.
         experts = getattr(block.ffn, "experts", None) is not None
-        if experts and sequence_parallel and tp > 1:
-            raise ValueError(f"block {i} has a mixture of experts, which routes whole sequences: "
-                             f"use sequence_parallel=False with experts (tp={tp})")
         if not isinstance(block.ffn, MLP) and not experts:
             raise ValueError(f"apply_tensor_parallel splits the dense MLP; block {i} has an ffn of "
                              f"type {type(block.ffn).__name__}")
