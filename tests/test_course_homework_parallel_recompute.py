@@ -10,10 +10,8 @@ process through the exercise's own call, expect and judge: the same code the ran
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import cloudpickle
-import nbformat
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -23,7 +21,8 @@ from reference.course.homework.guard import exercise_rules
 from reference.course.homework.refuse import REFUSED
 from reference.course.homework.scoring import score_exercise
 
-SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "06_3d_parallel.ipynb"
+from test_course_homework_parallel_step import solution_function  # noqa: E402
+
 TIMEOUT = 60  # s per launch of one rank
 pytestmark = pytest.mark.timeout(120)
 SEEDS = (3, 11, 29)
@@ -32,21 +31,9 @@ CALLER = next(name for name, *_, draws in pr.PLAN if draws)
 CHAIN = next(name for name, _, _, chain, _ in pr.PLAN if chain > 1)
 
 
-def _source() -> str:
-    nb = nbformat.read(SOLUTION, as_version=4)
-    return next(c.source for c in nb.cells if c.cell_type == "code"
-                and c.metadata.get("course", {}).get("exercise") == "recompute")
-
-
 def _student(*edits):
     """The notebook's function with each (old, new) edit, defined as a notebook defines it."""
-    source = _source()
-    for old, new in edits:
-        assert old in source, old
-        source = source.replace(old, new, 1)
-    namespace = {"__name__": "student"}  # not importable: pickled by value, like a notebook's
-    exec("import math\nimport torch\nimport torch.distributed as dist\n" + source, namespace)
-    return namespace["recompute"]
+    return solution_function("recompute", *edits)
 
 
 def _failures(fn, seed: int) -> dict:
