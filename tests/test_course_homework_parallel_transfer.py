@@ -37,7 +37,7 @@ def _norm(count_replicated_everywhere=False, reduce_pp=True, reduce_tp=True):
 def test_homework_06_has_its_warm_ups_transfers_the_composed_exercises_and_a_question():
     ids = [s.id for s in homework("06_3d_parallel")]
     assert ids == ["mesh_groups", "parameters_per_rank", "global_grad_norm", "reshard_plan",
-                   "finish_step", "recompute", "step_bytes_3d"]
+                   "finish_step", "recompute", "fsdp_tp_pieces", "step_bytes_3d"]
 
 
 def test_global_grad_norm_right_answer_scores_full_marks():

@@ -22,9 +22,10 @@ from reference.course.homework.parallel import MESH_GROUPS, PARAMETERS_PER_RANK
 from reference.course.homework.parallel_extra import GLOBAL_GRAD_NORM, RESHARD_PLAN, STEP_BYTES_3D
 from reference.course.homework.parallel_recompute import RECOMPUTE
 from reference.course.homework.parallel_step import FINISH_STEP
+from reference.course.homework.parallel_fsdp import FSDP_TP_PIECES
 
 __all__ = ["check_mesh_groups", "check_parameters_per_rank", "check_global_grad_norm",
-           "check_reshard_plan", "check_finish_step", "check_recompute", "check_step_bytes_3d"]
+           "check_reshard_plan", "check_finish_step", "check_fsdp_tp_pieces", "check_recompute", "check_step_bytes_3d"]
 
 # Hints name the symptom and the part of a lecture to reread; they never give the answer.
 _LAYOUT = "notebook 06, 'Step 1 · The mesh and its groups'"
@@ -51,6 +52,11 @@ _HINTS = {
     "ratio 0.": (f"too small by that ratio: some ranks' numbers never reach the sum. Which ranks "
                  f"hold which part of the model? Reread {_LAYOUT}"),
     "changed its gradients": "the norm only reads the gradients: an in-place operation changed them",
+    "pieces of tp rank": ("that rank's rows differ: cut the whole weight as tensor parallelism does "
+                          "first (each block of the out dimension split over tp), then the "
+                          "rank's TP-local rows as FSDP does (padded to dp equal parts); write "
+                          "both cuts for the case the message names. Reread notebook 06, "
+                          "'FSDP inside tensor parallelism'"),
     "new rank": ("rows are missing or repeated for that new rank: write each old and new rank's "
                  "rows as a range and compare them, for the case the message names"),
 }
@@ -165,6 +171,11 @@ def check_recompute(fn, skip: bool = False) -> None:
     _check_on(RECOMPUTE, fn, (1,), "the output, the gradients and the caller's random draws equal "
               "a run without checkpointing, and the forward keeps only the input", skip,
               _RECOMPUTE_HINTS)
+
+
+def check_fsdp_tp_pieces(fn, skip: bool = False) -> None:
+    """Visible check of exercise fsdp_tp_pieces (against the cuts parallelize makes)."""
+    _check(FSDP_TP_PIECES, fn, "every rank's rows equal those its shard holds", skip)
 
 
 def check_step_bytes_3d(fn, skip: bool = False) -> None:

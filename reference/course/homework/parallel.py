@@ -166,6 +166,8 @@ from reference.course.homework.parallel_extra import (  # noqa: E402 - after the
 from reference.course.homework.parallel_step import FINISH_STEP  # noqa: E402
 # The clinic's sixth mistake: a recomputation that draws other dropout masks.
 from reference.course.homework.parallel_recompute import RECOMPUTE  # noqa: E402
+# FSDP inside tensor parallelism: the rows a rank holds.
+from reference.course.homework.parallel_fsdp import FSDP_TP_PIECES  # noqa: E402
 
 EXERCISES = (MESH_GROUPS, PARAMETERS_PER_RANK, GLOBAL_GRAD_NORM, RESHARD_PLAN, FINISH_STEP,
-             RECOMPUTE, STEP_BYTES_3D)
+             RECOMPUTE, FSDP_TP_PIECES, STEP_BYTES_3D)
