@@ -78,3 +78,14 @@ def test_experts_with_sequence_parallelism_equal_one_process(record_property):
         assert weight_abs <= TOL["atol"], (str(config), weight_abs)
     record_property("parity", figures)
     print(figures)
+
+
+def test_tensor_parallelism_alone_still_refuses_experts_with_sequence_parallelism():
+    """Without the gather, SP would hand each MoE layer a T/tp shard to route: a silently
+    different run. `apply_tensor_parallel` refuses it unless told the caller gathers."""
+    from reference.mesh import Mesh
+    from reference.tensor_parallel import apply_tensor_parallel
+
+    model = GPT(CFG, ffn_factory=_factory())
+    with pytest.raises(ValueError, match="mixture of experts.*sequence_parallel_experts"):
+        apply_tensor_parallel(model, Mesh(tp=2), sequence_parallel=True)

@@ -159,7 +159,8 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
                                                          config.cp):
         raise ValueError(f"the mesh ({mesh}) and the config ({config}) disagree on the degrees")
     # 1. tensor (+ sequence) parallelism: swaps modules inside the whole model
-    apply_tensor_parallel(model, mesh, sequence_parallel=config.sequence_parallel, seed=seed)
+    apply_tensor_parallel(model, mesh, sequence_parallel=config.sequence_parallel, seed=seed,
+                          experts_gathered=True)  # step 3 gathers the sequence for MoE layers
     # 2. context parallelism: attention over the cp group, this rank's positions
     apply_context_parallel_dim(model, mesh, config)
     # 3. expert parallelism: each MoE layer keeps this rank's experts

@@ -138,7 +138,8 @@ def _pattern(p: str) -> re.Pattern:
     return re.compile("^" + re.escape(p).replace(r"\*", r"[^.]+") + "$")
 
 
-def _check_divisible(model: GPT, mesh, sequence_parallel: bool = False) -> None:
+def _check_divisible(model: GPT, mesh, sequence_parallel: bool = False,
+                     experts_gathered: bool = False) -> None:
     cfg, tp = model.config, mesh.tp
     sizes = dict(n_head=cfg.n_head, n_embd=cfg.n_embd, d_ff=cfg.d_ff)
     bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
@@ -150,10 +151,18 @@ def _check_divisible(model: GPT, mesh, sequence_parallel: bool = False) -> None:
     for i, block in enumerate(model.h):
         # A mixture of experts (an ffn with .experts) stays whole on every tp rank: its input
         # is the replicated residual stream, so each tp rank computes the same experts (expert
-        # parallelism, not TP, splits them). Under SP its input is a sequence shard: the
-        # composed GPT (`reference.parallel.parallelize`) gathers it whole for the router
-        # (`reference.expert_parallel.sequence_parallel`), so capacity stays per sequence.
+        # parallelism, not TP, splits them). Under SP its input is a sequence shard, and a
+        # router counts capacity per whole sequence: refused unless the caller gathers the
+        # sequence for each MoE layer (`reference.expert_parallel.sequence_parallel_experts`,
+        # as the composed GPT, `reference.parallel.parallelize`, does).
         experts = getattr(block.ffn, "experts", None) is not None
+        if experts and sequence_parallel and tp > 1 and not experts_gathered:
+            raise ValueError(f"block {i} has a mixture of experts, which routes whole sequences, "
+                             f"and sequence_parallel=True (tp={tp}) hands it a T/tp shard: gather "
+                             f"the sequence for it (reference.expert_parallel."
+                             f"sequence_parallel_experts, then experts_gathered=True; "
+                             f"reference.parallel.parallelize does both) or use "
+                             f"sequence_parallel=False")
         if not isinstance(block.ffn, MLP) and not experts:
             raise ValueError(f"apply_tensor_parallel splits the dense MLP; block {i} has an ffn of "
                              f"type {type(block.ffn).__name__}")
@@ -191,7 +200,8 @@ def _route_loss_to_vocab_parallel(model: GPT, c: _Context) -> None:
 
 
 def apply_tensor_parallel(model: GPT, mesh, sequence_parallel: bool = False, *,
-                          regather_input: bool = False, seed: int = 0) -> GPT:
+                          regather_input: bool = False, seed: int = 0,
+                          experts_gathered: bool = False) -> GPT:
     """Split `model` (a `reference.model.GPT`) in place across ``mesh.group("tp")``; returns it.
 
     Every rank of the TP group calls this on a model with the same weights.
@@ -205,11 +215,13 @@ def apply_tensor_parallel(model: GPT, mesh, sequence_parallel: bool = False, *,
     ``sequence_parallel=True`` call `allreduce_sequence_parallel_grads` after
     each backward. `seed` seeds the dropout stream of sharded regions
     (``seed + 2718 + tp_rank``); the default stream is the caller's. A no-op
-    when ``mesh.tp == 1``.
+    when ``mesh.tp == 1``. A mixture of experts under sequence parallelism is refused
+    unless ``experts_gathered``: the caller then gathers the sequence for each MoE layer
+    (`reference.expert_parallel.sequence_parallel_experts`, after any `shard_experts`).
     """
     if not isinstance(model, GPT):
         raise TypeError(f"apply_tensor_parallel expects a reference.model.GPT, got {type(model).__name__}")
-    _check_divisible(model, mesh, sequence_parallel)
+    _check_divisible(model, mesh, sequence_parallel, experts_gathered)
     if mesh.tp == 1:
         return model
     device = model.wte.weight.device
