@@ -9,10 +9,8 @@ answer of exercise 2), scored directly with `score_exercise`
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import cloudpickle
-import nbformat
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,25 +29,16 @@ from reference.course.homework.expert_parallel import (
 )
 from reference.course.homework.scoring import score_exercise
 from reference.runtime import launch
+from solution_cells import solution_function
 
-SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "05_expert_parallel.ipynb"
 TIMEOUT = 60  # s per launch; each needs a few seconds on a loaded 2-core machine
 pytestmark = pytest.mark.timeout(300)
 IMPORTS = "import torch\nimport torch.distributed as dist\nimport torch.nn.functional as F\n"
 
 
 def _function(exercise: str, *edits):
-    """The solution's function with each (old, new) replaced once (old must be there),
-    defined as a notebook would: not importable, so pickled by value."""
-    nb = nbformat.read(SOLUTION, as_version=4)
-    source = next(c.source for c in nb.cells if c.cell_type == "code"
-                  and c.metadata.get("course", {}).get("exercise") == exercise)
-    for old, new in edits:
-        assert old in source, old
-        source = source.replace(old, new, 1)
-    namespace = {"__name__": "student"}
-    exec(IMPORTS + source, namespace)
-    return namespace[exercise]
+    """The solution's function with each (old, new) replaced once, defined as a notebook would."""
+    return solution_function("05_expert_parallel", exercise, *edits, imports=IMPORTS)
 
 
 def _score(spec, fn, seed=5, **changes):

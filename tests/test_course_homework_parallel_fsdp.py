@@ -15,13 +15,13 @@ from reference.course.homework.parallel_fsdp import (FSDP_TP_PIECES, course_fsdp
 from reference.course.homework.scoring import score_exercise
 from reference.tensor_parallel import column_shard
 from reference.zero.fsdp_param import shard_rows
-from test_course_homework_parallel_step import solution_function
+from solution_cells import solution_function
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _score(*edits):
-    fn = solution_function("fsdp_tp_pieces", *edits)
+    fn = solution_function("06_3d_parallel", "fsdp_tp_pieces", *edits)
     return score_exercise(FSDP_TP_PIECES, cloudpickle.dumps(fn), seed=5, timeout=60)
 
 

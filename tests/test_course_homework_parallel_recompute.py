@@ -21,7 +21,7 @@ from reference.course.homework.guard import exercise_rules
 from reference.course.homework.refuse import REFUSED
 from reference.course.homework.scoring import score_exercise
 
-from test_course_homework_parallel_step import solution_function  # noqa: E402
+from solution_cells import solution_function  # noqa: E402
 
 TIMEOUT = 60  # s per launch of one rank
 pytestmark = pytest.mark.timeout(120)
@@ -33,7 +33,7 @@ CHAIN = next(name for name, _, _, chain, _ in pr.PLAN if chain > 1)
 
 def _student(*edits):
     """The notebook's function with each (old, new) edit, defined as a notebook defines it."""
-    return solution_function("recompute", *edits)
+    return solution_function("06_3d_parallel", "recompute", *edits)
 
 
 def _failures(fn, seed: int) -> dict:

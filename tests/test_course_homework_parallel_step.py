@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
 import cloudpickle
-import nbformat
 import pytest
 import torch
 
@@ -21,29 +19,15 @@ from reference.course.homework import parallel_step
 from reference.course.homework.parallel_step import (FINISH_STEP, _tp_dim, expect_finish_step,
                                                      make_finish_cases)
 from reference.course.homework.scoring import score_exercise
+from solution_cells import solution_function
 
-SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "06_3d_parallel.ipynb"
 TIMEOUT = 60  # s per launch; a 4-rank launch takes a few seconds on a loaded 2-core machine
 pytestmark = pytest.mark.timeout(300)
 ON_FOUR = dataclasses.replace(FINISH_STEP, world_sizes=(4,))
 
 
-def solution_function(exercise: str, *edits):
-    """Homework 06's solution cell of `exercise`, each (old, new) edit made once, defined as a
-    notebook defines it (not importable: pickled by value)."""
-    nb = nbformat.read(SOLUTION, as_version=4)
-    source = next(c.source for c in nb.cells if c.cell_type == "code"
-                  and c.metadata.get("course", {}).get("exercise") == exercise)
-    for old, new in edits:
-        assert old in source, old
-        source = source.replace(old, new, 1)
-    namespace = {"__name__": "student"}
-    exec("import math\nimport torch\nimport torch.distributed as dist\n" + source, namespace)
-    return namespace[exercise]
-
-
 def _student(*edits) -> bytes:
-    return cloudpickle.dumps(solution_function("finish_step", *edits))
+    return cloudpickle.dumps(solution_function("06_3d_parallel", "finish_step", *edits))
 
 
 @pytest.mark.parametrize("world_size", [4, 6, 8])

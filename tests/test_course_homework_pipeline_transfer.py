@@ -28,6 +28,7 @@ from reference.course.homework.pipeline_interleaved import (
 )
 from reference.course.homework.scoring import _generator, _launch_cases, score_exercise
 from reference.pipeline_parallel.schedules import build_schedule
+from solution_cells import solution_function
 
 SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "04_pipeline_parallel.ipynb"
 TIMEOUT = 60  # s per launch; each needs a few seconds on a loaded 2-core machine
@@ -35,22 +36,10 @@ pytestmark = pytest.mark.timeout(300)
 ONE_RANK = dict(world_sizes=(1,))  # the 7 list-only cases of interleaved_actions
 
 
-def _source(exercise: str) -> str:
-    nb = nbformat.read(SOLUTION, as_version=4)
-    return next(c.source for c in nb.cells
-                if c.cell_type == "code" and c.metadata.get("course", {}).get("exercise") == exercise)
-
-
 def _function(exercise: str, *edits):
-    """The solution's function with each (old, new) replaced once (old must be there),
-    defined as a notebook would: not importable, so pickled by value."""
-    source = _source(exercise)
-    for old, new in edits:
-        assert old in source, old
-        source = source.replace(old, new, 1)
-    namespace = {"__name__": "student"}
-    exec("from reference.pipeline_parallel.schedules import Action\n" + source, namespace)
-    return namespace[exercise]
+    """The solution's function with each (old, new) replaced once, defined as a notebook would."""
+    return solution_function("04_pipeline_parallel", exercise, *edits,
+                             imports="from reference.pipeline_parallel.schedules import Action\n")
 
 
 def _score(spec, fn, seed=3, **changes):

@@ -1,0 +1,29 @@
+"""A homework's solution cell as a student's notebook would define it, for the tests that
+score changed copies of it (each mistake is the solution with one edit)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+
+SOLUTIONS = Path(__file__).resolve().parent.parent / "solutions"
+IMPORTS = "import math\nimport torch\nimport torch.distributed as dist\n"
+
+
+def solution_source(stem: str, exercise: str) -> str:
+    """The source of the cell tagged `exercise` in solutions/<stem>.ipynb."""
+    nb = nbformat.read(SOLUTIONS / f"{stem}.ipynb", as_version=4)
+    return next(c.source for c in nb.cells if c.cell_type == "code"
+                and c.metadata.get("course", {}).get("exercise") == exercise)
+
+
+def solution_function(stem: str, exercise: str, *edits, imports: str = IMPORTS):
+    """The solution's function with each (old, new) replaced once (old must be there),
+    defined under `imports` as a notebook defines it: not importable, so pickled by value."""
+    source = solution_source(stem, exercise)
+    for old, new in edits:
+        assert old in source, old
+        source = source.replace(old, new, 1)
+    namespace = {"__name__": "student"}
+    exec(imports + source, namespace)
+    return namespace[exercise]
