@@ -13,8 +13,10 @@ stage's whole TP-local numel and O = AdamW's two moments 8 S plus its step count
                                                                  every micro-batch)
     entering the reduce-scatter   O + 4 P + 4 P                 (held_in_step on the first stage;
                                                                  + the 4-byte loss on the last)
-    reduce-scatter's own buffers  2 x 4 N S + 4 S               (each gradient padded, the packed
-                                                                 (N, S) copy, the (S,) output)
+    reduce-scatter's own buffer   4 N S                         (the packed (N, S) gradients;
+                                                                 each whole gradient is freed once
+                                                                 copied in, before the (S,) output
+                                                                 is made)
 
 `Estimate.params_per_gpu` is P of the first stage and `Estimate.held_in_step` its 8 P.
 What is not exact, and the bound stated with it: the gather's temporaries (the reshape of a
@@ -25,8 +27,8 @@ the pipeline's working memory: its peak lies between the executor's `peak_activa
 activation gradients and unsaved forward temporaries, never more than the stored bytes here).
 
 The step's peak is the larger of the pipeline's and the reduce-scatter's (the last test);
-the ZeRO-3 x TP and ZeRO-3 x PP steps peak in the reduce-scatter, where the buffers (about
-2 x 4 P beside the 8 P of held_in_step) are not in `Estimate`'s sum.
+the ZeRO-3 x TP and ZeRO-3 x PP steps peak in the reduce-scatter, where the (N, S) buffer (about
+4 P beside the 8 P of held_in_step) is not in `Estimate`'s sum.
 """
 from __future__ import annotations
 
@@ -173,11 +175,11 @@ def test_zero3_composed_step_peak_by_part(ranks, i):
         # shards; bound: the last shard and one reshaped (N c, ...) block still alive
         grown = peaks["gather"] - entry["gather"]
         assert 4 * N * S + 4 * P <= grown <= 4 * N * S + 4 * P + 4 * S + pad, (grown, N, S, P)
-        # the reduce-scatter: padded gradients, their packed copy, the output shard; bound:
-        # shrinking back, each parameter's new shard (and its gradient's) exists before its
-        # whole tensor is freed, so one shard's bytes at most (measured: the first one's, or less)
+        # the reduce-scatter: the packed (N, S) gradients, while every whole gradient still
+        # lives (each is freed once copied in, so the (S,) output comes when they are gone);
+        # bound: shrinking back, one parameter's new shard beside them at most
         grown = peaks["reduce"] - entry["reduce"]
-        buffers = 2 * 4 * N * S + 4 * S
+        buffers = 4 * N * S
         assert buffers <= grown <= buffers + m["maxshard"], (grown, N, S)
         # the pipeline: what the executor stores for backward, up to the gradients and as much
         # again of autograd's working memory
@@ -210,8 +212,7 @@ def test_zero3_step_peak_is_the_larger_of_pipeline_and_reduce_scatter(ranks):
     pipeline's (the stage whole and its activations) or the reduce-scatter's (the stage, its
     whole gradients and the collective's buffers), whichever is larger. The sum `Estimate`
     makes, shards + held_in_step + activations, is neither: it leaves out the reduce-scatter's
-    2 x 4 N S + 4 S (measured: under the peak by 4% for dp 4 x tp 2 and by 10% on the last
-    stage of dp 4 x pp 2), and it counts the parameter and gradient shards (freed during the
+    4 N S, and it counts the parameter and gradient shards (freed during the
     step) and adds the whole gradients to the activations' peak, which a first 1F1B stage
     never holds at once (over the peak by 4% and 11% on the first stage of dp 4 x pp 2 and
     dp 2 x tp 2 x pp 2)."""
@@ -222,7 +223,7 @@ def test_zero3_step_peak_is_the_larger_of_pipeline_and_reduce_scatter(ranks):
             O = m["held"].optimizer_state + m["held"].other
             loss = 4 if m["last"] else 0
             pipeline = O + 4 * P + act
-            reduce = O + 8 * P + loss + 2 * 4 * N * S + 4 * S
+            reduce = O + 8 * P + loss + 4 * N * S
             gather = O + 4 * N * S + 4 * P
             lower = max(pipeline, reduce)
             upper = max(pipeline + 4 * P + act, reduce + m["maxshard"], gather + 4 * S + pad)

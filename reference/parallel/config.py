@@ -19,7 +19,10 @@ ZeRO-3 composes with a pipeline, with tensor parallelism and with activation che
 the way torchtitan does it (`reference.zero.fsdp_param`): each parameter is sharded along
 dim 0 over dp (x cp), a stage's parameters are gathered once per step and kept whole
 through all m micro-batches (memory: the stage whole during the step, against traffic:
-one all-gather and one reduce-scatter a step instead of 3 m).
+one all-gather and one reduce-scatter a step instead of 3 m). With experts (ep > 1) the
+dense parameters are sharded over dp and each expert over its expert-data-parallel group
+(dp / ep ranks hold it); ZeRO-1/2 with ep > 1 stay refused (their one flat shard over dp
+cannot hold tensors reduced over another group).
 
 Context parallelism (`cp`, `cp_kind`): the cp ranks of one dp rank split each sequence
 (`reference.context_parallel`); "ring" attention needs T divisible by 2 cp (the zig-zag
@@ -111,9 +114,11 @@ class ParallelConfig:
     def zero3_by_blocks(self) -> bool:
         """Whether ZeRO-3 runs as FSDP by blocks (`reference.zero.FSDP`: each block gathered in
         forward and again in backward): with data-parallel replicas at tp = pp = 1 without
-        recompute. Any other ZeRO-3 shards each parameter (`reference.zero.ShardedParameters`)."""
+        recompute, and no expert parallelism. Any other ZeRO-3 shards each parameter
+        (`reference.zero.ShardedParameters`; with ep > 1 the experts over their
+        expert-data-parallel group, `reference.zero.ShardedSets`)."""
         return (self.zero_stage == 3 and self.dp * self.cp > 1 and self.tp == self.pp == 1
-                and not self.activation_checkpointing)
+                and self.ep == 1 and not self.activation_checkpointing)
 
     def mesh(self):
         """The `reference.mesh.Mesh` of these degrees (groups not built yet)."""
@@ -174,9 +179,11 @@ class ParallelConfig:
             out.append(f"zero_stage=2 with pp={self.pp}: a pipeline would reduce-scatter the "
                        f"gradients once per micro-batch (m={self.microbatches}); use zero_stage 0, "
                        f"1 or 3 with a pipeline (DeepSpeed refuses 2 and 3)")
-        if self.zero_stage and self.ep > 1:
-            out.append(f"zero_stage={self.zero_stage} with ep={self.ep}: experts and dense "
-                       f"parameters are reduced over different groups; use zero_stage=0 with experts")
+        if self.zero_stage in (1, 2) and self.ep > 1:
+            out.append(f"zero_stage={self.zero_stage} with ep={self.ep}: ZeRO-1/2's one flat shard "
+                       f"over dp cannot hold experts, which are reduced over the expert-data-parallel "
+                       f"group (dp/ep={self.dp // self.ep if self.dp % self.ep == 0 else '?'} ranks); "
+                       f"use zero_stage 0, or 3 (each expert sharded over that group)")
         if self.schedule not in SCHEDULES:
             out.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.precision not in PRECISIONS:

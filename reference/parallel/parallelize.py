@@ -52,7 +52,7 @@ from reference.parallel.scaler import DynamicLossScaler
 from reference.pipeline_parallel import (build_embedding_group, build_schedule, local_stages,
                                          split_stages)
 from reference.tensor_parallel import apply_tensor_parallel
-from reference.zero import FSDP, ShardedParameters, ZeroOptimizer
+from reference.zero import FSDP, ShardedParameters, ShardedSets, ZeroOptimizer
 
 __all__ = ["ParallelGPT", "parallelize", "count_experts"]
 
@@ -77,6 +77,7 @@ class ParallelGPT:
     tied_group: Optional[object] = None
     fsdp: Optional[FSDP] = None      # ZeRO-3 at tp = pp = 1: the wrapped whole model
     sharded: Optional[ShardedParameters] = None  # ZeRO-3 composed: per-parameter dim-0 shards
+    #                                    (a ShardedSets with ep > 1: experts over edp, the rest over dp)
     has_experts: bool = False
     scaler: Optional[object] = None  # fp16: the DynamicLossScaler train_step uses
     extra: dict = field(default_factory=dict)
@@ -193,5 +194,13 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
     #    them before the schedule and reduce-scatters the gradients after it.
     sharded = None
     if config.zero_stage == 3 and mesh.dp_cp > 1:
-        sharded = ShardedParameters([p for m in mine for p in m.parameters()], mesh.group("dp_cp"))
+        params = list({id(p): p for m in mine for p in m.parameters()}.values())
+        if mesh.ep > 1:  # experts over the expert-data-parallel group, the rest over dp
+            experts = {id(p) for m in mine for p in expert_parameters(m)}
+            sharded = ShardedSets([
+                ShardedParameters([p for p in params if id(p) not in experts], mesh.group("dp")),
+                ShardedParameters([p for p in params if id(p) in experts], mesh.group("edp"),
+                                  mean_over=mesh.dp)])
+        else:
+            sharded = ShardedParameters(params, mesh.group("dp_cp"))
     return ParallelGPT(stages=mine, tied_group=tied, sharded=sharded, **common)

@@ -151,7 +151,7 @@ def weight_holdings(pm) -> list[tuple[Holding, torch.Tensor]]:
         for e in es:
             if _sharded(pm, e.param):
                 shape = tuple(pm.sharded.full_shape(e.param))
-                out.append((Holding(e, shape, "rows", pm.sharded.rank * e.param.shape[0]), e.param))
+                out.append((Holding(e, shape, "rows", pm.sharded.rank_of(e.param) * e.param.shape[0]), e.param))
             else:
                 out.append((Holding(e, tuple(e.param.shape)), e.param))
         return out

@@ -26,6 +26,8 @@ the parameters as well (P_os+g+p). Where each part lives:
   design): each tensor split along dim 0 over dp, so a tensor-parallel slice can be
   sharded again; gathered once per step, which composes with TP, pipelines and
   activation checkpointing (what `reference.parallel.parallelize` uses there);
+  `ShardedSets` with experts: dense tensors sharded over dp, each expert over its
+  expert-data-parallel group;
 * `reference.zero.adam8bit`: `Adam8bit`, AdamW whose two moments are stored
   block-wise quantised in 8 bits (Dettmers et al., 2022): about 2 bytes of state
   per parameter instead of 8, a memory saving (data parallelism never
@@ -44,10 +46,10 @@ ipywidgets, which a rank does not need).
 """
 from reference.zero.adam8bit import Adam8bit
 from reference.zero.fsdp import FSDP
-from reference.zero.fsdp_param import ShardedParameters
+from reference.zero.fsdp_param import ShardedParameters, ShardedSets
 from reference.zero.optimizer import ZeroOptimizer
 from reference.zero.shard import FlatBucket, FlatLayout, trainable_unique
 
 __all__ = [
-    "ZeroOptimizer", "FSDP", "ShardedParameters", "FlatLayout", "FlatBucket", "trainable_unique", "Adam8bit",
+    "ZeroOptimizer", "FSDP", "ShardedParameters", "ShardedSets", "FlatLayout", "FlatBucket", "trainable_unique", "Adam8bit",
 ]

@@ -49,7 +49,17 @@ import torch.distributed as dist
 
 from reference import comms
 
-__all__ = ["ShardedParameters", "shard_rows"]
+__all__ = ["ShardedParameters", "ShardedSets", "shard_rows"]
+
+
+def _copy_rows(blocks: torch.Tensor, full: torch.Tensor) -> None:
+    """Write ``full`` (d0, *rest) into ``blocks`` (N, c, *rest), zero, as rows of the padded
+    (N c, *rest) tensor: block r gets rows [r c, (r + 1) c), the rows past d0 stay zero."""
+    c, d0 = blocks.shape[1], full.shape[0]
+    whole = d0 // c                                    # blocks filled entirely
+    blocks[:whole].copy_(full[:whole * c].view((whole, c) + tuple(full.shape[1:])))
+    if whole * c < d0:
+        blocks[whole, :d0 - whole * c].copy_(full[whole * c:])
 
 
 def shard_rows(full: torch.Tensor, rank: int, n: int) -> torch.Tensor:
@@ -65,11 +75,14 @@ class ShardedParameters:
     """This rank's parameters, each sharded along dim 0 over ``group`` (the dp x cp ranks).
 
     ``params``: the distinct parameters of this rank's pipeline stages (tensor-parallel slices
-    included). Each is marked ``p.fsdp_sharded = True`` for the gradient clip and checkpoints."""
+    included). Each is marked ``p.fsdp_sharded = True`` for the gradient clip and checkpoints.
+    ``mean_over``: what the summed gradient is divided by, the group's size unless given
+    (experts sharded over the expert-data-parallel group divide by dp: see `ShardedSets`)."""
 
-    def __init__(self, params, group):
+    def __init__(self, params, group, mean_over: int | None = None):
         self.group = group
         self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.mean_over = self.n if mean_over is None else mean_over  # the gradient's divisor
         self.params = list({id(p): p for p in params}.values())  # a tied weight once
         self.shapes = [p.shape for p in self.params]               # the whole (TP-local) shapes
         self.index = {id(p): i for i, p in enumerate(self.params)}
@@ -97,6 +110,11 @@ class ShardedParameters:
         """Parameter ``p``'s whole (TP-local) shape, whatever it holds now."""
         return self.shapes[self.index[id(p)]]
 
+    def rank_of(self, p) -> int:
+        """This rank's place in the group that shards ``p``: it holds rows [rank c, (rank + 1) c)."""
+        self.index[id(p)]  # a KeyError for a parameter not sharded here
+        return self.rank
+
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def gather(self) -> None:
@@ -120,24 +138,29 @@ class ShardedParameters:
     @torch.no_grad()
     def reduce_scatter(self) -> None:
         """After the last backward: average each whole gradient over the group into this rank's
-        rows (one reduce-scatter of (N, S) -> (S,)), and shrink every parameter back to its shard."""
+        rows (one reduce-scatter of (N, S) -> (S,)), and shrink every parameter back to its shard.
+
+        The gradients are copied straight into one (N, S) buffer, block r holding every
+        tensor's rows for rank r, each whole gradient dropped as soon as it is copied: the
+        collective's own memory is that buffer and its (S,) output, 4 N S + 4 S bytes in fp32."""
         if not self.gathered:
             raise RuntimeError("reduce_scatter() without gather(): the parameters are shards already")
         with_grad = [p.grad is not None for p in self.params]
         if any(with_grad):
             device = self.params[0].device
-            blocks = []  # per parameter (N, c * rest): row block r of its padded gradient
+            packed = torch.zeros(self.n, self.shard_numel, dtype=self.dtype, device=device)  # (N, S)
+            offset = 0
             for i, p in enumerate(self.params):
                 c_shape = self.shard_shape(i)
-                g = p.grad if p.grad is not None else torch.zeros(self.shapes[i], device=device,
-                                                                  dtype=self.dtype)
-                padded = g.new_zeros((self.n * c_shape[0],) + tuple(c_shape[1:]))
-                padded[:g.shape[0]] = g
-                blocks.append(padded.reshape(self.n, -1))
-            packed = torch.cat(blocks, dim=1)                                      # (N, S)
-            out = torch.empty(packed.shape[1], dtype=packed.dtype, device=device)  # (S,)
-            comms.reduce_scatter_tensor(out, packed.reshape(-1), group=self.group)  # (N S,) -> (S,)
-            out /= self.n  # the mean over the dp x cp ranks (gloo has no AVG)
+                k = c_shape.numel()
+                if p.grad is not None:
+                    _copy_rows(packed[:, offset:offset + k].view((self.n,) + tuple(c_shape)), p.grad)
+                    p.grad = None  # the whole gradient goes as soon as it is packed
+                offset += k
+            out = torch.empty(self.shard_numel, dtype=self.dtype, device=device)  # (S,)
+            comms.reduce_scatter_tensor(out, packed.view(-1), group=self.group)    # (N S,) -> (S,)
+            del packed
+            out /= self.mean_over  # the mean over the ranks (gloo has no AVG)
         offset = 0
         for i, p in enumerate(self.params):
             c_shape, k = self.shard_shape(i), self.shard_shape(i).numel()
@@ -160,3 +183,60 @@ class ShardedParameters:
                     for p in self.params:
                         p.data = shard_rows(p.data, self.rank, self.n)
                 self.gathered = False
+
+
+class ShardedSets:
+    """Several `ShardedParameters` that gather and reduce-scatter together, each over its group.
+
+    With experts (ep > 1) a rank's parameters are of two kinds. The dense ones (attention,
+    LayerNorms, router, shared expert) are replicated over dp, so they are sharded over the
+    dp (x cp) group and their gradients averaged there. Each expert lives on one ep rank
+    only and is replicated over its expert-data-parallel group (dp / ep ranks), so its rows
+    are sharded over that group. Its gradient already holds the contributions of every
+    token of its ep group (the all-to-all's backward brought them home), so it is summed
+    over the edp group and divided by dp, not by dp / ep: the same mean as a dense
+    gradient, as `moe_all_reduce_gradients` does without ZeRO.
+
+        sets = ShardedSets([ShardedParameters(dense, dp_group),
+                            ShardedParameters(experts, edp_group, mean_over=dp)])
+
+    It offers what `ShardedParameters` offers to the training step, the clip and the
+    checkpoints: `gather`, `reduce_scatter`, `gathered`, `gathered_params`, `full_shape`
+    and `rank_of` (each parameter's place in its own group)."""
+
+    def __init__(self, sets):
+        self.sets = [s for s in sets if s.params]
+        self._of = {id(p): s for s in self.sets for p in s.params}
+
+    @property
+    def params(self) -> list:
+        return [p for s in self.sets for p in s.params]
+
+    @property
+    def gathered(self) -> bool:
+        return all(s.gathered for s in self.sets)
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(s.shard_numel for s in self.sets)
+
+    def full_shape(self, p) -> torch.Size:
+        return self._of[id(p)].full_shape(p)
+
+    def rank_of(self, p) -> int:
+        return self._of[id(p)].rank_of(p)
+
+    def gather(self) -> None:
+        for s in self.sets:
+            s.gather()
+
+    def reduce_scatter(self) -> None:
+        for s in self.sets:
+            s.reduce_scatter()
+
+    @contextlib.contextmanager
+    def gathered_params(self):
+        with contextlib.ExitStack() as stack:
+            for s in self.sets:
+                stack.enter_context(s.gathered_params())
+            yield self
