@@ -214,3 +214,25 @@ def test_weight_decay_with_zero3_is_refused_before_any_rank_starts(tmp_path):
         config.parallel_config(2)
     assert "weight_decay=0.1 with zero_optimization.stage 3" in describe(config, 2)
     config.parallel_config(1)  # dp 1: nothing is sharded, the groups work
+
+
+def test_zero_with_experts_check_says_what_runs_and_where_deepspeed_differs(tmp_path):
+    """Expert parallelism 2 inside dp 4: ZeRO-3 shards each expert over its expert-data-parallel
+    group and runs (weight decay included: the per-parameter shards keep their groups);
+    ZeRO-1/2 are refused, and --check says DeepSpeed partitions experts in groups of their own."""
+    from reference.train.config import describe, load_config
+
+    moe = json.loads((ROOT / "configs" / "moe_4d.json").read_text())
+    changes = dict(parallelism={"expert": 2}, model=moe["model"],
+                   optimizer={"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}})
+    config = load_config(_write(tmp_path, "z3.json", zero_optimization={"stage": 3}, **changes))
+    pc = config.parallel_config(4)
+    assert (pc.dp, pc.ep, pc.zero_stage, pc.zero3_by_blocks) == (4, 2, 3, False)
+    assert "DeepSpeed partitions expert" not in describe(config, 4)
+    for stage in (1, 2):
+        config = load_config(_write(tmp_path, f"z{stage}.json", zero_optimization={"stage": stage},
+                                    **changes))
+        with pytest.raises(ValueError, match=f"zero_stage={stage} with ep=2"):
+            config.parallel_config(4)
+        said = describe(config, 4)
+        assert f"ZeRO-{stage} with expert parallelism: DeepSpeed partitions expert parameters" in said

@@ -129,6 +129,10 @@ def describe(config, world_size: int) -> str:
             if item.startswith("zero_stage=") and "pp=" in item:
                 issues.append(f"ZeRO-{z.stage} with pipeline {pp}: DeepSpeed's pipeline engine "
                               f"refuses ZeRO-2 and 3, and ParallelConfig refuses ZeRO-2 ({item})")
+            elif item.startswith("zero_stage=") and " with ep=" in item:
+                issues.append(f"ZeRO-{z.stage} with expert parallelism: DeepSpeed partitions expert "
+                              f"parameters in groups of their own over the expert-data-parallel "
+                              f"ranks; this trainer does not, and refuses ({item})")
             elif not any(item in known for known in issues):
                 issues.append(f"ParallelConfig: {item}" if len(items) > 1 else item)
     if z.stage == 2 and pp > 1 and not any("pipeline engine" in i for i in issues):
