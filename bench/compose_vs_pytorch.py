@@ -53,6 +53,21 @@ side: they agree, which checks the dispatch-level counter. What it cannot see: b
 moves for its own bookkeeping (barriers, rendezvous, shape messages of the pipeline's first
 step are outside the measured step).
 
+Where the bytes differ, the last table splits one step's bytes by collective and by the
+mesh dimension of its group, mean over ranks. What it shows with the defaults: ours
+all-reduces 2 x b T C x 4 bytes more over tp per micro-batch on the ranks holding the
+embedding or the head (b sequences of T tokens, width C): the vocab-parallel embedding's
+output in forward and the column-parallel head's input gradient in backward, which a
+replicated embedding and head do not need, plus the vocab-parallel loss's three all-reduces
+of b T numbers; and it all-reduces less over dp, since each tp
+rank holds 1/tp of the embedding's gradient. With pipelines ours all-reduces the tied
+embedding's gradient over the first and last stages with 1/tp of the rows, PyTorch's the
+whole. Under FSDP x tp PyTorch's ``fully_shard`` all-gathers each block twice per step
+(forward, and again in backward: ``reshard_after_forward=True``, its default) where ours
+gathers the stage once and keeps it (`reference.zero.fsdp_param`): half the all-gather bytes
+for the stage held whole during the step. Ours also sends a few bytes more point to point:
+the last stage sends the step's loss to the other pipeline ranks.
+
 Peak memory per rank: the CPU allocator's own count, read through ``torch.profiler`` with
 ``profile_memory=True``. The profiler is started before the model is built, so it sees every
 allocation of this version on this rank (weights, their shards, gradients, optimizer state,
@@ -74,6 +89,7 @@ one that fails on some ranks only leaves the others waiting in a collective unti
 `launch`'s timeout.
 """
 import argparse
+import collections
 import gc
 import statistics
 import time
@@ -140,13 +156,32 @@ def _ring(op, tensors, group, src=0):
     return sum(ring_sent_bytes(op, t.numel(), t.element_size(), n, i, src=src) for t in tensors)
 
 
-class CollectiveBytes(TorchDispatchMode):
-    """Bytes this rank sends in the collectives dispatched inside the block (ring formula)."""
+def _label(group, comp) -> str:
+    """The mesh dimension a group spans, from its ranks (both sides lay ranks out as (pp, dp, tp),
+    tp fastest): "tp", "dp", "pp" (with pp = 2 the tied embedding's group is the same pair)."""
+    ranks = sorted(dist.get_process_group_ranks(group))
+    if len(ranks) == dist.get_world_size():
+        return "world"
+    dp, tp, pp, _ = comp
+    stride = ranks[1] - ranks[0] if len(ranks) > 1 else 0
+    for dim, degree, step in (("tp", tp, 1), ("dp", dp, tp), ("pp", pp, tp * dp)):
+        if degree > 1 and len(ranks) == degree and stride == step:
+            return dim
+    if pp > 1 and len(ranks) == 2 and stride == (pp - 1) * tp * dp:
+        return "embedding"
+    return f"{len(ranks)} ranks"
 
-    def __init__(self):
+
+class CollectiveBytes(TorchDispatchMode):
+    """Bytes this rank sends in the collectives dispatched inside the block (ring formula), in
+    all (`sent`) and by (collective, mesh dimension) (`by`)."""
+
+    def __init__(self, comp):
         super().__init__()
+        self.comp = comp
         self.sent = 0
         self.calls = 0
+        self.by = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
@@ -157,56 +192,57 @@ class CollectiveBytes(TorchDispatchMode):
         ns, name = func.namespace, func._schema.name.split("::")[-1]
         if ns in ("c10d", "_c10d_functional"):
             a = dict(zip((x.name for x in func._schema.arguments), args)) | kwargs
-            sent = self._bytes(ns, name, a)
-            if sent is not None:
+            found = self._bytes(ns, name, a)
+            if found is not None:
+                op, group, sent = found
                 self.sent += sent
                 self.calls += 1
+                self.by[op, _label(group, self.comp)] += sent
         return func(*args, **kwargs)
 
     @staticmethod
     def _bytes(ns, name, a):
+        """(collective, group, bytes this rank sends), or None for what sends nothing."""
         if ns == "c10d":
             g = a.get("process_group")
-            if name == "allreduce_":
-                return _ring("all_reduce", a["tensors"], _group_of(g))
-            if name == "allreduce_coalesced_":
-                return _ring("all_reduce", a["tensors"], _group_of(g))
-            if name == "_allgather_base_":
-                return _ring("all_gather", [a["output_tensor"]], _group_of(g))
+            group = _group_of(g) if g is not None else None
+            ring = {"allreduce_": ("all_reduce", "tensors"), "allreduce_coalesced_": ("all_reduce", "tensors"),
+                    "_allgather_base_": ("all_gather", "output_tensor"),
+                    "allgather_into_tensor_coalesced_": ("all_gather", "outputs"),
+                    "_reduce_scatter_base_": ("reduce_scatter", "input_tensor"),
+                    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs")}
+            if name in ring:
+                op, key = ring[name]
+                tensors = a[key] if isinstance(a[key], (list, tuple)) else [a[key]]
+                return op, group, _ring(op, tensors, group)
             if name == "allgather_":
-                return _ring("all_gather", [torch.cat(o) for o in a["output_tensors"]], _group_of(g))
-            if name == "allgather_into_tensor_coalesced_":
-                return _ring("all_gather", a["outputs"], _group_of(g))
-            if name == "_reduce_scatter_base_":
-                return _ring("reduce_scatter", [a["input_tensor"]], _group_of(g))
-            if name == "reduce_scatter_tensor_coalesced_":
-                return _ring("reduce_scatter", a["inputs"], _group_of(g))
+                return "all_gather", group, _ring("all_gather", [torch.cat(o) for o in a["output_tensors"]], group)
             if name == "broadcast_":
-                return _ring("broadcast", a["tensors"], _group_of(g), src=a["root_rank"])
+                return "broadcast", group, _ring("broadcast", a["tensors"], group, src=a["root_rank"])
             if name == "send":
-                return sum(_nbytes(t) for t in a["tensors"])
+                return "send", group, sum(_nbytes(t) for t in a["tensors"])
             if name in ("alltoall_base_",):
-                n = _group_of(g).size()
-                return _nbytes(a["input"]) * (n - 1) // n
+                n = group.size()
+                return "all_to_all", group, _nbytes(a["input"]) * (n - 1) // n
             return None  # recv, barrier, monitored waits: nothing sent
         if "group_name" not in a:
             return None  # wait_tensor and the like: no data of their own
         g = _group_of(a["group_name"])
         if name in ("all_reduce", "all_reduce_"):
-            return _ring("all_reduce", [a["input"]], g)
+            return "all_reduce", g, _ring("all_reduce", [a["input"]], g)
         if name == "all_reduce_coalesced":
-            return _ring("all_reduce", a["inputs"], g)
+            return "all_reduce", g, _ring("all_reduce", a["inputs"], g)
         if name == "all_gather_into_tensor":
             x = a["input"]
-            return _ring("all_gather", [x.new_empty((x.numel() * g.size(),))], g)
+            return "all_gather", g, _ring("all_gather", [x.new_empty((x.numel() * g.size(),))], g)
         if name == "all_gather_into_tensor_out":
-            return _ring("all_gather", [a["out"]], g)
+            return "all_gather", g, _ring("all_gather", [a["out"]], g)
         if name == "reduce_scatter_tensor":
-            return _ring("reduce_scatter", [a["input"]], g)
+            return "reduce_scatter", g, _ring("reduce_scatter", [a["input"]], g)
         if name == "broadcast":
-            return _ring("broadcast", [a["input"]], g, src=a["src"])
+            return "broadcast", g, _ring("broadcast", [a["input"]], g, src=a["src"])
         if name == "all_to_all_single":
-            return _nbytes(a["input"]) * (g.size() - 1) // g.size()
+            return "all_to_all", g, _nbytes(a["input"]) * (g.size() - 1) // g.size()
         return None
 
 
@@ -376,13 +412,13 @@ def _build_and_measure(build, cfg, comp, m, B, data, meter_ours):
             step = build(cfg, comp, m, B)
             losses = [step(*data[0])]
             dist.barrier()
-            with record_function("bench_measured_step"), CollectiveBytes() as counted, \
+            with record_function("bench_measured_step"), CollectiveBytes(comp) as counted, \
                     comms.meter() as metered:
                 losses.append(step(*data[1]))
             dist.barrier()
     finally:
         gc.enable()
-    sent = (counted.sent, metered.sent_bytes() if meter_ours else None)
+    sent = (counted.sent, metered.sent_bytes() if meter_ours else None, dict(counted.by))
     return step, losses, sent, peak_bytes(prof)
 
 
@@ -492,6 +528,24 @@ def main():
         print(f"{name:<13} {world:>5} {med['ours'] / med['torch']:>11.2f}x {med['ours'] * 1e3:>8.1f} "
               f"{med['torch'] * 1e3:>10.1f} {_fmt_bytes(ours_sent):>11} {_fmt_bytes(torch_sent):>12} "
               f"{_fmt_bytes(ours_peak):>11} {_fmt_bytes(torch_peak):>12}")
+
+    print("\nwhere the bytes go: one step's bytes by collective and mesh dimension, mean over ranks "
+          "(a row only where the two differ)")
+    for name in args.only:
+        ranks = results[name]
+        if "error" in ranks[0]:
+            continue
+        parts = {side: collections.Counter() for side in ("ours", "torch")}
+        for r in ranks:
+            for side in parts:
+                parts[side].update(r[f"{side}_bytes"][2])
+        keys = sorted(set(parts["ours"]) | set(parts["torch"]), key=lambda k: (k[1], k[0]))
+        rows = [(k, parts["ours"][k] / len(ranks), parts["torch"][k] / len(ranks)) for k in keys]
+        rows = [row for row in rows if round(row[1]) != round(row[2])]
+        print(f"  {name}: " + ("the same collectives, the same bytes" if not rows else ""))
+        for (op, dim), ours_b, torch_b in rows:
+            print(f"    {op:<15} over {dim:<10} ours {ours_b:>11,.0f} B   PyTorch {torch_b:>11,.0f} B"
+                  f"   ours - PyTorch {ours_b - torch_b:>+11,.0f} B")
 
 
 if __name__ == "__main__":
