@@ -169,3 +169,35 @@ def test_zero3_pads_uneven_rows():
         value = want["wte.weight" if name not in want else name]
         torch.testing.assert_close(got[name], value, rtol=0, atol=5e-6, msg=name)
     assert torch.equal(got["wte.weight"], got["lm_head.weight"])
+
+
+def _zero2_sp_memory(config):
+    """Bytes held after a step under ZeRO-2 x TP with SP, and this rank's TP-local numbers."""
+    from reference import memory
+    from reference.parallel.parallelize import parallelize
+    from reference.parallel.step import train_step
+    from reference.parallel.sweep import BATCH
+    from reference.parallel.sweep_run import EPS, LR, batches, model_for
+
+    mesh = config.mesh().build_groups()
+    case = SweepCase(config)
+    local = sum(p.numel() for p in parallelize(model_for(case), mesh, config.with_(zero_stage=0),
+                                               batch=BATCH).parameters())
+    pm = parallelize(model_for(case), mesh, config, batch=BATCH)
+    opt = pm.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    idx, tgt = batches()[0]
+    train_step(pm, opt, idx, tgt)
+    return memory.measure(pm.parameters(), opt), local
+
+
+def test_zero2_with_sequence_parallelism_holds_the_formula():
+    """ZeRO-2 x TP with SP, per rank after a step: the TP-local parameters whole, 1/dp of their
+    gradients and of AdamW's moments (the paper's 4 + 4/dp + 8/dp bytes per number, one flat
+    buffer padded to a multiple of dp); AdamW's step counter is counted apart."""
+    from reference import memory
+
+    config = ParallelConfig(dp=2, tp=2, zero_stage=2, sequence_parallel=True, microbatches=2)
+    for held, local in launch(_zero2_sp_memory, 4, config, timeout=200):
+        want = memory.model_state_bytes(local, config.dp, 2)
+        assert (held.params, held.grads, held.optimizer_state) == (
+            want.params, want.grads, want.optimizer_state), (held, want, local)
