@@ -50,7 +50,8 @@ def test_the_section_sits_before_the_summary_without_outputs():
     ids = [c.get("id") for c in cells]
     start = ids.index(SECTION[0])
     assert ids[start:start + len(SECTION)] == SECTION
-    assert "".join(cells[start + len(SECTION)]["source"]).startswith("## Summary")
+    # next: ZeRO-3 with a pipeline (tests/test_nb06_fsdp_pp.py), then the summary
+    assert "".join(cells[start + len(SECTION)]["source"]).startswith("## ZeRO-3 with a pipeline")
     assert "".join(cells[start]["source"]).startswith("## FSDP inside tensor parallelism")
     assert all(not c.get("outputs") and c.get("execution_count") is None
                for c in cells[start:start + len(SECTION)] if c["cell_type"] == "code")

@@ -24,6 +24,18 @@ dense parameters are sharded over dp and each expert over its expert-data-parall
 (dp / ep ranks hold it); ZeRO-1/2 with ep > 1 stay refused (their one flat shard over dp
 cannot hold tensors reduced over another group).
 
+`reshard_after_forward` (composed ZeRO-3 only) means what it means to PyTorch's
+`fully_shard(reshard_after_forward=...)`: True frees each block's gathered parameters back
+to their shards after every forward, all-gathers them again for the backward, and
+reduce-scatters each backward's gradients into the shards, accumulating over the
+micro-batches (`reference.zero.fsdp_reshard`): per step and chunk 2 m all-gathers and m
+reduce-scatters of the stage (3 m transfers) against 1 + 1, for holding shards plus about
+one block whole instead of the whole stage and its gradients. **The defaults differ:**
+`fully_shard` defaults to True, this course to False (gather once per step), which is what
+torchtitan picks under a pipeline. Refused with True: anything but composed ZeRO-3
+(zero_stage 3 with dp x cp > 1, not `zero3_by_blocks`, which already gathers each block
+per micro-batch) and experts (see `_problems`).
+
 Context parallelism (`cp`, `cp_kind`): the cp ranks of one dp rank split each sequence
 (`reference.context_parallel`); "ring" attention needs T divisible by 2 cp (the zig-zag
 split: chunks r and 2 cp - 1 - r on rank r), "ulysses" needs T divisible by cp and each tp
@@ -65,6 +77,11 @@ class ParallelConfig:
     embedding_stage: bool = False     # embedding and head on pipeline stages of their own
     cp: int = 1                       # context parallelism: ranks splitting each sequence
     cp_kind: str = "ring"             # "ring" (zig-zag split) or "ulysses" (contiguous)
+    # composed ZeRO-3: free each block's gathered parameters after every forward, gather them
+    # again for its backward, reduce-scatter every backward's gradients (3 m transfers a step
+    # instead of 2). PyTorch's fully_shard defaults to True; the course to False, as torchtitan
+    # picks under a pipeline.
+    reshard_after_forward: bool = False
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -184,6 +201,8 @@ class ParallelConfig:
                        f"over dp cannot hold experts, which are reduced over the expert-data-parallel "
                        f"group (dp/ep={self.dp // self.ep if self.dp % self.ep == 0 else '?'} ranks); "
                        f"use zero_stage 0, or 3 (each expert sharded over that group)")
+        if self.reshard_after_forward:
+            out += self._reshard_problems(n_experts)
         if self.schedule not in SCHEDULES:
             out.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.precision not in PRECISIONS:
@@ -221,6 +240,29 @@ class ParallelConfig:
         if self.cp > 1 or self.cp_kind not in CP_KINDS:
             T = None if batch is None or isinstance(batch, int) else tuple(batch)[1]
             out += self._context_problems(cfg, T, n_experts)
+        return out
+
+    def _reshard_problems(self, n_experts) -> list[str]:
+        """What ``reshard_after_forward=True`` needs: composed ZeRO-3, and a dense model."""
+        if not isinstance(self.reshard_after_forward, bool):
+            return [f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}"]
+        degrees = (f"zero_stage={self.zero_stage}, dp={self.dp} x cp={self.cp} = {self.dp * self.cp}, "
+                   f"tp={self.tp}, pp={self.pp}, activation_checkpointing="
+                   f"{self.activation_checkpointing}")
+        out = []
+        if self.zero_stage != 3 or self.dp * self.cp < 2:
+            out.append(f"reshard_after_forward=True needs ZeRO-3 over dp x cp > 1 ranks ({degrees}): "
+                       f"with nothing sharded there is nothing to free after a forward")
+        elif self.zero3_by_blocks:
+            out.append(f"reshard_after_forward=True applies to composed ZeRO-3 (tp, pp or activation "
+                       f"checkpointing): with {degrees} ZeRO-3 runs as FSDP by blocks, which "
+                       f"already gathers each block in forward and again in backward")
+        if self.ep > 1 or n_experts is not None:
+            out.append(f"reshard_after_forward=True with experts (ep={self.ep}, n_experts={n_experts}): "
+                       f"an expert that gets no token on one rank leaves its gradient unset there, so "
+                       f"the ranks would finish their blocks' backwards, and start their reduce-"
+                       f"scatters, in different orders (and with ep > 1 the experts are sharded over "
+                       f"another group); use reshard_after_forward=False")
         return out
 
     def _context_problems(self, cfg, T, n_experts) -> list[str]:

@@ -21,7 +21,10 @@ What happens, in order, on every rank:
    of the tokens) and expert gradients over the expert-data-parallel group (ZeRO-1/2 do
    their own reduce-scatter in `step()`, ZeRO-2 during backward, so with SP its shard's
    sequence-parallel slices are summed over tp afterwards; composed ZeRO-3, `pm.sharded`, reduce-scatters each
-   whole gradient into its dim-0 shard here, having all-gathered the parameters before 2);
+   whole gradient into its dim-0 shard here, having all-gathered the parameters before 2;
+   with ``reshard_after_forward`` the executor's action hook gathers and reduce-scatters per
+   block and micro-batch instead, `reference.zero.fsdp_reshard`, and only the SP sum over tp
+   is left here, done on the shards);
 4. global-norm clipping over every shard (`reference.parallel.clip`), when asked;
 5. the optimizer step;
 6. the loss made the global mean on every rank: the last stage's mean over micro-batches,
@@ -46,6 +49,7 @@ from reference.model import lm_loss
 from reference.parallel.context import context_parallel_batch
 from reference.pipeline_parallel import run_pipeline
 from reference.tensor_parallel import allreduce_sequence_parallel_grads, vocab_parallel_cross_entropy
+from reference.zero.fsdp_reshard import ReshardAfterForward
 
 __all__ = ["StepResult", "StepEvent", "train_step", "local_batch"]
 
@@ -115,6 +119,16 @@ def _run_fsdp(pm, idx, targets, device, loss_scale: float = 1.0):
         (loss * (loss_scale / m)).backward()
         losses.append(loss.detach().float())
     return torch.stack(losses).mean()
+
+
+def _resharding(pm) -> Optional[ReshardAfterForward]:
+    """Composed ZeRO-3 with ``reshard_after_forward=True``: gathered and reduce-scattered per
+    micro-batch by the executor's action hook (made once, kept in ``pm.extra``); else None."""
+    if getattr(pm, "sharded", None) is None or not pm.config.reshard_after_forward:
+        return None
+    if "reshard" not in pm.extra:
+        pm.extra["reshard"] = ReshardAfterForward(pm.sharded, pm.stages, pm.config.microbatches)
+    return pm.extra["reshard"]
 
 
 def _synchronise_gradients(pm, optimizer) -> None:
@@ -208,28 +222,38 @@ def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
     trace: list[StepEvent] = []
     t0 = time.perf_counter()
     peak = 0
+    reshard = None
     if pm.fsdp is not None:
         loss = _run_fsdp(pm, x, y, device, scale)
         trace.append(StepEvent("F", "forward and backward", 0.0, time.perf_counter() - t0))
     else:
-        if getattr(pm, "sharded", None) is not None:  # ZeRO-3 composed: whole for the step
+        reshard = _resharding(pm)
+        if getattr(pm, "sharded", None) is not None and reshard is None:  # ZeRO-3: whole for the step
             pm.sharded.gather()
             trace.append(StepEvent("gather", "parameters", 0.0, time.perf_counter() - t0))
         offset = time.perf_counter() - t0  # the executor's clock starts about here
-        with _autocast(pm.config.precision, device):
+        with _autocast(pm.config.precision, device), \
+                (reshard.step() if reshard is not None else contextlib.nullcontext()):
             result = run_pipeline(
                 pm.schedule, pm.stages,
                 x.to(device) if pm.is_first_stage else None,
                 y.to(device) if pm.is_last_stage else None,
                 group=pm.mesh.group("pp") if pm.mesh.pp > 1 else None,
                 checkpoint=pm.config.activation_checkpointing, tied_group=pm.tied_group,
-                batch_shape=tuple(x.shape), loss_fn=_loss_fn(pm), loss_scale=scale)
+                batch_shape=tuple(x.shape), loss_fn=_loss_fn(pm), loss_scale=scale,
+                action_hook=reshard.hook if reshard is not None else None)
         loss, peak = result.loss, result.peak_activation_bytes
         for e in result.trace:
             kind = e.action.op if e.action.op in ("F", "B") else e.action.op.split("_")[0]
             trace.append(StepEvent(kind, str(e.action), offset + e.start, offset + e.end))
     start = time.perf_counter() - t0
-    _synchronise_gradients(pm, optimizer)
+    if reshard is None:
+        _synchronise_gradients(pm, optimizer)
+    elif pm.mesh.tp > 1 and pm.config.sequence_parallel:
+        # resharded: every gradient is its shard's dp mean already; the SP sum over tp, once,
+        # on the shards (a tp rank's shard holds the same rows on every tp rank)
+        for stage in pm.stages:
+            allreduce_sequence_parallel_grads(stage, pm.mesh.group("tp"))
     if (pm.config.zero_stage == 2 and pm.mesh.dp_cp > 1 and pm.mesh.tp > 1
             and pm.config.sequence_parallel):
         _sum_sequence_parallel_shard(pm, optimizer)

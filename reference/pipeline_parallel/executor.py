@@ -67,16 +67,21 @@ class _SavedBytes:
     """Bytes of the distinct storages autograd saves for backward inside the block.
 
     Parameters are left out (they are stored whatever the schedule), and so is
-    anything in ``exclude`` (storage pointers already counted elsewhere)."""
+    anything in ``exclude`` (storage pointers already counted elsewhere). ``params``,
+    when given, are looked at as each tensor is saved: parameters whose storage an
+    action hook frees and regathers (ZeRO-3 resharding) move between actions."""
 
-    def __init__(self, param_ptrs: set, exclude: Sequence[torch.Tensor] = ()):
+    def __init__(self, param_ptrs: set, exclude: Sequence[torch.Tensor] = (), params=None):
         self.skip = set(param_ptrs) | {t.untyped_storage().data_ptr() for t in exclude}
+        self.params = params
         self.storages: dict[int, int] = {}
 
     def add(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
-        if st.data_ptr() not in self.skip:
-            self.storages[st.data_ptr()] = st.nbytes()
+        if st.data_ptr() in self.skip or (self.params is not None and st.data_ptr() in
+                                          {p.untyped_storage().data_ptr() for p in self.params}):
+            return
+        self.storages[st.data_ptr()] = st.nbytes()
 
     @property
     def bytes(self) -> int:
@@ -110,7 +115,8 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
                  inputs: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None,
                  *, group=None, checkpoint: Union[bool, Sequence[bool]] = False, tied_group=None,
                  batch_shape: Optional[tuple] = None, loss_fn: Optional[Callable] = None,
-                 loss_scale: float = 1.0) -> PipelineResult:
+                 loss_scale: float = 1.0,
+                 action_hook: Optional[Callable[[str, object], None]] = None) -> PipelineResult:
     """Run this rank's part of ``schedule`` on the full batch ``inputs`` (B, T) -> ``targets`` (B, T).
 
     ``stages``: this rank's stage modules indexed by chunk (`local_stages`).
@@ -122,6 +128,9 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
     ``loss_fn(logits, targets)``: the last stage's loss; by default the stage's
     own ``loss`` method (`GPTStage.loss`), else `lm_loss`. ``loss_scale`` multiplies
     what backward starts from (fp16's loss scaling; the gradients come out scaled by it).
+    ``action_hook(when, action)``, if given, is called with "before" and "after" around
+    every F and B (composed ZeRO-3 resharding between micro-batches,
+    `reference.zero.fsdp_reshard`, gathers and frees parameters there).
     Returns a `PipelineResult`; its ``loss`` is the mean over the m micro-batches (unscaled).
     """
     schedule.validate()
@@ -162,6 +171,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
     params = [p for st in stages for p in st.parameters()]
     device = params[0].device if params else torch.device("cpu")
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    moving = params if action_hook is not None else None  # storages a hook may free and regrow
     # clone: a micro-batch's own storage, so its bytes are counted alone
     mb_in = [t.to(device).clone() for t in inputs.split(B // m)] if inputs is not None else None
     mb_tgt = [t.to(device).clone() for t in targets.split(B // m)] if targets is not None else None
@@ -180,7 +190,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
             x = mail.take("F", mb, c).requires_grad_()  # (B / m, T, C), or (B / m, T / tp, C) under SP
         target = mb_tgt[mb] if s == last_stage else None
         entry = {"x": x}
-        with _SavedBytes(param_ptrs) as saved:
+        with _SavedBytes(param_ptrs, params=moving) as saved:
             if flags[c]:
                 entry["rng"] = RNGStates.capture(st, device)  # every stream F draws from
                 with torch.no_grad():
@@ -212,7 +222,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
             now = RNGStates.capture(st, device)
             entry["rng"].restore()  # the same dropout masks as the forward that was sent on
             try:
-                with _SavedBytes(param_ptrs, exclude=[x]) as again:
+                with _SavedBytes(param_ptrs, exclude=[x], params=moving) as again:
                     out, aux, total, _ = _run_stage(st, x, s == last_stage,
                                                     mb_tgt[mb] if s == last_stage else None, divisor, loss_fn)
             finally:
@@ -244,10 +254,12 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
         a = step[0]
         if a.is_comm:
             mail.exchange(step)
-        elif a.op == "F":
-            forward(a.mb, a.chunk)
         else:
-            backward(a.mb, a.chunk)
+            if action_hook is not None:
+                action_hook("before", a)
+            (forward if a.op == "F" else backward)(a.mb, a.chunk)
+            if action_hook is not None:
+                action_hook("after", a)
         sync()  # GPU work is asynchronous: time it to its end
         end = time.perf_counter() - t0
         result.trace += [TraceEvent(rank, x, start, end) for x in step]

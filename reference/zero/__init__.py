@@ -28,6 +28,9 @@ the parameters as well (P_os+g+p). Where each part lives:
   activation checkpointing (what `reference.parallel.parallelize` uses there);
   `ShardedSets` with experts: dense tensors sharded over dp, each expert over its
   expert-data-parallel group;
+* `reference.zero.fsdp_reshard`: `ReshardAfterForward`, the same shards gathered per
+  block and micro-batch instead (FSDP2's ``reshard_after_forward=True``: 3 m
+  transfers a step for holding about one block whole; `ParallelConfig.reshard_after_forward`);
 * `reference.zero.adam8bit`: `Adam8bit`, AdamW whose two moments are stored
   block-wise quantised in 8 bits (Dettmers et al., 2022): about 2 bytes of state
   per parameter instead of 8, a memory saving (data parallelism never

@@ -1,0 +1,304 @@
+"""Composed ZeRO-3, resharded between micro-batches (FSDP2's ``reshard_after_forward=True``).
+
+`reference.zero.fsdp_param` gathers a stage once per step and keeps it whole through all m
+micro-batches: 1 all-gather and 1 reduce-scatter a step, for holding the stage's parameters
+and its gradients whole (8 P bytes in fp32, P = the stage's TP-local numbers). This file is
+the other choice. Each pipeline chunk is cut into units as `fully_shard` is applied in
+torchtitan, one per transformer `Block` and one for the rest (embedding, final LayerNorm,
+head: the root), and for every micro-batch
+
+    F   the root is gathered for the action; each block is all-gathered by a forward
+        pre-hook and freed again by a forward hook as soon as its forward returns
+    B   the root is gathered for the action; each block is all-gathered again when the
+        gradient of its output arrives (a hook on that tensor), or by the recomputation of
+        activation checkpointing; once every parameter of a unit has its gradient (a
+        post-accumulate-grad hook on each), the unit's whole gradients are reduce-scattered
+        into its shards, added to what earlier micro-batches left there, and the unit freed
+
+so per step and chunk a rank all-gathers the stage 2 m times and reduce-scatters it m times,
+over N = dp x cp ranks, against 1 + 1 gathering once:
+
+    sent per step   all-gather  2 m (N-1)/N x 4 N S      reduce-scatter  m (N-1)/N x 4 N S
+                    (gather once:   (N-1)/N x 4 N S                          (N-1)/N x 4 N S)
+    calls           2 m U all-gathers, m U reduce-scatters   (U = the chunk's units)
+
+with 4 N S the stage's bytes padded per tensor (S = this rank's shard numbers, fp32). What it
+buys: between micro-batches a stage is its shards and its shards' gradients (8 S bytes), and
+inside an action about one block is whole beside the root. Those 8 S are kept through the
+step (the shards are the source of every re-gather; the gradients accumulate there), where
+gathering once keeps nothing but the whole stage: with N = 2, 8 S is already 4 P, so resharding
+only holds less when the stage has more than a few blocks (the tests and notebook 06 measure
+it). With activation checkpointing the executor recomputes a whole stage at the start of its
+B, so every block of the chunk is whole from the recomputation to its own backward there.
+
+What stays as with gathering once: between steps `p.data` is the shard and `p.grad` the
+shard's gradient (the mean over the N ranks, summed over micro-batches; here views of one
+buffer per unit), so the optimizer, fp16's loss scaler and the clip see what they saw. The
+tied embedding's two copies are summed by the executor after the last backward, which now
+finds the shards' gradients: the sum of the two shards is the shard of the sum (both ends
+hold the same rows of the same dp rank). Sequence-parallel gradients are summed over tp after
+the step, on the shards, for the same reason (`reference.parallel.step`): a tp rank's shard of
+a LayerNorm's gradient holds the same rows on every tp rank, so summing the reduce-scattered
+shards over tp equals reduce-scattering the tp sums, once a step instead of m times.
+
+How a parameter is freed while autograd still refers to it (`reference.zero.fsdp_unit`'s
+trick): each unit's parameters are views of one buffer ``full`` (P_u,); freeing resizes its
+storage to 0 bytes and gathering grows it back and copies the rows in, so the tensors autograd
+saved (the parameters and views of them) see the numbers again. Writes go through ``full``'s
+own views, so the parameters' version counters do not move.
+
+The defaults: PyTorch's `fully_shard` defaults to ``reshard_after_forward=True``; this course
+defaults to False (`ParallelConfig.reshard_after_forward`), as torchtitan does under a
+pipeline. And PyTorch's own pipeline schedules (`torch.distributed.pipelining`) turn gradient
+sync off for every backward but the last, reduce-scattering once a step; here, as FSDP2 does
+with sync on, every backward reduce-scatters, so the whole gradients never pile up.
+
+The ranks of a group must issue their collectives in the same order: units are reduced in the
+order their gradients complete, the same on every rank for a model whose graph does not depend
+on the data (`ParallelConfig` refuses experts, whose unused experts get no gradient).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from reference import comms
+from reference.model import Block
+
+__all__ = ["ReshardAfterForward"]
+
+
+def _into_blocks(blocks: torch.Tensor, whole: torch.Tensor) -> None:
+    """``whole`` (d0, *rest) written into ``blocks`` (N, c, *rest), zeros, as the padded
+    (N c, *rest) tensor: block r gets rows [r c, (r + 1) c); the rows past d0 stay zero."""
+    c, d0 = blocks.shape[1], whole.shape[0]
+    full = d0 // c                                  # blocks filled entirely
+    blocks[:full].copy_(whole[:full * c].view((full, c) + tuple(whole.shape[1:])))
+    if full * c < d0:
+        blocks[full, :d0 - full * c].copy_(whole[full * c:])
+
+
+class _Unit:
+    """Parameters of one chunk gathered, freed and reduce-scattered together."""
+
+    def __init__(self, name: str, chunk: int, params: list, sharded, root: bool = False):
+        self.name, self.chunk, self.params, self.root = name, chunk, params, root
+        self.n, self.group = sharded.n, sharded.group
+        self.mean_over = getattr(sharded, "mean_over", sharded.n)  # gloo has no AVG: sum, then /
+        index = [sharded.index[id(p)] for p in params]
+        self.shapes = [sharded.shapes[i] for i in index]             # whole (TP-local)
+        self.c_shapes = [sharded.shard_shape(i) for i in index]      # (c, *rest)
+        self.k = [s.numel() for s in self.c_shapes]
+        self.S = sum(self.k)                                         # this rank's numbers
+        numel = [math.prod(s) for s in self.shapes]
+        self.P = sum(numel)                                          # the unit's whole numbers
+        self.trainable = any(p.requires_grad for p in params)
+        dtype, device = sharded.dtype, params[0].device
+        self.full = torch.empty(self.P, dtype=dtype, device=device)  # (P_u,) the whole tensors
+        offsets = [sum(numel[:i]) for i in range(len(params))]
+        self.views = [self.full[o:o + k].view(s) for o, k, s in zip(offsets, numel, self.shapes)]
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+        self.shards: list | None = None   # during a step: the shard tensors, (c, *rest) each
+        self.grad: torch.Tensor | None = None  # (S,) the shards' accumulated mean gradient
+        self.with_grad = [False] * len(params)
+        self.pending: set = set()         # in a backward: parameters still awaiting a gradient
+        self.reduced = False              # in a backward: reduce-scattered already
+
+    # ------------------------------------------------------------------ parameters
+    @torch.no_grad()
+    def gather(self) -> None:
+        """Grow ``full`` back and all-gather every parameter into it: (S,) -> (N, S)."""
+        if self.gathered:
+            return
+        self.full.untyped_storage().resize_(self.P * self.full.element_size())
+        packed = torch.cat([s.reshape(-1) for s in self.shards])                    # (S,)
+        out = torch.empty(self.n * self.S, dtype=packed.dtype, device=packed.device)
+        comms.all_gather_into_tensor(out, packed, group=self.group)                # (N S,)
+        out = out.view(self.n, self.S)                                             # (N, S)
+        offset = 0
+        for view, c_shape, k in zip(self.views, self.c_shapes, self.k):
+            rows = out[:, offset:offset + k].reshape((self.n * c_shape[0],) + tuple(c_shape[1:]))
+            view.copy_(rows[:view.shape[0]])                                       # (d0, *rest)
+            offset += k
+        self.gathered = True
+
+    def free(self) -> None:
+        """The whole parameters' bytes released; the views stay, to be filled by `gather`."""
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    # ------------------------------------------------------------------ gradients
+    @torch.no_grad()
+    def reduce_scatter(self) -> None:
+        """This backward's whole gradients, averaged over the group, added into the shards'
+        gradient (N, S) -> (S,); the whole gradients and parameters freed."""
+        packed = torch.zeros(self.n, self.S, dtype=self.full.dtype, device=self.full.device)
+        offset = 0
+        for i, (p, c_shape, k) in enumerate(zip(self.params, self.c_shapes, self.k)):
+            if p.grad is not None:
+                blocks = packed[:, offset:offset + k].view((self.n,) + tuple(c_shape))  # (N, c, *rest)
+                _into_blocks(blocks, p.grad)
+                self.with_grad[i] = True
+                p.grad = None                      # the whole gradient goes as soon as it is packed
+            offset += k
+        out = torch.empty(self.S, dtype=packed.dtype, device=packed.device)
+        comms.reduce_scatter_tensor(out, packed.view(-1), group=self.group)        # (N S,) -> (S,)
+        del packed
+        out /= self.mean_over
+        if self.grad is None:
+            self.grad = out
+        else:
+            self.grad += out                       # accumulating over micro-batches
+        self.reduced = True
+        self.free()
+
+    def to_shards(self, with_grads: bool) -> None:
+        """``p.data`` the shard again, and ``p.grad`` its accumulated gradient (a view of
+        ``grad``) where some backward gave it one."""
+        self.free()
+        offset = 0
+        for i, (p, shard, c_shape, k) in enumerate(zip(self.params, self.shards, self.c_shapes, self.k)):
+            p.data = shard
+            if with_grads and self.with_grad[i]:
+                p.grad = self.grad[offset:offset + k].view(c_shape)
+            offset += k
+        self.shards, self.grad = None, None
+
+
+class ReshardAfterForward:
+    """``reshard_after_forward=True`` for the parameters of ``sharded`` (`ShardedParameters`),
+    used by the pipeline chunks ``stages`` over ``microbatches`` micro-batches a step.
+
+        reshard = ReshardAfterForward(pm.sharded, pm.stages, m)
+        with reshard.step():                     # p.data: views of freed buffers, then shards again
+            run_pipeline(..., action_hook=reshard.hook)
+
+    ``units[c]``: chunk c's units, the root (parameters outside any `Block`) first."""
+
+    def __init__(self, sharded, stages, microbatches: int):
+        if not hasattr(sharded, "index"):
+            raise TypeError(f"reshard_after_forward needs one ShardedParameters over the dp x cp "
+                            f"group, got {type(sharded).__name__}")
+        self.sharded, self.stages, self.m = sharded, list(stages), microbatches
+        self.units: list[list[_Unit]] = []
+        self.blocks: list[tuple] = []   # (Block module, its unit): the forward hooks' places
+        owner: dict[int, int] = {}
+        for c, stage in enumerate(self.stages):
+            blocks = [(name, mod) for name, mod in stage.named_modules()
+                      if isinstance(mod, Block) and any(True for _ in mod.parameters())]
+            in_block = {id(p) for _, mod in blocks for p in mod.parameters()}
+            root = [p for p in stage.parameters() if id(p) not in in_block]
+            chunk = [_Unit(f"chunk {c} root", c, root, sharded, root=True)] if root else []
+            for name, mod in blocks:
+                chunk.append(_Unit(f"chunk {c} {name}", c, list(mod.parameters()), sharded))
+                self.blocks.append((mod, chunk[-1]))
+            for unit in chunk:
+                for p in unit.params:
+                    if owner.setdefault(id(p), c) != c:
+                        raise ValueError(f"a parameter of shape {tuple(p.shape)} is in chunks "
+                                         f"{owner[id(p)]} and {c} of this rank: one unit each")
+            self.units.append(chunk)
+        self.unit_of = {id(p): u for chunk in self.units for u in chunk for p in u.params}
+        self.phase: str | None = None   # "F" or "B" while an action runs
+        self.backwards = [0] * len(self.stages)
+        self._handles: list = []
+
+    @property
+    def shard_numel(self) -> int:
+        """S: this rank's shard numbers, all units (the same as `ShardedParameters.shard_numel`)."""
+        return sum(u.S for chunk in self.units for u in chunk)
+
+    def held_tensors(self) -> list:
+        """What the units keep beside the parameters during a step: the shards (the parameters
+        then view the units' buffers) and the shards' accumulated gradients. With
+        `reference.memory.measure(params + held_tensors())` its params + grads are the bytes of
+        parameters and gradients this rank holds at that moment (freed buffers count 0)."""
+        return [t for chunk in self.units for u in chunk
+                for t in list(u.shards or []) + ([u.grad] if u.grad is not None else [])]
+
+    # ------------------------------------------------------------------ one step
+    @contextlib.contextmanager
+    def step(self):
+        """Inside: every parameter a view of its unit's (freed) buffer and the hooks on.
+        After (also on an error): every parameter its shard again."""
+        for chunk in self.units:
+            for u in chunk:
+                for p, c_shape, view in zip(u.params, u.c_shapes, u.views):
+                    if p.shape != c_shape:
+                        raise RuntimeError(f"{u.name}: a parameter holds {tuple(p.shape)}, not its "
+                                           f"shard {tuple(c_shape)} (gathered already?)")
+                    if p.grad is not None:
+                        raise RuntimeError(f"{u.name}: zero the gradients before the step")
+                u.shards = [p.data for p in u.params]
+                for p, view in zip(u.params, u.views):
+                    p.data = view  # (d0, *rest), no bytes until gathered
+                u.grad, u.with_grad = None, [False] * len(u.params)
+        self.backwards = [0] * len(self.stages)
+        self._install()
+        try:
+            yield self
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles, self.phase = [], None
+            unfinished = [u for chunk in self.units for u in chunk if u.shards is not None]
+            for u in unfinished:  # only after an error: the step's gradients are dropped
+                u.to_shards(with_grads=False)
+        if unfinished:
+            raise RuntimeError(f"the pipeline ran {self.backwards} backwards per chunk, expected "
+                               f"{self.m} each: {len(unfinished)} units never finished")
+
+    def _install(self) -> None:
+        for mod, unit in self.blocks:
+            self._handles.append(mod.register_forward_pre_hook(
+                lambda module, args, unit=unit: unit.gather()))
+            self._handles.append(mod.register_forward_hook(
+                lambda module, args, out, unit=unit: self._after_block(unit, out)))
+        for chunk in self.units:
+            for u in chunk:
+                for p in u.params:
+                    if p.requires_grad:
+                        self._handles.append(p.register_post_accumulate_grad_hook(self._arrived))
+
+    def _after_block(self, unit: _Unit, out) -> None:
+        if torch.is_grad_enabled():  # its backward gathers it again when its output's gradient comes
+            for t in (out if isinstance(out, tuple) else (out,)):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, unit=unit: unit.gather())
+        if self.phase == "F":
+            unit.free()  # (in B a recomputation's forward keeps it for the backward that follows)
+
+    def _arrived(self, p) -> None:
+        unit = self.unit_of[id(p)]
+        unit.pending.discard(id(p))
+        if not unit.pending and not unit.reduced and self.phase == "B":
+            unit.reduce_scatter()
+
+    def hook(self, when: str, action) -> None:
+        """The executor's per-action hook: ``when`` "before" or "after" ``action`` (F or B of
+        ``action.chunk``)."""
+        chunk = self.units[action.chunk]
+        root = chunk[0] if chunk and chunk[0].root else None
+        if when == "before":
+            self.phase = action.op
+            if action.op == "B":
+                for u in chunk:
+                    u.pending = {id(p) for p in u.params if p.requires_grad}
+                    u.reduced = not u.trainable
+            if root is not None:
+                root.gather()  # the embedding and the head: whole for the action
+            return
+        if action.op == "B":
+            for u in reversed(chunk):  # what no gradient completed (unused parameters): last block first
+                if not u.reduced:
+                    u.reduce_scatter()
+            self.backwards[action.chunk] += 1
+        for u in chunk:
+            u.free()
+        self.phase = None
+        if action.op == "B" and self.backwards[action.chunk] == self.m:
+            for u in chunk:  # before the executor sums the tied embedding over its two copies
+                u.to_shards(with_grads=True)
