@@ -1,5 +1,11 @@
 """The cost formulas of `reference.parallel.estimate` against the tiny model's real numbers,
-the article's 175B configuration analysed with them, and the step time built on them."""
+the article's 175B configuration analysed with them, and the step time built on them.
+
+Measured on gloo ranks: parameters per stage, bytes per link (`reference.comms.meter`: tp with
+and without SP, recompute and MoE layers; dp for every ZeRO stage, ZeRO-3's rows over dp and
+over dp / ep with experts, resharding after forward), model states (`reference.memory.measure`)
+exactly; the step's peak (every tensor alive, as `tests/test_composed_peak.py` counts it)
+within a stated band."""
 import pytest
 import torch
 
@@ -31,6 +37,26 @@ def test_activation_formulas_are_the_papers():
     no_sp = activation_bytes_per_block(s, b, h, a, tp=8)
     assert sp < no_sp < activation_bytes_per_block(s, b, h, a)
     assert activation_bytes_per_block(s, b, h, a, 8, True, "full") == 2 * s * b * h / 8
+
+
+def test_activations_scale_with_their_bytes_and_the_masks_stay_one_byte():
+    """The paper's 34 s b h + 5 a s^2 b is 16 two-byte activations and 2 one-byte dropout masks
+    per token and channel, 2 two-byte scores and 1 mask per score: in fp32 (4 bytes) 66 and 9.
+    `estimate` takes the activation bytes from the precision unless told."""
+    s, b, h, a = 16, 2, 32, 4
+    fp32 = dict(act_bytes=4)
+    assert activation_bytes_per_block(s, b, h, a, **fp32) == s * b * h * 66 + a * s * s * b * 9
+    assert activation_bytes_per_block(s, b, h, a, 2, **fp32) == s * b * h * (18 + 48 / 2) + a * s * s * b * 9 / 2
+    assert activation_bytes_per_block(s, b, h, a, 2, True, **fp32) == (s * b * h * 66 + a * s * s * b * 9) / 2
+    assert activation_bytes_per_block(s, b, h, a, 2, True, "full", **fp32) == 4 * s * b * h / 2
+    # a fused attention kernel keeps a log-sum-exp (fp32) per head and token, not the scores
+    assert activation_bytes_per_block(s, b, h, a, attention="fused", **fp32) == s * b * h * 66 + 4 * a * s * b
+    cfg = GPTConfig.tiny(n_layer=4, block_size=16)
+    fp32_run, bf16_run = (estimate(cfg, ParallelConfig(dp=4, precision=p), micro_batch=2, global_batch=8)
+                          for p in ("fp32", "bf16"))
+    head = 4 * 16 * 2 * 256  # the loss's fp32 log-probabilities, in either precision
+    assert fp32_run.activations == 4 * activation_bytes_per_block(16, 2, 32, 4, act_bytes=4) + head
+    assert bf16_run.activations == 4 * activation_bytes_per_block(16, 2, 32, 4) + head
 
 
 def test_the_article_175b_configuration():
@@ -142,9 +168,18 @@ def test_composed_zero3_gathers_once_per_step_and_holds_the_stage():
         assert [b for _, b, n, _ in e.dp_transfers] == [91_392, 91_392]
         assert e.bytes_per_step["dp"] == 2 * 91_392
         assert e.held_in_step == 30_464 * (4 + 4)  # fp32 parameters and gradients
-        assert e.total_bytes == e.model_states.model_states + e.activations + e.held_in_step
+        assert set(e.phases) == {"gather", "pipeline", "reduce-scatter"}
+        assert e.total_bytes == max(e.phases.values())          # the step peaks in its largest phase
+        # AdamW's moments of the shard (S = P / 4 here) throughout; gathering: the shards twice
+        # (packed), the (N, S) received, P whole, and the largest tensor padded (wte, 128 x 32)
+        S, P, wte = 30_464 // 4, 30_464, 128 * 32
+        assert e.phases["gather"] == 8 * S + 4 * (2 * S + 4 * S + P + wte)
+        # reduce-scattering: the stage and its gradients whole, the (N, S) buffer, the largest
+        # shard (wte's 32 rows) and the 4-byte loss
+        assert e.phases["reduce-scatter"] == 8 * S + 8 * P + 4 * (4 * S + wte // 4) + 4
     flat = estimate(cfg, ParallelConfig(dp=4, zero_stage=3, microbatches=4), micro_batch=2, global_batch=32)
     assert flat.held_in_step == 0 and len(flat.dp_transfers) == 1  # blocks gathered per micro-batch
+    assert set(flat.phases) == {"step"}
 
 
 def test_step_time_is_compute_exposed_communication_and_bubble():
@@ -205,3 +240,112 @@ def test_stage_params_counts_untied_padded_and_uneven_models():
         mesh = config.mesh()
         want = [stage_params(GPTConfig(**model), config, mesh.coords(r).pp) for r in range(4)]
         assert [r[i] for r in ranks] == want, (model, config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts, sequence parallelism and resharding, against the meter and the step's peak
+# ---------------------------------------------------------------------------------------------
+MOE = 4  # experts per layer, every layer (reference.parallel.sweep's model)
+MEASURED = [  # (config, experts): 4 ranks, BATCH = (16, 16) as tests/test_composed_peak.py
+    (ParallelConfig(dp=2, tp=2, sequence_parallel=True, activation_checkpointing=True, microbatches=2), False),
+    (ParallelConfig(dp=2, tp=2, ep=2, zero_stage=3, sequence_parallel=True, microbatches=2), True),
+    (ParallelConfig(dp=4, ep=2, zero_stage=3, microbatches=2), True),
+    (ParallelConfig(dp=2, tp=2, ep=2, sequence_parallel=True, activation_checkpointing=True), True),
+    (ParallelConfig(dp=2, tp=2, zero_stage=3, sequence_parallel=True, microbatches=2)
+     .with_(reshard_after_forward=True), False),
+    (ParallelConfig(dp=2, pp=2, zero_stage=3, microbatches=2).with_(reshard_after_forward=True), False),
+]
+
+
+def _measure_steps(cases):
+    """Per case, on every rank: its pipeline rank, model states between steps, bytes sent per
+    (group, collective) and the peak bytes of a second step (`test_composed_peak._StepPeak`)."""
+    import weakref
+
+    import test_composed_peak as peak_test
+
+    from reference import comms, memory
+    from reference.parallel.parallelize import parallelize
+    from reference.parallel.step import train_step
+    from reference.parallel.sweep_run import batches, model_for
+    from reference.parallel.sweep import SweepCase
+
+    out = []
+    for config, experts in cases:
+        mesh = config.mesh().build_groups()
+        pm = parallelize(model_for(SweepCase(config, moe=experts)), mesh, config, batch=(16, 16))
+        opt = pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
+        (x, y), (x2, y2) = batches(2)
+        train_step(pm, opt, x, y)  # the optimizer's state exists from here on
+        held = memory.measure(pm.parameters(), opt)
+        state = [v for o in memory._optimizers(opt) for st in o.state.values()
+                 for v in st.values() if isinstance(v, torch.Tensor)]
+        before = {}
+        for t in list(pm.parameters()) + [p.grad for p in pm.parameters() if p.grad is not None] + state:
+            before.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
+        mon = peak_test._StepPeak(pm, opt, [(weakref.ref(s), s.nbytes()) for s in before.values()])
+        del state, before, t
+        with comms.meter() as meter, mon:
+            train_step(pm, opt, x2, y2)
+        mon.before = []
+        labels = {comms.group_label(mesh.group(dim)): dim for dim in ("tp", "dp", "edp")
+                  if getattr(mesh, dim) > 1}
+        sent = {(labels[r["group"]], r["op"]): r["sent_bytes"] for r in meter.records()
+                if r["group"] in labels}
+        out.append((mesh.pp_rank, held, sent, mon.peak_bytes))
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return launch(_measure_steps, 4, MEASURED, timeout=300)
+
+
+def _estimate_of(i, stage):
+    config, experts = MEASURED[i]
+    return estimate(CFG, config, micro_batch=16 // (config.dp * config.microbatches), global_batch=16,
+                    stage=stage, n_experts=MOE if experts else None)
+
+
+@pytest.mark.parametrize("i", range(len(MEASURED)), ids=[str(c) for c, _ in MEASURED])
+def test_bytes_and_model_states_match_the_formulas_exactly(measured, i):
+    """tp: every block's attention and MLP, an MoE layer's all-gather and reduce-scatter under SP
+    (none without), the embedding, head and loss, the forward again with recompute and the
+    sequence-parallel gradients' all-reduce (every expert's included); dp: ZeRO-3's rows once
+    per step per group (dense over dp, experts over dp / ep), or 3 m times when resharding,
+    ZeRO-0's all-reduces over dp and over dp / ep; the model states of ZeRO-3's rows."""
+    config, experts = MEASURED[i]
+    for pp_rank, held, sent, _ in (r[i] for r in measured):
+        e = _estimate_of(i, pp_rank)
+        if config.tp > 1:
+            assert sum(v for (dim, _), v in sent.items() if dim == "tp") == e.bytes_per_step["tp"], config
+        by_group = {"dp": 0.0, "dp / ep": 0.0}
+        for what, nbytes, times, _ in e.dp_transfers:
+            by_group["dp / ep" if what.endswith("dp / ep") else "dp"] += nbytes * times
+        dp_sent = sent.get(("dp", "all_gather"), 0) + sent.get(("dp", "reduce_scatter"), 0)
+        if config.zero_stage == 0:  # the gradients' all-reduce, and the loss's 4 bytes (dp = 2)
+            dp_sent += sent[("dp", "all_reduce")] - 4
+        assert dp_sent == by_group["dp"], config
+        assert sum(v for (dim, _), v in sent.items() if dim == "edp") == by_group["dp / ep"], config
+        assert held.params == e.model_states.params and held.grads == e.model_states.grads
+        assert held.optimizer_state == e.model_states.optimizer_state, config
+
+
+# est / measured peak per case: an upper bound where the formula bounds every term; with experts
+# routing decides how many tokens an ep rank's experts store, and the estimate assumes every
+# expert gets its share (k s b / E of a sequence's assignments): measured 2 % below to 2.3 %
+# above on the ranks here (the same seeded routing every run).
+PEAK_RATIO = [(1, 1.10), (0.975, 1.03), (0.975, 1.03), (1, 1.10), (1, 1.25), (1, 1.25)]
+
+
+@pytest.mark.parametrize("i", range(len(MEASURED)), ids=[str(c) for c, _ in MEASURED])
+def test_the_step_peak_against_the_measured_one(measured, i):
+    """The estimated peak of each rank's pipeline stage against the bytes of every tensor alive
+    during its second step. Above it by what Korthikanti et al.'s fp32 terms count that this
+    model does not store (dropout masks, attention scores: no dropout, a fused kernel) and, when
+    resharding after forward, by a unit's gradients and buffers counted beside a whole
+    micro-batch's activations (measured 15 and 22 % on the two configurations here)."""
+    lower, upper = PEAK_RATIO[i]
+    for pp_rank, _, _, peak in (r[i] for r in measured):
+        ratio = _estimate_of(i, pp_rank).total_bytes / peak
+        assert lower <= ratio <= upper, (MEASURED[i], pp_rank, ratio)

@@ -9,7 +9,7 @@ from reference.parallel.explorer import MODELS, ConfigExplorer, feasible_configs
 @pytest.mark.parametrize("model, n_gpus, device_gb, batch, n_experts", [
     ("GPT-3 175B", 1024, 80, 1536, None),    # the notebook's default
     ("GPT-3 13B", 64, 40, 1536, None),       # notebook 06's exercise 4
-    ("GPT-3 1.3B", 64, 80, 512, 8),          # experts: sequence parallelism is refused
+    ("GPT-3 1.3B", 64, 80, 512, 8),          # experts: ep divides dp and the experts
 ])
 def test_every_offered_configuration_validates(model, n_gpus, device_gb, batch, n_experts):
     cfg = MODELS[model]
@@ -58,3 +58,38 @@ def test_a_pipeline_wins_when_its_bubble_is_small_and_dp_traffic_dominates():
 
     one_node = feasible_configs(MODELS["GPT-3 1.3B"], 8, device_bytes=80e9, global_batch=512)
     assert one_node[0]["config"].pp == 1 and one_node[0]["time"]["dp"] == 0
+
+
+def test_experts_and_resharding_are_offered_with_their_costs():
+    """With experts the explorer tries every ep dividing dp and the experts (ZeRO-1/2 refused
+    with ep > 1), each row's estimate counting the experts (E / ep per rank, their rows over
+    dp / ep under ZeRO-3); composed ZeRO-3 both gathering once and resharding after forward
+    (3 m transfers of the stage over dp instead of 2); every row's estimate is its heaviest
+    pipeline rank's."""
+    from reference.parallel.estimate import estimate
+
+    model = MODELS["GPT-3 1.3B"]
+    rows = feasible_configs(model, 64, device_bytes=80e9, global_batch=512, n_experts=8)
+    eps = {r["config"].ep for r in rows}
+    assert {1, 2, 4, 8} <= eps
+    assert all(r["config"].zero_stage in (0, 3) for r in rows if r["config"].ep > 1)
+    row = next(r for r in rows if r["config"].ep == 8 and r["config"].zero_stage == 3)
+    c, e = row["config"], row["estimate"]
+    assert e.expert_params and e.expert_params == estimate(
+        model, c, micro_batch=1, global_batch=512, n_experts=8, stage=e.stage).expert_params
+    stages = [estimate(model, c, micro_batch=1, global_batch=512, n_experts=8, stage=s).total_bytes
+              for s in range(c.pp)]
+    assert row["memory"] == max(stages)
+    dense = feasible_configs(model, 64, device_bytes=80e9, global_batch=512)
+    reshard = [r for r in dense if r["config"].reshard_after_forward]
+    assert reshard and all(r["config"].zero_stage == 3 for r in reshard)
+    r = reshard[0]
+    once = next(x for x in dense if x["config"] == r["config"].with_(reshard_after_forward=False))
+    m = r["config"].microbatches
+    assert r["estimate"].bytes_per_step["dp"] == pytest.approx(1.5 * m * once["estimate"].bytes_per_step["dp"])
+    explorer = ConfigExplorer(model="GPT-3 1.3B", n_gpus=64, device_gb=80, global_batch=512, n_experts=8)
+    assert "GPT-3 1.3B with 8 experts per layer on 64 GPUs" in explorer.summary.value
+    assert "<th>ep</th>" in explorer.html
+    explorer.experts.value = 0
+    assert "GPT-3 1.3B on 64 GPUs" in explorer.summary.value
+

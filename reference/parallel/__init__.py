@@ -24,7 +24,9 @@ of them imports it. Where each part lives:
 * `reference.parallel.generate`: `generate`, sampling from the parallel model (the plain
   model's tokens for the same seed);
 * `reference.parallel.estimate`: memory, bubble and bytes per GPU of a configuration,
-  from formulas; `reference.parallel.explorer`: which configurations fit a cluster;
+  from formulas (`estimate_memory`: the tensors and activations a stage's GPU holds and
+  composed ZeRO-3's peak by phase; `estimate_traffic`: the bytes per link);
+  `reference.parallel.explorer`: which configurations fit a cluster;
   `reference.parallel.placement`: which traffic crosses nodes for an order of the axes;
 * `reference.parallel.golden`: the debug run's committed losses;
 * `reference.parallel.sweep`: an all-pairs set of configurations over every option (and the

@@ -1,4 +1,4 @@
-"""Choose a configuration: which (dp, tp, pp, zero, m) fit a model on a cluster, and their costs.
+"""Choose a configuration: which (dp, tp, pp, ep, zero, m) fit a model on a cluster, and their costs.
 
     rows = feasible_configs(GPT3_175B, n_gpus=1024, gpus_per_node=8, device_bytes=80e9,
                             global_batch=1536)
@@ -8,11 +8,15 @@
 (tp <= gpus_per_node: TP communicates in every layer, so it needs the node's fast links),
 pp dividing the layers (equal stages), m = global_batch / (dp micro_batch) micro-batches of
 `micro_batch` sequences, ZeRO 0-3, with and without sequence parallelism, with and without
-full activation recomputation. It keeps
-only what `ParallelConfig.validate` accepts for the model, the batch and ``n_experts`` (so no
-ZeRO-2 with a pipeline, no ZeRO with experts, heads and layers that divide; ZeRO-3 with tp,
-pp or recomputation is the composed one, its stage held whole through the step) and whose memory per GPU (`estimate`) fits, and ranks them by the
-estimated step time of `reference.parallel.estimate.step_time`:
+full activation recomputation; composed ZeRO-3 (with tp, pp, ep or recomputation) gathering
+its stage once a step and, where `ParallelConfig` has the option, resharding after every
+forward (FSDP2's ``reshard_after_forward``: 3 m transfers, shards and one block whole); with
+``n_experts`` every expert-parallel degree ep that divides dp and the experts. It keeps only
+what `ParallelConfig.validate` accepts for the model, the batch and ``n_experts`` (so no
+ZeRO-2 with a pipeline, no ZeRO-1/2 with ep > 1, heads and layers that divide) and whose
+peak memory per GPU (`estimate`'s `total_bytes`: for composed ZeRO-3 the largest of its
+gather, pipeline and reduce-scatter phases) fits on the heaviest pipeline rank, and ranks
+them by the estimated step time of `reference.parallel.estimate.step_time`:
 
     step = compute + exposed tp, pp and dp communication + bubble
 
@@ -51,13 +55,23 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _reshard_options(config: ParallelConfig) -> tuple:
+    """FSDP2's two choices for composed ZeRO-3 where `ParallelConfig` offers them, else one."""
+    if "reshard_after_forward" not in ParallelConfig.__dataclass_fields__:
+        return (config,)
+    if config.zero_stage == 3 and config.dp > 1 and not config.zero3_by_blocks:
+        return (config, config.with_(reshard_after_forward=True))
+    return (config,)
+
+
 def feasible_configs(model: GPTConfig, n_gpus: int, gpus_per_node: int = 8,
                      device_bytes: float = 80e9, global_batch: int = 1536,
                      micro_batch: int = 1, n_experts: Optional[int] = None,
                      hardware: Optional[Hardware] = None) -> list[dict]:
     """Every candidate that validates and fits, fastest estimated step first (rows: dicts of
-    config, estimate, memory, bubble, time = `step_time`'s parts, step_time, cross_node and
-    inside = bytes one GPU sends per step over links that leave / stay in its node)."""
+    config, estimate (of the pipeline rank with the largest peak), memory, bubble,
+    time = `step_time`'s parts, step_time, cross_node and inside = bytes one GPU sends per
+    step over links that leave / stay in its node)."""
     hardware = hardware or Hardware(gpus_per_node=gpus_per_node)
     if hardware.gpus_per_node != gpus_per_node:
         hardware = replace(hardware, gpus_per_node=gpus_per_node)
@@ -73,34 +87,44 @@ def feasible_configs(model: GPTConfig, n_gpus: int, gpus_per_node: int = 8,
             if global_batch % (dp * micro_batch):
                 continue
             m = global_batch // (dp * micro_batch)
-            for zero, sp, ckpt in product((0, 1, 2, 3), (True, False) if tp > 1 else (False,),
-                                          (False, True)):
-                config = ParallelConfig(dp=dp, tp=tp, pp=pp, zero_stage=zero, microbatches=m,
-                                        sequence_parallel=sp, activation_checkpointing=ckpt,
-                                        precision="bf16")
-                if config._problems(n_gpus, model, batch, n_experts):
-                    continue  # only what `ParallelConfig.validate` accepts
-                e = estimate(model, config, micro_batch=micro_batch, global_batch=global_batch)
-                if not e.fits(device_bytes):
-                    continue
-                time = step_time(e, hardware)
-                sent = {"inter": 0.0, "intra": 0.0}
-                for kind, nbytes in e.bytes_per_step.items():
-                    sent[link_of(config, kind, hardware)] += nbytes
-                rows.append(dict(config=config, estimate=e, memory=e.total_bytes, bubble=e.bubble,
-                                 time=time, step_time=time["total"], cross_node=sent["inter"],
-                                 inside=sent["intra"]))
+            eps = [e for e in _divisors(dp) if n_experts % e == 0] if n_experts else [1]
+            for ep, zero, sp, ckpt in product(eps, (0, 1, 2, 3), (True, False) if tp > 1 else (False,),
+                                              (False, True)):
+                base = ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero, microbatches=m,
+                                      sequence_parallel=sp, activation_checkpointing=ckpt,
+                                      precision="bf16")
+                for config in _reshard_options(base):
+                    if config._problems(n_gpus, model, batch, n_experts):
+                        continue  # only what `ParallelConfig.validate` accepts
+                    row = _row(model, config, micro_batch, global_batch, n_experts, hardware)
+                    if row["estimate"].fits(device_bytes):
+                        rows.append(row)
     rows.sort(key=lambda r: (r["step_time"], r["memory"]))
     return rows
 
 
+def _row(model, config, micro_batch, global_batch, n_experts, hardware) -> dict:
+    """The estimate of the pipeline rank whose peak is largest (the first, unless experts or
+    the head tip it), its step time and the bytes it sends inside and across nodes."""
+    kw = dict(micro_batch=micro_batch, global_batch=global_batch, n_experts=n_experts)
+    e = max((estimate(model, config, stage=r, **kw) for r in sorted({0, config.pp - 1})),
+            key=lambda x: x.total_bytes)
+    time = step_time(e, hardware)
+    sent = {"inter": 0.0, "intra": 0.0}
+    for kind, nbytes in e.bytes_per_step.items():
+        sent[link_of(config, kind, hardware)] += nbytes
+    return dict(config=config, estimate=e, memory=e.total_bytes, bubble=e.bubble, time=time,
+                step_time=time["total"], cross_node=sent["inter"], inside=sent["intra"])
+
+
 def _table(rows: list[dict], limit: int) -> str:
-    head = ("dp", "tp", "pp", "ZeRO", "SP", "m", "recompute", "memory / GPU", "step (s)",
+    head = ("dp", "tp", "pp", "ep", "ZeRO", "SP", "m", "recompute", "memory / GPU", "step (s)",
             "compute (s)", "exposed comm (s)", "bubble", "sent across nodes", "sent inside a node")
     cells = ["<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
     for r in rows[:limit]:
         c, t = r["config"], r["time"]
-        values = (c.dp, c.tp, c.pp, c.zero_stage, "yes" if c.sequence_parallel else "no",
+        zero = f"{c.zero_stage}{' reshard' if getattr(c, 'reshard_after_forward', False) else ''}"
+        values = (c.dp, c.tp, c.pp, c.ep, zero, "yes" if c.sequence_parallel else "no",
                   c.microbatches, "full" if c.activation_checkpointing else "none",
                   human_bytes(r["memory"]), f"{r['step_time']:.2f}", f"{t['compute']:.2f}",
                   f"{t['tp'] + t['pp'] + t['dp']:.2f}", f"{r['bubble']:.1%} ({t['bubble']:.2f} s)",
@@ -110,13 +134,20 @@ def _table(rows: list[dict], limit: int) -> str:
 
 
 class ConfigExplorer(widgets.VBox):
-    """Model, GPUs, GPU memory and global batch -> the configurations that fit, best first."""
+    """Model, experts, GPUs, GPU memory and global batch -> the configurations that fit, best
+    first (``n_experts``: None for the dense model, else an MoE layer in every block)."""
+
+    EXPERTS = [("dense", 0), ("8 experts", 8), ("64 experts", 64)]
 
     def __init__(self, model: str = "GPT-3 175B", n_gpus: int = 1024, device_gb: int = 80,
-                 global_batch: int = 1536, limit: int = 8):
+                 global_batch: int = 1536, limit: int = 8, n_experts: Optional[int] = None):
         if model not in MODELS:
             raise ValueError(f"model must be one of {list(MODELS)}, got {model!r}")
+        if (n_experts or 0) not in dict((v, k) for k, v in self.EXPERTS):
+            raise ValueError(f"n_experts must be one of None, 8, 64, got {n_experts!r}")
         self.limit = limit
+        self.experts = widgets.Dropdown(options=self.EXPERTS, value=n_experts or 0,
+                                        description="experts")
         self.model = widgets.Dropdown(options=list(MODELS), value=model, description="model")
         self.n_gpus = widgets.SelectionSlider(options=[2 ** k for k in range(3, 13)], value=n_gpus,
                                               description="GPUs")
@@ -125,17 +156,19 @@ class ConfigExplorer(widgets.VBox):
                                       description="batch")
         self.summary = widgets.HTML()
         self.output = widgets.HTML()
-        for control in (self.model, self.n_gpus, self.device, self.batch):
+        for control in (self.model, self.experts, self.n_gpus, self.device, self.batch):
             control.observe(lambda _change: self.update(), names="value")
-        super().__init__([widgets.HBox([self.model, self.n_gpus]),
+        super().__init__([widgets.HBox([self.model, self.experts, self.n_gpus]),
                           widgets.HBox([self.device, self.batch]), self.summary, self.output])
         self.update()
 
     def update(self) -> None:
+        experts = self.experts.value or None
         self.rows = feasible_configs(MODELS[self.model.value], self.n_gpus.value,
                                      device_bytes=self.device.value * 1e9,
-                                     global_batch=self.batch.value)
-        self.summary.value = (f"<b>{len(self.rows)}</b> configurations fit {self.model.value} on "
+                                     global_batch=self.batch.value, n_experts=experts)
+        what = self.model.value + (f" with {experts} experts per layer" if experts else "")
+        self.summary.value = (f"<b>{len(self.rows)}</b> configurations fit {what} on "
                               f"{self.n_gpus.value} GPUs of {self.device.value} GB "
                               f"(8 per node); the first {min(self.limit, len(self.rows))}, "
                               f"fastest estimated step first.<br><small>Step = compute + exposed "

@@ -155,7 +155,7 @@ PARAMETERS_PER_RANK = ExerciseSpec(
     call=call_parameters, expect=expect_parameters, judge=judge_parameters,
     reference=course_parameters,
     banned=("reference.course.homework.parallel.course_parameters", "reference.parallel.estimate",
-            "reference.parallel.explorer"))
+            "reference.parallel.estimate_memory", "reference.parallel.explorer"))
 HOMEWORK_ID = "06_3d_parallel"
 # The warm-up, a transfer of the lecture's counting, two transfers to what it did not
 # show (clipping, resharding; parallel_extra) and the written question.

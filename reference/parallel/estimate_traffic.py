@@ -1,0 +1,112 @@
+"""The traffic side of `reference.parallel.estimate`: bytes one GPU sends per step, by link.
+
+Ring algorithms, as `reference.comms` counts them. S = b s h x activation bytes is one
+activation of one micro-batch, U = (t - 1) / t S one all-gather or reduce-scatter of it over
+tp = t, and an all-reduce is 2 U:
+
+* tp (inside a node), per micro-batch: 4 U per block for its attention and 4 U for its MLP
+  (2 forward, 2 backward: all-reduces, or with sequence parallelism an all-gather and a
+  reduce-scatter for each, the same bytes); an MoE layer, which tp does not split, 0, or
+  with SP 2 U (its sequence all-gathered forward, reduce-scattered backward); the embedding
+  2 U (+ U with SP), the head 2 U and the loss 3 all-reduces of b s fp32 numbers; full
+  recompute repeats the forward's. Once per step, with SP, the all-reduce of the
+  sequence-parallel gradients (LayerNorms, row biases, every MoE tensor), 2 (t-1)/t x g x theirs;
+* pp (across nodes): one activation forward and one gradient backward per micro-batch, S each
+  (S / t with sequence parallelism: the activation between stages is sequence-split), for a
+  middle stage;
+* dp (across nodes), P the stage's parameters, g bytes per gradient element, m micro-batches
+  per step (accumulation when pp = 1), each where it happens, as `reference.zero` does it:
+
+      ZeRO-0     the gradients' all-reduce, once per step             2 (d-1)/d P g
+                 (with experts, ep > 1: the experts' over dp / ep)
+      ZeRO-1     reduce-scatter + all-gather, once per step           2 (d-1)/d P g
+      ZeRO-2     a reduce-scatter per micro-batch (its backward's hooks: no full gradient
+                 to accumulate into) + the all-gather once per step  (m + 1) (d-1)/d P g
+      ZeRO-3     per micro-batch, two all-gathers (forward, backward)
+                 and a reduce-scatter (FSDP by blocks: tp = pp = 1,
+                 no recompute, no experts)                            3 m (d-1)/d P g
+      ZeRO-3     composed with tp, pp, ep or recompute (`ShardedParameters`):
+                 the stage gathered once per step and kept through its
+                 micro-batches, its gradients reduce-scattered once   2 (N-1) S g
+                 per group: dense rows over N = dp, experts' over N = dp / ep
+      ZeRO-3     composed, ``reshard_after_forward=True``: gathered
+                 for every forward and backward, reduce-scattered
+                 after every backward                                 3 m (N-1) S g
+
+  with S the rank's shard, padded per tensor ((N-1) S = (N-1)/N P when N divides every
+  dim 0). (So ZeRO-2 and block-wise ZeRO-3 pay for accumulation, and `ParallelConfig` refuses
+  ZeRO-2 with a pipeline; composed ZeRO-3 pays in memory instead.)
+  `Estimate.dp_transfers` lists these transfers with what each may hide under.
+
+The experts' all-to-all is not counted here (it depends on the routing:
+`reference.expert_parallel.comms`). `tests/test_parallel_estimate.py` compares each of these
+with the bytes `reference.comms.meter` counts on the tiny model, exactly.
+"""
+from __future__ import annotations
+
+__all__ = ["tp_bytes", "dp_transfers"]
+
+
+def tp_bytes(tensors, config, m, S, tokens, blocks, moe_blocks, embedding, head, recompute,
+             grad_bytes, reshard) -> float:
+    """Bytes one GPU sends over tp per step (the module docstring's list)."""
+    t, sp = config.tp, config.sequence_parallel
+    U = (t - 1) / t * S                                         # one all-gather / reduce-scatter
+    counts = (len(blocks), len(blocks) - len(moe_blocks), len(moe_blocks), embedding, head, sp)
+    loss = 3 * 2 * (t - 1) / t * 4 * tokens if head else 0.0   # max, sum of exp, target logit
+    forward = _tp_forward(*counts) * U + loss
+    per_mb = forward + _tp_backward(*counts) * U + (forward if recompute == "full" else 0.0)
+    # once per step with SP: the gradients of the sequence-parallel tensors summed over tp (on
+    # the shards when resharding: every micro-batch's gradients are reduce-scattered already)
+    marked = tensors.marked(config.dp if reshard else 1)
+    return m * per_mb + (2 * (t - 1) / t * grad_bytes * marked if sp else 0.0)
+
+
+def _tp_forward(n_blocks, dense, moe, embedding, head, sp) -> int:
+    """Forward collectives in units U: an attention 2, a dense MLP 2, an MoE layer 1 with SP."""
+    return 2 * n_blocks + 2 * dense + (moe if sp else 0) + 2 * embedding + (1 if sp and head else 0)
+
+
+def _tp_backward(n_blocks, dense, moe, embedding, head, sp) -> int:
+    return (2 * n_blocks + 2 * dense + (moe if sp else 0) + (1 if sp and embedding else 0)
+            + ((1 if sp else 2) if head else 0))
+
+
+def dp_transfers(tensors, config, m, params, g, composed, reshard) -> tuple:
+    """Data parallelism's transfers, each where it happens (the module docstring's table)."""
+    d, ep = config.dp, config.ep
+    if d == 1:
+        return ()
+    once = (d - 1) / d * params * g
+    if composed:  # per group: dense rows over dp, experts' over dp / ep
+        sets = [(False, d, "dp"), (True, d // ep, "dp / ep")] if ep > 1 else [(None, d, "dp")]
+        out = []
+        for expert, n, over in sets:
+            rows = tensors.of(expert).sizes(n)[1]
+            what = "" if expert is None else (" (experts)" if expert else " (dense)")
+            sent = (n - 1) * rows * g
+            if not rows or n == 1:
+                continue
+            if reshard:
+                out += [(f"all-gathers before each forward and backward{what}, over {over}", 2 * sent, m,
+                         "micro-batch"),
+                        (f"a reduce-scatter after each backward{what}, over {over}", sent, m, "backward")]
+            else:
+                out += [(f"the stage's parameters all-gathered once per step{what}, over {over}", sent, 1, ""),
+                        (f"the gradients' reduce-scatter once per step{what}, over {over}", sent, 1,
+                         "backward")]
+        return tuple(out)
+    if config.zero_stage == 0 and ep > 1:  # experts averaged over dp / ep, the rest over dp
+        e = d // ep
+        n_exp = tensors.of(True).sizes()[0]
+        return (("the dense gradients' all-reduce", 2 * (d - 1) / d * (params - n_exp) * g, 1, "backward"),
+                ("the experts' all-reduce over dp / ep", 2 * (e - 1) / e * n_exp * g, 1, "backward"))
+    return {
+        0: (("the gradients' all-reduce", 2 * once, 1, "backward"),),
+        1: (("the gradients' reduce-scatter", once, 1, "backward"),
+            ("the parameters' all-gather after the step", once, 1, "")),
+        2: (("a reduce-scatter per micro-batch", once, m, "backward"),
+            ("the parameters' all-gather after the step", once, 1, "")),
+        3: (("all-gathers (forward, backward) and a reduce-scatter per micro-batch", 3 * once, m,
+             "micro-batch"),),
+    }[config.zero_stage]
