@@ -13,7 +13,9 @@ functions the notebooks compute them with and against measurements.
   16 without the output this executor keeps; checkpointing divides GPipe's peak by about
   six), interleaving's memory on rank 0 (1 + (p-1)/(pv) times 1F1B's), and the balance of the cuts into
   stages: an embedding-only stage computes nothing, the head's stage stores the
-  log-probabilities, time and memory prefer different cuts.
+  log-probabilities, time and memory prefer different cuts; the 65B "480 GB -> 320 GB"
+  claim computed with `estimate` on its configuration (ZeRO-3, tp 8 x pp 8 x dp 2, with and
+  without an embedding stage): not a GPU's, a node's or the job's peak.
 
 The balance loss's range (05) is in test_expert_parallel_claims.py; the stored-bytes
 formula against the executor's measurement on every rank in test_pipeline_measured.py;
@@ -227,6 +229,63 @@ def test_stage_costs_equal_their_formulas_and_the_balances_differ():
     head = costs["head alone"][-1]
     logits = VOCAB_CFG.block_size * VOCAB_CFG.vocab_size * 4
     assert head.stored_bytes == max(c.stored_bytes for c in costs["head alone"]) and head.stored_bytes > logits
+
+
+# ---------------------------------------------------------------------------
+# 04: the 65B claim on the configuration it names, with the cost model
+# ---------------------------------------------------------------------------
+def _emb65():
+    """The notebook's own cells (the table and its claims) run on the setup's names: the
+    namespace they leave."""
+    from reference.parallel import ParallelConfig
+    from reference.parallel.estimate import estimate
+    from reference.pipeline_parallel import plan_stages
+
+    namespace = dict(GPTConfig=GPTConfig, ParallelConfig=ParallelConfig, estimate=estimate,
+                     Precision=Precision, plan_stages=plan_stages)
+    for cell_id in ("emb65-table", "emb65-facts"):
+        exec(_cell("04_pipeline_parallel.ipynb", cell_id), namespace)
+    return namespace
+
+
+def test_65b_embedding_stage_claims_of_notebook_04(capsys):
+    from reference.parallel import ParallelConfig
+    from reference.parallel.estimate import estimate
+
+    nb = _emb65()
+    printed = capsys.readouterr().out
+    model, psi = nb["LLAMA_65B"], nb["PSI_65B"]
+    assert round(psi / 1e9, 1) == 65.0 and abs(psi / 65.2e9 - 1) < 0.01     # LLaMA-65B: 65.2B
+    layout = ParallelConfig(dp=2, tp=8, pp=8, zero_stage=3, sequence_parallel=True, microbatches=32,
+                            activation_checkpointing=True, precision="bf16")
+    cuts = [layout, layout.with_(embedding_stage=True), layout.with_(pp=10, embedding_stage=True)]
+    rows = []
+    for config in cuts:  # every pipeline rank's peak, without the notebook's helper
+        peaks = [estimate(model, config, micro_batch=1, global_batch=64, stage=r).total_bytes / 1e9
+                 for r in range(config.pp)]
+        rows.append((max(peaks), peaks, 16 * sum(peaks)))
+    before, emb, emb10 = nb["EMB65"].values()
+    for (gpu, peaks, job), got in zip(rows, (before, emb, emb10)):
+        assert got["gpu"] == pytest.approx(gpu, rel=1e-12) and got["node"] == pytest.approx(8 * gpu)
+        assert got["job"] == pytest.approx(job, rel=1e-12)
+    # per GPU: +33 % at the same depth (14 blocks instead of 10), -3 % with two more stages;
+    # at most down to the next stage's peak; far below any GPU's memory
+    assert (round(before["gpu"], 1), round(emb["gpu"], 1), round(emb10["gpu"], 1)) == (13.3, 17.6, 12.8)
+    assert (emb["blocks"], before["blocks"]) == (14, 10) and emb10["gpus"] == 160
+    assert round(emb["gpu"] / before["gpu"] - 1, 2) == 0.33 and round(emb10["gpu"] / before["gpu"] - 1, 2) == -0.03
+    assert emb10["gpu"] >= rows[0][1][1] == before["second"] and round(before["second"], 1) == 12.8
+    assert max(r[0] for r in rows) < 141 < 320                        # an H200's 141 GB
+    # per node: 106 -> 141 (103 at 10 stages), up at the same depth, nowhere near 480 or 320
+    assert [round(r["node"]) for r in (before, emb, emb10)] == [106, 141, 103]
+    assert max(r["node"] for r in (before, emb, emb10)) < 320 / 2
+    # the whole job: +0.2 %; its model states 16 bytes a parameter (LayerNorms replicated over
+    # tp add 0.2 %) beside each replica's stages whole, 2 x (2 + 2) bytes a parameter
+    assert round(emb["job"] / before["job"] - 1, 3) == 0.002 and [round(r["job"]) for r in (before, emb)] == [1634, 1637]
+    for r in (before, emb, emb10):
+        assert 16 < r["states"] * 1e9 / psi < 16.05 and round(r["states"]) == 1041 > 2 * 480
+        assert 8 < r["whole"] * 1e9 / psi < 8.05 and round(r["whole"]) == 521
+    assert [round(r["job"]) for r in list(nb["OFFLOADED"].values())[:2]] == [790, 790]  # offloaded: > 480
+    assert "13.3 -> 12.8 GB" in printed and "1,634 -> 1,637 GB (+0.2%)" in printed and "790 -> 790 GB" in printed
 
 
 # ---------------------------------------------------------------------------
