@@ -32,7 +32,10 @@ pipeline (the stage whole, the stored activations and the whole gradients) and t
 reduce-scatter (the stage and its gradients whole and the (N, S) buffer they are packed
 into); `Estimate.held_in_step` is the stage's parameters and gradients held whole, (p + g) P.
 `tests/test_composed_peak.py` measures the three phases on 8 ranks: the estimate is an upper
-bound of every rank's peak within 10 %.
+bound of every rank's peak within 10 %. With ``reshard_after_forward`` (`reference.zero.
+fsdp_reshard`) a stage is its shards and their gradients plus one unit whole at a time: one
+phase, the pipeline (`zero3_phases`; `tests/test_parallel_estimate.py`: above the measured
+peak by 15 and 22 %).
 
 Bubble: (pp - 1) / (m + pp - 1), m micro-batches per step (interleaved: (pp - 1) / (v m + pp - 1)).
 
@@ -205,7 +208,8 @@ def estimate(model, config: ParallelConfig, *, micro_batch: int, global_batch: i
     a1 = stored + (0.0 if recompute == "full" else logprobs)
     # the gradient of the log-probabilities and the softmax it comes from; with recompute the
     # stage's forward again (this executor recomputes a whole chunk at the start of its B)
-    work = 2 * logprobs + {"full": (whole + logprobs) / v, "selective": (whole - stored) / v}.get(recompute, 0.0)
+    work = 2 * logprobs + {"full": (whole + logprobs) / v,
+                           "selective": (whole - stored) / v}.get(recompute, 0.0)
     first, later, peak = in_flight(config, m, stage)
     acts = peak * a1
     bubble = (p - 1) / (v * m + p - 1)

@@ -45,8 +45,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, Optional
 
-__all__ = ["Tensor", "Tensors", "stage_specs", "stage_tensors", "block_params", "stage_params", "activation_bytes_per_block",
-           "mlp_activation_bytes", "moe_activation_bytes", "in_flight", "zero3_phases"]
+__all__ = ["Tensor", "Tensors", "stage_specs", "stage_tensors", "block_params", "stage_params",
+           "activation_bytes_per_block", "mlp_activation_bytes", "moe_activation_bytes", "in_flight",
+           "zero3_phases"]
 
 
 @dataclass(frozen=True)
@@ -269,7 +270,10 @@ def zero3_phases(sets, precision, a1: float, first: float, later: float, work: f
     only when larger than one micro-batch's:
 
         pipeline        O + (p + g) S + p (root + block) + A(first - 1)
-                        + max(a1, g (root + block) + (N + 1) x the largest unit's shard) + work"""
+                        + max(a1, g (root + block) + (N + 1) x the largest unit's shard) + work
+
+    (an upper bound: the unit's gradients and buffers come as its micro-batch's activations
+    go, and are counted beside all of them)."""
     pb, gb = precision.param, precision.grad
     P = sum(ts.sizes(n)[0] for ts, n in sets)
     S = sum(ts.sizes(n)[1] for ts, n in sets)

@@ -92,7 +92,8 @@ def dp_transfers(tensors, config, m, params, g, composed, reshard) -> tuple:
                          "micro-batch"),
                         (f"a reduce-scatter after each backward{what}, over {over}", sent, m, "backward")]
             else:
-                out += [(f"the stage's parameters all-gathered once per step{what}, over {over}", sent, 1, ""),
+                out += [(f"the stage's parameters all-gathered once per step{what}, over {over}", sent,
+                         1, ""),
                         (f"the gradients' reduce-scatter once per step{what}, over {over}", sent, 1,
                          "backward")]
         return tuple(out)
