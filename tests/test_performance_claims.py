@@ -352,3 +352,25 @@ def test_fp16_overflows_above_65504_and_the_bubble_formula():
     assert torch.finfo(torch.float16).max == 65504
     for m in (1, 2, 4, 8, 16, 32):
         assert build_schedule("1f1b", pp=4, m=m).bubble_fraction() == pytest.approx(3 / (m + 3))
+
+
+def test_the_estimate_bounds_the_tiny_steps_measured_peak_from_above():
+    """Notebook 07's out-of-memory row: the tiny GPT's fp32 step, one process. The model states
+    are exact; `estimate` with fused attention (the model calls scaled_dot_product_attention)
+    is above the measured peak, and within 2x of it."""
+    from reference.memory import PeakMemory, Precision, measure
+    from reference.model import GPT, GPTConfig
+    from reference.parallel import ParallelConfig
+    from reference.parallel.estimate import estimate
+
+    tiny = GPT.from_config_seed(GPTConfig.tiny(), 0)
+    opt = torch.optim.AdamW(tiny.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+    with PeakMemory() as peak:
+        tiny(x, x)[1].backward()
+        opt.step()
+    held = measure(tiny, opt)
+    e = estimate(GPTConfig.tiny(), ParallelConfig(), micro_batch=8, global_batch=8,
+                 precision=Precision.fp32_adam(), act_bytes=4, attention="fused")
+    assert held.model_states == e.model_states.model_states
+    assert 0.5 < (held.params + peak.peak_bytes) / e.total_bytes <= 1
