@@ -16,32 +16,21 @@ numbers its prose prints about GPT-3 175B.
   (TP 8 x PP 16, fp16, 2 + 2 + 12): fits without ZeRO, bubble 15/207; 1024 GPUs are 128 nodes.
 """
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
 from reference.memory import Precision
 from reference.parallel import ParallelConfig
 from reference.parallel.estimate import estimate
 from reference.parallel.explorer import MODELS
 from reference.runtime import launch
+from notebook_cells import NB06 as NOTEBOOK
+from notebook_cells import run_cells
 
-ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK = ROOT / "notebooks" / "06_3d_parallel.ipynb"
-
-
-def _source(cell_id: str) -> str:
-    nb = json.loads(NOTEBOOK.read_text(encoding="utf-8"))
-    (cell,) = [c for c in nb["cells"] if c.get("id") == cell_id]
-    return "".join(cell["source"])
 
 
 def _namespace(*cell_ids, **given) -> dict:
-    ns = {"__name__": "nb06_cells", **given}
-    for cell_id in cell_ids:
-        exec(compile(_source(cell_id), f"06:{cell_id}", "exec"), ns)
-    return ns
+    return run_cells(NOTEBOOK, *cell_ids, name="nb06_cells", **given)
 
 
 @pytest.fixture(scope="module")

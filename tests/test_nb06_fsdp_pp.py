@@ -14,34 +14,21 @@ calls and held peaks against the formulas it prints. This file checks the prose'
   (flat in m); with 4 blocks (2 a stage) the first stage holds as much either way;
 * the picture: the formulas for m = 1 .. 8 with the measured points at m = 4.
 """
-import json
 import math
-from pathlib import Path
 
 import pytest
+from notebook_cells import NB06, run_cells
+from notebook_cells import cells as nb_cells
 
-ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK = ROOT / "notebooks" / "06_3d_parallel.ipynb"
 SECTION = ["fsdp-pp-intro", "fsdp-pp-run", "fsdp-pp-picture", "fsdp-pp-read"]
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _cells() -> list[dict]:
-    return json.loads(NOTEBOOK.read_text(encoding="utf-8"))["cells"]
-
-
-def _source(cell_id: str) -> str:
-    (cell,) = [c for c in _cells() if c.get("id") == cell_id]
-    return "".join(cell["source"])
-
-
 @pytest.fixture(scope="module")
 def ns():
-    ns = {"__name__": "nb06_fsdp_pp_cells"}
-    for cell_id in ("setup", "fsdp-pp-run", "fsdp-pp-picture"):
-        exec(compile(_source(cell_id), f"06:{cell_id}", "exec"), ns)  # each cell asserts its claims
-    return ns
+    # each cell asserts its own claims
+    return run_cells(NB06, "setup", "fsdp-pp-run", "fsdp-pp-picture", name="nb06_fsdp_pp_cells")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +39,7 @@ def more(ns):
 
 
 def test_the_section_sits_after_fsdp_tp_and_before_the_summary_without_outputs():
-    cells = _cells()
+    cells = nb_cells(NB06)
     ids = [c.get("id") for c in cells]
     start = ids.index(SECTION[0])
     assert ids[start - 1] == "fsdp-tp-checkpoint" and ids[start:start + len(SECTION)] == SECTION

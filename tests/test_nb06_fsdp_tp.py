@@ -14,39 +14,27 @@ worked out here from the tiny model's shape (C = 32, 4 C = 128 rows of `c_fc.wei
   tensor (AdamW's step), the other layout loads the same weights bit for bit and takes the
   same next step.
 """
-import json
 import math
-from pathlib import Path
 
 import pytest
+from notebook_cells import NB06, run_cells
+from notebook_cells import cells as nb_cells
 
-ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK = ROOT / "notebooks" / "06_3d_parallel.ipynb"
 SECTION = ["fsdp-tp-intro", "fsdp-tp-run", "fsdp-tp-picture", "fsdp-tp-mem-md", "fsdp-tp-memory",
            "fsdp-tp-checkpoint"]
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _cells() -> list[dict]:
-    return json.loads(NOTEBOOK.read_text(encoding="utf-8"))["cells"]
-
-
-def _source(cell_id: str) -> str:
-    (cell,) = [c for c in _cells() if c.get("id") == cell_id]
-    return "".join(cell["source"])
-
-
 @pytest.fixture(scope="module")
 def ns():
-    ns = {"__name__": "nb06_fsdp_tp_cells"}
-    for cell_id in ("setup", "fsdp-tp-run", "fsdp-tp-picture", "fsdp-tp-memory", "fsdp-tp-checkpoint"):
-        exec(compile(_source(cell_id), f"06:{cell_id}", "exec"), ns)  # each cell asserts its claims
-    return ns
+    # each cell asserts its own claims
+    return run_cells(NB06, "setup", "fsdp-tp-run", "fsdp-tp-picture", "fsdp-tp-memory",
+                     "fsdp-tp-checkpoint", name="nb06_fsdp_tp_cells")
 
 
 def test_the_section_sits_before_the_summary_without_outputs():
-    cells = _cells()
+    cells = nb_cells(NB06)
     ids = [c.get("id") for c in cells]
     start = ids.index(SECTION[0])
     assert ids[start:start + len(SECTION)] == SECTION
