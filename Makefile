@@ -58,7 +58,7 @@ NUMERICS_TESTS ?= tests/test_parallel_sweep.py tests/test_parallel_parity.py tes
 	tests/test_tensor_parallel_gpt.py tests/test_tensor_parallel_layers.py tests/test_tensor_parallel_loss.py \
 	tests/test_expert_parallel_dist.py tests/test_context_parallel.py tests/test_parallel_cp.py \
 	tests/test_parallel_fp16.py tests/test_adam8bit.py tests/test_optimizer_wrappers.py tests/test_pipeline_tp.py \
-	tests/test_fsdp_composed.py tests/test_fsdp_experts.py tests/test_moe_sequence_parallel.py
+	tests/test_fsdp_composed.py tests/test_fsdp_experts.py tests/test_moe_sequence_parallel.py tests/test_fsdp_reshard.py
 numerics: $(STAMP)
 	@caps="default avx2"; grep -q avx512f /proc/cpuinfo 2>/dev/null && caps="$$caps avx512"; \
 	for cap in $$caps; do for t in 1 2; do \
