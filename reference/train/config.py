@@ -23,7 +23,9 @@ choices where DeepSpeed leaves the reader guessing:
   accepted and reported by `describe` as having no effect.
 
 The course's own blocks: `parallelism` {tensor, pipeline, expert, sequence_parallel,
-virtual_stages, schedule, embedding_stage} (dp is what the world size leaves), `model`
+virtual_stages, schedule, embedding_stage, reshard_after_forward: composed ZeRO-3's FSDP2
+option, false by default where PyTorch's `fully_shard` defaults to true} (dp is what the
+world size leaves), `model`
 {preset tiny | small | debug, or sizes, `experts`}, `data` {source stdlib | arithmetic |
 synthetic, seq_len, seed}, `steps`, `seed`, `checkpoint` {dir, every, resume: continue from
 the latest checkpoint when there is one}, `log` {path,
@@ -65,6 +67,7 @@ class ParallelismConfig:
     virtual_stages: int = spec(1, min=1)
     schedule: str = spec("1f1b", choices=SCHEDULES)
     embedding_stage: bool = False
+    reshard_after_forward: bool = False     # FSDP2's option (PyTorch's default True, the course's False)
 
 
 @dataclass
@@ -220,7 +223,8 @@ class TrainConfig:
                             sequence_parallel=p.sequence_parallel, virtual_stages=p.virtual_stages,
                             schedule=p.schedule, precision=self.precision,
                             activation_checkpointing=self.activation_checkpointing.enabled,
-                            embedding_stage=p.embedding_stage)
+                            embedding_stage=p.embedding_stage,
+                            reshard_after_forward=p.reshard_after_forward)
         where = f"{self.path or 'configuration'} at world_size={world_size}"
         try:
             try:

@@ -91,6 +91,10 @@ def describe(config, world_size: int) -> str:
     line("ZeRO", f"stage {z.stage} at dp {dp}: shards {_ZERO_SHARDS[z.stage]}"
          + (f" over {dp} rank{'s' if dp > 1 else ''}" if z.stage else "")
          + (f"; offload_optimizer to {offload}: refused (nothing is offloaded here)" if offload else ""))
+    if p.reshard_after_forward:
+        line("", "reshard_after_forward: each block gathered for its forward and again for its "
+                 "backward, its gradients reduce-scattered after every micro-batch (3 m transfers "
+                 "a step for less memory; the course's default is false, PyTorch's fully_shard's true)")
     if offload:
         from reference.train.deepspeed_blocks import OFFLOAD_REFUSED
 
