@@ -172,6 +172,14 @@ def _label(group, comp) -> str:
     return f"{len(ranks)} ranks"
 
 
+# c10d ops charged the ring formula: op name -> (collective, the argument holding its tensors)
+_C10D_RING = {"allreduce_": ("all_reduce", "tensors"), "allreduce_coalesced_": ("all_reduce", "tensors"),
+              "_allgather_base_": ("all_gather", "output_tensor"),
+              "allgather_into_tensor_coalesced_": ("all_gather", "outputs"),
+              "_reduce_scatter_base_": ("reduce_scatter", "input_tensor"),
+              "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs")}
+
+
 class CollectiveBytes(TorchDispatchMode):
     """Bytes this rank sends in the collectives dispatched inside the block (ring formula), in
     all (`sent`) and by (collective, mesh dimension) (`by`)."""
@@ -206,13 +214,8 @@ class CollectiveBytes(TorchDispatchMode):
         if ns == "c10d":
             g = a.get("process_group")
             group = _group_of(g) if g is not None else None
-            ring = {"allreduce_": ("all_reduce", "tensors"), "allreduce_coalesced_": ("all_reduce", "tensors"),
-                    "_allgather_base_": ("all_gather", "output_tensor"),
-                    "allgather_into_tensor_coalesced_": ("all_gather", "outputs"),
-                    "_reduce_scatter_base_": ("reduce_scatter", "input_tensor"),
-                    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs")}
-            if name in ring:
-                op, key = ring[name]
+            if name in _C10D_RING:
+                op, key = _C10D_RING[name]
                 tensors = a[key] if isinstance(a[key], (list, tuple)) else [a[key]]
                 return op, group, _ring(op, tensors, group)
             if name == "allgather_":
