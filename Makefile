@@ -26,8 +26,17 @@ lab: $(STAMP)
 # run once): the ranks a test starts wait on each other often enough that two files at a
 # time use the two cores of a laptop better than one.
 PYTEST_WORKERS ?= 2
+#
+# Then the parity-heavy files once more under a second set of kernels, so that one machine
+# sees two: ATen's AVX2 kernels and MKL's reproducible COMPATIBLE path round matrix products
+# differently from this CPU's own choice (`make numerics` tries every setting).
+SECOND_KERNELS ?= MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=avx2
+SECOND_KERNEL_TESTS ?= tests/test_tolerance.py tests/test_parallel_parity.py tests/test_parallel_cp.py \
+	tests/test_pipeline_parity.py tests/test_notebooks.py::test_notebook_runs_headless_within_budget
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+	@echo "== the parity tests and the notebooks again under $(SECOND_KERNELS)"
+	env $(SECOND_KERNELS) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -q $(SECOND_KERNEL_TESTS)
 
 # The course as a student sees it: JupyterLab started by `make lab`, driven in Chromium
 # (tests/test_browser.py). Needs /usr/bin/chromium (apt-get install chromium); without
@@ -50,18 +59,31 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache
 
-# The parity and numerical tests under each kernel family PyTorch can pick on this CPU
-# (ATEN_CPU_CAPABILITY) and at 1 and 2 intra-op threads per rank (COURSE_RANK_THREADS):
-# a tolerance that holds on one machine must hold on all of them.
-NUMERICS_TESTS ?= tests/test_parallel_sweep.py tests/test_parallel_parity.py tests/test_composition_findings.py \
+# The parity and numerical tests, and every notebook (whose cells assert their own parity),
+# under the kernels other CPUs pick: ATEN_CPU_CAPABILITY (ATen's default, avx2, avx512
+# kernels), MKL_CBWR (MKL's path for matrix products, which it picks by CPU vendor as well as
+# instruction set: the machine's own, AVX2 as on an AMD CPU, COMPATIBLE, AVX512), and 1 or 2
+# intra-op threads per rank (COURSE_RANK_THREADS). The full product is 24 runs; these
+# settings cover every value of every factor (the AVX-512 ones where this CPU has it). A
+# failure prints its setting: prefix the same variables to one test to reproduce it.
+NUMERICS_TESTS ?= tests/test_tolerance.py tests/test_parallel_sweep.py tests/test_parallel_parity.py tests/test_composition_findings.py \
 	tests/test_data_parallel.py tests/test_zero.py tests/test_clip.py tests/test_pipeline_parity.py \
 	tests/test_tensor_parallel_gpt.py tests/test_tensor_parallel_layers.py tests/test_tensor_parallel_loss.py \
 	tests/test_expert_parallel_dist.py tests/test_context_parallel.py tests/test_parallel_cp.py \
 	tests/test_parallel_fp16.py tests/test_adam8bit.py tests/test_optimizer_wrappers.py tests/test_pipeline_tp.py \
-	tests/test_fsdp_composed.py tests/test_fsdp_experts.py tests/test_moe_sequence_parallel.py tests/test_fsdp_reshard.py
+	tests/test_fsdp_composed.py tests/test_fsdp_experts.py tests/test_moe_sequence_parallel.py tests/test_fsdp_reshard.py \
+	tests/test_notebooks.py::test_notebook_runs_headless_within_budget
+NUMERICS_SETTINGS ?= COURSE_RANK_THREADS=1 \
+	ATEN_CPU_CAPABILITY=default,MKL_CBWR=COMPATIBLE,COURSE_RANK_THREADS=1 \
+	ATEN_CPU_CAPABILITY=avx2,MKL_CBWR=AVX2,COURSE_RANK_THREADS=2 \
+	ATEN_CPU_CAPABILITY=default,MKL_CBWR=AVX2,COURSE_RANK_THREADS=2 \
+	ATEN_CPU_CAPABILITY=avx2,MKL_CBWR=COMPATIBLE,COURSE_RANK_THREADS=1
+NUMERICS_AVX512 ?= ATEN_CPU_CAPABILITY=avx512,MKL_CBWR=AVX512,COURSE_RANK_THREADS=1 \
+	ATEN_CPU_CAPABILITY=avx512,MKL_CBWR=COMPATIBLE,COURSE_RANK_THREADS=2
 numerics: $(STAMP)
-	@caps="default avx2"; grep -q avx512f /proc/cpuinfo 2>/dev/null && caps="$$caps avx512"; \
-	for cap in $$caps; do for t in 1 2; do \
-	  echo "== ATEN_CPU_CAPABILITY=$$cap COURSE_RANK_THREADS=$$t"; \
-	  ATEN_CPU_CAPABILITY=$$cap COURSE_RANK_THREADS=$$t $(BIN)/python -m pytest -q $(NUMERICS_TESTS) || exit 1; \
-	done; done
+	@settings="$(NUMERICS_SETTINGS)"; grep -q avx512f /proc/cpuinfo 2>/dev/null && settings="$$settings $(NUMERICS_AVX512)"; \
+	for setting in $$settings; do \
+	  vars=$$(echo $$setting | tr , ' '); echo "== $$vars"; \
+	  env $$vars $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -q $(NUMERICS_TESTS) \
+	    || { echo "failed under: $$vars"; exit 1; }; \
+	done

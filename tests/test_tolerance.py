@@ -225,3 +225,26 @@ def test_the_policy_is_a_frozen_value():
     with pytest.raises(Exception):
         tol.rtol = 1.0  # type: ignore[misc]
     assert isinstance(adamw_weights(3, 1e-3), Tolerance)
+
+
+# ---------------------------------------------------------------- make numerics covers every value
+def _make_list(name: str) -> list[str]:
+    text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    (line,) = [l for l in text.splitlines() if l.startswith(f"{name} ?=")]
+    return line.split("?=", 1)[1].split()
+
+
+def test_make_numerics_covers_every_value_of_every_factor():
+    """Each kernel family (ATen's and MKL's) and each thread count appears in a setting, the
+    AVX-512 ones among the settings a CPU with AVX-512 adds; the notebooks run in each."""
+    settings = [dict(kv.split("=") for kv in s.split(","))
+                for s in _make_list("NUMERICS_SETTINGS") + _make_list("NUMERICS_AVX512")]
+    seen = {k: {s.get(k, "machine") for s in settings}
+            for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "COURSE_RANK_THREADS")}
+    assert seen["ATEN_CPU_CAPABILITY"] >= {"machine", "default", "avx2", "avx512"}
+    assert seen["MKL_CBWR"] >= {"machine", "AVX2", "COMPATIBLE", "AVX512"}
+    assert seen["COURSE_RANK_THREADS"] == {"1", "2"}
+    assert all("avx512" not in s.lower() for s in _make_list("NUMERICS_SETTINGS"))
+    assert any("test_notebooks.py" in t for t in _make_list("NUMERICS_TESTS"))
+    second = _make_list("SECOND_KERNELS")
+    assert {"MKL_CBWR=COMPATIBLE", "ATEN_CPU_CAPABILITY=avx2"} <= set(second)
