@@ -16,6 +16,7 @@ from reference.course.homework.collectives import DOUBLING, TREE
 from reference.course.homework.collectives_extra import (
     CROSSOVER, crossover_formula, doubling_messages, tree_messages,
 )
+from reference.course.homework.questions import QUESTION_RTOL
 from reference.course.homework.scoring import score_exercise
 
 TIMEOUT = 60  # s per launch (about 1 s needed); only a hanging answer would wait
@@ -181,12 +182,12 @@ def test_the_tree_is_not_recursive_doubling():
 
 def test_crossover_formula_and_grading():
     # p = 4: 6 alpha + 1.5 n beta = 2 alpha + 2 n beta  ->  n = 8 alpha / beta.
-    assert crossover_formula(4, 1e-5, 1e-9) == pytest.approx(8e4, rel=1e-12)
+    assert crossover_formula(4, 1e-5, 1e-9) == pytest.approx(8e4, rel=QUESTION_RTOL)
     # At n* the two times are equal, in the alpha-beta model itself.
     p, a, b = 64, 5e-6, 1 / 50e9
     n = crossover_formula(p, a, b)
     assert 2 * (p - 1) * a + 2 * (p - 1) / p * n * b == pytest.approx(math.log2(p) * (a + n * b),
-                                                                        rel=1e-12)
+                                                                        rel=QUESTION_RTOL)
     answers = _answers()
     right = _score(CROSSOVER, _solution()["ring_doubling_crossover"])
     assert right.points == right.max == 7, right.failures

@@ -1,4 +1,5 @@
-"""Numeric questions: graded exactly (ints) or to 1e-9 relative (reals), on hidden parameters."""
+"""Numeric questions: graded exactly (ints) or to QUESTION_RTOL relative (reals, a float64's last
+bits), on hidden parameters."""
 import cloudpickle
 
 from reference.course.homework.questions import judge_number, question

@@ -13,17 +13,20 @@
 The tree is checked on 4 and 6 ranks (a full tree, and one whose leaves sit at several
 depths: on 3 ranks it would be a star), recursive doubling on 3 and 6 ranks (one and two
 extra ranks around a core of 2 and 4), each on float32 tensors of shapes (1,), (7,) and
-(3, 5), float64 (6,) and int64 (2, 3): two launches each, to keep grading quick. The sum must agree with
-the float64 sum within ``FLOAT_TOLERANCE`` (the algorithm adds in its own order;
-integers exactly), every rank must hold the same bits (both algorithms end with the
-same numbers everywhere: a tree broadcasts its root's sum; a swap adds the same two
-numbers on both sides, and float addition is commutative), and the recorded messages
+(3, 5), float64 (6,) and int64 (2, 3): two launches each, to keep grading quick. The
+sum must agree with the float64 sum within ``collectives.float_tolerance`` (the
+algorithm adds in its own order: the course's bound for a sum over p ranks, float32's
+for the float64 case too; integers exactly), every rank must hold the same bits (both
+algorithms end with the same numbers everywhere: a tree broadcasts its root's sum; a
+swap adds the same two numbers on both sides, and float addition is commutative), and
+the recorded messages
 must be the algorithm's: the exact set of (peer, element count) sent and received by
 every rank, each message the whole tensor.
 
 * ``ring_doubling_crossover(world_size, alpha, beta)``: the written question, graded to
-  1e-9 relative: the message size in bytes at which the ring all-reduce and recursive
-  doubling take the same time in the alpha-beta model (world_size a power of two >= 4).
+  `questions.QUESTION_RTOL` relative (a float64's last bits): the message size in bytes
+  at which the ring all-reduce and recursive doubling take the same time in the
+  alpha-beta model (world_size a power of two >= 4).
 """
 from __future__ import annotations
 

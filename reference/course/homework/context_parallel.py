@@ -20,11 +20,13 @@
   written question, graded exactly: bytes one rank sends in ring attention's forward when
   the keys and values have fewer heads than the queries (grouped-query attention).
 
-Tolerances: float64 rtol 1e-10, atol 1e-12 (a few ulps of another order of additions).
-float32 merges rtol 1e-4, atol 1e-5: the inputs' log-sum-exps reach |lse| = 1000, where
-a float32 ulp is 6e-5, so the merged lse and the weights e^(lse - new) carry a relative
-error of that size in any float32 computation; a merge that forms e^lse itself returns
-inf or NaN there, far outside.
+Tolerances (`merge_tolerance`): the course's bound for a forward in the inputs' dtype
+(`reference.tolerance.forward`, reasoned in reference/tolerance.py), for values of order
+the largest |lse| of the case rather than 1 (`at_scale`): the inputs' log-sum-exps reach
+|lse| = 1000, where one rounding is u |lse| (6e-5 in float32), so the merged lse and the
+weights e^(lse_i - lse) carry an error of that size in any computation, and the output,
+a mix of values of order 1 with those weights, too; a merge that forms e^lse itself
+returns inf or NaN there, far outside. The ring's outputs take `forward(dtype)`.
 """
 from __future__ import annotations
 
@@ -33,16 +35,24 @@ import math
 import torch
 
 from reference.course.homework.context_parallel_ring import (
-    CAUSAL_RING_ATTENTION, TOLERANCE, close, plain, zigzag_positions,
+    CAUSAL_RING_ATTENTION, close, plain, zigzag_positions,
 )
 from reference.course.homework.questions import question
 from reference.course.homework.scoring import Case, ExerciseSpec
+from reference.tolerance import Tolerance, forward
 
 __all__ = ["MERGE_ATTENTION_BLOCKS", "ZIGZAG_MASK", "CAUSAL_RING_ATTENTION", "RING_FORWARD_BYTES",
            "EXERCISES", "HOMEWORK_ID", "course_merge_attention_blocks", "course_zigzag_mask",
-           "ring_forward_bytes_formula", "MERGE_FLOAT32"]
+           "ring_forward_bytes_formula", "merge_tolerance"]
 
-MERGE_FLOAT32 = {"rtol": 1e-4, "atol": 1e-5}  # |lse| up to 1000: a float32 ulp there is 6e-5
+
+def merge_tolerance(lses) -> Tolerance:
+    """forward(dtype) for values of order the largest finite |lse| (at least 1): one
+    rounding of the merged lse is u |lse|, and the weights e^(lse_i - lse) carry it."""
+    lse = torch.stack(list(lses)).double()
+    finite = lse[torch.isfinite(lse)]
+    scale = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
+    return forward(lses[0].dtype).at_scale(scale)
 
 
 # ------------------------------------------------------------------ merge_attention_blocks
@@ -120,6 +130,7 @@ def expect_merge(inputs: list) -> list:
 def judge_merge(inputs, expected, outputs, world_size) -> str:
     c, want, got = inputs[0], expected[0], outputs[0]
     dtype = c["outs"][0].dtype
+    tol = merge_tolerance(c["lses"])
     if not got["pair"]:
         return f"returned {got['type']}, not the pair (out, lse)"
     if got["changed"]:
@@ -131,7 +142,7 @@ def judge_merge(inputs, expected, outputs, world_size) -> str:
         if t.shape != w.shape or t.dtype != dtype:
             return (f"{name} is {t.dtype} {tuple(t.shape)}; expected {dtype} {tuple(w.shape)} "
                     f"(the inputs' dtype and shape)")
-        if error := close(t, w, MERGE_FLOAT32 if dtype == torch.float32 else TOLERANCE[dtype]):
+        if error := close(t, w, tol):
             return f"wrong {name} ({error})"
     return ""
 

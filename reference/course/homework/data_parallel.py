@@ -10,8 +10,9 @@ for each of 2 steps. Between the steps the ranks set every ``p.grad`` to None, a
 ``optimizer.zero_grad()`` does, and run the next backward: the hooks must work step
 after step. The grader computes the full-batch gradient of the mean-squared error in
 one process (the ranks' batches concatenated; the batches are equal in size, so it is
-the mean of the ranks' gradients) and compares it with every rank's ``p.grad``, with
-the course's fp32 tolerance. A frozen parameter must keep ``grad`` None.
+the mean of the ranks' gradients) and compares it with every rank's ``p.grad``, within
+the course's bound for a gradient summed over n ranks (and micro-batches) in another
+order, `reference.tolerance.gradient(n)`. A frozen parameter must keep ``grad`` None.
 
 The bucketed exercise goes where the lecture's buckets did not: gradient accumulation.
 Each step runs ``accumulation_steps`` (K = 1, 2 or 3) micro-batches, each loss divided by
@@ -35,14 +36,15 @@ import torch.nn as nn
 from reference.data_parallel import naive_all_reduce_gradients
 from reference.data_parallel.buckets import plan_buckets
 from reference.course.homework.data_parallel_cases import (
-    BATCH, STEPS, TOLERANCE, build_mlp, collectives_allowed, full_batch_loss, judge_grads, model_case,
+    BATCH, STEPS, build_mlp, collectives_allowed, full_batch_loss, judge_grads, model_case,
 )
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.scoring import WARM_UP, Case, ExerciseSpec
+from reference.tolerance import gradient
 
 __all__ = ["AVERAGE_GRADIENTS", "BUCKETED", "ACCUMULATE", "INT8", "DDP_BYTES", "EXERCISES",
            "build_mlp", "model_case", "full_batch_loss", "collectives_allowed", "judge_grads",
-           "course_bucketed_all_reduce", "TOLERANCE", "STEPS", "BATCH"]
+           "course_bucketed_all_reduce", "STEPS", "BATCH"]
 
 def _random_sizes(generator) -> list:
     return [int(v) for v in torch.randint(2, 8, (4,), generator=generator)]
@@ -96,7 +98,7 @@ def call_average(fn, case: dict) -> dict:
 
 
 def judge_average(inputs, expected, outputs, world_size) -> str:
-    return judge_grads(expected, outputs)
+    return judge_grads(expected, outputs, gradient(world_size))  # summed over the ranks
 
 
 # ------------------------------------------------------------------ exercise 2: buckets
@@ -176,7 +178,8 @@ def judge_bucketed(inputs, expected, outputs, world_size) -> str:
         if len(buckets) > 1 and out["calls"][0][2] == 0:
             return (f"rank {rank}: the first all-reduce started only once every gradient existed "
                     f"(launch a bucket as soon as its own gradients are ready)")
-    return judge_grads(expected, outputs)
+    # summed over every rank's every micro-batch
+    return judge_grads(expected, outputs, gradient(world_size * inputs[0]["micro"]))
 
 
 def course_bucketed_all_reduce(module, bucket_bytes, accumulation_steps=1, group=None):

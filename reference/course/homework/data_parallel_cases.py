@@ -6,8 +6,9 @@ the collectives an exercise may use.
   `full_batch_loss` is the mean-squared error every case trains on;
 * `collectives_allowed` puts back, inside the rules, the process group's methods an
   exercise may call, and records each call (method, elements, dtype);
-* `judge_grads` compares every rank's gradients with the full-batch ones, with the
-  course's fp32 tolerance.
+* `judge_grads` compares every rank's gradients with the full-batch ones, within the
+  tolerance its caller gives: the course's bound for a gradient summed over n ranks or
+  micro-batches in another order (`reference.tolerance.gradient(n)`).
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["TOLERANCE", "STEPS", "BATCH", "collectives_allowed", "build_mlp", "full_batch_loss",
+from reference.tolerance import Tolerance
+
+__all__ = ["STEPS", "BATCH", "collectives_allowed", "build_mlp", "full_batch_loss",
            "model_case", "judge_grads"]
 
-TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 STEPS, BATCH = 2, 3  # backward passes per case, examples per rank and step
 
 # The guard switches off every method of the process group, whatever the exercise
@@ -92,7 +94,8 @@ def model_case(generator, world_size, sizes, frozen=(), bias=True, **extra) -> l
             for _ in range(world_size)]
 
 
-def judge_grads(expected: dict, outputs: list) -> str:
+def judge_grads(expected: dict, outputs: list, tol: Tolerance) -> str:
+    """"" when every rank's gradients at every step are the expected ones within `tol`."""
     for rank, out in enumerate(outputs):
         for step, (got, want) in enumerate(zip(out["grads"], expected["grads"])):
             extra = sorted(set(got) - set(want))
@@ -103,8 +106,8 @@ def judge_grads(expected: dict, outputs: list) -> str:
                     return f"rank {rank}, step {step}: {name}.grad is None after the averaging"
                 if got[name].shape != g.shape:
                     return f"rank {rank}, step {step}: {name}.grad has shape {tuple(got[name].shape)}"
-                if not torch.allclose(got[name], g, **TOLERANCE):
-                    local = "" if not torch.allclose(got[name] / len(outputs), g, **TOLERANCE) else (
+                if not tol.close(got[name], g):
+                    local = "" if not tol.close(got[name] / len(outputs), g) else (
                         " (it is the sum over ranks: divide by the world size)")
                     error = (got[name] - g).abs().max().item()
                     return (f"rank {rank}, step {step}: {name}.grad is not the full-batch gradient "

@@ -9,10 +9,12 @@
   Cases on 2 and 3 ranks, 2 steps each (the gradients set to None between them): equal
   micro-batches; micro-batches of different sizes; ranks with different sample counts; a
   rank with no micro-batch at all; a float64 model with a frozen first layer. Checked: the
-  gradients and the loss (the course's fp32 tolerance: rtol 1e-5, atol 1e-6; the sums are
-  the same numbers added in another order), one backward per micro-batch (counted by
-  post-accumulate-grad hooks), no all-reduce before the last backward, and at most the
-  trainable elements plus two numbers all-reduced per step.
+  gradients and the loss, within the course's fp32 bounds (reference/tolerance.py:
+  `gradient(n)` for a gradient summed over the n micro-batches of every rank in another
+  order, `loss()` for the loss; the float64 case too: a loss summed in float32 on the
+  way is still the step's loss), one backward per micro-batch
+  (counted by post-accumulate-grad hooks), no all-reduce before the last backward, and at
+  most the trainable elements plus two numbers all-reduced per step.
 * ``int8_all_reduce(grad, residual, group=None)``: the mean of the ranks' gradients sent
   as int8, with error feedback. With p ranks and L = 127 // p levels (so that the sum of p
   values in [-L, L] fits in an int8), v = grad + residual, m = the largest |v| on any rank
@@ -21,8 +23,9 @@
   Three steps per case, each step's residual the one returned by the step before, on 2
   and 3 ranks: float32 (1,), (7,), (3, 5); float64 (6,); zeros on every rank; one rank's
   gradients 100 times smaller than the others' (they reach the mean only through the
-  residual). Checked: the mean and the residual (rtol 1e-5, atol 1e-6: the same
-  operations, which another order of multiplication can change in the last bits), the
+  residual). Checked: the mean and the residual within `reference.tolerance.forward()`,
+  the float64 case too (the same operations, which another order of multiplication, or
+  a scale held in float32, changes in the last bits), the
   inputs left unchanged, and the traffic: exactly the n values as int8, and at most one
   other number.
 * ``ddp_bytes_per_step(n_params, world_size, bytes_per_element, accumulation_steps,
@@ -30,17 +33,16 @@
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from reference.course.homework.data_parallel_cases import (
-    TOLERANCE, build_mlp, collectives_allowed, judge_grads, model_case,
+    build_mlp, collectives_allowed, judge_grads, model_case,
 )
 from reference.course.homework.questions import question
 from reference.course.homework.scoring import Case
+from reference.tolerance import forward, gradient, loss as loss_tolerance
 
 __all__ = ["course_accumulate_gradients", "course_int8_all_reduce", "ddp_bytes_formula",
            "make_accumulate_cases", "call_accumulate", "expect_accumulate", "judge_accumulate",
@@ -173,9 +175,12 @@ def judge_accumulate(inputs, expected, outputs, world_size) -> str:
             if got["loss"] is None:
                 return f"{where}: returned {got['loss_type']}, not the step's loss (a float)"
             want = expected["losses"][step]
-            if not math.isclose(got["loss"], want, rel_tol=TOLERANCE["rtol"], abs_tol=TOLERANCE["atol"]):
+            if not loss_tolerance().allows(got["loss"] - want, want):  # NaN never is
                 return f"{where}: returned loss {got['loss']:.6g}, the mean over all samples is {want:.6g}"
-    return judge_grads(expected, [{"grads": [s["grads"] for s in out["steps"]]} for out in outputs])
+    # the gradient sums every micro-batch of every rank: the most of any step
+    n = max(sum(len(case["batches"][step]) for case in inputs) for step in range(STEPS))
+    return judge_grads(expected, [{"grads": [s["grads"] for s in out["steps"]]} for out in outputs],
+                       gradient(n))
 
 
 # ------------------------------------------------------------------ int8_all_reduce
@@ -273,7 +278,7 @@ def judge_int8(inputs, expected, outputs, world_size) -> str:
                 if g.shape != e.shape or g.dtype != e.dtype:
                     return (f"{where}: the {name} is {g.dtype} {tuple(g.shape)}, expected "
                             f"{e.dtype} {tuple(e.shape)}")
-                if not torch.allclose(g, e, **TOLERANCE):
+                if not forward().close(g, e):
                     error = (g.double() - e.double()).abs().max().item()
                     return f"{where}: wrong {name} (max abs error {error:.3g})"
     return ""

@@ -5,8 +5,9 @@
   ``e // experts_per_rank``, -1 = dropped, only ``all_to_all_single`` allowed), but a
   token whose kept experts share a rank crosses to that rank **once**: the rank runs each
   of those experts on the one row and sends back one row, their weighted sum. Judged as
-  `dispatch_combine` (the single-process sum within rtol 1e-5, atol 1e-6 plus
-  `expert_traffic.rounding_bounds`, float32's rounding of sin's argument; computed in
+  `dispatch_combine` (the single-process sum within the course's fp32 forward bound,
+  `reference.tolerance.forward()`, plus `expert_traffic.rounding_bounds`, float32's
+  rounding of sin's argument; computed in
   float64 and returned in the tokens' dtype; each expert on its own rank, on exactly the
   rows that chose it; no point-to-point message), and by the traffic: the elements a rank
   sends through all_to_all_single may not exceed one row of C per (token, rank) pair out

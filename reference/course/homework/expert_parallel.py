@@ -7,7 +7,8 @@ Cases: random tie-free logits (every two logits of a token at least 0.3 * scale
 apart, so no float tie decides a choice), k = 1 (Switch: raw probability), 2 and 3,
 one token, capacity large enough to keep everything, and logits skewed towards a
 few experts so that first and second choices compete for the same slots. Indices
-and the keep mask must be equal; weights within rtol=1e-5, atol=1e-6.
+and the keep mask must be equal; weights within the course's fp32 forward bound
+(`reference.tolerance.forward()`: the same softmax, its sums added in another order).
 
 Exercise `dispatch_combine` (2 and 4 ranks, only `all_to_all_single` allowed; a bonus):
 each rank holds its own tokens, their expert assignments (-1 = dropped at capacity) and
@@ -19,10 +20,11 @@ gradients of this rank's tokens and weights must equal the single-process ones (
 backward of an all-to-all is the all-to-all with the splits swapped). Every expert
 must run only on the rank that holds it, on exactly the rows that chose it; no
 point-to-point message, and no more all-to-all traffic than the rows need, forward and
-backward. Values and gradients within rtol 1e-5, atol 1e-6 of the float64 reference
-plus `expert_traffic.rounding_bounds` (float32's rounding of sin's argument x (e + 1)). The lecture's forward-only dispatch loses every case. Cases: uneven token counts per
-rank, every token to one expert (empty splits), dropped assignments and a token
-that lost all of them, a rank with no tokens, k = 3.
+backward. Values and gradients within `reference.tolerance.forward()` of the float64
+reference plus `expert_traffic.rounding_bounds` (float32's rounding of sin's argument
+x (e + 1)). The lecture's forward-only dispatch loses every case. Cases: uneven token
+counts per rank, every token to one expert (empty splits), dropped assignments and a
+token that lost all of them, a rank with no tokens, k = 3.
 
 The course's own answers (`reference_routing` and the router; `expert_dedup`'s
 `course_dispatch_combine` and the layer, its all-to-all and its plan) are refused to the

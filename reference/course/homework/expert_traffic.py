@@ -14,13 +14,18 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from reference.tolerance import UNIT_ROUNDOFF, forward
+
 __all__ = ["TOLERANCE", "close", "rounding_bounds", "expert_fn_value", "assignments", "plain", "all_to_all_single_allowed",
            "call_dispatch_combine", "call_dispatch_combine_backward"]
 
-TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
-# fp32's unit roundoff, and how many roundings an element of the answer may gather: the
-# argument (x * (e + 1)), sin or cos, the + e, the weight, and one per term of a sum.
-_U = 2.0 ** -24
+# The course's fp32 bound for a forward or a single reduction (reference/tolerance.py):
+# the answer is float32, compared with the float64 reference.
+TOLERANCE = forward(torch.float32)
+# float32's unit roundoff (the policy's), and how many roundings an element of the answer
+# may gather: the argument (x * (e + 1)), sin or cos, the + e, the weight, and one per
+# term of a sum.
+_U = UNIT_ROUNDOFF[torch.float32]
 _ROUNDINGS = 8
 
 
@@ -30,11 +35,11 @@ def rounding_bounds(case: dict) -> dict:
     `expert_fn_value` takes sin(x (e + 1)): float32 rounds the argument by |x (e + 1)| u, and
     sin, cos and the vector kernels PyTorch picks on each CPU (AVX-512, AVX2, plain) differ
     by about that much. Where sin or cos is near zero that error is not small next to the
-    value, so rtol 1e-5 / atol 1e-6 alone fails a right answer on some machines (measured:
-    3e-6 on the token gradient of a 12-expert case). The bound is the sum of the absolute
-    terms of each element times `_ROUNDINGS` u; it is added to the tolerance, and it is far
-    below any mistake the checks look for (a wrong expert or weight moves an element by
-    O(1))."""
+    value, so `TOLERANCE` alone fails a right answer on some machines (measured: 3e-6 on
+    the token gradient of a 12-expert case). The bound is the sum of the absolute terms of
+    each element times `_ROUNDINGS` u (u float32's unit roundoff,
+    `reference.tolerance.UNIT_ROUNDOFF`); it is added to the tolerance, and it is far below
+    any mistake the checks look for (a wrong expert or weight moves an element by O(1))."""
     x, idx, w = case["tokens"].double(), case["expert_idx"], case["weights"].double()
     k = idx.shape[1]
     g = case.get("grad_out")
@@ -56,7 +61,7 @@ def rounding_bounds(case: dict) -> dict:
 
 def close(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
     """Elementwise: within TOLERANCE of the reference, widened by the rounding bound."""
-    limit = TOLERANCE["atol"] + TOLERANCE["rtol"] * want.abs() + bound.to(want.dtype)
+    limit = TOLERANCE.atol + TOLERANCE.rtol * want.abs() + bound.to(want.dtype)
     return (got - want).abs() <= limit
 
 

@@ -15,8 +15,10 @@ the generator, calls ``recompute`` (several times in a row for a stack of blocks
 backpropagates ``(y * grad_out).sum()``; the expected answer is the same run with ``fn``
 called directly (`expect_recompute`, in the grader's process). The judge, in this order:
 
-* the output equals the direct run's (rtol 1e-5, atol 1e-6, as every comparison here); in
-  a row, each block draws its masks where the one before left the generator;
+* the output equals the direct run's (within `reference.tolerance.forward()`, as every
+  comparison here: the same float32 computation, run in another process, whose kernels
+  may add in another order); in a row, each block draws its masks where the one before
+  left the generator;
 * the tensors autograd saved while ``recompute`` ran (``saved_tensors_hooks``; distinct
   storages, fn's weights not counted) total at most each call's input and one random
   state (`RNG_BYTES`): a forward that keeps fn's activations keeps several times more;
@@ -44,13 +46,14 @@ import torch.nn.functional as F
 
 from reference.course.homework.scoring import Case, ExerciseSpec
 from reference.model import Block, GPTConfig
+from reference.tolerance import forward
 
 __all__ = ["RECOMPUTE", "make_recompute_cases", "expect_recompute", "judge_recompute",
            "call_recompute", "course_recompute", "torch_recompute", "RNG_BYTES"]
 
 RNG_BYTES = torch.get_rng_state().nbytes  # the default CPU generator's state: 5,056 bytes
 DRAWS = 16  # numbers the caller draws after the forward and after the backward
-TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+TOLERANCE = forward()
 # (title, kind, dropout, functions in a row, the caller draws around it). Without dropout
 # first: the visible check stops at the first failure, and a recomputation that is wrong
 # only with dropout shows as such.
@@ -177,7 +180,7 @@ def _gap(got, want: torch.Tensor) -> float | None:
     """The largest difference beyond the tolerance's, None when within it."""
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
         return float("inf")
-    if torch.allclose(got.double(), want.double(), **TOLERANCE):
+    if TOLERANCE.close(got, want):
         return None
     return float((got.double() - want.double()).abs().max())
 

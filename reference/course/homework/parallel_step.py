@@ -35,8 +35,11 @@ embedding's two uses); the ranks get float32. Expected (`expect_finish_step`, co
 float64 from those float32 parts, so that the ranks never receive the answer): the slice
 of the mean of the replicas' gradients, which is one process's gradient of the whole batch
 (the tests check it against the GPT's), clipped; the mean loss; the norm. Compared with
-rtol 1e-5 and atol 1e-6 plus 1e-5 of the tensor's largest element: a rank sums the parts
-in float32, which moves an element by a few ulps of the largest part, not of the element.
+the course's bounds (reasoned in reference/tolerance.py): the gradients within
+`gradient(n).at_scale(s)`, a sum over at most n = world size parts in another order, s
+the largest |part| of the tensor that any rank holds (a rank sums the parts in float32,
+which moves an element by a few ulps of the largest part, not of the element); the loss
+within `loss()`; the norm, a sum of squares over the ranks, within `gradient(n)`.
 Cases on 4, 6 and 8 ranks: dp x tp with sequence parallelism, tp x pp and dp x pp with a
 tied embedding, a middle stage (pp = 3), dp x tp x pp tied and untied, clipping that acts
 and clipping that does not, and `dp_reduce` False (each rank's gradient must stay its own
@@ -54,10 +57,10 @@ import torch
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.parallel_step_rank import call_finish_step, torch_finish_step
 from reference.course.homework.scoring import Case, ExerciseSpec
+from reference.tolerance import Tolerance, exact, gradient, loss as loss_tolerance
 
 __all__ = ["FINISH_STEP", "make_finish_cases", "expect_finish_step", "judge_finish_step"]
 
-TOLERANCE = {"rtol": 1e-5, "atol": 1e-6, "of_largest": 1e-5}
 # The cases' meshes, (dp, tp, pp, sequence_parallel, tied, dp_reduce, clip), by world size.
 # clip: None (no clipping), "acts" (max_norm half the norm) or "idle" (ten times the norm).
 MESHES = {
@@ -225,11 +228,26 @@ def expect_finish_step(inputs: list) -> list:
     return out
 
 
-def _far(got: torch.Tensor, want: torch.Tensor) -> bool:
-    want = want.double()
-    limit = (TOLERANCE["atol"] + TOLERANCE["of_largest"] * float(want.abs().max())
-             + TOLERANCE["rtol"] * want.abs())
-    return bool(((got.double() - want).abs() > limit).any())
+def _part_scales(inputs: list) -> dict:
+    """name -> the largest |number| any rank holds of that gradient (a tied embedding's two
+    copies together): the size of the parts a rank's sums add up."""
+    scales = {}
+    for case in inputs:
+        for name, g in case["grads"].items():
+            key = "wte.weight" if case["layout"][name]["tied"] else name
+            scales[key] = max(scales.get(key, 0.0), float(g.abs().max()) if g.numel() else 0.0)
+    return scales
+
+
+def _gradient_tolerance(inputs: list, world_size: int) -> dict:
+    """name -> the bound for that gradient: a sum over at most `world_size` parts in another
+    order, at the scale of its largest part (parts that are all zero sum to zero exactly)."""
+    return {key: gradient(world_size).at_scale(scale) if scale > 0 else exact()
+            for key, scale in _part_scales(inputs).items()}
+
+
+def _far(got: torch.Tensor, want: torch.Tensor, tol: Tolerance) -> bool:
+    return not tol.close(got, want)
 
 
 def _ratio(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -239,6 +257,11 @@ def _ratio(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def judge_finish_step(inputs, expected, outputs, world_size) -> str:
     dp, tp, pp = inputs[0]["dims"]
+    tols = _gradient_tolerance(inputs, world_size)
+
+    def tol(rank, name):
+        return tols["wte.weight" if inputs[rank]["layout"][name]["tied"] else name]
+
     for rank, (out, want) in enumerate(zip(outputs, expected)):
         if out.get("error"):
             return f"rank {rank} {out['error']}"
@@ -246,7 +269,7 @@ def judge_finish_step(inputs, expected, outputs, world_size) -> str:
             return (f"rank {rank}: a gradient tensor of `grads` was replaced; change the "
                     f"tensors in place (the optimizer holds them)")
     for rank, (out, want) in enumerate(zip(outputs, expected)):
-        if out["loss"] is None or not math.isclose(out["loss"], want["loss"], rel_tol=1e-5):
+        if out["loss"] is None or not loss_tolerance().allows(out["loss"] - want["loss"], want["loss"]):
             got = "no number" if out["loss"] is None else f"{out['loss']:.6g}"
             ratio = "" if out["loss"] is None else f", ratio {out['loss'] / want['loss']:.4g}"
             return f"rank {rank}: loss {got}, one process's is {want['loss']:.6g}{ratio}"
@@ -256,7 +279,7 @@ def judge_finish_step(inputs, expected, outputs, world_size) -> str:
             g = out["grads"].get(name)
             if g is None or g.shape != w.shape:
                 return f"rank {rank} ({coords}): {name} is not a tensor of shape {tuple(w.shape)}"
-        far = [n for n, w in want["grads"].items() if _far(out["grads"][n], w)]
+        far = [n for n, w in want["grads"].items() if _far(out["grads"][n], w, tol(rank, n))]
         if not far:
             continue
         ratios = [_ratio(out["grads"][n], want["grads"][n]) for n in want["grads"]]
@@ -273,11 +296,12 @@ def judge_finish_step(inputs, expected, outputs, world_size) -> str:
             if not out["norm_is_none"]:
                 return f"rank {rank}: returned a norm although the optimizer averages dp (None)"
             continue
-        if out["norm"] is None or not math.isclose(out["norm"], want["norm"], rel_tol=1e-5):
+        if out["norm"] is None or not gradient(world_size).allows(out["norm"] - want["norm"],
+                                                                 want["norm"]):
             got = "no number" if out["norm"] is None else f"{out['norm']:.6g}"
             ratio = "" if out["norm"] is None else f", ratio {out['norm'] / want['norm']:.4g}"
             return f"rank {rank}: norm {got}, one process's is {want['norm']:.6g}{ratio}"
-        if any(_far(out["grads"][n], w) for n, w in want["grads"].items()):
+        if any(_far(out["grads"][n], w, tol(rank, n)) for n, w in want["grads"].items()):
             ratio = _ratio(next(iter(out["grads"].values())), next(iter(want["grads"].values())))
             return (f"rank {rank}: the norm is right, but every gradient is {ratio:.4g} times "
                     f"one process's clipped gradient")

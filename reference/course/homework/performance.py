@@ -7,26 +7,28 @@
   step's (start, end); everything outside the step is ignored. Returns seconds:
   ``compute`` (the union of the compute intervals), ``communication`` (the union of every
   kind's intervals where nothing computes), ``hidden`` (communication under computation)
-  and ``idle`` (the rest of the step). Compared with abs 1e-9 (times of 1e-3 to 1 s: a
-  union summed in another order differs by 1e-16 of them; a missed merge or clip is off
-  by at least 1e-4). Cases: nested operators, communication under compute, kinds
-  overlapping each other, intervals crossing the step's ends, no communication,
-  intervals out of order.
+  and ``idle`` (the rest of the step). Compared within `time_tolerance`: the course's
+  float64 bound for a sum of n lengths in another order (`reference.tolerance.gradient(n,
+  torch.float64)`, reasoned in reference/tolerance.py), for times of order the trace's
+  largest rather than 1 (`at_scale`): a union summed in another order differs by a few
+  float64 ulps of the times (1e-3 to 1 s), a missed merge or clip by at least 1e-4.
+  Cases: nested operators, communication under compute, kinds overlapping each other,
+  intervals crossing the step's ends, no communication, intervals out of order.
 * ``diagnose(profile)``: a step's per-rank profile with one planted problem (or none);
   returns (problem, fix) with problem one of PROBLEMS: a straggler (fix: its rank), a
   pipeline bubble above the target (fix: the fewest micro-batches that meet it), a
   communication share over 30 % of many small all-reduces (latency: fix the bucket size
   in bytes at which a ring all-reduce's latency and bandwidth terms are equal, N alpha /
-  beta, rtol 1e-9) or of large ones (bandwidth: fix None), or healthy (None). The
-  profile's `beta` is seconds per byte (1 / bandwidth), the convention of notebook 00 and
-  homework 00. Cases are clear-cut (a straggler computes at least 1.8 times the others;
-  where the share decides, it is below 20 % or above 35 %; bytes per call are a quarter
-  of N alpha / beta or less, or 4 times or more; no bubble target sits on a whole number of
-  micro-batches) and set traps: a straggler's and a bubble's waiting also raise the
+  beta, relative to it within `QUESTION_RTOL`, a float64's last bits) or of large ones
+  (bandwidth: fix None), or healthy (None). The profile's `beta` is seconds per byte
+  (1 / bandwidth), the convention of notebook 00 and homework 00. Cases are clear-cut (a
+  straggler computes at least 1.8 times the others; where the share decides, it is below
+  20 % or above 35 %; bytes per call are a quarter of N alpha / beta or less, or 4 times
+  or more; no bubble target sits on a whole number of micro-batches) and set traps: a straggler's and a bubble's waiting also raise the
   communication share, and a pipeline with enough micro-batches has no bubble problem.
   Half the cases are latency-bound, on 2 to 64 ranks: the one diagnosis whose fix is a
   number, which reading beta as a bandwidth (N alpha beta) gets wrong in every case.
-* ``mfu(...)``: the written question, graded on other values to rtol 1e-9.
+* ``mfu(...)``: the written question, graded on other values to `QUESTION_RTOL` relative.
 PowerSGD's compressed all-reduce, the transfer exercise on ranks, is checked in
 `performance_powersgd`.
 """
@@ -38,13 +40,13 @@ import statistics
 
 import torch
 
-from reference.course.homework.questions import question
+from reference.course.homework.questions import QUESTION_RTOL, question
 from reference.course.homework.scoring import Case, ExerciseSpec
+from reference.tolerance import Tolerance, gradient
 
 __all__ = ["STEP_BREAKDOWN", "DIAGNOSE", "MFU", "EXERCISES", "PROBLEMS", "course_step_breakdown",
-           "course_diagnose", "mfu_formula", "TIME_TOLERANCE", "COMM_LIMIT"]
+           "course_diagnose", "mfu_formula", "time_tolerance", "COMM_LIMIT"]
 
-TIME_TOLERANCE = 1e-9
 COMM_LIMIT = 0.3  # the article's "communication over 30 % of the step"
 PROBLEMS = ("straggler", "bubble", "latency", "bandwidth", "healthy")
 KEYS = ("compute", "communication", "hidden", "idle")
@@ -113,6 +115,15 @@ def call_breakdown(fn, case: dict) -> dict:
     return {"values": values, "error": ""}
 
 
+def time_tolerance(case: dict) -> Tolerance:
+    """gradient(n, float64) at the scale of the trace's times: n lengths (the intervals' and
+    the step's), each an end minus a start rounded relative to the times, added in another
+    order than here."""
+    intervals = list(case["compute"]) + [iv for ivs in case["communication"].values() for iv in ivs]
+    scale = max(abs(t) for iv in intervals + [case["step"]] for t in iv)
+    return gradient(len(intervals) + 1, torch.float64).at_scale(scale)
+
+
 def expect_breakdown(inputs: list) -> list:
     case = inputs[0]
     return [course_step_breakdown(case["compute"], case["communication"], case["step"])]
@@ -122,9 +133,10 @@ def judge_breakdown(inputs, expected, outputs, world_size) -> str:
     out, want = outputs[0], expected[0]
     if out.get("error"):
         return out["error"]
+    tol = time_tolerance(inputs[0])
     for key in KEYS:
         got = out["values"][key]
-        if not math.isclose(got, want[key], rel_tol=TIME_TOLERANCE, abs_tol=TIME_TOLERANCE):
+        if not tol.allows(got - want[key], want[key]):  # NaN never is
             return f"{key}: {got * 1e3:.4f} ms, the trace says {want[key] * 1e3:.4f} ms"
     return ""
 
@@ -209,7 +221,7 @@ def judge_diagnose(inputs, expected, outputs, world_size) -> str:
         if out["fix_type"] != "int" or out["fix"] != fix:
             return f"{problem}: fix {out['fix']!r}, expected {fix}"
         return ""
-    if not math.isclose(float(out["fix"]), fix, rel_tol=1e-9):
+    if not math.isclose(float(out["fix"]), fix, rel_tol=QUESTION_RTOL):
         return f"{problem}: fix {float(out['fix']):.6g} bytes, expected {fix:.6g}"
     return ""
 

@@ -11,7 +11,8 @@ Every exercise of homework 04 that writes a schedule goes the same way:
   the gradients of the stages it holds;
 * in the grader, `schedule_of` rebuilds the `Schedule`, `single_process` computes the
   loss and gradients of one process on the full batch, and `judge_run` compares them
-  (rtol=1e-5, atol=1e-6, the course's fp32 tolerance).
+  within the course's bounds (reasoned in reference/tolerance.py): `loss()` for the loss,
+  `gradient(m)` for a gradient summed over m micro-batches in another order.
 """
 from __future__ import annotations
 
@@ -23,12 +24,12 @@ import torch.distributed as dist
 from reference.course.homework.guard import NotAllowedError
 from reference.pipeline_parallel import schedules as pipeline_schedules
 from reference.pipeline_parallel.schedules import Action, Schedule, ScheduleError
+from reference.tolerance import Tolerance, gradient, loss as loss_tolerance
 
-__all__ = ["TOLERANCE", "MODEL", "SEQ_LEN", "no_course_schedules", "plain_actions",
+__all__ = ["MODEL", "SEQ_LEN", "no_course_schedules", "plain_actions",
            "student_lists", "model_config", "run_lists", "schedule_of", "single_process",
            "judge_run", "differs", "batch_case"]
 
-TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 # Tiny untied GPT (no tied-weight all-reduce: the executor then needs only send/recv).
 MODEL = dict(vocab_size=32, block_size=4, n_head=2, n_embd=16, tie_weights=False)
 SEQ_LEN = 4
@@ -145,21 +146,22 @@ def single_process(case: dict) -> dict:
             "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
 
 
-def differs(got, want) -> str:
+def differs(got, want, tol: Tolerance) -> str:
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
         return f"has shape {tuple(getattr(got, 'shape', ()))}, expected {tuple(want.shape)}"
-    if torch.allclose(got, want, **TOLERANCE):
+    if tol.close(got, want):
         return ""
     return f"differs (max abs error {(got.double() - want.double()).abs().max().item():.3g})"
 
 
-def judge_run(outputs: list, want: dict) -> str:
+def judge_run(outputs: list, want: dict, micro_batches: int) -> str:
     """"" when the ranks ran their lists and the last one's loss and every rank's
-    gradients equal one process's (each parameter on exactly one rank)."""
+    gradients equal one process's (each parameter on exactly one rank), the gradients
+    summed over `micro_batches`."""
     if not all(o["ran"] for o in outputs):
         return f"ranks {[r for r, o in enumerate(outputs) if not o['ran']]} did not run the schedule"
     last = outputs[-1]["loss"]
-    if last is None or (why := differs(last, want["loss"])):
+    if last is None or (why := differs(last, want["loss"], loss_tolerance())):
         return f"run by the executor, the loss {why or 'is missing on the last rank'}"
     seen = {}
     for rank, out in enumerate(outputs):
@@ -167,7 +169,7 @@ def judge_run(outputs: list, want: dict) -> str:
             if name not in want["grads"] or name in seen:
                 return f"rank {rank} returned a gradient for {name!r} it should not hold"
             seen[name] = rank
-            if why := differs(grad, want["grads"][name]):
+            if why := differs(grad, want["grads"][name], gradient(micro_batches)):
                 return f"run by the executor, rank {rank}'s gradient of {name} {why}"
     if missing := sorted(set(want["grads"]) - set(seen)):
         return f"no rank computed the gradient of {', '.join(missing[:3])}"

@@ -16,9 +16,11 @@ the course's formula:
 
 * an integer answer (bytes, counts) must be that integer exactly, and an `int`
   (a float such as 3.0 is refused: the question asks for a count);
-* a real answer (a fraction, a ratio) must agree to 1e-9 relative: the same
-  formula written in another order rounds differently in the last bits of a
-  float64, and nothing coarser than that is forgiven.
+* a real answer (a fraction, a ratio) must agree relative to the formula within
+  `QUESTION_RTOL`, the rtol of the course's float64 bound
+  (`reference.tolerance.forward(torch.float64)`, reasoned in reference/tolerance.py):
+  the same formula written in another order rounds differently in the last bits of
+  a float64, and nothing coarser than that is forgiven.
 
 `question(...)` turns the formula and the parameter ranges into an `ExerciseSpec`
 that the grader scores like any exercise (one rank per case, nothing communicated);
@@ -35,10 +37,11 @@ from collections.abc import Callable, Mapping
 import torch
 
 from reference.course.homework.scoring import Case, ExerciseSpec
+from reference.tolerance import forward
 
 __all__ = ["question", "QUESTION_RTOL", "judge_number"]
 
-QUESTION_RTOL = 1e-9
+QUESTION_RTOL = forward(torch.float64).rtol  # a float64 formula's last bits
 
 
 def _draw(generator: torch.Generator, choices) -> object:
@@ -65,7 +68,7 @@ def question(id: str, title: str, formula: Callable[..., object], parameters: Ma
     formula(**values) -> the right answer (runs in the grader only).
     parameters: name -> the values the hidden checks draw from (each case draws one per name).
     fixed: cases always included (edge cases: one rank, sizes that do not divide).
-    kind: "int" (exact) or "real" (relative 1e-9)."""
+    kind: "int" (exact) or "real" (relative QUESTION_RTOL)."""
     if kind not in ("int", "real"):
         raise ValueError(f"kind must be 'int' or 'real', got {kind!r}")
     names = tuple(parameters)

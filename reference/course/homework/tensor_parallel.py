@@ -24,15 +24,15 @@ ranks), logits of scale 100 (exp overflows in float32 without the max shift),
 N = 1, ignored tokens, bfloat16 logits (with and without ignored tokens). Judged
 against F.cross_entropy(..., ignore_index=-100) on the full (N, V) logits in float64:
 the loss (float32) on every rank, and each rank's shard of the gradient (zero on
-padding and on ignored rows; bfloat16 gradients to rtol 1e-2, atol 1e-3, their own
-rounding); plus at most 4 N numbers all-reduced in all (the reference sends 3 N,
+padding and on ignored rows; bfloat16 gradients within `forward(torch.bfloat16)`, their
+own rounding); plus at most 4 N numbers all-reduced in all (the reference sends 3 N,
 gathering the logits would send N * V_pad). The lecture's loss, which divides by N and
 computes in the logits' dtype, loses every case with ignored tokens or bfloat16.
 
-Tolerances: rtol=1e-5, atol=1e-5 for Z, x.grad, dA, dB and the loss (not the
-course's atol=1e-6): the ranks' partial sums are added in another order than one
-dense product, which moves float32 values of order 1 to 10 by a few ulps; the
-gradient of the loss is compared with atol=1e-6 (its entries are below 1 / N).
+Tolerances, the course's (reasoned in reference/tolerance.py): `forward().at_scale(10)`
+for Z, x.grad, dA, dB and the loss: the ranks' partial sums are added in another order
+than one dense product, which moves float32 values of order 1 to 10 by a few ulps of
+10, not of 1; `forward()` for the gradient of the loss (its entries are below 1 / N).
 """
 from __future__ import annotations
 
@@ -47,14 +47,15 @@ from reference.tensor_parallel.loss import _VocabParallelCrossEntropy
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.refuse import Refusal
 from reference.course.homework.scoring import WARM_UP, Case, ExerciseSpec
+from reference.tolerance import forward
 
 __all__ = ["MLP", "CROSS_ENTROPY", "EXERCISES", "ONLY_ALL_REDUCE", "counted_all_reduce",
            "course_versions_refused"]
 
 ONLY_ALL_REDUCE = tuple(c for c in COLLECTIVES if c != "all_reduce")
-TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
-GRAD_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
-BF16_GRAD_TOLERANCE = {"rtol": 1e-2, "atol": 1e-3}  # a bfloat16 gradient's own rounding
+TOLERANCE = forward().at_scale(10)  # values of order 1 to 10 (the docstring)
+GRAD_TOLERANCE = forward()  # the loss's gradient: entries below 1 / N
+BF16_GRAD_TOLERANCE = forward(torch.bfloat16)  # a bfloat16 gradient's own rounding
 IGNORE_INDEX = -100
 # The backend's own method, taken when this module is imported: in a rank that is
 # before any exercise rules replace it (the spec's unpickling imports this module).
@@ -218,7 +219,7 @@ def _error(got, want, tolerance) -> str:
         return "it is None (no gradient reached it)"
     if got.shape != want.shape:
         return f"its shape is {tuple(got.shape)}, expected {tuple(want.shape)}"
-    if torch.allclose(got.double(), want, **tolerance):
+    if tolerance.close(got, want):
         return ""
     return f"max abs error {(got.double() - want).abs().max().item():.3g}"
 
@@ -228,7 +229,7 @@ def _scaled(got, want, tp) -> str:
     if got is None or got.shape != want.shape or not want.numel() or want.abs().max() < 1e-3:
         return ""
     for factor, text in ((tp, f"{tp} times too large"), (1 / tp, f"{tp} times too small")):
-        if torch.allclose(got.double(), want * factor, **TOLERANCE):
+        if TOLERANCE.close(got, want * factor):
             return f" ({text})"
     return ""
 

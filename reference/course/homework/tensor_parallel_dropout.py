@@ -7,10 +7,12 @@ copies and differ where they hold shards.
 (the same x on every rank), some sharded (each rank its own), then judges what only the
 masks can show, with no assumption on how the student draws them:
 
-* every output is dropout's: each element 0 or x / (1 - p) (rtol 1e-5; 1e-2 for bfloat16,
-  whose product x * (1 / (1 - p)) is rounded to 8 significant bits), and each rank keeps a
-  fraction of the elements within 6 standard deviations of 1 - p (a false alarm about
-  once in 10^9 checks);
+* every output is dropout's: each element 0 or x / (1 - p), within the rtol of
+  `reference.tolerance.forward()` (float32 and float64: a scale held in float32 is still
+  dropout's) or of `forward(torch.bfloat16)` (bfloat16 rounds x * (1 / (1 - p)) to 8
+  significant bits), with no atol (a product's rounding is relative to itself); and each
+  rank keeps a fraction of the elements within 6 standard deviations of 1 - p (a false
+  alarm about once in 10^9 checks);
 * replicated calls drop the same elements on every rank;
 * sharded calls are independent: two ranks' masks, two sharded calls of one rank, and a
   sharded mask against a replicated one of the same shape agree on a fraction of the
@@ -35,12 +37,12 @@ import torch.nn.functional as F
 
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.scoring import Case, ExerciseSpec
+from reference.tolerance import forward
 from reference.tensor_parallel.rng import TensorParallelRNG
 
 __all__ = ["TP_DROPOUT", "course_make_tp_dropout", "SIGMAS"]
 
 SIGMAS = 6
-VALUE_RTOL = {"float32": 1e-5, "float64": 1e-5, "bfloat16": 1e-2}
 
 
 def course_make_tp_dropout(seed, tp_group):
@@ -117,8 +119,8 @@ def _valid(out, x, p, dtype) -> str:
     if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype:
         return "not a tensor of x's shape and dtype"
     kept = out != 0
-    if not torch.allclose(out[kept].double(), x[kept].double() / (1 - p), rtol=VALUE_RTOL[dtype],
-                          atol=0.0):
+    rtol = forward(torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32).rtol
+    if not torch.allclose(out[kept].double(), x[kept].double() / (1 - p), rtol=rtol, atol=0.0):
         return "values that are neither 0 nor x / (1 - p)"
     return ""
 

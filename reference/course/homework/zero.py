@@ -7,10 +7,14 @@ per step: clear the gradients, local backward, ``step()``. The grader trains the
 model in one process with ``optimizer_class`` on the whole batch (the ranks' batches
 concatenated) and compares every parameter on every rank after the 3 steps.
 
-Tolerance rtol=1e-5, atol=1e-5 (not the course's 1e-6): Adam divides each gradient
-by its own running magnitude, so the last-bit difference between a mean computed by
-a collective and one computed by a single backward, in an element whose gradient is
-tiny, can move that element by up to the learning rate times a small fraction.
+Tolerances, the course's (reasoned in reference/tolerance.py): the parameters after
+AdamW's 3 steps within `adamw_weights(3, lr, betas)`: Adam divides each gradient by its
+own running magnitude, so the last-bit difference between a mean computed by a
+collective and one computed by a single backward, in an element whose gradient is near
+zero, can send that element's whole step either way (up to twice the learning rate a
+step apart); their mean difference is held to a small share of that. After SGD's, within `sgd_weights` for the gradient
+steps the momentum adds up (each gradient moves the weights again at every later step).
+The shard's gradient within `gradient(N)`, a mean over the N ranks.
 
 The cases: AdamW with a parameter count that does not divide by the world size
 (padding), AdamW with weight decay and other betas, SGD with momentum (the optimizer
@@ -37,10 +41,10 @@ import torch.distributed as dist
 from reference.course.homework.data_parallel import BATCH, build_mlp, collectives_allowed, full_batch_loss, model_case
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.scoring import WARM_UP, Case, ExerciseSpec
+from reference.tolerance import Tolerance, adamw_weights, gradient, sgd_weights
 
-__all__ = ["ZERO1", "EXERCISES", "OPTIMIZERS", "TOLERANCE", "course_zero1_optimizer"]
+__all__ = ["ZERO1", "EXERCISES", "OPTIMIZERS", "weights_tolerance", "course_zero1_optimizer"]
 
-TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 STEPS = 3
 OPTIMIZERS = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
 ALLOWED = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
@@ -80,6 +84,20 @@ def course_zero1_optimizer(params, optimizer_class, group=None, **optimizer_kwar
 def _kwargs(case: dict) -> dict:
     # Saved as plain data: betas travel as a list.
     return {k: tuple(v) if isinstance(v, list) else v for k, v in case["kwargs"].items()}
+
+
+def weights_tolerance(case: dict, world_size: int) -> Tolerance:
+    """How close the parameters after STEPS steps of the case's optimizer must be to one
+    process's: the course's bound for AdamW, or for SGD (reference/tolerance.py)."""
+    kwargs = _kwargs(case)
+    if case["optimizer"] == "AdamW":
+        return adamw_weights(STEPS, kwargs["lr"], kwargs.get("betas", (0.9, 0.999)))
+    # SGD with momentum mu moves a weight at step k by lr times the buffer, which holds the
+    # gradient of step j <= k times mu^(k-j): each gradient is taken 1 + mu + ... times in
+    # all, so the steps count as that many gradient steps (1 + 1.9 + 2.71 for mu = 0.9).
+    mu = kwargs.get("momentum", 0.0)
+    taken = sum(mu ** (k - j) for k in range(STEPS) for j in range(k + 1))
+    return sgd_weights(math.ceil(taken), kwargs["lr"], n=world_size)
 
 
 def _case(generator, world_size, sizes, optimizer, kwargs, bias=True, divisible=None) -> list:
@@ -168,7 +186,7 @@ def _shard_grad_error(got, want_flat, rank: int, shard_numel: int, world_size: i
         return "the inner optimizer's shard has no gradient after step() (set shard.grad to the average)"
     if got.shape != want.shape:
         return f"the shard's gradient has shape {tuple(got.shape)}, not ({shard_numel},)"
-    if torch.allclose(got[:real], want[:real], **TOLERANCE):
+    if gradient(world_size).close(got[:real], want[:real]):  # a mean over the ranks
         return ""
     ratio = (got[:real].double().norm() / want[:real].double().norm().clamp_min(1e-30)).item()
     scale = (f": it is {ratio:.3g} times the mean, summed instead of averaged?"
@@ -197,12 +215,11 @@ def judge(inputs, expected, outputs, world_size) -> str:
         for step, (got, want) in enumerate(zip(out["shard_grads"], grads)):
             if error := _shard_grad_error(got, want, rank, shard_numel, world_size):
                 return f"rank {rank}, step {step + 1}: {error}"
-        for name, want in expected.items():
-            got = out["params"][name]
-            if not torch.allclose(got, want, **TOLERANCE):
-                error = (got - want).abs().max().item()
-                return (f"rank {rank}: after {STEPS} steps {name} differs from one process "
-                        f"training on the whole batch (max abs error {error:.3g})")
+        try:
+            weights_tolerance(inputs[0], world_size).assert_weights(out["params"], expected)
+        except AssertionError as error:
+            return (f"rank {rank}: after {STEPS} steps the parameters differ from one process "
+                    f"training on the whole batch ({str(error).lstrip(': ')})")
     return ""
 
 
