@@ -15,6 +15,15 @@ composed: ZeRO-1's flat shard (ZeRO-2 keeps the same one), ZeRO-3 by blocks (fla
 per parameter (rows of a TP slice, of a pipeline stage, of an expert over its
 expert-data-parallel group). 7 dense and 4 expert layouts of 1 to 4 ranks: 65 ordered
 pairs, about a minute and a half on 2 cores (layouts of 8 ranks are left out for time).
+
+Then with the optimizer and the schedule as the trainer builds them: AdamW with weight decay
+in the trainer's two groups (matrices decayed, biases and LayerNorm gains not), which a plain
+optimizer and per-parameter ZeRO-3 keep as two groups, ZeRO-1 as one inner group, and an
+embedding stage's ranks as one; a WarmupDecayLR schedule whose lr moves every step; clipping.
+Each layout (FSDP by blocks left out: it refuses weight decay) trains two steps, saves and
+trains two more; every layout loads each checkpoint and trains the same two steps: the
+learning rates equal the uninterrupted run's exactly, the losses within `tolerance.loss()`.
+6 dense layouts and the embedding stage (pp 4), 4 with experts: 65 ordered pairs.
 """
 from __future__ import annotations
 
@@ -26,8 +35,10 @@ import torch
 from reference.model import GPT, GPTConfig
 from reference.parallel import ParallelConfig
 from reference.runtime import launch
+from reference.tolerance import loss as loss_tolerance
+from reference.train.lr_schedules import SchedulerConfig, SchedulerParams
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(600)
 
 CFG = GPTConfig.tiny(n_layer=4, block_size=16)
 B, T = 8, 16
@@ -43,6 +54,15 @@ EXPERTS = [ParallelConfig(),
            ParallelConfig(dp=4, ep=2, zero_stage=3),                           # rows over edp
            ParallelConfig(dp=2, tp=2, ep=2, zero_stage=3, sequence_parallel=True)]
 FAMILIES = {"dense": DENSE, "experts": EXPERTS}
+# with weight decay: FSDP by blocks refuses it (its flat shards mix decayed and exempt tensors);
+# an embedding stage's ranks hold matrices only (one group), the other stages' ranks two
+DECAYED = {"dense": [c for c in DENSE if not c.zero3_by_blocks]
+           + [ParallelConfig(pp=4, embedding_stage=True, microbatches=4)],
+           "experts": [c for c in EXPERTS if not c.zero3_by_blocks]}
+WD, CLIP = 0.1, 1.0
+# lr 1e-4, 1e-3, 1e-3, 7.5e-4 at steps 1-4: a schedule not restored would run step 3 at 1e-4
+SCHEDULE = SchedulerConfig("WarmupDecayLR", SchedulerParams(
+    warmup_min_lr=1e-4, warmup_max_lr=1e-3, warmup_num_steps=2, total_num_steps=6))
 
 
 def _factory(family):
@@ -59,28 +79,76 @@ def _build(config, family):
     return pm, pm.make_optimizer(torch.optim.AdamW, lr=1e-3, eps=1e-6)
 
 
-def _save(jobs):
-    """Each (family, index, config, folder): train two steps, save step 2 into the folder."""
+def _build_decayed(config, family):
+    """The model, the optimizer and the schedule as the trainer builds them (`run_rank`)."""
+    from reference.parallel import parallelize
+    from reference.train.lr_schedules import make_scheduler
+
+    torch.manual_seed(0)
+    pm = parallelize(GPT(CFG, _factory(family)), config.mesh().build_groups(), config, batch=(B, T))
+    opt = pm.make_optimizer(torch.optim.AdamW, weight_decay=WD, lr=1e-3, eps=1e-6)
+    return pm, opt, make_scheduler(opt, SCHEDULE)
+
+
+def _data(steps):
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, CFG.vocab_size, (steps, B, T + 1), generator=g)
+
+
+def _continue(pm, opt, sched, data):
+    """(losses, learning rates) of the trainer's steps on ``data``: clipped, then the schedule."""
+    from reference.parallel import train_step
+
+    losses, lrs = [], []
+    for d in data:
+        lrs.append(opt.param_groups[0]["lr"])
+        losses.append(float(train_step(pm, opt, d[:, :-1], d[:, 1:], max_norm=CLIP).loss))
+        sched.step()
+    return losses, lrs
+
+
+def _save(jobs, decayed=()):
+    """Each (family, index, config, folder): train two steps, save step 2 into the folder.
+    Each of ``decayed`` the same with weight decay and a schedule, then two steps more:
+    returns their (losses, lrs), the uninterrupted run's."""
     from reference.parallel import train_step
     from reference.train.checkpoint import save_checkpoint
 
-    g = torch.Generator().manual_seed(7)
-    data = torch.randint(0, CFG.vocab_size, (2, B, T + 1), generator=g)
+    data = _data(4)
     for family, _, config, folder in jobs:
         pm, opt = _build(config, family)
-        for d in data:
+        for d in data[:2]:
             train_step(pm, opt, d[:, :-1], d[:, 1:])
         save_checkpoint(folder, 2, pm, opt)
+    out = []
+    for family, _, config, folder in decayed:
+        pm, opt, sched = _build_decayed(config, family)
+        _continue(pm, opt, sched, data[:2])
+        save_checkpoint(folder, 2, pm, opt, scheduler=sched)
+        out.append(_continue(pm, opt, sched, data[2:]))
+    return out
 
 
-def _load_and_save(jobs):
-    """Each (family, config, source folder, target folder): load, save again untouched."""
+def _load_and_save(jobs, decayed=()):
+    """Each (family, config, source folder, target folder): load, save again untouched.
+    Each of ``decayed`` (family, config, source folder): load with the schedule, train steps
+    3 and 4; returns their (losses, lrs). An error names the pair (the launch stops every rank
+    at the first one: a rank that went on alone would hang its peers)."""
     from reference.train.checkpoint import load_checkpoint, save_checkpoint
 
     for family, config, source, target in jobs:
         pm, opt = _build(config, family)
         load_checkpoint(source, pm, opt)
         save_checkpoint(target, 2, pm, opt)
+    out = []
+    for family, config, source in decayed:
+        pm, opt, sched = _build_decayed(config, family)
+        try:
+            load_checkpoint(source, pm, opt, scheduler=sched)
+            out.append(_continue(pm, opt, sched, _data(4)[2:]))
+        except Exception as err:
+            raise RuntimeError(f"{source.name} loaded into {config}: {type(err).__name__}: {err}") from err
+    return out
 
 
 def _read(folder: Path) -> dict:
@@ -104,14 +172,23 @@ def _flat(tree, prefix=""):
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
+    """Both matrices, in one launch per world size for the saves and one for the loads:
+    (saved, resaved) of the byte-for-byte one, and of the weight-decay one {(family, i):
+    the uninterrupted (losses, lrs)} and {(family, i, j): layout j's after loading i's}."""
     root = tmp_path_factory.mktemp("matrix")
     layouts = [(f, i, c) for f, cs in FAMILIES.items() for i, c in enumerate(cs)]
+    decayed = [(f, i, c) for f, cs in DECAYED.items() for i, c in enumerate(cs)]
     saved = {(f, i): root / f"{f}{i}" for f, i, _ in layouts}
-    resaved = {}
-    for world in sorted({c.world_size for _, _, c in layouts}):
+    saved_wd = {(f, i): root / f"wd_{f}{i}" for f, i, _ in decayed}
+    resaved, want, got = {}, {}, {}
+    worlds = sorted({c.world_size for _, _, c in layouts + decayed})
+    for world in worlds:
         jobs = [(f, i, c, saved[f, i]) for f, i, c in layouts if c.world_size == world]
-        launch(_save, world, jobs, timeout=300)
-    for world in sorted({c.world_size for _, _, c in layouts}):
+        mine = [(f, i) for f, i, c in decayed if c.world_size == world]
+        wd_jobs = [(f, i, DECAYED[f][i], saved_wd[f, i]) for f, i in mine]
+        out = launch(_save, world, jobs, wd_jobs, timeout=300)[0]
+        want.update(zip(mine, out))
+    for world in worlds:
         jobs = []
         for f, j, c in layouts:
             if c.world_size != world:
@@ -119,13 +196,17 @@ def folders(tmp_path_factory):
             for i in range(len(FAMILIES[f])):
                 resaved[f, i, j] = root / f"{f}{i}_into_{j}"
                 jobs.append((f, c, saved[f, i], resaved[f, i, j]))
-        launch(_load_and_save, world, jobs, timeout=300)
-    return saved, resaved
+        pairs = [(f, i, j) for f, j, c in decayed if c.world_size == world
+                 for i in range(len(DECAYED[f]))]
+        wd_jobs = [(f, DECAYED[f][j], saved_wd[f, i]) for f, i, j in pairs]
+        out = launch(_load_and_save, world, jobs, wd_jobs, timeout=300)[0]
+        got.update(zip(pairs, out))
+    return saved, resaved, want, got
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_layout_loads_every_other_byte_for_byte(folders, family):
-    saved, resaved = folders
+    saved, resaved, _, _ = folders
     configs = FAMILIES[family]
     originals = {i: dict(_flat(_read(saved[family, i]))) for i in range(len(configs))}
     first = originals[0]
@@ -145,3 +226,24 @@ def test_every_layout_loads_every_other_byte_for_byte(folders, family):
                 bad.append(f"{configs[i]} -> {configs[j]}: {k} differs")
                 break
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("family", list(DECAYED))
+def test_weight_decay_and_schedule_continue_in_every_layout(folders, family):
+    """A checkpoint with the trainer's weight-decay groups and schedule, loaded into every
+    layout (two groups, ZeRO-1's one, an embedding stage's one beside two), continues as the
+    run that never stopped: the same learning rates, bit for bit, and losses within
+    `tolerance.loss()` (the same sums added in another order)."""
+    _, _, want, got = folders
+    configs, tol = DECAYED[family], loss_tolerance()
+    bad = []
+    for i, j in ((i, j) for i in range(len(configs)) for j in range(len(configs))):
+        result, (losses, lrs) = got[family, i, j], want[family, i]
+        pair = f"{configs[i]} -> {configs[j]}"
+        if result[1] != lrs:
+            bad.append(f"{pair}: learning rates {result[1]}, the uninterrupted run's {lrs}")
+        try:
+            tol.assert_losses(result[0], losses, pair)
+        except AssertionError as err:
+            bad.append(str(err))
+    assert not bad, f"{len(bad)} of {len(configs) ** 2} pairs:\n" + "\n".join(bad)

@@ -373,3 +373,74 @@ def test_shape_mismatch_and_corruption_are_named(tmp_path):
     assert f"earlier checkpoint that loads is {tmp_path / 'step_000001'}" in m["latest"]
     assert "reading it failed" in m["overwritten"]
     assert f"there is no earlier checkpoint in {tmp_path} that loads" in m["overwritten"]
+
+
+# ---------------------------------------------------------------------- 5. param groups
+def _two_learning_rates(root, save):
+    """dp 2: a plain optimizer whose two weight-decay groups run at different learning rates
+    saves; ZeRO-1 (one inner group for its whole shard) loads. Returns the error message."""
+    from reference.train.checkpoint import load_checkpoint, save_checkpoint
+
+    config = ParallelConfig(dp=2, zero_stage=0 if save else 1)
+    torch.manual_seed(0)
+    pm = parallelize_tiny(config)
+    opt = pm.make_optimizer(torch.optim.AdamW, lr=LR, weight_decay=0.1)
+    if save:
+        opt.param_groups[1]["lr"] = LR / 2  # the biases and gains at half the rate
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, decay)
+    if save:
+        save_checkpoint(root, 1, pm, opt, scheduler=sched)
+        return None
+    try:
+        load_checkpoint(root, pm, opt, scheduler=sched)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def parallelize_tiny(config):
+    from reference.parallel import parallelize
+
+    return parallelize(GPT(CFG), config.mesh().build_groups(), config, batch=(B, T))
+
+
+def test_groups_one_zero_shard_cannot_take_are_refused_on_every_rank(tmp_path):
+    """The optimizer's hyper-parameters are stored by parameter: a checkpoint whose groups
+    differ in more than weight decay (two learning rates) cannot go into ZeRO-1's one inner
+    group. Both ranks refuse it with the same message, naming the parameters and the keys
+    that differ, before any tensor is read (no rank left waiting in a collective)."""
+    launch(_two_learning_rates, 2, tmp_path, True, timeout=120)
+    messages = launch(_two_learning_rates, 2, tmp_path, False, timeout=120)
+    assert messages[0] == messages[1] and messages[0] is not None, messages
+    assert "rank 0: param group 0 of this optimizer updates" in messages[0], messages[0]
+    assert "hyper.lr" in messages[0] and "hyper.initial_lr" in messages[0], messages[0]
+    assert "scheduler.base_lrs" in messages[0], messages[0]
+
+
+def test_the_earlier_list_of_groups_loads_by_position_or_shared():
+    """Checkpoints saved before the groups were stored by parameter hold the saving
+    optimizer's groups as a list and the scheduler's state whole: they load by position into
+    as many groups, and into another number when the groups differ in weight_decay only."""
+    from reference.train.checkpoint_groups import resolve_groups
+
+    w, b = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))
+    two = torch.optim.AdamW([{"params": [w], "weight_decay": 0.1},
+                             {"params": [b], "weight_decay": 0.0}], lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(two, decay)
+    for _ in range(3):
+        two.step()
+        sched.step()
+    saved = [{k: v for k, v in g.items() if k != "params"} for g in two.param_groups]
+    one = torch.optim.AdamW([w, b], lr=LR, weight_decay=0.0)
+    one_sched = torch.optim.lr_scheduler.LambdaLR(one, decay)
+    hyper, state = resolve_groups(None, one, saved, sched.state_dict())
+    assert len(hyper) == 1 and hyper[0]["lr"] == LR * decay(3) and hyper[0]["weight_decay"] == 0.0
+    one_sched.load_state_dict(state)
+    one.param_groups[0].update(hyper[0])
+    one_sched.step()  # one entry per group: no zip() error
+    assert one_sched.last_epoch == 4 and one.param_groups[0]["lr"] == LR * decay(4)
+    hyper, state = resolve_groups(None, two, saved, sched.state_dict())
+    assert [h["weight_decay"] for h in hyper] == [0.1, 0.0] and state["base_lrs"] == [LR, LR]
+    saved[1]["lr"] = LR / 2
+    with pytest.raises(ValueError, match="differ in more than weight_decay"):
+        resolve_groups(None, one, saved, sched.state_dict())

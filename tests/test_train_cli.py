@@ -2,6 +2,7 @@
 and bad input as one clear line."""
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -127,3 +128,81 @@ def test_resume_continues_the_run_exactly(small_config, tmp_path):
     second = _trainer(*args, "--steps", 6, "--log-file", parts, "--checkpoint-dir", ckpt, "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
     assert _losses(parts) == _losses(whole) and len(_losses(whole)) == 6
+
+
+def _config(tmp_path, name, **changes) -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps({**SMALL, **changes}))
+    return path
+
+
+def test_zero3_checkpoint_resumes_as_zero1_and_in_one_process(tmp_path):
+    """ZeRO-3 on dp 2 x tp 2 x pp 2 (8 ranks; AdamW with weight decay 0.01, so two param
+    groups, matrices decayed and the rest not; clipping; the trainer's constant schedule)
+    checkpoints every 4 steps. Its step_000004, copied into a ZeRO-1 run on tp 2 (4 ranks,
+    whose optimizer has one inner group) and into one process (two groups), resumes in both:
+    steps 5-8 at the 8-rank run's learning rate and within `tolerance.loss()` of its losses."""
+    from reference.tolerance import loss
+
+    config = _config(tmp_path, "zero3.json", train_batch_size=8, gradient_accumulation_steps=2,
+                     optimizer={"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+                     zero_optimization={"stage": 3}, parallelism={"tensor": 2, "pipeline": 2},
+                     steps=8, checkpoint={"dir": str(tmp_path / "zero3"), "every": 4})
+    whole = tmp_path / "zero3.jsonl"
+    run = _trainer("--config", config, "--world-size", 8, "--log-file", whole, "--set", "log.sample_tokens=0")
+    assert run.returncode == 0, run.stderr[-3000:]
+    want = [json.loads(line) for line in whole.read_text().splitlines()][4:]
+    for name, world, flags in (("zero1", 4, ["--set", "zero_optimization.stage=1", "--pipeline", 1]),
+                               ("one", 1, ["--set", "zero_optimization.stage=0", "--tensor", 1,
+                                           "--pipeline", 1])):
+        (tmp_path / name).mkdir()
+        shutil.copytree(tmp_path / "zero3" / "step_000004", tmp_path / name / "step_000004")
+        log = tmp_path / f"{name}.jsonl"
+        run = _trainer("--config", config, "--world-size", world, "--resume", "--checkpoint-dir",
+                       tmp_path / name, "--log-file", log, "--set", "log.sample_tokens=0", *flags)
+        assert run.returncode == 0, f"{name}: {run.stderr[-3000:]}"
+        got = [json.loads(line) for line in log.read_text().splitlines()]
+        assert [r["step"] for r in got] == [5, 6, 7, 8], name
+        assert [r["lr"] for r in got] == [r["lr"] for r in want], name
+        loss().assert_losses([r["loss"] for r in got], [r["loss"] for r in want], name)
+
+
+def _refused(run, folder, why):
+    """Exit 2 and one line on stderr naming ``folder`` and saying ``why``, before any rank ran."""
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2, (run.returncode, run.stderr[-3000:])
+    assert len(lines) == 1 and lines[0].startswith("error: "), run.stderr[-3000:]
+    assert str(folder) in lines[0] and why in lines[0], lines[0]
+
+
+def test_checkpoint_dir_under_a_file_is_refused_before_any_rank(small_config, tmp_path):
+    """checkpoint.dir inside a regular file cannot be created: said in one line, exit 2, before
+    any rank starts (no log, no progress bar), not at the first save after training."""
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file, not a folder\n")
+    log = tmp_path / "run.jsonl"
+    for folder in (blocker, blocker / "checkpoints"):
+        run = _trainer("--config", small_config, "--world-size", 4, "--checkpoint-dir", folder,
+                       "--log-file", log, timeout=120)
+        _refused(run, folder, "is a file, not a folder")
+        assert not log.exists()
+
+
+def test_checkpoint_dir_without_write_permission_is_refused(small_config, tmp_path):
+    """A checkpoint.dir this user may not write (a read-only folder, or a missing one inside
+    it) is refused as a folder under a file is: one line, exit 2, before any rank starts."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("this user writes into a read-only folder (root, or CAP_DAC_OVERRIDE): "
+                        "permission bits stop nothing here, so there is no refusal to show")
+        log = tmp_path / "run.jsonl"
+        for folder in (locked, locked / "checkpoints"):
+            run = _trainer("--config", small_config, "--world-size", 4, "--checkpoint-dir", folder,
+                           "--log-file", log, timeout=120)
+            _refused(run, folder, "no permission to write")
+            assert not log.exists()
+    finally:
+        locked.chmod(0o755)

@@ -151,11 +151,13 @@ def main(argv=None) -> int:
     from reference.train.loop import run_rank
     from reference.train.settings import settings
 
-    from reference.train.checkpoint import check_checkpoint, latest_checkpoint
+    from reference.train.checkpoint import check_checkpoint, check_checkpoint_dir, latest_checkpoint
     from reference.train.loop import prepare_log
 
     plan = settings(cfg, world_size)
     folder = plan.checkpoint_dir
+    if folder is not None:
+        check_checkpoint_dir(folder)  # not found at the first save, after training: one line, exit 2
     latest = latest_checkpoint(Path(folder)) if folder is not None else None
     if args.resume and latest is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {folder} (checkpoint.dir of "
@@ -192,11 +194,11 @@ def main(argv=None) -> int:
 def _main_with_clear_errors() -> int:
     """Bad input is one line on stderr and exit status 2, not a traceback."""
     from reference.runtime.errors import RankError
-    from reference.train.checkpoint import CorruptCheckpointError
+    from reference.train.checkpoint import CorruptCheckpointError, UnwritableCheckpointDirError
 
     try:
         return main()
-    except (ValueError, FileNotFoundError, CorruptCheckpointError) as err:
+    except (ValueError, FileNotFoundError, CorruptCheckpointError, UnwritableCheckpointDirError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RankError as err:

@@ -13,16 +13,23 @@ Both are collective: every rank of the mesh calls them. Storage is DCP's (`dcp.s
                                shaped as its parameter, also under ZeRO-1/2 and FSDP
     meta/<what>                pickled bytes (DCP stores a non-tensor leaf with torch.save and
                                reads it back with torch.load): step, extra, the optimizer's
-                               param_groups hyper-parameters (lr, betas, initial_lr, ...),
-                               scheduler and scaler state_dicts, the layout (dp, tp, pp, ep),
-                               and every rank's RNG states as one list indexed by global rank
+                               param-group hyper-parameters (lr, betas, initial_lr, ...) and
+                               the scheduler's per-group lists, both by parameter name
+                               (`reference.train.checkpoint_groups`), the rest of the
+                               scheduler's state and the scaler's state_dict, the layout
+                               (dp, tp, pp, ep), and every rank's RNG states as one list
+                               indexed by global rank
 
 No rank builds a whole tensor (`reference.train.checkpoint_shards`): each hands DCP views
 of what it holds, as boxes of the whole tensor (DCP's chunks: offsets and sizes), one copy
 of a replicated box is written, and loading reads into each rank's own parameters and
 optimizer buffers the parts of the stored chunks they overlap. So any (dp, tp, pp, ep,
 ZeRO stage) loads any checkpoint of the same model, holding only its shard; a load that
-fails part-way (a corrupt file) leaves the weights partly loaded.
+fails part-way (a corrupt file) leaves the weights partly loaded. The param groups are the
+layout's (two with weight decay in a plain optimizer, one inner group under ZeRO-1/2, one on
+an embedding stage's ranks), so the optimizer's hyper-parameters and the schedule are stored
+by parameter and rebuilt for the loading optimizer's groups: any layout with weight decay
+and a schedule loads any other's and continues the run.
 
 Same layout: everything is restored, the RNG states too (torch's CPU generator, the GPU's
 when a rank computes on one, Python's `random`, numpy's, the tensor-parallel dropout
@@ -40,9 +47,11 @@ of that step clears. Checkpoints are pickles: load only those you trust.
 """
 from __future__ import annotations
 
+import os
 import pickle
 import random
 import re
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -53,13 +62,15 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from reference.runtime import device
 from reference.tensor_parallel import TensorParallelRNG
+from reference.train.checkpoint_groups import local_groups, merge_groups, resolve_groups
 from reference.train.checkpoint_publish import CheckpointNotPublishedError, agree, publish
 from reference.train.checkpoint_planners import ShardLoadPlanner, ShardSavePlanner
 from reference.train.checkpoint_shards import check_shapes, load_boxes, save_boxes
 from reference.train.reshard import _load_optimizer_local_state
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_checkpoint",
-           "CorruptCheckpointError", "CheckpointNotPublishedError"]
+           "check_checkpoint_dir", "CorruptCheckpointError", "CheckpointNotPublishedError",
+           "UnwritableCheckpointDirError"]
 
 _STEP = re.compile(r"^step_(\d+)$")
 last_bytes: dict = {}  # this rank's last save / load: bytes handed to DCP, written, read, allocated
@@ -68,6 +79,10 @@ _META = ("step", "extra", "layout", "rng", "param_groups", "scheduler", "scaler"
 
 class CorruptCheckpointError(RuntimeError):
     """A published checkpoint whose files are missing, cut short or unreadable."""
+
+
+class UnwritableCheckpointDirError(RuntimeError):
+    """A checkpoint folder that cannot be created, or that this user may not write into."""
 
 
 # ---------------------------------------------------------------------- folders
@@ -120,6 +135,37 @@ def check_checkpoint(path) -> int:
         raise _corrupt(path, why)
     m = _STEP.match(path.name)
     return int(m.group(1)) if m else 0
+
+
+def check_checkpoint_dir(directory) -> None:
+    """Raise `UnwritableCheckpointDirError` (one line: the folder and why) when checkpoints
+    could not be saved into ``directory``: it, or the folder it would be made in, is a file,
+    or this user may not write there. Creates nothing that stays: where the permission bits
+    allow the write (and always for root, whom they do not stop), a real probe confirms it, a
+    hidden folder made and removed in the nearest existing folder, as a save makes its
+    `.step_N.partial`. The trainer's command line runs it before starting any rank."""
+    directory = Path(directory)
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        if existing.is_symlink():  # a dangling link: mkdir would fail on it
+            raise UnwritableCheckpointDirError(
+                f"checkpoint.dir {directory} cannot be created: {existing} is a broken symbolic link")
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "cannot be created" if existing != directory else "cannot be used"
+        kind = "a file" if existing.is_file() else "something else"
+        raise UnwritableCheckpointDirError(
+            f"checkpoint.dir {directory} {what}: {existing} is {kind}, not a folder")
+    verb = "write into it" if existing == directory else f"write into {existing}, where it would be created"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UnwritableCheckpointDirError(
+            f"checkpoint.dir {directory} is not writable: no permission to {verb}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=existing))
+    except OSError as err:
+        raise UnwritableCheckpointDirError(
+            f"checkpoint.dir {directory} is not writable: could not {verb} "
+            f"({err.strerror or type(err).__name__})") from None
 
 
 def _corrupt(path: Path, why: str) -> CorruptCheckpointError:
@@ -185,13 +231,10 @@ def _layout(pm) -> dict:
 
 
 # ---------------------------------------------------------------------- save
-def _meta_to_save(pm, optimizer, step, extra, scheduler, scaler, rng) -> dict:
+def _meta_to_save(pm, step, extra, scheduler_rest, scaler, rng, groups) -> dict:
     """The pickled meta data handed to `dcp.save` (written once, by the coordinator)."""
-    meta = dict(step=step, extra=extra, layout=_layout(pm), rng=rng,
-                param_groups=[{k: v for k, v in g.items() if k != "params"}
-                              for g in optimizer.param_groups],
-                scheduler=None if scheduler is None else scheduler.state_dict(),
-                scaler=None if scaler is None else scaler.state_dict())
+    meta = dict(step=step, extra=extra, layout=_layout(pm), rng=rng, param_groups=groups,
+                scheduler=scheduler_rest, scaler=None if scaler is None else scaler.state_dict())
     return {f"meta/{k}": pickle.dumps(v) for k, v in meta.items()}
 
 
@@ -227,12 +270,19 @@ def save_checkpoint(directory, step: int, pm, optimizer, *, scheduler=None, scal
     The RNG states are left as they were on entry, so saving changes nothing in the run."""
     directory = Path(directory)
     problem = _save_problem(directory, step, extra)
+    groups, scheduler_rest = {}, None
+    try:  # this rank's param groups by parameter name (`reference.train.checkpoint_groups`)
+        groups, scheduler_rest = local_groups(pm, optimizer, scheduler)
+    except ValueError as err:
+        problem = problem or str(err)
     agree(step, problem, "before writing")  # before any collective of the state's gather
     mine = _rng_state(pm)
-    rng = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
+    gathered = [None] * dist.get_world_size() if dist.is_initialized() else [(mine, groups)]
     if dist.is_initialized():
-        dist.all_gather_object(rng, mine)  # rank r's states at index r
-    meta = _meta_to_save(pm, optimizer, step, extra, scheduler, scaler, rng)
+        dist.all_gather_object(gathered, (mine, groups))  # rank r's at index r
+    rng = [r for r, _ in gathered]
+    meta = _meta_to_save(pm, step, extra, scheduler_rest, scaler, rng,
+                         merge_groups([g for _, g in gathered]))  # the same on every rank
     final = publish(directory, step, lambda partial: _write(partial, pm, optimizer, meta))
     _set_rng_state(pm, mine)
     return final
@@ -270,6 +320,12 @@ def load_checkpoint(path, pm, optimizer, *, scheduler=None, scaler=None) -> dict
     for what, obj in (("scheduler", scheduler), ("scaler", scaler)):
         if obj is not None and meta[what] is None:
             raise ValueError(f"a {what} was given, but checkpoint {path} was saved without one")
+    if scheduler is not None and optimizer is None:
+        raise ValueError("a scheduler was given without its optimizer: its per-group state is "
+                         "rebuilt for the optimizer's param groups")
+    hyper, scheduler_state = meta["param_groups"], meta["scheduler"]
+    if optimizer is not None:  # collective; refused on every rank alike before any data is read
+        hyper, scheduler_state = resolve_groups(pm, optimizer, hyper, scheduler_state)
     boxes, scalars, finish, allocated = load_boxes(pm, optimizer, metadata)
     planner = ShardLoadPlanner(boxes)
     try:  # each rank reads the parts of the stored chunks its boxes need, in place
@@ -278,10 +334,11 @@ def load_checkpoint(path, pm, optimizer, *, scheduler=None, scaler=None) -> dict
         raise _corrupt(path, _read_error(err)) from None
     last_bytes.update(read=planner.read, allocated=allocated)
     if optimizer is not None:
-        _load_optimizer_local_state(pm, optimizer, finish(), meta["param_groups"], flat=True)
-    for what, obj in (("scheduler", scheduler), ("scaler", scaler)):
-        if obj is not None:
-            obj.load_state_dict(meta[what])
+        _load_optimizer_local_state(pm, optimizer, finish(), hyper, flat=True)
+    if scheduler is not None:
+        scheduler.load_state_dict(scheduler_state)
+    if scaler is not None:
+        scaler.load_state_dict(meta["scaler"])
     if meta["layout"] == _layout(pm):
         _set_rng_state(pm, meta["rng"][_rank()])
     return {"step": meta["step"], "extra": meta["extra"]}

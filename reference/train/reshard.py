@@ -134,17 +134,11 @@ def _load_optimizer_local_state(pm, optimizer, per_param: dict, hyper: list[dict
     """Give ``optimizer`` the per-parameter states ``per_param`` ({id(p): {key: local tensor}}),
     flattened into its own layout under ZeRO / FSDP (``flat``: already its flat shards'
     states, by id of the shard), and the hyper-parameters ``hyper`` (one dict per param
-    group), through its own `load_state_dict`."""
+    group, already matched to this optimizer's groups: `reference.train.checkpoint_groups`),
+    through its own `load_state_dict`."""
     if len(hyper) != len(optimizer.param_groups):
-        # Weight-decay groups: a plain optimizer keeps one group per decay, ZeroOptimizer one
-        # inner group (it applies each decay itself). Beyond weight_decay, which the run's
-        # configuration sets, the groups share their hyper-parameters: those carry over.
-        common = [{k: v for k, v in h.items() if k != "weight_decay"} for h in hyper]
-        if any(c != common[0] for c in common) or not common:
-            raise ValueError(f"the checkpoint holds {len(hyper)} param groups, this optimizer "
-                             f"{len(optimizer.param_groups)}, and the saved groups differ in more "
-                             f"than weight_decay")
-        hyper = [{**common[0], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
+        raise ValueError(f"{len(hyper)} param groups' hyper-parameters for an optimizer of "
+                         f"{len(optimizer.param_groups)}")
     groups = _flat_groups(pm, optimizer)
     if groups and not flat:  # ZeRO / FSDP: the optimizer's parameters are the flat shards
         per_param = {id(shard): _flat_state(per_param, params, layout, dist.get_rank(group),

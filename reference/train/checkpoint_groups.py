@@ -1,0 +1,200 @@
+"""The optimizer's and the schedule's param-group state, saved by parameter, not by group.
+
+A param group belongs to the layout, not to the model. The trainer gives `make_optimizer` two
+groups, the matrices (decayed) and the biases and LayerNorm gains (not); a plain optimizer
+keeps both (per-parameter ZeRO-3 too: its shards keep their dims), ZeRO-1/2 folds them into
+the one inner group of its flat shard (it applies each decay itself, range by range), FSDP by
+blocks has one group per run, and a pipeline rank whose stage holds no bias or gain (an
+embedding stage) has one group while the other stages' ranks have two. A scheduler keeps a
+list with one entry per group of its optimizer (`base_lrs`, `_last_lr`, LambdaLR's
+`lr_lambdas`). Saved as the groups stand, that state would fit only an optimizer with the same
+groups: a schedule of two groups loaded into ZeRO-1's one fails at its first `step()`.
+
+So a checkpoint keeps them by parameter, under the plain GPT's names, as it keeps the weights:
+
+    meta/param_groups   {"records": [record, ...], "of": {name: index of its record}}
+                        record: {"hyper": a group's hyper-parameters (lr, betas, eps,
+                        initial_lr, ...; not params, not weight_decay), "scheduler": {key:
+                        the group's entry of each of the scheduler's per-group lists}};
+                        equal records are stored once
+    meta/scheduler      the scheduler's state without those lists (last_epoch, ...)
+
+gathered from every rank (a rank knows only the parameters it holds). Loading gives each
+group of the new optimizer the record of the parameters it updates (a flat shard: every
+parameter laid out in it) and rebuilds the scheduler's lists for those groups. The trainer's
+groups differ in weight_decay only, so they share one record, and every layout loads every
+other. A group that would join parameters the checkpoint holds with different records (two
+learning rates in one ZeRO shard) cannot take both: every rank raises the same ValueError,
+naming them. `weight_decay` is not restored: the run's configuration sets it, and the layout
+decides where it is applied (ZeRO's inner group reads 0 when it applies the decays itself).
+
+Checkpoints saved in the earlier form (a list of the saving optimizer's groups, the scheduler's
+state as it stood) load positionally into an optimizer with as many groups, and into any
+other when their groups differ in weight_decay only.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.distributed as dist
+
+from reference.train.reshard import _flat_groups, entries
+
+__all__ = ["PER_GROUP", "local_groups", "merge_groups", "resolve_groups"]
+
+# The per-group lists of torch's LRScheduler (base_lrs, _last_lr) and of LambdaLR and
+# MultiplicativeLR (lr_lambdas: None, or the __dict__ of a callable object)
+PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas")
+
+
+def _group_names(pm, optimizer) -> list[list[str]]:
+    """For each param group of ``optimizer``, the plain-GPT names of the parameters it updates
+    (a flat shard of ZeRO-1/2 or FSDP stands for every parameter laid out in it)."""
+    name_of = {id(e.param): e.name for e in entries(pm)}
+    flat = {id(shard): params for shard, _, params, _, _ in _flat_groups(pm, optimizer)}
+    out = []
+    for i, group in enumerate(optimizer.param_groups):
+        names = set()
+        for p in group["params"]:
+            for q in flat.get(id(p), [p]):
+                if id(q) not in name_of:
+                    raise ValueError(f"param group {i} of the optimizer updates a tensor of shape "
+                                     f"{tuple(q.shape)} that is not a parameter of the model")
+                names.add(name_of[id(q)])
+        out.append(sorted(names))
+    return out
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k not in ("params", "param_names", "weight_decay")}
+
+
+def _per_group_keys(state: dict, n_groups: int) -> list[str]:
+    return [k for k in PER_GROUP
+            if isinstance(state.get(k), (list, tuple)) and len(state[k]) == n_groups]
+
+
+def local_groups(pm, optimizer, scheduler) -> tuple[dict, Optional[dict]]:
+    """This rank's part: ({name: record} of every parameter its optimizer updates, the
+    scheduler's state without its per-group lists). The lists are taken apart only for a
+    scheduler of ``optimizer`` (its `optimizer` attribute); any other state is kept whole."""
+    state = None if scheduler is None else scheduler.state_dict()
+    groups = optimizer.param_groups
+    keys = (_per_group_keys(state, len(groups))
+            if state is not None and getattr(scheduler, "optimizer", None) is optimizer else [])
+    by_name = {}
+    for i, (group, names) in enumerate(zip(groups, _group_names(pm, optimizer))):
+        record = {"hyper": _hyper(group), "scheduler": {k: state[k][i] for k in keys}}
+        by_name.update((name, record) for name in names)
+    rest = None if state is None else {k: v for k, v in state.items() if k not in keys}
+    return by_name, rest
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # a tensor of several numbers
+        return False
+
+
+def _differences(a: dict, b: dict) -> list[str]:
+    return sorted(f"{part}.{k}" for part in ("hyper", "scheduler")
+                  for k in set(a[part]) | set(b[part])
+                  if not _same(a[part].get(k), b[part].get(k)))
+
+
+def merge_groups(parts: list[dict]) -> dict:
+    """The layout-free form (the module's docstring) of every rank's {name: record}, in rank
+    order; a parameter two ranks hold with different records is a ValueError."""
+    records, of, clashes = [], {}, []
+    for rank, part in enumerate(parts):
+        for name, record in sorted(part.items()):
+            index = next((i for i, r in enumerate(records) if _same(r, record)), None)
+            if index is None:
+                records.append(record)
+                index = len(records) - 1
+            if of.setdefault(name, index) != index:
+                differ = ", ".join(_differences(records[of[name]], record))
+                clashes.append(f"{name} on rank {rank} ({differ})")
+    if clashes:
+        more = f"; ... {len(clashes) - 4} more" if len(clashes) > 4 else ""
+        raise ValueError("the ranks hold these parameters in param groups that differ: "
+                         + "; ".join(clashes[:4]) + more)
+    return {"records": records, "of": of}
+
+
+def _legacy(saved: list, scheduler_state) -> tuple[dict, Optional[dict]]:
+    """The earlier form (a list of groups, the scheduler's state whole) as positional records."""
+    keys = _per_group_keys(scheduler_state, len(saved)) if isinstance(scheduler_state, dict) else []
+    records = [{"hyper": _hyper(g), "scheduler": {k: scheduler_state[k][i] for k in keys}}
+               for i, g in enumerate(saved)]
+    rest = (scheduler_state if not isinstance(scheduler_state, dict)
+            else {k: v for k, v in scheduler_state.items() if k not in keys})
+    return {"records": records, "of": None}, rest
+
+
+def _records_for(pm, optimizer, saved: dict) -> list[dict]:
+    """The record of each of ``optimizer``'s groups; a ValueError when one cannot be chosen."""
+    records, of, n = saved["records"], saved["of"], len(optimizer.param_groups)
+    if of is None:  # the earlier form: by position
+        if len(records) == n:
+            return list(records)
+        if all(_same(r, records[0]) for r in records):
+            return [records[0]] * n
+        other = next(r for r in records if not _same(r, records[0]))
+        raise ValueError(f"the checkpoint holds {len(records)} param groups, this optimizer {n}, "
+                         f"and the saved groups differ in more than weight_decay "
+                         f"({', '.join(_differences(records[0], other))})")
+    out = []
+    for i, names in enumerate(_group_names(pm, optimizer)):
+        missing = [name for name in names if name not in of]
+        if missing:
+            raise ValueError(f"the checkpoint holds no optimizer hyper-parameters for "
+                             f"{', '.join(missing[:4])} (param group {i} of this optimizer)")
+        found = sorted({of[name] for name in names})
+        if len(found) > 1:
+            a, b = (records[j] for j in found[:2])
+            where = {j: [name for name in names if of[name] == j] for j in found[:2]}
+            one, two = (f"{where[j][0]}" + (f" (and {len(where[j]) - 1} more)" if len(where[j]) > 1 else "")
+                        for j in found[:2])
+            raise ValueError(f"param group {i} of this optimizer updates {one} and {two}, which "
+                             f"the checkpoint holds in groups that differ in "
+                             f"{', '.join(_differences(a, b))}; one group cannot take both "
+                             f"(ZeRO-1/2 keeps one group for its whole shard)")
+        out.append(records[found[0]] if found else {"hyper": {}, "scheduler": {}})
+    return out
+
+
+def resolve_groups(pm, optimizer, saved, scheduler_state) -> tuple[list[dict], Optional[dict]]:
+    """Collective. (the hyper-parameters of each of ``optimizer``'s groups, the scheduler's
+    state for those groups) from a checkpoint's meta/param_groups (``saved``) and
+    meta/scheduler. Every rank raises the same ValueError, naming the rank, when one rank's
+    groups cannot take the saved state."""
+    if isinstance(saved, list):
+        saved, scheduler_state = _legacy(saved, scheduler_state)
+    problem = None
+    try:
+        records = _records_for(pm, optimizer, saved)
+        keys = sorted({k for r in saved["records"] for k in r["scheduler"]})
+        if any(k not in r["scheduler"] for r in records for k in keys):
+            raise ValueError(f"the checkpoint's scheduler has {', '.join(keys)} for some param "
+                             f"groups only")
+    except ValueError as err:
+        problem = str(err)
+    problems = [problem]
+    if dist.is_initialized():
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
+    if failed:
+        rank, p = failed[0]
+        raise ValueError(f"rank {rank}: {p}" if dist.is_initialized() else p)
+    hyper = []
+    for group, record in zip(optimizer.param_groups, records):
+        mine = {**_hyper(group), **record["hyper"]}
+        if "weight_decay" in group:
+            mine["weight_decay"] = group["weight_decay"]  # the configuration's, where this layout applies it
+        hyper.append(mine)
+    if isinstance(scheduler_state, dict):
+        scheduler_state = {**scheduler_state, **{k: [r["scheduler"][k] for r in records] for k in keys}}
+    return hyper, scheduler_state
