@@ -47,9 +47,8 @@ def main(argv=None) -> int:
                     rows.append(compare(case, ranks[0][j], single_process(case)))
                     bar.update(1)
     bad = [r for r in rows if not r["ok"]]
-    tol = "; ".join(f"{k}: losses rtol {v['loss_rtol']:g}, weights atol {v['atol']:g}"
-                    + (f", mean {v['mean_atol']:g}" if "mean_atol" in v else "")
-                    for k, v in TOLERANCES.items())
+    tol = "; ".join(f"{k}: losses rtol {v['loss'].rtol:g}, weights atol {v['weights'].atol:.2g}, "
+                    f"mean {v['weights'].mean_atol:.2g}" for k, v in TOLERANCES.items())
     if args.markdown:
         print(f"{len(rows)} accepted cases, {len(rows) - len(bad)} equal to one process ({tol}).\n")
         print("| world | case | loss, relative | weights, largest | weights, mean |")
@@ -67,6 +66,8 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"{'ok ' if r['ok'] else 'BAD'} world {r['world_size']}  loss {r['loss_rel']:.1e}  "
                   f"weights {r['weight_abs']:.1e}  {r['case']}")
+            for why in r["why"]:  # what the tolerance check said
+                print(f"    {why}")
         for (a, va), (b, vb), _, reason in refused:
             print(f"refused {a}={va} with {b}={vb}: {reason}")
         print(f"{len(rows)} accepted, {len(bad)} outside tolerance ({tol}); {len(refused)} pairs refused")

@@ -4,9 +4,10 @@
 kind, ep, ZeRO stage, SP, schedule and virtual stages, recompute, precision, clipping,
 accumulation, embedding stage, experts; world sizes 1 to 8) so that every pair of values
 that can act together trains in at least one of them. Each trains 3 AdamW steps and must
-equal one process within `reference.parallel.sweep_run.TOLERANCES` (fp32: losses rtol 1e-5,
-weights atol 5e-6; bf16 and fp16 against the same-precision single process; the reasons are
-in that module's docstring). Each pair no accepted case can hold is refused by
+equal one process within `reference.parallel.sweep_run.TOLERANCES`, the course's policy
+(`reference.tolerance`): every loss, every weight and the mean weight differences (overall and
+per tensor), bf16 and fp16 against the same-precision single process. Each pair no accepted
+case can hold is refused by
 `ParallelConfig.validate`, with a reason that names one of the two options.
 
 One launch per world size runs all of that size's cases in turn. The full product of the

@@ -10,28 +10,15 @@ chunks the parallel run splits the batch into (the MoE's balance loss is per chu
 the same precision under autocast, with fp16's `DynamicLossScaler` and its skips, and
 clips with `torch.nn.utils.clip_grad_norm_`.
 
-Tolerances, and why (`TOLERANCES`):
-
-* fp32: losses rtol 1e-5. Weights atol 5e-6: a parallel run adds the same numbers in
-  another order (tensor-parallel partial sums, the dp all-reduce, the vocab-parallel
-  loss), a difference of a few units in the last place of a gradient coordinate, about
-  1e-9 absolute here. AdamW divides the update by sqrt(v) + eps with eps = 1e-6, so a
-  coordinate whose gradient is near zero turns that difference into up to lr x 1e-9 / eps
-  = 1e-6 of weight per step: 3e-6 over three steps, whichever kernels (AVX-512, AVX2 or
-  plain) the CPU picks.
-* bf16 and fp16, against the single process in the same precision: losses rtol 1e-3, and the
-  *mean* absolute weight difference at most 5e-4 (bf16) or 1e-4 (fp16). A half-precision
-  rounding is 4e-3 (bf16) or 5e-4 (fp16) relative, and the parallel run rounds its partial
-  sums at other places; the loss, a mean over thousands of roundings that do not line up,
-  moves far less than one rounding. A single weight whose gradient is near zero can take
-  AdamW's whole step in either direction: over three steps Adam's |m/sqrt(v)| is at most
-  1.0036 (beta1 0.9, beta2 0.999), so one weight can differ by up to 3 x 2 x 1.0036 lr =
-  6.02e-3, and the largest difference (atol 6.1e-3) only catches a weight that went astray
-  beyond any step. What can fail is the mean: measured at most 1.4e-4 (bf16, ZeRO-3 with
-  experts, where a rounding can send a token to another expert) and, in fp16, 1.2e-6 without
-  experts but 2.5e-5 with them on PyTorch's plain kernels (ATEN_CPU_CAPABILITY=default: a
-  token routed to another expert again); a wrong reduction moves most weights by a good
-  fraction of lr = 1e-3.
+Tolerances (`TOLERANCES`) are the course's policy, `reference.tolerance`, whose docstring gives
+each bound's reason: the losses within `loss(dtype)`; the weights after `STEPS` AdamW steps at
+`LR` within `adamw_weights(STEPS, LR, dtype=...)`, every weight, the mean over all of them and
+each tensor's mean. A single weight may differ by up to AdamW's whole steps (6.0e-3 here, eps
+or not), so the largest difference only catches a weight gone astray; the means are what a
+wrong reduction moves. bf16 and fp16 runs are compared with one process in the same
+precision; with experts a rounding there can also send a token to another expert, which
+moves a few weights by more than a rounding and leaves the means far below what a wrong
+reduction gives.
 """
 from __future__ import annotations
 
@@ -39,13 +26,16 @@ import contextlib
 
 import torch
 
+from reference.tolerance import adamw_weights, loss
+
 __all__ = ["STEPS", "LR", "EPS", "TOLERANCES", "batches", "run_cases", "single_process",
            "compare", "model_for"]
 
 STEPS, LR, EPS = 3, 1e-3, 1e-6
-TOLERANCES = {"fp32": dict(loss_rtol=1e-5, atol=5e-6),
-              "bf16": dict(loss_rtol=1e-3, atol=6.1e-3, mean_atol=5e-4),
-              "fp16": dict(loss_rtol=1e-3, atol=6.1e-3, mean_atol=1e-4)}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# per precision: the losses' and the weights' tolerance (reference.tolerance says why)
+TOLERANCES = {p: dict(loss=loss(dtype), weights=adamw_weights(STEPS, LR, dtype=dtype))
+              for p, dtype in DTYPES.items()}
 FP16_POWER = 12   # the loss scale starts at 2^12: the tiny model's gradients stay finite
 
 
@@ -143,24 +133,29 @@ def single_process(case, steps: int = STEPS):
 
 
 def compare(case, got, want) -> dict:
-    """The largest loss (relative) and weight (absolute) differences, and whether they are
-    within `TOLERANCES` for the case's precision. `got`, `want`: (losses, skipped, state)."""
+    """The largest loss (relative) and weight (absolute) differences and the mean weight
+    difference, and whether the run is within `TOLERANCES` for the case's precision: every
+    loss, and the weights by `Tolerance.assert_weights` (every weight, the mean over all of
+    them, each tensor's mean; `why` says what failed). `got`, `want`: (losses, skipped, state)."""
     tol = TOLERANCES[case.config.precision]
     g_loss, g_skip, g_state = got
     w_loss, w_skip, w_state = want
     loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(g_loss, w_loss))
-    weight_diff, total, count, missing = 0.0, 0.0, 0, []
-    for name, value in w_state.items():
-        if name not in g_state:
-            if name != "lm_head.weight":  # tied: the same tensor as the embedding
-                missing.append(name)
-            continue
-        diff = (g_state[name].float() - value.float()).abs()
-        weight_diff = max(weight_diff, float(diff.max()))
-        total, count = total + float(diff.sum()), count + diff.numel()
-    mean_diff = total / max(count, 1)
-    ok = (loss_diff <= tol["loss_rtol"] and weight_diff <= tol["atol"] and not missing
-          and mean_diff <= tol.get("mean_atol", float("inf")) and g_skip == w_skip)
+    missing = [n for n in w_state if n not in g_state and n != "lm_head.weight"]  # lm_head: tied
+    compared = {n: v for n, v in w_state.items() if n in g_state}
+    diffs = [(g_state[n].double() - v.double()).abs() for n, v in compared.items()]
+    weight_diff = max((float(d.max()) for d in diffs if d.numel()), default=0.0)
+    mean_diff = sum(float(d.sum()) for d in diffs) / max(sum(d.numel() for d in diffs), 1)
+    why = []
+    try:
+        tol["loss"].assert_losses(g_loss, w_loss, f"{case} losses")
+    except AssertionError as err:
+        why.append(str(err))
+    try:
+        tol["weights"].assert_weights(g_state, compared, str(case))
+    except AssertionError as err:
+        why.append(str(err))
+    ok = not why and not missing and g_skip == w_skip
     return dict(case=str(case), world_size=case.world_size, loss_rel=loss_diff,
                 weight_abs=weight_diff, weight_mean=mean_diff, skipped=g_skip,
-                expected_skipped=w_skip, missing=missing, ok=ok)
+                expected_skipped=w_skip, missing=missing, why=why, ok=ok)
