@@ -112,7 +112,7 @@ def _parity_main(argv) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     from reference.train.config import load_config
-    from reference.train.parity import compare, single_process_losses
+    from reference.train.parity import compare, single_process_losses, tolerance
     from reference.train.plot import read_log
     from reference.train.settings import settings
 
@@ -122,9 +122,10 @@ def _parity_main(argv) -> int:
         set=args.set))), args.world_size)
     steps = max(r["step"] for r in records)
     worst = compare(records, single_process_losses(plan, args.world_size, steps))
+    tol = tolerance(plan.parallel_config(args.world_size).precision)
     print(f"parity: {args.world_size} ranks against one process over {steps} steps, largest "
-          f"relative loss difference {worst:.1e}")
-    return 0 if worst < 1e-4 else 1
+          f"relative loss difference {worst:.1e} (tolerance: {tol.summary()})")
+    return 0 if worst <= tol.rtol else 1
 
 
 def main(argv=None) -> int:
