@@ -10,9 +10,10 @@ clip. MAX_NORM is chosen well below the norm (checked) so that clipping really s
 Models and batches go to `reference.runtime.device()` (the CPU: the launches here ask for
 gloo), so tests/test_gpu.py runs the same bodies and checks on NCCL.
 
-Tolerances: fp32 (rtol 1e-5, atol 1e-6). The ranks' squares are summed in another order
-than torch's per-tensor norms (and the gradients themselves are sums in another order):
-a few ulps apart.
+Tolerances: the course's policy (`reference.tolerance`). The gradients are averaged over the
+ranks and the ranks' squares summed in another order than torch's per-tensor norms:
+`gradient(2)` on two ranks, `gradient(4)` on dp 2 x tp 2 (a LayerNorm's gradient summed over
+both). One process through `clip_grad_norm_` is torch's clip bit for bit (`exact()`).
 """
 import math
 
@@ -27,13 +28,14 @@ from reference.model import GPT, GPTConfig
 from reference.parallel.clip import MARKS, clip_grad_norm_, mark_parallel_params
 from reference.pipeline_parallel import build_embedding_group, build_schedule, local_stages, run_pipeline, split_stages
 from reference.runtime import device, launch
+from reference.tolerance import exact, gradient, sgd_weights
 from reference.tensor_parallel import allreduce_sequence_parallel_grads, apply_tensor_parallel
 from reference.zero import FSDP, ZeroOptimizer
 from reference.zero.shard import FlatLayout
 
 from test_tensor_parallel_gpt import dense_shard  # this rank's slice of a dense tensor under TP
 
-TOL = dict(rtol=1e-5, atol=1e-6)
+TOL = gradient(2)                            # gradients averaged over two ranks
 CFG = GPTConfig.tiny()                       # tied embedding; every size splits over 2 ranks
 UNEVEN = GPTConfig.tiny(n_embd=9, n_head=3, vocab_size=251)  # 4743 numbers: ZeRO pads to 4744
 B, T = 4, 16
@@ -213,7 +215,7 @@ def test_zero_step_after_clipping_uses_the_clipped_gradient(two_ranks, stage):
     want = {n: p.detach() - grads[n] for n, p in model.named_parameters()}  # SGD, lr 1
     for rank, r in enumerate(two_ranks):
         for name, value in r[f"zero{stage}_step"].items():
-            _close(value, want[name], f"ZeRO-{stage} rank {rank} {name} after step", TOL)
+            _close(value, want[name], f"ZeRO-{stage} rank {rank} {name} after step", sgd_weights(1, 1.0, n=2))
 
 
 def test_fsdp_clips_every_units_shard(two_ranks, expected):
@@ -272,12 +274,12 @@ def _dp_tp():
 def test_data_and_tensor_parallel_together(expected):
     """4 ranks, dp 2 x tp 2 with SP: a LayerNorm is held by all four and counted by one."""
     norm, grads = expected
-    mesh = Mesh(dp=2, tp=2)
+    mesh, tol = Mesh(dp=2, tp=2), gradient(4)  # a LayerNorm's gradient: summed over dp and tp
     for rank, out in enumerate(launch(_dp_tp, 4, backend="gloo", timeout=180, quiet=True)):
-        _close(out["norm"], norm, f"rank {rank} norm")
+        _close(out["norm"], norm, f"rank {rank} norm", tol)
         tp_rank = mesh.coords(rank).tp
         for name, g in out["grads"].items():
-            _close(g, dense_shard(name, grads[name], tp_rank, 2, CFG.vocab_size), f"rank {rank} {name}")
+            _close(g, dense_shard(name, grads[name], tp_rank, 2, CFG.vocab_size), f"rank {rank} {name}", tol)
 
 
 # ------------------------------------------------------------------ one process, bad input
@@ -291,9 +293,9 @@ def test_one_process_is_torchs_clip_bit_for_bit():
                 p.grad = None
             model(*_batch())[1].backward()
             got = clip_grad_norm_(target, MAX_NORM, mesh)
-            torch.testing.assert_close(got, norm, rtol=0, atol=0)
+            exact().assert_close(got, norm, "norm")
             for n, p in model.named_parameters():
-                torch.testing.assert_close(p.grad, grads[n], rtol=0, atol=0)
+                exact().assert_close(p.grad, grads[n], n)
 
 
 def test_inf_norm_and_no_clipping_below_the_limit():
@@ -302,9 +304,9 @@ def test_inf_norm_and_no_clipping_below_the_limit():
     before = {n: p.grad.clone() for n, p in model.named_parameters()}
     largest = max(g.abs().max() for g in before.values())
     got = clip_grad_norm_(model, 1e9, norm_type=math.inf)  # far above: nothing changes
-    torch.testing.assert_close(got, largest, rtol=0, atol=0)
+    exact().assert_close(got, largest, "inf norm")
     for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, before[n], rtol=0, atol=0)
+        exact().assert_close(p.grad, before[n], n)
 
 
 def test_marks_and_bad_input_are_named():

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from reference import comms
 from reference.comms import CommMeter, CostModel
 from reference.runtime import launch
+from reference.tolerance import exact, gradient
 
 # Shapes whose numel does not divide by 2, 3 or 4 (7, 15, 1), divides by all (24),
 # or is smaller than the world (1, 2): the last leaves some ring chunks empty.
@@ -32,16 +33,14 @@ def _data(shape, rank, kind):
     return torch.randn(shape, generator=g)
 
 
-# fp32 tolerance for "rand" data: the ring adds chunk c in the order c+1, c+2, ..., c
-# (one rank after the other around the ring) while gloo picks its own order. fp32
-# addition is not associative, so the sums may differ in the last bits; with at
-# most 4 terms of size ~1 the difference is a few ulps, inside the standard
-# rtol=1e-5, atol=1e-6.
-TOL = dict(rtol=1e-5, atol=1e-6)
+# Tolerance for "rand" data (reference.tolerance): the ring adds chunk c in the order
+# c+1, c+2, ..., c (one rank after the other around the ring) while gloo picks its own
+# order. fp32 addition is not associative, so the sums of the n ranks' terms may differ in
+# the last bits: `gradient(n)`, a sum over n in another order. "int" data is exact.
 
 
-def _close(kind):
-    return dict(rtol=0, atol=0) if kind == "int" else TOL
+def _close(kind, n):
+    return exact() if kind == "int" else gradient(n)
 
 
 # ---------------------------------------------------------------------------
@@ -51,7 +50,7 @@ def _parity_body():
     n, r = dist.get_world_size(), dist.get_rank()
     checked = []
     for kind in ("int", "rand"):
-        tol = _close(kind)
+        tol = _close(kind, n)
         for shape in SHAPES:
             x = _data(shape, r, kind)
             numel = x.numel()
@@ -66,7 +65,7 @@ def _parity_body():
             # reduce-scatter: rank r owns chunk r of tensor_split
             chunk = comms.ring_reduce_scatter(x)
             torch.testing.assert_close(chunk, torch.tensor_split(ref.reshape(-1), n)[r], **tol)
-            torch.testing.assert_close(x, _data(shape, r, kind), rtol=0, atol=0)  # input untouched
+            torch.testing.assert_close(x, _data(shape, r, kind), **exact())  # input untouched
             if numel % n == 0:
                 rs_ref = torch.empty(numel // n)
                 dist.reduce_scatter_tensor(rs_ref, x.reshape(-1).clone())
@@ -77,14 +76,14 @@ def _parity_body():
             expected = torch.cat([torch.tensor_split(_data(shape, q, kind).reshape(-1), n)[q]
                                   for q in range(n)])
             got = comms.ring_all_gather(mine_chunk, numel=numel)
-            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+            torch.testing.assert_close(got, expected, **exact())
             sizes = [c.numel() for c in torch.tensor_split(torch.empty(numel), n)]
             torch.testing.assert_close(comms.ring_all_gather(mine_chunk, sizes=sizes), expected,
-                                       rtol=0, atol=0)
+                                       **exact())
             # equal chunks: against all_gather_into_tensor, with no sizes given
             ag_ref = torch.empty(n * numel)
             dist.all_gather_into_tensor(ag_ref, x.reshape(-1).contiguous())
-            torch.testing.assert_close(comms.ring_all_gather(x), ag_ref, rtol=0, atol=0)
+            torch.testing.assert_close(comms.ring_all_gather(x), ag_ref, **exact())
 
             # broadcast from every source, with 1, the default, 3 and more pieces than elements
             for src in range(n):
@@ -93,7 +92,7 @@ def _parity_body():
                 for pieces in (1, None, 3, numel + 2):
                     mine_b = x.clone()
                     assert comms.ring_broadcast(mine_b, src=src, num_chunks=pieces) is mine_b
-                    torch.testing.assert_close(mine_b, ref_b, rtol=0, atol=0)
+                    torch.testing.assert_close(mine_b, ref_b, **exact())
             checked.append((kind, shape))
 
     # other reductions, against torch's own
@@ -102,14 +101,14 @@ def _parity_body():
         mine, ref = x.clone(), x.clone()
         comms.ring_all_reduce(mine, op=op)
         dist.all_reduce(ref, op=op)
-        torch.testing.assert_close(mine, ref, **TOL)
+        torch.testing.assert_close(mine, ref, **gradient(n))
 
     # a non-contiguous tensor is reduced in place through a copy
     base = _data((4, 6), r, "int")
     mine, ref = base.clone().t(), base.clone().t()
     comms.ring_all_reduce(mine)
     dist.all_reduce(ref)
-    torch.testing.assert_close(mine, ref, rtol=0, atol=0)
+    torch.testing.assert_close(mine, ref, **exact())
 
     # integer dtype: exact
     xi = torch.arange(7, dtype=torch.int64) * (r + 1)

@@ -18,6 +18,7 @@ from reference.data_parallel import DDP, CompressedDDP, metered_comm_hook, power
 from reference.model import GPT, GPTConfig
 from reference.parallel.golden import debug_batches
 from reference.runtime import launch
+from reference.tolerance import exact
 
 CFG = GPTConfig.tiny()  # 2 layers, C = 32: every numel divides by 2, so ring bytes are exact
 STEPS, BATCH, LR = 30, (8, 32), 3e-3
@@ -109,17 +110,15 @@ def test_bf16_ddp_equals_pytorch_ddp_with_bf16_compress_hook(runs):
             for name in ours:
                 # Both round the same numbers: PyTorch rounds g to bf16 then divides
                 # by N = 2, we divide then round, which is the same bf16 number for a
-                # power of two; the sum of two bf16 numbers is rounded once by gloo.
-                # Measured: equal bit for bit. The tolerance allows one rounding more
-                # (U of the value), for an N that is not a power of two.
-                torch.testing.assert_close(ours[name], theirs[name], rtol=U, atol=1e-7,
-                                           msg=lambda m: f"rank {rank} step {step} {name}: {m}")
+                # power of two; the sum of two bf16 numbers is rounded once by gloo, in
+                # either order the same. So the same arithmetic: bit for bit.
+                exact().assert_close(ours[name], theirs[name], f"rank {rank} step {step} {name}")
 
 
 def test_bf16_gradient_is_within_the_rounding_bound_of_the_fp32_mean(runs):
     local = [out["local"] for out in runs]  # each rank's own step-0 gradient, a and b
     for rank, out in enumerate(runs):
-        compressed, exact = out["bf16"]["grads"][0], out["fp32"]["grads"][0]
+        compressed, fp32 = out["bf16"]["grads"][0], out["fp32"]["grads"][0]
         differs = False
         for name, g in compressed.items():
             a, b = local[0][name], local[1][name]
@@ -127,9 +126,10 @@ def test_bf16_gradient_is_within_the_rounding_bound_of_the_fp32_mean(runs):
             # of itself, so |error| <= U (|a| + |b|) / 2 + U (|a + b| / 2 + U (|a| + |b|) / 2)
             # <= U (1 + U) (|a| + |b|); fp32's own rounding (1e-7 of it) is in the margin of 2x.
             bound = 2 * U * (1 + U) * (a.abs() + b.abs())
-            assert bool(((g - exact[name]).abs() <= bound + 1e-12).all()), f"rank {rank} {name}"
-            torch.testing.assert_close(exact[name], (a + b) / 2, rtol=1e-5, atol=1e-7)  # fp32 DDP: the mean
-            differs |= not torch.equal(g, exact[name])
+            assert bool(((g - fp32[name]).abs() <= bound + 1e-12).all()), f"rank {rank} {name}"
+            # fp32 DDP: the mean of two numbers, halved (exactly) and added once: bit for bit
+            exact().assert_close(fp32[name], (a + b) / 2, f"rank {rank} fp32 mean of {name}")
+            differs |= not torch.equal(g, fp32[name])
         assert differs  # the compression really rounded something
 
 
@@ -166,13 +166,13 @@ def test_powersgd_all_reduces_the_formulas_bytes(runs):
 
 def test_powersgd_changes_the_gradient(runs):
     for out in runs:
-        exact, compressed = out["fp32"]["grads"], out["powersgd1"]["grads"]
-        for name in exact[0]:  # the plain steps are the exact mean (same sum, another order)
-            torch.testing.assert_close(compressed[0][name], exact[0][name], rtol=1e-5, atol=1e-6)
+        fp32, compressed = out["fp32"]["grads"], out["powersgd1"]["grads"]
+        for name in fp32[0]:  # the plain steps are the exact mean: two numbers, halved and added
+            exact().assert_close(compressed[0][name], fp32[0][name], f"PowerSGD's plain step, {name}")
         flat = lambda g: torch.cat([t.flatten() for t in g.values()])  # noqa: E731
         # Step START, the first compressed one: rank 1 misses a part of the gradient
         # (measured 16% of its norm): compression costs accuracy per step.
-        err = (flat(compressed[START]) - flat(exact[START])).norm() / flat(exact[START]).norm()
+        err = (flat(compressed[START]) - flat(fp32[START])).norm() / flat(fp32[START]).norm()
         assert 0.05 < float(err) < 0.5
 
 

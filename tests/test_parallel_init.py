@@ -17,6 +17,7 @@ from reference.expert_parallel import ExpertParallelMoE, MoE
 from reference.model import MLP, GPTConfig
 from reference.runtime import launch
 from reference.tensor_parallel import ColumnParallelLinear, RowParallelLinear, column_shard
+from reference.tolerance import exact, forward
 
 C, H, E = 8, 24, 4  # H divides by tp=2 x chunks=3; E experts, 2 per rank
 SEED = 31
@@ -60,13 +61,13 @@ def test_column_parallel_shards_are_the_seeded_dense_weight(layers):
     assert not torch.equal(r0["weight"], r1["weight"]), "the two ranks hold the same shard"
     # Exact: the same generator and the same draws, only sliced.
     torch.testing.assert_close(torch.cat([r0["weight"], r1["weight"]]), dense.weight.detach(),
-                               rtol=0, atol=0)
+                               **exact())
     torch.testing.assert_close(torch.cat([r0["bias"], r1["bias"]]), dense.bias.detach(),
-                               rtol=0, atol=0)
+                               **exact())
     for rank in range(2):  # c_attn's [q | k | v] split: rank r holds [q_r | k_r | v_r]
         torch.testing.assert_close(layers[rank]["column_qkv"]["weight"],
                                    column_shard(dense.weight.detach(), rank, 2, chunks=3),
-                                   rtol=0, atol=0)
+                                   **exact())
 
 
 def test_row_parallel_shards_are_the_seeded_dense_weight(layers):
@@ -74,17 +75,17 @@ def test_row_parallel_shards_are_the_seeded_dense_weight(layers):
     r0, r1 = layers[0]["row"], layers[1]["row"]
     assert not torch.equal(r0["weight"], r1["weight"]), "the two ranks hold the same shard"
     torch.testing.assert_close(torch.cat([r0["weight"], r1["weight"]], dim=1),
-                               dense.weight.detach(), rtol=0, atol=0)
+                               dense.weight.detach(), **exact())
     for r in (r0, r1):  # the bias is whole on every rank
-        torch.testing.assert_close(r["bias"], dense.bias.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(r["bias"], dense.bias.detach(), **exact())
 
 
 def test_the_default_seed_is_zero_on_every_rank(layers):
     column, row = _dense(C, H, 0), _dense(H, C, 0)
     torch.testing.assert_close(torch.cat([layers[r]["column_default"]["weight"] for r in range(2)]),
-                               column.weight.detach(), rtol=0, atol=0)
+                               column.weight.detach(), **exact())
     torch.testing.assert_close(torch.cat([layers[r]["row_default"]["weight"] for r in range(2)],
-                                         dim=1), row.weight.detach(), rtol=0, atol=0)
+                                         dim=1), row.weight.detach(), **exact())
 
 
 def _tp_mlp_output(x):
@@ -102,7 +103,7 @@ def test_a_directly_built_tp_mlp_is_the_dense_mlp():
     expected = mlp(x).detach()
     for y in launch(_tp_mlp_output, 2, x, quiet=True):
         # fp32: the row layer sums two partial products (g) in another order than one GEMM.
-        torch.testing.assert_close(y.detach(), expected, rtol=1e-5, atol=1e-6)
+        forward().assert_close(y.detach(), expected, "the TP MLP's output")
 
 
 MOE_ARGS = dict(d_model=C, d_ff=H, n_experts=E, k=2, shared_expert=True)
@@ -130,7 +131,7 @@ def test_expert_parallel_moe_holds_the_seeded_dense_experts():
                 _, local, rest = name.split(".", 2)
                 name = f"experts.{ids[int(local)]}.{rest}"
             # Exact: the same draws in the same order as the dense MoE's construction.
-            torch.testing.assert_close(value, dense.state_dict()[name], rtol=0, atol=0,
+            torch.testing.assert_close(value, dense.state_dict()[name], **exact(),
                                        msg=lambda m, name=name: f"{name}: {m}")
 
 

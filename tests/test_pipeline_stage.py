@@ -2,15 +2,14 @@
 import itertools
 
 import pytest
-import torch
 
 from reference.data import synthetic_batch
 from reference.model import GPT, GPTConfig
 from reference.pipeline_parallel import (DelayedStage, GPTStage, build_schedule, local_stages,
                                          plan_stages, run_pipeline, split_stages, sync_tied_grads)
+from reference.tolerance import exact, gradient, loss
 
-TOL = dict(rtol=1e-5, atol=1e-6)
-
+LOSS_TOL = loss()  # the course's policy (reference.tolerance): a loss summed in another order
 
 
 def _blocks(specs):
@@ -81,7 +80,7 @@ def test_stages_share_the_model_and_compose_to_it():
         h, aux = s(h)
         assert aux.shape == ()
     logits, _ = model(x)
-    torch.testing.assert_close(h, logits, rtol=0, atol=0)
+    exact().assert_close(h, logits, "the stages' output against the model's")
     assert [s.spec.stage for s in local_stages(stages, 2, 1)] == [1, 3]
 
 
@@ -96,9 +95,9 @@ def test_one_rank_pipeline_is_gradient_accumulation(kind, m, ckpt):
     model = GPT.from_config_seed(cfg, 0)
     stages = split_stages(model, 1)
     result = run_pipeline(build_schedule(kind, 1, m), stages, x, y, checkpoint=ckpt)
-    torch.testing.assert_close(result.loss, loss.detach(), **TOL)
+    LOSS_TOL.assert_close(result.loss, loss.detach(), "loss")
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=n)
+        gradient(m).assert_close(p.grad, q.grad, n)  # summed over the m micro-batches
     assert [str(e.action) for e in result.trace] == [str(a) for a in build_schedule(kind, 1, m).actions(0)]
     assert sync_tied_grads(stages, None) == 0  # one process holds both ends of the tied weight
 
@@ -110,9 +109,9 @@ def test_delayed_stage_changes_time_not_results():
     plain = run_pipeline(build_schedule("gpipe", 1, 2), split_stages(a, 1), x, y)
     slow = run_pipeline(build_schedule("gpipe", 1, 2),
                         [DelayedStage(s, 0.01, 0.02) for s in split_stages(b, 1)], x, y)
-    torch.testing.assert_close(plain.loss, slow.loss, rtol=0, atol=0)
+    exact().assert_close(plain.loss, slow.loss, "loss")
     for p, q in zip(a.parameters(), b.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+        exact().assert_close(p.grad, q.grad, "gradient")
     # every forward sleeps 0.01 s and every backward 0.02 s on top of its compute
     for e in slow.trace:
         assert e.end - e.start >= {"F": 0.01, "B": 0.02}[e.action.op]

@@ -23,12 +23,15 @@ from reference.tensor_parallel import (
     allreduce_sequence_parallel_grads, apply_tensor_parallel, column_shard, padded_vocab_size,
     row_shard, vocab_parallel_cross_entropy,
 )
+from reference.tolerance import exact, gradient, loss
 
-TOL = dict(rtol=1e-5, atol=1e-6)  # fp32: the same sums in another order
 # 251 is prime: padded to 252 over tp = 2. T = 8 splits over tp; 4 blocks make 2
 # stages, or 4 for the interleaved schedule (2 chunks per rank).
 CFG = GPTConfig.tiny(vocab_size=251, block_size=8, n_layer=4)
 B, T, M = 4, 8, 2
+# fp32: the same sums in another order (reference.tolerance). Gradients: summed over M
+# micro-batches and over 2 ranks (tp for SP's LayerNorms, pp for the tied embedding).
+LOSS_TOL, GRAD_TOL = loss(), gradient(2 * M)
 
 
 def _batch():
@@ -94,12 +97,11 @@ def _parity_body():
             result = run_pipeline(build_schedule(kind, mesh.pp, M, virtual), stages, x, y,
                                   group=mesh.pp_group, tied_group=tied)
             if mesh.pp_rank == mesh.pp - 1:
-                torch.testing.assert_close(result.loss, loss_d, **TOL, msg=lambda m: f"{what} loss: {m}")
+                LOSS_TOL.assert_close(result.loss, loss_d, f"{what} loss")
             grads = _finish_grads(stages, mesh, sp)
             assert grads, what
             for name, g in grads.items():
-                torch.testing.assert_close(g, _dense_shard(name, dense_grads[name], r, n), **TOL,
-                                           msg=lambda m: f"{what} grad of {name}: {m}")
+                GRAD_TOL.assert_close(g, _dense_shard(name, dense_grads[name], r, n), f"{what} grad of {name}")
             checked.append((what, len(grads)))
     return checked
 
@@ -137,15 +139,15 @@ def _recompute_body():
         (loss_kept, grads_kept, cpu_kept, tp_kept), (loss_ckpt, grads_ckpt, cpu_ckpt, tp_ckpt) = \
             runs[0.2, False], runs[0.2, True]
         what = f"sp={sp}"
+        # Recomputing replays the same masks and the same arithmetic in the same order.
         if mesh.pp_rank == mesh.pp - 1:
-            torch.testing.assert_close(loss_ckpt, loss_kept, **TOL)
+            exact().assert_close(loss_ckpt, loss_kept, f"{what} checkpointed loss")
         # The control: dropout does change the gradients (by far more than the tolerance).
         no_dropout = runs[0.0, False][1]
-        assert max((g - no_dropout[k]).abs().max().item() for k, g in grads_kept.items()) > 1e-3, what
+        assert any(not GRAD_TOL.close(g, no_dropout[k]) for k, g in grads_kept.items()), what
         assert grads_ckpt.keys() == grads_kept.keys()
         for name, g in grads_ckpt.items():
-            torch.testing.assert_close(g, grads_kept[name], **TOL,
-                                       msg=lambda m: f"{what} checkpointed grad of {name}: {m}")
+            exact().assert_close(g, grads_kept[name], f"{what} checkpointed grad of {name}")
         assert torch.equal(cpu_ckpt, cpu_kept), f"{what}: the default stream must end where it did"
         assert torch.equal(tp_ckpt, tp_kept), f"{what}: the TP stream must end where it did"
     return "ok"
@@ -176,12 +178,11 @@ class Bf16Boundary(torch.nn.Module):
 # bf16 keeps 8 significant bits: each rounding is off by up to 2^-8 = 0.4% of the
 # value. TP rounds the row-parallel partial sums to bf16 before adding them, one
 # process rounds the whole sum once, so the two runs differ by a few roundings per
-# block (measured: loss 2.4e-5 relative, gradients up to 1.5e-2 of their largest
-# entry). The tolerances allow some 20 and 4 times that, for other CPUs' bf16
-# kernels; a wrong message (a shape or dtype mix-up) or a missing reduction is off
-# by the whole gradient.
-BF16_LOSS_RTOL = 5e-4
-BF16_GRAD_TOL = 6e-2  # relative to the largest entry of each gradient
+# block. The course's bf16 bounds (reference.tolerance): the loss `loss(torch.bfloat16)`,
+# each gradient `gradient(2 M, torch.bfloat16)` for values of the size of its largest
+# entry (summed over M micro-batches and 2 ranks, as in fp32); a wrong message (a shape
+# or dtype mix-up) or a missing reduction is off by the whole gradient.
+BF16_LOSS, BF16_GRAD = loss(torch.bfloat16), gradient(2 * M, torch.bfloat16)
 
 
 def _bf16_body():
@@ -213,14 +214,13 @@ def _bf16_body():
     loss_error = None
     if mesh.pp_rank == mesh.pp - 1:
         loss_error = abs(result.loss.item() - loss_d.item()) / loss_d.item()
-        assert loss_error <= BF16_LOSS_RTOL, (result.loss.item(), loss_d.item())
+        BF16_LOSS.assert_close(result.loss, loss_d, "bf16 loss")
     worst = 0.0
     for name, g in _finish_grads(stages, mesh, sp=True).items():
         expected = _dense_shard(name, dense_grads[name], r, n)
         scale = expected.abs().max().item()
-        error = (g - expected).abs().max().item() / scale
-        assert error <= BF16_GRAD_TOL, (name, error)
-        worst = max(worst, error)
+        BF16_GRAD.at_scale(scale).assert_close(g, expected, f"bf16 grad of {name}")
+        worst = max(worst, (g - expected).abs().max().item() / scale)
     return loss_error, worst
 
 

@@ -23,13 +23,17 @@ from reference.tensor_parallel import (
     padded_vocab_size, reduce_scatter_to_sequence_parallel_region, row_shard,
     scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy,
 )
+from reference.tolerance import forward, gradient, loss
 
-TOL = dict(rtol=1e-5, atol=1e-6)
+# The course's policy (reference.tolerance): outputs `forward()`; gradients, whose parts are
+# summed over the n ranks (f's backward, SP's all-reduce, a row layer's partial sums):
+# `gradient(n)`.
+TOL = forward()
 B, T, C, H = 2, 8, 16, 48  # H divides by 3 x 4: c_attn-like chunks=3 on 4 ranks
 
 
-def close(actual, expected, what):
-    torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"{what}: {m}")
+def close(actual, expected, what, tol=TOL):
+    tol.assert_close(actual, expected, what)
 
 
 def seq_shard(t, r, n):
@@ -90,6 +94,7 @@ def _check_errors(group, n):
 
 
 def _check_linears(group, r, n):
+    grad = gradient(n)  # gradients: parts summed over the n ranks
     torch.manual_seed(0)
     x = torch.randn(B, T, C)
     col_dense = nn.Linear(C, H)
@@ -103,9 +108,9 @@ def _check_linears(group, r, n):
             yd, yt, gd, gt = _run(dense, col, x, x, w_out, shard(w_out))
             what = f"column chunks={chunks} gather={gather}"
             close(yt, shard(yd), what + " output")
-            close(gt, gd, what + " input grad")
-            close(col.weight.grad, column_shard(dense.weight.grad, r, n, chunks), what + " weight grad")
-            close(col.bias.grad, column_shard(dense.bias.grad, r, n, chunks), what + " bias grad")
+            close(gt, gd, what + " input grad", grad)
+            close(col.weight.grad, column_shard(dense.weight.grad, r, n, chunks), what + " weight grad", grad)
+            close(col.bias.grad, column_shard(dense.bias.grad, r, n, chunks), what + " bias grad", grad)
 
     xh = torch.randn(B, T, H)
     w_c = torch.randn(B, T, C)
@@ -116,9 +121,9 @@ def _check_linears(group, r, n):
         yd, yt, gd, gt = _run(dense, row, xh, x_tp, w_c, w_c)
         what = f"row input_is_parallel={parallel_input}"
         close(yt, yd, what + " output")
-        close(gt, last_shard(gd, r, n) if parallel_input else gd, what + " input grad")
-        close(row.weight.grad, row_shard(dense.weight.grad, r, n), what + " weight grad")
-        close(row.bias.grad, dense.bias.grad, what + " bias grad")
+        close(gt, last_shard(gd, r, n) if parallel_input else gd, what + " input grad", grad)
+        close(row.weight.grad, row_shard(dense.weight.grad, r, n), what + " weight grad", grad)
+        close(row.bias.grad, dense.bias.grad, what + " bias grad", grad)
 
     # Sequence parallel: the column layer reads a sequence shard, the row layer writes one.
     for regather in (False, True):
@@ -127,22 +132,23 @@ def _check_linears(group, r, n):
         yd, yt, gd, gt = _run(dense, col, x, seq_shard(x, r, n), w_out, last_shard(w_out, r, n))
         what = f"column sequence-parallel regather={regather}"
         close(yt, last_shard(yd, r, n), what + " output")
-        close(gt, seq_shard(gd, r, n), what + " input grad")
-        close(col.weight.grad, column_shard(dense.weight.grad, r, n), what + " weight grad")
-        close(col.bias.grad, column_shard(dense.bias.grad, r, n), what + " bias grad")
+        close(gt, seq_shard(gd, r, n), what + " input grad", grad)
+        close(col.weight.grad, column_shard(dense.weight.grad, r, n), what + " weight grad", grad)
+        close(col.bias.grad, column_shard(dense.bias.grad, r, n), what + " bias grad", grad)
     dense = nn.Linear(H, C)
     row = RowParallelLinear.from_dense(dense, group, sequence_parallel=True)
     yd, yt, gd, gt = _run(dense, row, xh, last_shard(xh, r, n), w_c, seq_shard(w_c, r, n))
     close(yt, seq_shard(yd, r, n), "row sequence-parallel output")
-    close(gt, last_shard(gd, r, n), "row sequence-parallel input grad")
-    close(row.weight.grad, row_shard(dense.weight.grad, r, n), "row sequence-parallel weight grad")
+    close(gt, last_shard(gd, r, n), "row sequence-parallel input grad", grad)
+    close(row.weight.grad, row_shard(dense.weight.grad, r, n), "row sequence-parallel weight grad", grad)
     # The bias met only this rank's tokens: partial until summed over the group.
     assert row.bias.sequence_parallel
     allreduce_sequence_parallel_grads(row, group)
-    close(row.bias.grad, dense.bias.grad, "row sequence-parallel bias grad after the all-reduce")
+    close(row.bias.grad, dense.bias.grad, "row sequence-parallel bias grad after the all-reduce", grad)
 
 
 def _check_mlp_and_attention(group, r, n):
+    grad = gradient(n)  # gradients: parts summed over the n ranks
     cfg = GPTConfig(n_embd=C, n_head=4, d_ff=H, block_size=T)
     torch.manual_seed(1)
     x = torch.randn(B, T, C)
@@ -159,20 +165,21 @@ def _check_mlp_and_attention(group, r, n):
             yd, yt, gd, gt = _run(dense, tp, x, part(x), w, part(w))
             what = f"{name} sequence_parallel={sp}"
             close(yt, part(yd), what + " output")
-            close(gt, part(gd), what + " input grad")
+            close(gt, part(gd), what + " input grad", grad)
             if sp:
                 allreduce_sequence_parallel_grads(tp, group)
             lin = ("c_fc", "c_proj") if name == "mlp" else ("c_attn", "c_proj")
             d_in, d_out = (getattr(dense, k) for k in lin)
             t_in, t_out = (getattr(tp, k) for k in lin)
             chunks = 3 if name == "attention" else 1
-            close(t_in.weight.grad, column_shard(d_in.weight.grad, r, n, chunks), what + " column weight grad")
-            close(t_in.bias.grad, column_shard(d_in.bias.grad, r, n, chunks), what + " column bias grad")
-            close(t_out.weight.grad, row_shard(d_out.weight.grad, r, n), what + " row weight grad")
-            close(t_out.bias.grad, d_out.bias.grad, what + " row bias grad")
+            close(t_in.weight.grad, column_shard(d_in.weight.grad, r, n, chunks), what + " column weight grad", grad)
+            close(t_in.bias.grad, column_shard(d_in.bias.grad, r, n, chunks), what + " column bias grad", grad)
+            close(t_out.weight.grad, row_shard(d_out.weight.grad, r, n), what + " row weight grad", grad)
+            close(t_out.bias.grad, d_out.bias.grad, what + " row bias grad", grad)
 
 
 def _check_vocab(group, r, n):
+    grad = gradient(n)  # gradients: parts summed over the n ranks
     # 5 on 4 ranks pads to 8: rank 2 holds one real id and one padding row, rank 3 only padding.
     for vocab in (5, 11, 12):
         vp = padded_vocab_size(vocab, n)
@@ -186,7 +193,7 @@ def _check_vocab(group, r, n):
         (yt * w).sum().backward()
         pad = torch.cat([emb.weight.grad, torch.zeros(vp - vocab, C)]).chunk(n)[r]
         close(yt, yd, f"embedding V={vocab} output")
-        close(tp_emb.weight.grad, pad, f"embedding V={vocab} weight grad (padding rows zero)")
+        close(tp_emb.weight.grad, pad, f"embedding V={vocab} weight grad (padding rows zero)", grad)
 
         logits = torch.randn(B, T, vocab)
         targets = torch.randint(0, vocab, (B, T))
@@ -200,9 +207,9 @@ def _check_vocab(group, r, n):
         with comms.meter() as m:
             loss_t = vocab_parallel_cross_entropy(lt, targets, group, vocab_size=vocab)
         loss_t.backward()
-        close(loss_t, loss_d, f"cross-entropy V={vocab}")
+        close(loss_t, loss_d, f"cross-entropy V={vocab}", loss())
         grad_pad = torch.cat([ld.grad, torch.zeros(B, T, vp - vocab)], dim=-1).chunk(n, dim=-1)[r]
-        close(lt.grad, grad_pad, f"cross-entropy V={vocab} logits grad")
+        close(lt.grad, grad_pad, f"cross-entropy V={vocab} logits grad", grad)
         # Three all-reduces of B * T floats (max, target logit, sum of exp), and nothing else.
         if n > 1:
             assert m.calls() == m.calls("all_reduce") == 3
@@ -215,6 +222,8 @@ def _check_dtensor_mlp(r, n):
     """Our column/row MLP equals PyTorch's DTensor ColwiseParallel / RowwiseParallel."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    grad = gradient(n)  # gradients: parts summed over the n ranks
 
     dmesh = init_device_mesh("cpu", (n,))
     cfg = GPTConfig(n_embd=C, n_head=4, d_ff=H, block_size=T)
@@ -229,12 +238,12 @@ def _check_dtensor_mlp(r, n):
     x, w = torch.randn(B, T, C), torch.randn(B, T, C)
     ya, yb, ga, gb = _run(ours, theirs, x, x, w, w)
     close(ya, yb, "MLP output vs DTensor")
-    close(ga, gb, "MLP input grad vs DTensor")
+    close(ga, gb, "MLP input grad vs DTensor", grad)
     for k in ("c_fc", "c_proj"):
         for p in ("weight", "bias"):
             mine = getattr(getattr(ours, k), p).grad
             dt = getattr(getattr(theirs, k), p).grad.to_local()
-            close(mine, dt, f"MLP {k}.{p} grad shard vs DTensor")
+            close(mine, dt, f"MLP {k}.{p} grad shard vs DTensor", grad)
 
 
 def _layers_body():
