@@ -19,7 +19,9 @@ Where each part lives:
   each rank runs), `reference.train.parity` (a run's losses against one process) and
   `reference.train.plot` (loss and throughput curves from the JSONL log). Checkpoints:
   `reference.train.checkpoint` (on torch.distributed.checkpoint),
-  `reference.train.checkpoint_publish` (the atomic publish every rank agrees on),
+  `reference.train.checkpoint_publish` (the atomic publish every rank agrees on, and whether
+  a folder can take a save at all), `reference.train.checkpoint_groups` (the optimizer's
+  hyper-parameters and the schedule stored by parameter name, rebuilt for any layout's groups),
   `reference.train.checkpoint_shards` (each rank saves and loads only the boxes of the whole
   tensors it holds), `reference.train.checkpoint_planners` (DCP planners for those boxes) and
   `reference.train.reshard` (the training state without its layout, and back: any

@@ -47,11 +47,9 @@ of that step clears. Checkpoints are pickles: load only those you trust.
 """
 from __future__ import annotations
 
-import os
 import pickle
 import random
 import re
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -63,7 +61,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from reference.runtime import device
 from reference.tensor_parallel import TensorParallelRNG
 from reference.train.checkpoint_groups import local_groups, merge_groups, resolve_groups
-from reference.train.checkpoint_publish import CheckpointNotPublishedError, agree, publish
+from reference.train.checkpoint_publish import (CheckpointNotPublishedError,
+                                                UnwritableCheckpointDirError, agree,
+                                                check_checkpoint_dir, publish)
 from reference.train.checkpoint_planners import ShardLoadPlanner, ShardSavePlanner
 from reference.train.checkpoint_shards import check_shapes, load_boxes, save_boxes
 from reference.train.reshard import _load_optimizer_local_state
@@ -79,10 +79,6 @@ _META = ("step", "extra", "layout", "rng", "param_groups", "scheduler", "scaler"
 
 class CorruptCheckpointError(RuntimeError):
     """A published checkpoint whose files are missing, cut short or unreadable."""
-
-
-class UnwritableCheckpointDirError(RuntimeError):
-    """A checkpoint folder that cannot be created, or that this user may not write into."""
 
 
 # ---------------------------------------------------------------------- folders
@@ -135,37 +131,6 @@ def check_checkpoint(path) -> int:
         raise _corrupt(path, why)
     m = _STEP.match(path.name)
     return int(m.group(1)) if m else 0
-
-
-def check_checkpoint_dir(directory) -> None:
-    """Raise `UnwritableCheckpointDirError` (one line: the folder and why) when checkpoints
-    could not be saved into ``directory``: it, or the folder it would be made in, is a file,
-    or this user may not write there. Creates nothing that stays: where the permission bits
-    allow the write (and always for root, whom they do not stop), a real probe confirms it, a
-    hidden folder made and removed in the nearest existing folder, as a save makes its
-    `.step_N.partial`. The trainer's command line runs it before starting any rank."""
-    directory = Path(directory)
-    existing = directory
-    while not existing.exists() and existing != existing.parent:
-        if existing.is_symlink():  # a dangling link: mkdir would fail on it
-            raise UnwritableCheckpointDirError(
-                f"checkpoint.dir {directory} cannot be created: {existing} is a broken symbolic link")
-        existing = existing.parent
-    if not existing.is_dir():
-        what = "cannot be created" if existing != directory else "cannot be used"
-        kind = "a file" if existing.is_file() else "something else"
-        raise UnwritableCheckpointDirError(
-            f"checkpoint.dir {directory} {what}: {existing} is {kind}, not a folder")
-    verb = "write into it" if existing == directory else f"write into {existing}, where it would be created"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UnwritableCheckpointDirError(
-            f"checkpoint.dir {directory} is not writable: no permission to {verb}")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=existing))
-    except OSError as err:
-        raise UnwritableCheckpointDirError(
-            f"checkpoint.dir {directory} is not writable: could not {verb} "
-            f"({err.strerror or type(err).__name__})") from None
 
 
 def _corrupt(path: Path, why: str) -> CorruptCheckpointError:

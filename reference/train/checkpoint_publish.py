@@ -19,11 +19,16 @@ raises the same `CheckpointNotPublishedError`, naming each rank's step and error
 rename, rank 0 sends its outcome to every rank (a rename can fail too), and nothing more is
 written. A save killed part-way leaves only a partial folder, which `latest_checkpoint`
 ignores and the next save of that step clears.
+
+`check_checkpoint_dir(directory)` says before any rank starts whether a save could write
+there at all (a file in the path, no permission): the trainer's command line refuses such a
+`checkpoint.dir` in one line.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import traceback
 from pathlib import Path
 from typing import Callable, Optional
@@ -31,7 +36,8 @@ from typing import Callable, Optional
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-__all__ = ["CheckpointNotPublishedError", "agree", "publish", "describe_error"]
+__all__ = ["CheckpointNotPublishedError", "agree", "publish", "describe_error",
+           "UnwritableCheckpointDirError", "check_checkpoint_dir"]
 
 
 class CheckpointNotPublishedError(RuntimeError):
@@ -142,3 +148,38 @@ def publish(directory: Path, step: int, write: Callable[[Path], None]) -> Path:
         raise CheckpointNotPublishedError(f"checkpoint not published: rank 0 could not rename "
                                           f"{partial} to {final}: {outcome}")
     return final
+
+
+class UnwritableCheckpointDirError(RuntimeError):
+    """A checkpoint folder that cannot be created, or that this user may not write into."""
+
+
+def check_checkpoint_dir(directory) -> None:
+    """Raise `UnwritableCheckpointDirError` (one line: the folder and why) when checkpoints
+    could not be saved into ``directory``: it, or the folder it would be made in, is a file,
+    or this user may not write there. Creates nothing that stays: where the permission bits
+    allow the write (and always for root, whom they do not stop), a real probe confirms it, a
+    hidden folder made and removed in the nearest existing folder, as a save makes its
+    `.step_N.partial`. The trainer's command line runs it before starting any rank."""
+    directory = Path(directory)
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        if existing.is_symlink():  # a dangling link: mkdir would fail on it
+            raise UnwritableCheckpointDirError(
+                f"checkpoint.dir {directory} cannot be created: {existing} is a broken symbolic link")
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "cannot be created" if existing != directory else "cannot be used"
+        kind = "a file" if existing.is_file() else "something else"
+        raise UnwritableCheckpointDirError(
+            f"checkpoint.dir {directory} {what}: {existing} is {kind}, not a folder")
+    verb = "write into it" if existing == directory else f"write into {existing}, where it would be created"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UnwritableCheckpointDirError(
+            f"checkpoint.dir {directory} is not writable: no permission to {verb}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=existing))
+    except OSError as err:
+        raise UnwritableCheckpointDirError(
+            f"checkpoint.dir {directory} is not writable: could not {verb} "
+            f"({err.strerror or type(err).__name__})") from None

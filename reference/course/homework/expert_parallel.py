@@ -3,12 +3,11 @@
 Exercise `top_k_routing` (one process, all collectives off): the student routes the
 (T, E) logits of one sequence and is compared with `reference.expert_parallel.router.Router`
 itself, given an identity gate so that its logits are exactly the case's logits.
-Cases: random tie-free logits (every two logits of a token at least 0.3 * scale
-apart, so no float tie decides a choice), k = 1 (Switch: raw probability), 2 and 3,
-one token, capacity large enough to keep everything, and logits skewed towards a
-few experts so that first and second choices compete for the same slots. Indices
-and the keep mask must be equal; weights within the course's fp32 forward bound
-(`reference.tolerance.forward()`: the same softmax, its sums added in another order).
+Cases: random tie-free logits (every two logits of a token at least 0.3 * scale apart, so
+no float tie decides a choice), k = 1 (Switch: raw probability), 2 and 3, one token,
+capacity large enough to keep everything, and logits skewed towards a few experts so that
+first and second choices compete for the same slots. Indices and the keep mask must be
+equal; weights within `reference.tolerance.forward()` (one softmax, sums in another order).
 
 Exercise `dispatch_combine` (2 and 4 ranks, only `all_to_all_single` allowed; a bonus):
 each rank holds its own tokens, their expert assignments (-1 = dropped at capacity) and
@@ -28,10 +27,9 @@ token that lost all of them, a rank with no tokens, k = 3.
 
 The course's own answers (`reference_routing` and the router; `expert_dedup`'s
 `course_dispatch_combine` and the layer, its all-to-all and its plan) are refused to the
-student's code. The homework's other exercises live in `expert_dedup` (the deduplicated
-dispatch and the written question on its bytes) and `expert_balance` (the balance loss
-of the global batch); the experts and the all-to-all the dispatch checks share, in
-`expert_traffic`.
+student's code. The other exercises live in `expert_dedup` (the deduplicated dispatch and
+the written question on its bytes) and `expert_balance` (the balance loss of the global
+batch); the experts and the all-to-all the dispatch checks share, in `expert_traffic`.
 """
 from __future__ import annotations
 
