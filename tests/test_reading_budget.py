@@ -1,0 +1,37 @@
+"""The reading budget: the files a student opens for each technique stay within their lines
+of code (`bench/reading_budget.py` counts them), and the README prints the script's table."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("reading_budget", ROOT / "bench" / "reading_budget.py")
+budget = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(budget)
+
+
+def test_a_line_of_code_leaves_out_docstrings_comments_and_blank_lines():
+    source = ('"""Module docstring,\n\non three lines."""\nimport os  # a comment\n\n'
+              '# a comment line\nclass A:\n    """Class docstring."""\n    x = (1,\n         2)\n\n'
+              'def f():\n    """Docstring."""\n    s = """not a docstring"""\n    return s\n')
+    assert sorted(budget.code_lines(source)) == [4, 7, 9, 10, 12, 14, 15]
+
+
+def test_each_topic_stays_within_its_budget():
+    over = {t: sum(budget.topic_lines(t).values()) for t in budget.TOPICS}
+    over = {t: n for t, n in over.items() if n > budget.BUDGET[t]}
+    assert not over, f"over the reading budget (lines of code): {over}; budgets {budget.BUDGET}"
+    assert all(budget.BUDGET[t] >= budget.TARGET[t] for t in budget.TOPICS)
+
+
+def test_a_topic_follows_the_imports_of_its_own_folder():
+    files = budget.topic_files("DDP")
+    assert "data_parallel.ddp" in files and "data_parallel.buckets" in files
+    assert not any(f.endswith(("viz", "widgets")) for t in budget.TOPICS for f in budget.topic_files(t))
+    assert all(f.split(".")[0] in ("parallel", "zero") for f in budget.topic_files("the composed step"))
+
+
+def test_the_readme_prints_the_scripts_table():
+    readme = (ROOT / "README.md").read_text()
+    assert budget.table(markdown=True) in readme, "rerun: python bench/reading_budget.py --markdown"
