@@ -84,7 +84,7 @@ def _train(cases):
             losses.append(float(r.loss))
             skipped.append(bool(r.skipped))
         state = full_state_dict(pm)
-        reshard = pm.extra.get("reshard")
+        reshard = pm.data_parallel.reshard
         out.append(((losses, skipped, state if dist.get_rank() == 0 else None), sent,
                     pm.sharded.shard_numel, [len(c) for c in reshard.units] if reshard else None))
     return out
@@ -93,7 +93,7 @@ def _train(cases):
 def _held_bytes(pm) -> int:
     """Bytes of the distinct storages of the parameters, their gradients, and the resharding
     units' shards and accumulated shard gradients (0-byte storages: freed)."""
-    params, reshard = pm.parameters(), pm.extra.get("reshard")
+    params, reshard = pm.parameters(), pm.data_parallel.reshard
     tensors = params + [p.grad for p in params if p.grad is not None] \
         + (reshard.held_tensors() if reshard is not None else [])
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
@@ -131,7 +131,7 @@ def _memory():
         (x, y), (x2, y2) = batches(2)
         train_step(pm, opt, x, y)
         after = []
-        r = pm.extra.get("reshard")
+        r = pm.data_parallel.reshard
         if r is not None:  # the held bytes after each F and B of the measured step
             hook = r.hook
             r.hook = lambda when, a: (hook(when, a), when == "after" and after.append(_held_bytes(pm)))

@@ -35,3 +35,9 @@ def test_a_topic_follows_the_imports_of_its_own_folder():
 def test_the_readme_prints_the_scripts_table():
     readme = (ROOT / "README.md").read_text()
     assert budget.table(markdown=True) in readme, "rerun: python bench/reading_budget.py --markdown"
+
+
+def test_the_composing_layer_branches_on_the_data_parallel_way_only_in_its_factory():
+    """`train_step`, the gather and sampling ask `pm.data_parallel`; the branch conditions that
+    still name the ZeRO stage or FSDP in `parallel/` and `train/` are counted and held."""
+    assert budget.data_parallel_branches() <= 20

@@ -15,6 +15,10 @@ of them imports it. Where each part lives:
   attention over the cp group, true positions, and each cp rank's tokens of a batch;
 * `reference.parallel.step`: `train_step`, one training step for any combination
   (pipeline schedule, gradient synchronisation, clipping, optimizer);
+* `reference.parallel.data_parallelism`: how the replicas keep weights and gradients, one
+  object per way (replicas averaged once, ZeRO-1 and ZeRO-2 shards, ZeRO-3 by blocks, per
+  parameter, resharded after forward), chosen once by `parallelize` (`pm.data_parallel`):
+  `train_step`, `full_state_dict` and `generate` ask it and never read the ZeRO stage;
 * `reference.parallel.scaler`: `DynamicLossScaler`, fp16's loss scaling, every rank
   agreeing on each skipped step;
 * `reference.parallel.clip`: `clip_grad_norm_`, the global gradient norm over every

@@ -70,12 +70,7 @@ def expert_names(stage) -> dict[str, str]:
 def full_state_dict(pm) -> dict[str, torch.Tensor]:
     """The plain GPT's parameters from a `ParallelGPT`, whole, on every rank (collective:
     every rank of the mesh calls it)."""
-    if pm.fsdp is not None:
-        return pm.fsdp.full_state_dict()
-    if getattr(pm, "sharded", None) is not None:  # ZeRO-3 per parameter: rows over dp first
-        with pm.sharded.gathered_params():
-            return _stages_state_dict(pm)
-    return _stages_state_dict(pm)
+    return pm.data_parallel.full_state_dict(pm, _stages_state_dict)  # ZeRO-3: gathered first
 
 
 def _stages_state_dict(pm) -> dict[str, torch.Tensor]:

@@ -60,17 +60,19 @@ def _logits_of_last_position(pm, context: torch.Tensor, device) -> Optional[torc
 def generate(pm, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """`GPT.generate` for a `ParallelGPT`: (B, T) -> (B, T + max_new_tokens), on every rank."""
-    from reference.runtime import device as rank_device
-
     if pm.mesh.cp > 1:
         raise ValueError(f"generate with cp={pm.mesh.cp} ({pm.config}): the context grows one token "
                          f"at a time and does not split over the cp ranks; sample with cp=1")
-    if pm.fsdp is not None:  # ZeRO-3: the wrapped GPT gathers its own parameters
-        return pm.fsdp.module.generate(idx, max_new_tokens, temperature, top_k, generator)
-    sharded = getattr(pm, "sharded", None)
-    if sharded is not None and not sharded.gathered:  # ZeRO-3 per parameter: whole while sampling
-        with sharded.gathered_params():
-            return generate(pm, idx, max_new_tokens, temperature, top_k, generator)
+    # ZeRO-3: sampled on whole weights (gathered for it, or by the wrapped GPT itself)
+    return pm.data_parallel.generate(pm, _sample, idx, max_new_tokens, temperature, top_k, generator)
+
+
+@torch.no_grad()
+def _sample(pm, idx, max_new_tokens, temperature, top_k, generator) -> torch.Tensor:
+    """The tokens, one at a time: the stages' forward on the last `block_size` positions, the
+    last stage samples, every stage receives the token."""
+    from reference.runtime import device as rank_device
+
     device = rank_device()
     was_training = [st.training for st in pm.stages]
     pm.eval()

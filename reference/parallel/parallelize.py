@@ -48,11 +48,12 @@ from reference.expert_parallel.sequence_parallel import sequence_parallel_expert
 from reference.model import GPT
 from reference.parallel.config import ParallelConfig
 from reference.parallel.context import apply_context_parallel_dim
+from reference.parallel.data_parallelism import Replicas, data_parallelism
 from reference.parallel.scaler import DynamicLossScaler
 from reference.pipeline_parallel import (build_embedding_group, build_schedule, local_stages,
                                          split_stages)
 from reference.tensor_parallel import apply_tensor_parallel
-from reference.zero import FSDP, ShardedParameters, ShardedSets, ZeroOptimizer
+from reference.zero import FSDP, ShardedParameters, ShardedSets
 
 __all__ = ["ParallelGPT", "parallelize", "count_experts"]
 
@@ -79,6 +80,8 @@ class ParallelGPT:
     sharded: Optional[ShardedParameters] = None  # ZeRO-3 composed: per-parameter dim-0 shards
     #                                    (a ShardedSets with ep > 1: experts over edp, the rest over dp)
     has_experts: bool = False
+    data_parallel: object = field(default_factory=Replicas)  # how the replicas keep weights and
+    #                                    gradients (`data_parallelism`; plain replicas unless told)
     scaler: Optional[object] = None  # fp16: the DynamicLossScaler train_step uses
     extra: dict = field(default_factory=dict)
 
@@ -120,33 +123,25 @@ class ParallelGPT:
         return self.train(False)
 
     def make_optimizer(self, optimizer_class=torch.optim.AdamW, weight_decay=None, **kwargs):
-        """The optimizer of this rank's parameters: ZeRO's sharded one for zero_stage 1-2,
-        a plain one otherwise (ZeRO-3's FSDP, or `ShardedParameters`, already holds only
-        its shards: the parameters themselves are the shards between steps).
+        """The optimizer of this rank's parameters, as the run's data-parallel way makes it
+        (`data_parallel.make_optimizer`): ZeRO's sharded one for zero_stage 1-2, a plain one
+        otherwise (ZeRO-3's FSDP, or `ShardedParameters`, already holds only its shards: the
+        parameters themselves are the shards between steps).
 
         `weight_decay` given (the trainer always gives it): the single-process trainer's
         groups (`reference.train.single.make_optimizer`), matrices (dim >= 2) decayed, biases
         and LayerNorm gains (dim < 2) not, for every zero stage (ZeroOptimizer takes the
-        groups; ZeRO-3 with dp > 1 refuses a decay > 0: FSDP's flat shards mix both kinds).
+        groups; ZeRO-3 by blocks refuses a decay > 0: FSDP's flat shards mix both kinds).
         Unset: `optimizer_class`'s own default over every parameter, one group.
         """
         params = [p for p in self.parameters() if p.requires_grad]
         if weight_decay is not None:
             # (The per-parameter shards keep each tensor's dim: matrices stay dim >= 2.)
-            if weight_decay and self.fsdp is not None:
-                raise ValueError(f"weight_decay={weight_decay} with zero_stage=3 (dp*cp="
-                                 f"{self.mesh.dp_cp}) is not supported: FSDP's flat shards mix "
-                                 f"matrices (decayed) with biases and LayerNorm gains (not), and "
-                                 f"per-group decay is not implemented for them; use zero_stage "
-                                 f"1 or 2, or weight_decay=0")
             params = ([{"params": params, "weight_decay": 0.0}] if weight_decay == 0 else
                       [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
                        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}])
             params = [g for g in params if g["params"]]  # torch refuses an empty group
-        if self.config.zero_stage in (1, 2) and self.mesh.dp_cp > 1:
-            return ZeroOptimizer(params, optimizer_class, stage=self.config.zero_stage,
-                                 group=self.mesh.group("dp_cp"), **kwargs)
-        return optimizer_class(params, **kwargs)
+        return self.data_parallel.make_optimizer(params, optimizer_class, **kwargs)
 
 
 def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: int = 0) -> ParallelGPT:
@@ -181,7 +176,8 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
     if config.zero3_by_blocks:
         # 6 (ZeRO-3): FSDP wraps the whole model; it runs as one "stage" without the executor
         wrapped = FSDP(model, group=mesh.group("dp_cp"))
-        return ParallelGPT(stages=[wrapped], fsdp=wrapped, **common)
+        return ParallelGPT(stages=[wrapped], fsdp=wrapped, **common,
+                           data_parallel=data_parallelism(config, mesh, fsdp=wrapped))
     # 4. the pipeline cut (a pipeline of one stage when pp = 1)
     stages = split_stages(model, config.pp, config.virtual_stages,
                           embedding_stage=config.embedding_stage, head_stage=config.embedding_stage)
@@ -203,4 +199,5 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
                                   mean_over=mesh.dp)])
         else:
             sharded = ShardedParameters(params, mesh.group("dp_cp"))
-    return ParallelGPT(stages=mine, tied_group=tied, sharded=sharded, **common)
+    return ParallelGPT(stages=mine, tied_group=tied, sharded=sharded, **common,
+                       data_parallel=data_parallelism(config, mesh, sharded=sharded))

@@ -15,17 +15,14 @@ What happens, in order, on every rank:
    stage when pp = 1), gradients accumulating in `.grad` across micro-batches, with the
    tied embedding's gradient summed over the first and last stage, under autocast for bf16;
 3. gradient synchronisation, once per step, after the last micro-batch's backward (no
-   reduction before it: that is what `no_sync` buys DDP): the sequence-parallel gradients
-   summed over tp, then dense gradients averaged over dp (over dp x cp, the ``dp_cp``
-   group, with context parallelism: every cp rank's loss is the mean over its equal share
-   of the tokens) and expert gradients over the expert-data-parallel group (ZeRO-1/2 do
-   their own reduce-scatter in `step()`, ZeRO-2 during backward, so with SP its shard's
-   sequence-parallel slices are summed over tp afterwards; composed ZeRO-3, `pm.sharded`, reduce-scatters each
-   whole gradient into its dim-0 shard here, having all-gathered the parameters before 2;
-   with ``reshard_after_forward`` the executor's action hook gathers and reduce-scatters per
-   block and micro-batch instead, `reference.zero.fsdp_reshard`, and only the SP sum over tp
-   is left here, done on the shards);
-4. global-norm clipping over every shard (`reference.parallel.clip`), when asked;
+   reduction before it: that is what `no_sync` buys DDP), by the run's data-parallel way
+   (`pm.data_parallel`, `reference.parallel.data_parallelism`): the sequence-parallel
+   gradients summed over tp, then each gradient averaged over its replicas (dp x cp, the
+   ``dp_cp`` group: every cp rank's loss is the mean over its equal share of the tokens;
+   experts over their expert-data-parallel group), as one all-reduce, or as ZeRO's
+   reduce-scatter into shards (ZeRO-1 in the optimizer's `step()`, ZeRO-2 during the
+   backward, ZeRO-3 here or per block with ``reshard_after_forward``);
+4. global-norm clipping over whatever this rank holds (`reference.parallel.clip`), when asked;
 5. the optimizer step;
 6. the loss made the global mean on every rank: the last stage's mean over micro-batches,
    averaged over dp x cp and sent to every pipeline rank.
@@ -44,14 +41,12 @@ import torch
 import torch.distributed as dist
 
 from reference import comms
-from reference.expert_parallel import moe_all_reduce_gradients
 from reference.model import lm_loss
 from reference.parallel.context import context_parallel_batch
 from reference.pipeline_parallel import run_pipeline
-from reference.tensor_parallel import allreduce_sequence_parallel_grads, vocab_parallel_cross_entropy
-from reference.zero.fsdp_reshard import ReshardAfterForward
+from reference.tensor_parallel import vocab_parallel_cross_entropy
 
-__all__ = ["StepResult", "StepEvent", "train_step", "local_batch"]
+__all__ = ["StepResult", "StepEvent", "StepRun", "train_step", "local_batch"]
 
 
 @dataclass(frozen=True)
@@ -90,14 +85,6 @@ def local_batch(pm, idx: torch.Tensor, targets: torch.Tensor):
                                   pm.config.cp_kind)
 
 
-def _autocast(precision: str, device: torch.device):
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    if precision == "fp16":
-        return torch.autocast(device.type, dtype=torch.float16)
-    return contextlib.nullcontext()
-
-
 def _loss_fn(pm):
     if pm.mesh.tp == 1:
         return lm_loss
@@ -106,81 +93,6 @@ def _loss_fn(pm):
     def loss(logits_shard, targets):  # (B/m, T, V_pad / tp): the vocab stays split
         return vocab_parallel_cross_entropy(logits_shard, targets, group, vocab)
     return loss
-
-
-def _run_fsdp(pm, idx, targets, device, loss_scale: float = 1.0):
-    """ZeRO-3 (pp = 1): micro-batches through the FSDP-wrapped model, gradients accumulating."""
-    model, m = pm.fsdp, pm.config.microbatches
-    losses = []
-    for x, y in zip(idx.split(idx.shape[0] // m), targets.split(targets.shape[0] // m)):
-        with _autocast(pm.config.precision, device):
-            logits, _ = model(x.to(device))
-            loss = lm_loss(logits, y.to(device))
-        (loss * (loss_scale / m)).backward()
-        losses.append(loss.detach().float())
-    return torch.stack(losses).mean()
-
-
-def _resharding(pm) -> Optional[ReshardAfterForward]:
-    """Composed ZeRO-3 with ``reshard_after_forward=True``: gathered and reduce-scattered per
-    micro-batch by the executor's action hook (made once, kept in ``pm.extra``); else None."""
-    if getattr(pm, "sharded", None) is None or not pm.config.reshard_after_forward:
-        return None
-    if "reshard" not in pm.extra:
-        pm.extra["reshard"] = ReshardAfterForward(pm.sharded, pm.stages, pm.config.microbatches)
-    return pm.extra["reshard"]
-
-
-def _synchronise_gradients(pm, optimizer) -> None:
-    mesh = pm.mesh
-    if mesh.tp > 1 and pm.config.sequence_parallel:
-        for stage in pm.stages:
-            allreduce_sequence_parallel_grads(stage, mesh.group("tp"))
-    if getattr(pm, "sharded", None) is not None:
-        pm.sharded.reduce_scatter()  # after the SP sum above: each whole gradient averaged once
-        return
-    if mesh.dp_cp == 1 or pm.fsdp is not None or pm.config.zero_stage in (1, 2):
-        return  # nothing to average, or the ZeRO optimizer / FSDP reduce-scatters itself
-    if pm.has_experts:
-        edp = mesh.group("edp") if mesh.ep > 1 else mesh.group("dp")
-        for stage in pm.stages:
-            moe_all_reduce_gradients(stage, mesh.group("dp"), edp)
-        return
-    # Dense: one flat all-reduce of every gradient (the bucket is the whole model here:
-    # the step's reduction runs after the last backward, so there is nothing to overlap),
-    # over every replica of the weights: dp x cp ranks (the dp group when cp = 1).
-    grads = [p.grad for p in pm.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comms.all_reduce(flat, group=mesh.group("dp_cp"))
-    flat /= mesh.dp_cp
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-@torch.no_grad()
-def _sum_sequence_parallel_shard(pm, optimizer) -> None:
-    """ZeRO-2 with sequence parallelism. Its hooks reduce-scatter every gradient over dp during
-    backward, the LayerNorms' and row biases' too, while those are still each tp rank's partial
-    sums (their tokens only); `allreduce_sequence_parallel_grads` then finds no `.grad` left.
-    The tp ranks of one dp rank lay out the same TP-local shapes, so their flat shards cover the
-    same ranges: summing those parameters' slices of the shard over tp gives the sum of the
-    dp means, which is the dp mean of the sum (both are linear)."""
-    from reference.parallel.clip import flat_shard_pieces
-
-    optimizer.reduce_gradients()  # the last buckets; step() will not reduce again
-    pieces = [g for p, g in flat_shard_pieces(optimizer.layout, optimizer.params, optimizer.dp_rank,
-                                              optimizer.shard.grad)
-              if getattr(p, "sequence_parallel", False)]
-    if not pieces:  # the same on every tp rank: the same layout
-        return
-    flat = torch.cat(pieces)  # (k,) this shard's numbers of sequence-parallel parameters
-    comms.all_reduce(flat, group=pm.mesh.group("tp"))
-    offset = 0
-    for g in pieces:
-        g.copy_(flat[offset: offset + g.numel()])
-        offset += g.numel()
 
 
 def _global_loss(pm, loss: Optional[torch.Tensor], device) -> torch.Tensor:
@@ -198,12 +110,47 @@ def _global_loss(pm, loss: Optional[torch.Tensor], device) -> torch.Tensor:
     return value.reshape(()).cpu()
 
 
-def _local_grads(pm, optimizer) -> list:
-    """The gradients this rank steps with: the shard's for ZeRO-1/2, else the parameters'."""
-    if pm.config.zero_stage in (1, 2) and pm.mesh.dp_cp > 1:
-        optimizer.reduce_gradients()  # step() will not reduce again
-        return [optimizer.shard.grad] if optimizer.shard.grad is not None else []
-    return [p.grad for p in pm.parameters() if p.grad is not None]
+class StepRun:
+    """What the step's data-parallel way (`pm.data_parallel.forward_backward`) is handed: this
+    rank's batch, the loss scale, the precision's autocast, the step's clock and trace, and
+    `pipeline(hook)`, which runs the schedule (`run_pipeline`, a pipeline of one stage when
+    pp = 1) with ``hook`` called around each of its actions."""
+
+    def __init__(self, pm, x, y, device, loss_scale: float):
+        self.pm, self.x, self.y, self.device, self.loss_scale = pm, x, y, device, loss_scale
+        self.trace: list[StepEvent] = []
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def event(self, kind: str, label: str, start: float) -> None:
+        self.trace.append(StepEvent(kind, label, start, self.now()))
+
+    def autocast(self):
+        if self.pm.config.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        if self.pm.config.precision == "fp16":
+            return torch.autocast(self.device.type, dtype=torch.float16)
+        return contextlib.nullcontext()
+
+    def pipeline(self, hook) -> tuple:
+        """(the last stage's mean loss or None, the peak of activation bytes)."""
+        pm, x, y = self.pm, self.x, self.y
+        offset = self.now()  # the executor's clock starts about here
+        with self.autocast():
+            result = run_pipeline(
+                pm.schedule, pm.stages,
+                x.to(self.device) if pm.is_first_stage else None,
+                y.to(self.device) if pm.is_last_stage else None,
+                group=pm.mesh.group("pp") if pm.mesh.pp > 1 else None,
+                checkpoint=pm.config.activation_checkpointing, tied_group=pm.tied_group,
+                batch_shape=tuple(x.shape), loss_fn=_loss_fn(pm), loss_scale=self.loss_scale,
+                action_hook=hook)
+        for e in result.trace:
+            kind = e.action.op if e.action.op in ("F", "B") else e.action.op.split("_")[0]
+            self.trace.append(StepEvent(kind, str(e.action), offset + e.start, offset + e.end))
+        return result.loss, result.peak_activation_bytes
 
 
 def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
@@ -214,74 +161,28 @@ def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
     `DynamicLossScaler`); a step with an inf or NaN on any rank is skipped everywhere."""
     from reference.runtime import device as rank_device
 
-    device = rank_device()
+    device, dp = rank_device(), pm.data_parallel
     scaler = scaler if scaler is not None else getattr(pm, "scaler", None)
     scale = scaler.scale if scaler is not None else 1.0
     x, y = local_batch(pm, idx, targets)
     optimizer.zero_grad(set_to_none=True)
-    trace: list[StepEvent] = []
-    t0 = time.perf_counter()
-    peak = 0
-    reshard = None
-    if pm.fsdp is not None:
-        loss = _run_fsdp(pm, x, y, device, scale)
-        trace.append(StepEvent("F", "forward and backward", 0.0, time.perf_counter() - t0))
-    else:
-        reshard = _resharding(pm)
-        if getattr(pm, "sharded", None) is not None and reshard is None:  # ZeRO-3: whole for the step
-            pm.sharded.gather()
-            trace.append(StepEvent("gather", "parameters", 0.0, time.perf_counter() - t0))
-        offset = time.perf_counter() - t0  # the executor's clock starts about here
-        with _autocast(pm.config.precision, device), \
-                (reshard.step() if reshard is not None else contextlib.nullcontext()):
-            result = run_pipeline(
-                pm.schedule, pm.stages,
-                x.to(device) if pm.is_first_stage else None,
-                y.to(device) if pm.is_last_stage else None,
-                group=pm.mesh.group("pp") if pm.mesh.pp > 1 else None,
-                checkpoint=pm.config.activation_checkpointing, tied_group=pm.tied_group,
-                batch_shape=tuple(x.shape), loss_fn=_loss_fn(pm), loss_scale=scale,
-                action_hook=reshard.hook if reshard is not None else None)
-        loss, peak = result.loss, result.peak_activation_bytes
-        for e in result.trace:
-            kind = e.action.op if e.action.op in ("F", "B") else e.action.op.split("_")[0]
-            trace.append(StepEvent(kind, str(e.action), offset + e.start, offset + e.end))
-    start = time.perf_counter() - t0
-    if reshard is None:
-        _synchronise_gradients(pm, optimizer)
-    elif pm.mesh.tp > 1 and pm.config.sequence_parallel:
-        # resharded: every gradient is its shard's dp mean already; the SP sum over tp, once,
-        # on the shards (a tp rank's shard holds the same rows on every tp rank)
-        for stage in pm.stages:
-            allreduce_sequence_parallel_grads(stage, pm.mesh.group("tp"))
-    if (pm.config.zero_stage == 2 and pm.mesh.dp_cp > 1 and pm.mesh.tp > 1
-            and pm.config.sequence_parallel):
-        _sum_sequence_parallel_shard(pm, optimizer)
-    trace.append(StepEvent("reduce", "gradients", start, time.perf_counter() - t0))
+    run = StepRun(pm, x, y, device, scale)
+    loss, peak = dp.forward_backward(pm, run)          # 1-2: the batch through the schedule
+    start = run.now()
+    dp.reduce_gradients(pm, optimizer)                 # 3: once, after the last backward
+    run.event("reduce", "gradients", start)
     overflow = False
     if scaler is not None:  # unscale, and agree across every rank whether to step
-        overflow = scaler.unscale_and_check(_local_grads(pm, optimizer))
+        overflow = scaler.unscale_and_check(dp.local_grads(pm, optimizer))
         scaler.update(overflow)
-    norm = None
-    if max_norm is not None and not overflow:
-        from reference.parallel.clip import clip_grad_norm_, mark_parallel_params
-
-        if pm.config.zero_stage in (1, 2) and pm.mesh.dp_cp > 1:
-            optimizer.reduce_gradients()  # the shards' averaged gradients; step() won't redo it
-            # The flat shard mixes tensor-parallel slices, replicas over tp and the tied
-            # embedding's second copy: each slice of it is counted by its parameter's marks.
-            mark_parallel_params(pm.stages)
-            norm = clip_grad_norm_(optimizer, max_norm, pm.mesh)
-        else:
-            norm = clip_grad_norm_(pm.stages, max_norm, pm.mesh)
-    start = time.perf_counter() - t0
+    norm = dp.clip(pm, optimizer, max_norm) if max_norm is not None and not overflow else None  # 4
+    start = run.now()
     if overflow:
         optimizer.zero_grad(set_to_none=True)  # also clears a ZeRO optimizer's reduced flag
     else:
-        optimizer.step()
-    trace.append(StepEvent("optimizer", "skipped" if overflow else "step", start,
-                           time.perf_counter() - t0))
-    return StepResult(loss=_global_loss(pm, loss, device), grad_norm=norm, trace=trace,
+        optimizer.step()                                # 5
+    run.event("optimizer", "skipped" if overflow else "step", start)
+    return StepResult(loss=_global_loss(pm, loss, device), grad_norm=norm, trace=run.trace,  # 6
                       peak_activation_bytes=peak, skipped=overflow,
                       loss_scale=scale if scaler is not None else None)
 

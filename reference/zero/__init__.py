@@ -50,9 +50,11 @@ ipywidgets, which a rank does not need).
 from reference.zero.adam8bit import Adam8bit
 from reference.zero.fsdp import FSDP
 from reference.zero.fsdp_param import ShardedParameters, ShardedSets
+from reference.zero.fsdp_reshard import ReshardAfterForward
 from reference.zero.optimizer import ZeroOptimizer
 from reference.zero.shard import FlatBucket, FlatLayout, trainable_unique
 
 __all__ = [
-    "ZeroOptimizer", "FSDP", "ShardedParameters", "ShardedSets", "FlatLayout", "FlatBucket", "trainable_unique", "Adam8bit",
+    "ZeroOptimizer", "FSDP", "ShardedParameters", "ShardedSets", "ReshardAfterForward", "FlatLayout",
+    "FlatBucket", "trainable_unique", "Adam8bit",
 ]

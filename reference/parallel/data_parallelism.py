@@ -1,0 +1,258 @@
+"""How the data-parallel replicas keep their weights and gradients: one object per way.
+
+    pm.data_parallel      # chosen once by `parallelize` (`data_parallelism(config, mesh, ...)`)
+
+`train_step`, `full_state_dict` and `generate` ask this object, and never which ZeRO stage
+runs. Each way answers the same questions:
+
+    make_optimizer(params, cls, **kw)    the optimizer of this rank's parameters
+    forward_backward(pm, run)            the step's forward and backward (`run.pipeline(hook)`
+                                         runs its schedule), with what must happen around
+                                         it: parameters gathered, or per block; returns the
+                                         loss and the peak of activation bytes
+    reduce_gradients(pm, optimizer)      after the last backward: the sums and means over
+                                         tp (sequence parallelism) and over the replicas
+    local_grads(pm, optimizer)           the gradients this rank steps with (the scaler's
+                                         inf check and the norm read them)
+    clip(pm, optimizer, max_norm)        the global-norm clip over whatever this rank holds
+    full_state_dict(pm, of_stages)       the whole model's weights (`of_stages(pm)` reads
+                                         them from stages that hold them whole)
+    generate(pm, sample, *args)          sampling (`sample(pm, *args)`) on whole weights
+
+The ways, in the order the course teaches them:
+
+    Replicas            every dp x cp rank holds the whole (tp, pp) slice; after the backward
+                        one flat all-reduce of every gradient, averaged (experts over their
+                        expert-data-parallel group)
+    OptimizerShards     ZeRO-1: the optimizer (`ZeroOptimizer`) reduce-scatters the gradients
+                        in `step()` and updates its flat shard
+    GradientShards      ZeRO-2: the same optimizer reduce-scatters bucket by bucket during the
+                        backward; with sequence parallelism the shard's slices of the
+                        sequence-parallel parameters are summed over tp afterwards
+    WholeModelShards    ZeRO-3 by blocks (`FSDP` over the whole model, tp = pp = 1): the
+                        wrapped model gathers and reduce-scatters block by block itself
+    ParameterShards     ZeRO-3 composed (`ShardedParameters`: each parameter's dim 0 over
+                        dp x cp): gathered once before the schedule, reduce-scattered once
+                        after it
+    ReshardedAfterForward  the same shards, gathered per block and micro-batch and freed
+                        after each forward and backward (`ReshardAfterForward`'s action hook)
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from reference import comms
+from reference.expert_parallel import moe_all_reduce_gradients
+from reference.model import lm_loss
+from reference.parallel.clip import clip_grad_norm_, flat_shard_pieces, mark_parallel_params
+from reference.tensor_parallel import allreduce_sequence_parallel_grads
+from reference.zero import ReshardAfterForward, ZeroOptimizer
+
+__all__ = ["Replicas", "OptimizerShards", "GradientShards", "WholeModelShards", "ParameterShards",
+           "ReshardedAfterForward", "data_parallelism"]
+
+
+def sum_sequence_parallel_grads(pm) -> None:
+    """The LayerNorms' and row biases' gradients, each tp rank's partial sum over its tokens,
+    summed over tp (a no-op without sequence parallelism)."""
+    if pm.mesh.tp > 1 and pm.config.sequence_parallel:
+        for stage in pm.stages:
+            allreduce_sequence_parallel_grads(stage, pm.mesh.group("tp"))
+
+
+class Replicas:
+    """Every replica holds every weight of its slice; gradients averaged after the backward."""
+
+    def make_optimizer(self, params, optimizer_class, **kwargs):
+        return optimizer_class(params, **kwargs)
+
+    def forward_backward(self, pm, run):
+        return run.pipeline(None)
+
+    def reduce_gradients(self, pm, optimizer) -> None:
+        sum_sequence_parallel_grads(pm)
+        mesh = pm.mesh
+        if mesh.dp_cp == 1:
+            return
+        if pm.has_experts:
+            edp = mesh.group("edp") if mesh.ep > 1 else mesh.group("dp")
+            for stage in pm.stages:
+                moe_all_reduce_gradients(stage, mesh.group("dp"), edp)
+            return
+        # Dense: one flat all-reduce of every gradient (the bucket is the whole model here:
+        # the reduction runs after the last backward, so there is nothing to overlap), over
+        # every replica of the weights: dp x cp ranks (the dp group when cp = 1).
+        grads = [p.grad for p in pm.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comms.all_reduce(flat, group=mesh.group("dp_cp"))
+        flat /= mesh.dp_cp
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def local_grads(self, pm, optimizer) -> list:
+        return [p.grad for p in pm.parameters() if p.grad is not None]
+
+    def clip(self, pm, optimizer, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(pm.stages, max_norm, pm.mesh)
+
+    def whole(self, pm):
+        """A context in which this rank's stages hold their whole weights."""
+        return contextlib.nullcontext()
+
+    def full_state_dict(self, pm, of_stages) -> dict:
+        with self.whole(pm):
+            return of_stages(pm)
+
+    def generate(self, pm, sample, *args):
+        with self.whole(pm):
+            return sample(pm, *args)
+
+
+class OptimizerShards(Replicas):
+    """ZeRO-1: `ZeroOptimizer` reduce-scatters the gradients in `step()`, each rank updates
+    its flat shard and all-gathers the weights."""
+
+    stage = 1
+
+    def __init__(self, group):
+        self.group = group
+
+    def make_optimizer(self, params, optimizer_class, **kwargs):
+        return ZeroOptimizer(params, optimizer_class, stage=self.stage, group=self.group, **kwargs)
+
+    def reduce_gradients(self, pm, optimizer) -> None:
+        sum_sequence_parallel_grads(pm)  # before the optimizer's reduce-scatter: whole gradients
+
+    def local_grads(self, pm, optimizer) -> list:
+        optimizer.reduce_gradients()  # the shard's averaged gradients; step() will not reduce again
+        return [optimizer.shard.grad] if optimizer.shard.grad is not None else []
+
+    def clip(self, pm, optimizer, max_norm: float) -> torch.Tensor:
+        optimizer.reduce_gradients()
+        # The flat shard mixes tensor-parallel slices, replicas over tp and the tied
+        # embedding's second copy: each slice of it is counted by its parameter's marks.
+        mark_parallel_params(pm.stages)
+        return clip_grad_norm_(optimizer, max_norm, pm.mesh)
+
+
+class GradientShards(OptimizerShards):
+    """ZeRO-2: the optimizer's hooks reduce-scatter each bucket during the backward."""
+
+    stage = 2
+
+    @torch.no_grad()
+    def reduce_gradients(self, pm, optimizer) -> None:
+        """The hooks reduce-scattered every gradient over dp during the backward, the
+        LayerNorms' and row biases' too, while those were still each tp rank's partial sums.
+        The tp ranks of one dp rank lay out the same TP-local shapes, so their flat shards
+        cover the same ranges: summing those parameters' slices of the shard over tp gives
+        the sum of the dp means, which is the dp mean of the sum (both are linear)."""
+        if not (pm.mesh.tp > 1 and pm.config.sequence_parallel):
+            return
+        optimizer.reduce_gradients()  # the last buckets; step() will not reduce again
+        pieces = [g for p, g in flat_shard_pieces(optimizer.layout, optimizer.params, optimizer.dp_rank,
+                                                  optimizer.shard.grad)
+                  if getattr(p, "sequence_parallel", False)]
+        if not pieces:  # the same on every tp rank: the same layout
+            return
+        flat = torch.cat(pieces)  # (k,) this shard's numbers of sequence-parallel parameters
+        comms.all_reduce(flat, group=pm.mesh.group("tp"))
+        offset = 0
+        for g in pieces:
+            g.copy_(flat[offset: offset + g.numel()])
+            offset += g.numel()
+
+
+class WholeModelShards(Replicas):
+    """ZeRO-3 by blocks: `FSDP` wraps the whole model (tp = pp = 1) and runs its micro-batches
+    itself, gathering each block for its forward and backward and reduce-scattering its
+    gradient; nothing is left to reduce after the backward."""
+
+    def __init__(self, fsdp, dp_cp: int):
+        self.fsdp, self.dp_cp = fsdp, dp_cp
+
+    def make_optimizer(self, params, optimizer_class, **kwargs):
+        decay = max((g.get("weight_decay", 0.0) for g in params if isinstance(g, dict)), default=0.0)
+        if decay:
+            raise ValueError(f"weight_decay={decay} with zero_stage=3 (dp*cp={self.dp_cp}) is not "
+                             f"supported: FSDP's flat shards mix matrices (decayed) with biases and "
+                             f"LayerNorm gains (not), and per-group decay is not implemented for them; "
+                             f"use zero_stage 1 or 2, or weight_decay=0")
+        return optimizer_class(params, **kwargs)
+
+    def forward_backward(self, pm, run):
+        m, losses = pm.config.microbatches, []
+        for x, y in zip(run.x.split(run.x.shape[0] // m), run.y.split(run.y.shape[0] // m)):
+            with run.autocast():
+                logits, _ = self.fsdp(x.to(run.device))
+                loss = lm_loss(logits, y.to(run.device))
+            (loss * (run.loss_scale / m)).backward()
+            losses.append(loss.detach().float())
+        run.event("F", "forward and backward", 0.0)
+        return torch.stack(losses).mean(), 0
+
+    def reduce_gradients(self, pm, optimizer) -> None:
+        pass  # each block's gradient was reduce-scattered during the backward
+
+    def full_state_dict(self, pm, of_stages) -> dict:
+        return self.fsdp.full_state_dict()  # the wrapped GPT's names, gathered unit by unit
+
+    def generate(self, pm, sample, *args):
+        return self.fsdp.module.generate(*args)  # the wrapped GPT gathers its own blocks
+
+
+class ParameterShards(Replicas):
+    """ZeRO-3 composed: every parameter's dim 0 over dp x cp (`ShardedParameters`), gathered
+    once before the schedule, reduce-scattered once after it (after the SP sum over tp, so
+    each whole gradient is averaged once)."""
+
+    reshard: Optional[ReshardAfterForward] = None  # resharded after forward: its action hook
+
+    def __init__(self, sharded):
+        self.sharded = sharded
+
+    def forward_backward(self, pm, run):
+        self.sharded.gather()
+        run.event("gather", "parameters", 0.0)
+        return run.pipeline(None)
+
+    def reduce_gradients(self, pm, optimizer) -> None:
+        sum_sequence_parallel_grads(pm)
+        self.sharded.reduce_scatter()
+
+    def whole(self, pm):
+        return contextlib.nullcontext() if self.sharded.gathered else self.sharded.gathered_params()
+
+
+class ReshardedAfterForward(ParameterShards):
+    """The same shards, gathered per block and micro-batch by the executor's action hook and
+    freed after each forward and backward (`reference.zero.fsdp_reshard`); each gradient is
+    its shard's dp mean when the backward ends, and only the SP sum over tp is left, done on
+    the shards (a tp rank's shard holds the same rows on every tp rank)."""
+
+    def forward_backward(self, pm, run):
+        if self.reshard is None:
+            self.reshard = ReshardAfterForward(self.sharded, pm.stages, pm.config.microbatches)
+        with self.reshard.step():
+            return run.pipeline(self.reshard.hook)
+
+    def reduce_gradients(self, pm, optimizer) -> None:
+        sum_sequence_parallel_grads(pm)
+
+
+def data_parallelism(config, mesh, *, fsdp=None, sharded=None):
+    """The one place that reads the ZeRO stage: the way this run keeps its replicas."""
+    if fsdp is not None:
+        return WholeModelShards(fsdp, mesh.dp_cp)
+    if sharded is not None:
+        return ReshardedAfterForward(sharded) if config.reshard_after_forward else ParameterShards(sharded)
+    if mesh.dp_cp > 1 and config.zero_stage == 1:
+        return OptimizerShards(mesh.group("dp_cp"))
+    if mesh.dp_cp > 1 and config.zero_stage == 2:
+        return GradientShards(mesh.group("dp_cp"))
+    return Replicas()
