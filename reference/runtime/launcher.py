@@ -221,6 +221,50 @@ def _with_source_lines(err, fn):
                      failures=err.failures)
 
 
+def _wait(fn, procs, writers, workdir: str, timeout: float) -> None:
+    """Until every rank has written its result (then release them all), or raise: a rank's
+    failure (its peers get a moment to report theirs), or ranks still running at the
+    deadline (their stacks, written by faulthandler on SIGUSR1)."""
+    world_size, exits, exit_times = len(procs), {}, {}
+    deadline = time.monotonic() + timeout
+    first_failure = None
+    while True:
+        now = time.monotonic()
+        for rank, p in enumerate(procs):
+            if rank not in exits and p.exitcode is not None:
+                exits[rank], exit_times[rank] = p.exitcode, now
+        done = [r for r in range(world_size) if os.path.exists(os.path.join(workdir, f"result{r}.pt"))]
+        if any(c != 0 for c in exits.values()) and first_failure is None:
+            first_failure = now
+        if len(done) == world_size:
+            for w in writers:
+                w.send("release")
+            for p in procs:
+                p.join(timeout=10)
+            return
+        # Give the peers a moment to report, then stop everyone.
+        if first_failure is not None and (now - first_failure > 1.0 or len(exits) == world_size):
+            raise _with_source_lines(failure_error(workdir, world_size, exits, exit_times), fn)
+        if now > deadline:
+            hung = [r for r in range(world_size) if r not in done and r not in exits]
+            for r in hung:
+                try:
+                    os.kill(procs[r].pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.5)  # let faulthandler write the stacks
+            stacks = hang_stacks(workdir, hung)
+            finished = sorted(set(range(world_size)) - set(hung))
+            where = "".join(f"\n\nrank {r} was waiting in:\n{s}" for r, s in stacks.items())
+            raise _with_source_lines(RankTimeoutError(
+                f"ranks {hung} of {world_size} did not finish within {timeout:g} s "
+                f"(finished: {finished}). A rank that skips a collective its peers entered, "
+                f"or waits for a message nobody sends, hangs them all.{where}",
+                ranks=hung, stacks=stacks), fn)
+        alive = [p.sentinel for r, p in enumerate(procs) if r not in exits]
+        multiprocessing.connection.wait(alive, timeout=0.05)
+
+
 def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 300.0,
            threads: int | None = None, quiet: bool = False, safe_results: bool = False,
            start_method: str = "forkserver", seed: int | None = None):
@@ -263,7 +307,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 3
     payload = dumps((fn, args))
     context = (dict(os.environ), os.getcwd(), list(sys.path))
     workdir = tempfile.mkdtemp(prefix="launch-")
-    procs, writers, exits, exit_times = [], [], {}, {}
+    procs, writers = [], []
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
@@ -275,47 +319,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 3
             reader.close()
             procs.append(p)
             writers.append(writer)
-        deadline = time.monotonic() + timeout
-        first_failure = None
-        while True:
-            now = time.monotonic()
-            for rank, p in enumerate(procs):
-                if rank not in exits and p.exitcode is not None:
-                    exits[rank], exit_times[rank] = p.exitcode, now
-            done = [r for r in range(world_size)
-                    if os.path.exists(os.path.join(workdir, f"result{r}.pt"))]
-            failed = [r for r, c in exits.items() if c != 0]
-            if failed and first_failure is None:
-                first_failure = now
-            if len(done) == world_size:
-                for w in writers:
-                    w.send("release")
-                for p in procs:
-                    p.join(timeout=10)
-                break
-            # Give the peers a moment to report, then stop everyone.
-            if first_failure is not None and (now - first_failure > 1.0
-                                              or len(exits) == world_size):
-                raise _with_source_lines(failure_error(workdir, world_size, exits, exit_times),
-                                         fn)
-            if now > deadline:
-                hung = [r for r in range(world_size) if r not in done and r not in exits]
-                for r in hung:
-                    try:
-                        os.kill(procs[r].pid, signal.SIGUSR1)
-                    except ProcessLookupError:
-                        pass
-                time.sleep(0.5)  # let faulthandler write the stacks
-                stacks = hang_stacks(workdir, hung)
-                finished = sorted(set(range(world_size)) - set(hung))
-                where = "".join(f"\n\nrank {r} was waiting in:\n{s}" for r, s in stacks.items())
-                raise _with_source_lines(RankTimeoutError(
-                    f"ranks {hung} of {world_size} did not finish within {timeout:g} s "
-                    f"(finished: {finished}). A rank that skips a collective its peers entered, "
-                    f"or waits for a message nobody sends, hangs them all.{where}",
-                    ranks=hung, stacks=stacks), fn)
-            alive = [p.sentinel for r, p in enumerate(procs) if r not in exits]
-            multiprocessing.connection.wait(alive, timeout=0.05)
+        _wait(fn, procs, writers, workdir, timeout)
         return [load_result(os.path.join(workdir, f"result{r}.pt"), r, safe_results)
                 for r in range(world_size)]
     finally:

@@ -102,79 +102,99 @@ def _lr(optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
 
 
-def run_rank(cfg, world_size: int, resume: bool = False, sample_prompt: str = "12+7=") -> dict:
-    from reference.runtime import under_torchrun
-    from reference.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-
+def _build(cfg, world_size: int):
+    """Steps 1-2: this rank's part of the 3D GPT, its optimizer, the schedule and the scaler."""
     pconfig = cfg.parallel_config(world_size)
     mesh = pconfig.mesh().build_groups()
-    rank = mesh.rank
     torch.manual_seed(cfg.seed)  # the same plain GPT on every rank
     model = GPT(cfg.gpt_config(), ffn_factory=cfg.ffn_factory()).to(device())
-    B, T = cfg.train_batch_size, cfg.seq_len
-    pm = parallelize(model, mesh, pconfig, batch=(B, T), seed=cfg.seed)
+    pm = parallelize(model, mesh, pconfig, batch=(cfg.train_batch_size, cfg.seq_len), seed=cfg.seed)
     optimizer = pm.make_optimizer(cfg.optimizer_class, **cfg.optimizer_kwargs)
-    scheduler = cfg.make_scheduler(optimizer)
     if pconfig.precision == "fp16":
         pm.scaler = DynamicLossScaler(**cfg.loss_scaler_kwargs())
-    corpus = ByteCorpus.load() if cfg.data_source == "stdlib" else None
+    return pm, optimizer, cfg.make_scheduler(optimizer)
 
-    start = 0
+
+def _resume(cfg, pm, optimizer, scheduler, resume: bool) -> int:
+    """Step 3: the step to start from, 0 or the latest checkpoint's (loaded)."""
+    from reference.train.checkpoint import latest_checkpoint, load_checkpoint
+
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     path = latest_checkpoint(ckpt_dir) if ckpt_dir is not None else None
     if resume and path is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir} (checkpoint.dir of "
                                 f"the config); train without --resume first")
     if (resume or cfg.resume_if_possible) and path is not None:
-        start = load_checkpoint(path, pm, optimizer, scheduler=scheduler, scaler=pm.scaler)["step"]
+        return load_checkpoint(path, pm, optimizer, scheduler=scheduler, scaler=pm.scaler)["step"]
+    return 0
 
-    log = Path(cfg.log_path) if (cfg.log_path and rank == 0) else None
+
+def _one_step(cfg, pm, optimizer, scheduler, step: int, corpus, world_size: int) -> dict:
+    """Step 4 for global batch number ``step``: its record (what the log's line holds)."""
+    B, T = cfg.train_batch_size, cfg.seq_len
+    idx, tgt = batch_at(cfg.data_source, B, T, step, cfg.data_seed, corpus)
+    lr = _lr(optimizer)
+    t0 = time.perf_counter()
+    with comms.meter() as meter:
+        result = train_step(pm, optimizer, idx, tgt, max_norm=cfg.gradient_clipping)
+    if device().type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    if scheduler is not None and not result.skipped:
+        scheduler.step()  # DeepSpeed does not step the schedule on an fp16 overflow
+    record = dict(step=step + 1, loss=float(result.loss), lr=lr, seconds=round(seconds, 5),
+                  tokens_per_s=round(B * T / seconds, 1),
+                  grad_norm=None if result.grad_norm is None else float(result.grad_norm),
+                  loss_scale=result.loss_scale, skipped=result.skipped)
+    if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+        peaks = [peak_memory_bytes()]
+        if world_size > 1:
+            peaks = [None] * world_size
+            dist.all_gather_object(peaks, peak_memory_bytes())
+        record["peak_memory_bytes"] = peaks
+        sent: dict = {}
+        for r in meter.records():
+            sent[r["group"]] = sent.get(r["group"], 0) + r["sent_bytes"]
+        record["sent_bytes_rank0"] = sent
+    return record
+
+
+def _progress(bar, record: dict) -> None:
+    bar.update(1)
+    bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                    tok_s=f"{record['tokens_per_s']:.0f}",
+                    **({"scale": f"{record['loss_scale']:g}"} if record["loss_scale"] else {}))
+
+
+def run_rank(cfg, world_size: int, resume: bool = False, sample_prompt: str = "12+7=") -> dict:
+    """Steps 1-5 on this rank (see the module's docstring); rank 0 writes the log."""
+    from reference.runtime import under_torchrun
+    from reference.train.checkpoint import save_checkpoint
+
+    pm, optimizer, scheduler = _build(cfg, world_size)
+    start = _resume(cfg, pm, optimizer, scheduler, resume)
+    corpus = ByteCorpus.load() if cfg.data_source == "stdlib" else None
+    log = Path(cfg.log_path) if (cfg.log_path and pm.mesh.rank == 0) else None
     if log is not None and not cfg.log_prepared:
         prepare_log(log, start if start else None)
-    records = []
     bar = None
-    if rank == 0 and under_torchrun():  # torchrun shows rank 0's output live
+    if pm.mesh.rank == 0 and under_torchrun():  # torchrun shows rank 0's output live
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start, desc="training", unit="step")
+    records = []
     for step in range(start, cfg.steps):
-        idx, tgt = batch_at(cfg.data_source, B, T, step, cfg.data_seed, corpus)
-        lr = _lr(optimizer)
-        t0 = time.perf_counter()
-        with comms.meter() as meter:
-            result = train_step(pm, optimizer, idx, tgt, max_norm=cfg.gradient_clipping)
-        if device().type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        if scheduler is not None and not result.skipped:
-            scheduler.step()  # DeepSpeed does not step the schedule on an fp16 overflow
-        record = dict(step=step + 1, loss=float(result.loss), lr=lr, seconds=round(seconds, 5),
-                      tokens_per_s=round(B * T / seconds, 1),
-                      grad_norm=None if result.grad_norm is None else float(result.grad_norm),
-                      loss_scale=result.loss_scale, skipped=result.skipped)
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            peaks = [peak_memory_bytes()]
-            if world_size > 1:
-                peaks = [None] * world_size
-                dist.all_gather_object(peaks, peak_memory_bytes())
-            record["peak_memory_bytes"] = peaks
-            sent: dict = {}
-            for r in meter.records():
-                sent[r["group"]] = sent.get(r["group"], 0) + r["sent_bytes"]
-            record["sent_bytes_rank0"] = sent
-            if log is not None:
-                with log.open("a") as f:
-                    f.write(json.dumps(record) + "\n")
+        record = _one_step(cfg, pm, optimizer, scheduler, step, corpus, world_size)
+        if log is not None and "peak_memory_bytes" in record:
+            with log.open("a") as f:
+                f.write(json.dumps(record) + "\n")
         records.append(record)
         if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}",
-                            tok_s=f"{record['tokens_per_s']:.0f}",
-                            **({"scale": f"{result.loss_scale:g}"} if result.loss_scale else {}))
-        if ckpt_dir is not None and (step + 1 == cfg.steps or (
+            _progress(bar, record)
+        if cfg.checkpoint_dir and (step + 1 == cfg.steps or (
                 cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
-            save_checkpoint(ckpt_dir, step + 1, pm, optimizer, scheduler=scheduler, scaler=pm.scaler,
-                            extra={"data_position": step + 1})
+            save_checkpoint(Path(cfg.checkpoint_dir), step + 1, pm, optimizer, scheduler=scheduler,
+                            scaler=pm.scaler, extra={"data_position": step + 1})
     if bar is not None:
         bar.close()
     sample = ""
@@ -183,4 +203,4 @@ def run_rank(cfg, world_size: int, resume: bool = False, sample_prompt: str = "1
         tokens = generate(pm, prompt, cfg.sample_tokens, temperature=0.8,
                           generator=torch.Generator().manual_seed(cfg.seed))
         sample = decode(tokens[0].cpu())
-    return dict(rank=rank, records=records, sample=sample, start=start)
+    return dict(rank=pm.mesh.rank, records=records, sample=sample, start=start)
