@@ -29,6 +29,7 @@ from reference.model import GPT, GPTConfig
 from reference.parallel.config import ParallelConfig
 from reference.runtime import launch
 from reference.tolerance import gradient
+from reference.train.single import accumulate_gradients
 from test_parallel_parity import CFG, EPS, LR, B, T, assert_parity, batches, single_process
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,10 +39,7 @@ def oracle_grads(chunks: int) -> dict[str, torch.Tensor]:
     """The single process's gradient of the first step, accumulated over `chunks` chunks."""
     torch.manual_seed(0)
     model = GPT(CFG)
-    idx, tgt = batches()[0]
-    for x, y in zip(idx.chunk(chunks), tgt.chunk(chunks)):
-        _, loss = model(x, y)
-        (loss / chunks).backward()
+    accumulate_gradients(model, *batches()[0], chunks)
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 

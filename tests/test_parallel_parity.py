@@ -19,7 +19,6 @@ One launch per world size runs all of that size's combinations in turn, to keep 
 """
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ import torch
 from reference.model import GPT, GPTConfig
 from reference.runtime import launch
 from reference.tolerance import adamw_weights, loss
+from reference.train.single import accumulated_step
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -48,18 +48,7 @@ def single_process(config, chunks: int, cfg=CFG, ffn_factory=None, precision="fp
     torch.manual_seed(0)
     model = GPT(cfg, ffn_factory=ffn_factory) if ffn_factory else GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses = []
-    for idx, tgt in batches():
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for x, y in zip(idx.chunk(chunks), tgt.chunk(chunks)):
-            with (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
-                  else contextlib.nullcontext()):
-                _, with_aux = model(x, y)  # the LM loss plus the MoE's aux loss (0 if dense)
-            (with_aux / chunks).backward()
-            total += model.last_lm_loss.float() / chunks
-        opt.step()
-        losses.append(float(total))
+    losses = [accumulated_step(model, opt, idx, tgt, chunks, precision=precision)[0] for idx, tgt in batches()]
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -61,20 +61,12 @@ def debug_batches(steps: int = STEPS, batch=BATCH):
 
 
 def single_process_losses(steps: int = STEPS, chunks: int = CONFIG.dp * CONFIG.microbatches) -> list[float]:
+    from reference.train.single import accumulated_step
+
     torch.manual_seed(0)
     model = GPT(MODEL)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for idx, tgt in debug_batches(steps):
-        opt.zero_grad(set_to_none=True)
-        total = torch.zeros(())
-        for x, y in zip(idx.chunk(chunks), tgt.chunk(chunks)):
-            _, loss = model(x, y)
-            (loss / chunks).backward()
-            total += loss.detach() / chunks
-        opt.step()
-        losses.append(float(total))
-    return losses
+    return [accumulated_step(model, opt, idx, tgt, chunks)[0] for idx, tgt in debug_batches(steps)]
 
 
 def parallel_losses(config: ParallelConfig = CONFIG, steps: int = STEPS) -> list[float]:

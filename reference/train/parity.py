@@ -9,8 +9,6 @@ differs; bf16 and fp16 against one process in the same precision: rtol 1e-3).
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from reference.model import GPT
@@ -20,34 +18,31 @@ __all__ = ["single_process_losses", "compare", "tolerance"]
 
 
 def single_process_losses(plan, world_size: int, steps: int | None = None) -> list[float]:
+    """One process's losses (`reference.train.single.accumulated_step`) for the run ``plan``
+    describes at ``world_size``: its model, seed, batches, optimizer, schedule, clipping,
+    precision and fp16 loss scaler; the schedule does not advance on a skipped step."""
     from reference.data import ByteCorpus
+    from reference.parallel.scaler import DynamicLossScaler
     from reference.train.loop import batch_at
+    from reference.train.single import accumulated_step
 
     pconfig = plan.parallel_config(world_size)
-    chunks = pconfig.dp * pconfig.microbatches
     torch.manual_seed(plan.seed)
     model = GPT(plan.gpt_config(), ffn_factory=plan.ffn_factory())
     optimizer = plan.optimizer_class(model.parameters(), **plan.optimizer_kwargs)
     scheduler = plan.make_scheduler(optimizer)
+    scaler = DynamicLossScaler(**plan.loss_scaler_kwargs()) if pconfig.precision == "fp16" else None
     corpus = ByteCorpus.load() if plan.data_source == "stdlib" else None
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(pconfig.precision)
     losses = []
     for step in range(steps or plan.steps):
         idx, tgt = batch_at(plan.data_source, plan.train_batch_size, plan.seq_len, step,
                             plan.data_seed, corpus)
-        optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for x, y in zip(idx.chunk(chunks), tgt.chunk(chunks)):
-            with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
-                _, loss = model(x, y)
-            (loss / chunks).backward()
-            total += float(model.last_lm_loss) / chunks
-        if plan.gradient_clipping:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), plan.gradient_clipping)
-        optimizer.step()
-        if scheduler is not None:
+        loss, skipped = accumulated_step(model, optimizer, idx, tgt, pconfig.dp * pconfig.microbatches,
+                                         precision=pconfig.precision, scaler=scaler,
+                                         max_norm=plan.gradient_clipping or None)
+        if scheduler is not None and not skipped:
             scheduler.step()
-        losses.append(total)
+        losses.append(loss)
     return losses
 
 

@@ -1,13 +1,16 @@
 """The single-process training loop: the run every parallel version is compared with.
 
-AdamW at a constant learning rate on reproducible batches
-(:func:`reference.data.get_batch`), so that a parallel run fed the same
-weights, the same global batches and the same optimizer settings must produce
-the same losses, step by step.
+`accumulated_step` is the oracle of every parity check (the tests, the golden losses, the
+trainer's `parity` command, the all-pairs sweep): one process, the global batch in the
+parallel run's dp x micro-batch chunks, its precision, loss scaler and clipping.
+`train_step` and `train` are the plain loop of the first notebooks: AdamW at a constant
+learning rate on reproducible batches (:func:`reference.data.get_batch`), so that a
+parallel run fed the same weights, the same global batches and the same optimizer settings
+must produce the same losses, step by step.
 """
-
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional, Union
 
 import torch
@@ -17,7 +20,7 @@ from tqdm.auto import tqdm
 from reference.data import ByteCorpus, get_batch
 from reference.model import lm_loss
 
-__all__ = ["make_optimizer", "train_step", "evaluate", "train"]
+__all__ = ["make_optimizer", "train_step", "accumulate_gradients", "accumulated_step", "evaluate", "train"]
 
 
 def make_optimizer(
@@ -85,6 +88,48 @@ def _clip(model: nn.Module, max_norm: float, mesh) -> None:
     from reference.parallel.clip import clip_grad_norm_  # the composing layer, loaded only here
 
     clip_grad_norm_(model, max_norm, mesh)
+
+
+def _autocast(precision: str, device_type: str):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    return torch.autocast(device_type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+
+def accumulate_gradients(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, chunks: int = 1,
+                         *, precision: str = "fp32", loss_scale: float = 1.0) -> float:
+    """The oracle's forward and backward: the global batch in ``chunks`` equal chunks of rows
+    (a parallel run's dp x micro-batch split), each chunk's loss (the LM loss plus any experts'
+    balance loss) times ``loss_scale / chunks`` backpropagated, gradients adding up in
+    ``.grad``; under autocast for bf16 and fp16. Returns the LM loss, the mean over chunks."""
+    total = 0.0
+    for x, y in zip(idx.chunk(chunks), targets.chunk(chunks)):
+        with _autocast(precision, x.device.type):
+            _, with_aux = model(x, y)
+        (with_aux * loss_scale / chunks).backward()
+        total += float(model.last_lm_loss.float()) / chunks
+    return total
+
+
+def accumulated_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx: torch.Tensor,
+                     targets: torch.Tensor, chunks: int = 1, *, precision: str = "fp32",
+                     scaler=None, max_norm: Optional[float] = None) -> tuple[float, bool]:
+    """One step of the single process every parallel run is compared with: the gradients of
+    the global batch accumulated over ``chunks`` (`accumulate_gradients`); with fp16's
+    ``scaler`` (`reference.parallel.DynamicLossScaler`) unscaled and a step with an inf or
+    NaN skipped; the global norm clipped at ``max_norm``; the optimizer's step. Returns
+    (the LM loss, whether the step was skipped)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = accumulate_gradients(model, idx, targets, chunks, precision=precision,
+                                loss_scale=scaler.scale if scaler is not None else 1.0)
+    if scaler is not None:
+        overflow = scaler.unscale_and_check([p.grad for p in model.parameters() if p.grad is not None])
+        scaler.update(overflow)
+        if overflow:
+            return loss, True
+    if max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    return loss, False
 
 
 @torch.no_grad()
