@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CORE = ("runtime", "comms", "mesh", "model", "data", "memory", "viz", "tolerance")
 PARALLELISMS = ("data_parallel", "zero", "tensor_parallel", "pipeline_parallel",
                 "expert_parallel", "context_parallel")
-COMPOSING = ("train", "parallel", "parallelize", "checkpoint", "profile")
+COMPOSING = ("train", "parallel", "profile")
 COURSE = "course"
 
 
@@ -152,12 +152,36 @@ def test_every_package_maps_its_technique():
                 assert sibling.stem in doc, f"{init}'s docstring does not mention {sibling.name}"
 
 
-def test_no_file_holds_two_ideas():
-    """A file past about 300 lines holds two ideas (the design's rule); 340 leaves room
-    for a long docstring."""
-    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in sorted((ROOT / "reference").rglob("*.py"))
-            if (n := len(p.read_text().splitlines())) > 340]
-    assert not long, "split these files:\n  " + "\n  ".join(long)
+# Functions still over the limit, to be split by idea; the list only shrinks.
+LONG_TODAY = {"pipeline_parallel/executor.py:run_pipeline", "train/describe.py:describe",
+              "parallel/estimate.py:estimate", "parallel/config.py:_problems"}
+
+
+def test_no_function_holds_two_ideas():
+    """A function over 60 lines of code (docstring and comments aside) outside `course/` holds
+    more than one idea: split it where the ideas part (the design's rule is by idea, not by a
+    file's size; what a student reads per topic is held by tests/test_reading_budget.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reading_budget", ROOT / "bench" / "reading_budget.py")
+    budget = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(budget)
+    long = {name for name, _ in budget.long_functions()}
+    assert long <= LONG_TODAY, f"split these functions: {sorted(long - LONG_TODAY)}"
+    assert LONG_TODAY <= long, f"no longer over the limit, take them off LONG_TODAY: {sorted(LONG_TODAY - long)}"
+
+
+def test_the_readme_lists_every_module():
+    """The README's package table names each module of each folder of `reference/`."""
+    readme = (ROOT / "README.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`"): line for line in readme.splitlines()
+            if line.startswith("| `reference/")}
+    missing = []
+    for folder in sorted(p for p in (ROOT / "reference").iterdir() if (p / "__init__.py").exists()):
+        row = rows.get(f"reference/{folder.name}/", "")
+        missing += [f"reference/{folder.name}/{m.stem}" for m in sorted(folder.glob("*.py"))
+                    if m.stem not in ("__init__", "__main__") and f"`{m.stem}`" not in row]
+    assert not missing, "the README's package table does not name: " + ", ".join(missing)
 
 
 def _write(root: Path, files: dict[str, str]) -> Path:
