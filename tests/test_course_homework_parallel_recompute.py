@@ -179,3 +179,38 @@ def test_torch_checkpoint_is_refused_from_the_student_code():
     with exercise_rules(pr.RECOMPUTE.id, pr.RECOMPUTE.forbidden):
         out = pr.torch_recompute(case.inputs[0])
     assert pr.judge_recompute(case.inputs, pr.expect_recompute(case.inputs), [out], 1) == ""
+
+
+def test_the_grade_does_not_depend_on_what_is_graded_beside_it():
+    """The grader grades several submissions at once, in threads of its own process, and
+    the expected answers draw dropout masks from torch's default generator, which every
+    thread shares. Here one thread judges the solution's outputs through the grader's own
+    path (`scoring._judge`: expect, then judge) while another grades an untouched exercise
+    notebook of the same homework beside it (`score_exercise` with no function: only its
+    cases are made, which seeds that generator): the solution keeps every case, every time.
+    Without the grader's lock most of the cases with dropout are lost."""
+    import threading
+
+    from reference.course.homework import HOMEWORK
+    from reference.course.homework.scoring import _judge
+
+    cases = pr.make_recompute_cases(torch.Generator().manual_seed(SEEDS[0]), 1)
+    outputs = {c.name: pr.call_recompute(_student(), c.inputs[0]) for c in cases}
+    stop, beside = threading.Event(), []
+
+    def untouched_notebook():
+        while not stop.is_set():
+            for seed in range(3):
+                beside.append(score_exercise(pr.RECOMPUTE, None, seed=seed, timeout=TIMEOUT).points)
+            for spec in HOMEWORK["06_3d_parallel"]:
+                score_exercise(spec, None, seed=0, timeout=TIMEOUT)
+
+    thread = threading.Thread(target=untouched_notebook)
+    thread.start()
+    try:
+        lost = [why for _ in range(8) for c in cases
+                if (why := _judge(pr.RECOMPUTE, c, [outputs[c.name]], 1))]
+    finally:
+        stop.set()
+        thread.join()
+    assert beside and not any(beside) and lost == [], lost

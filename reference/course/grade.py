@@ -11,7 +11,8 @@ For each submission, in its own fresh temporary folder:
      time limit; the exercise functions are saved after every cell;
   3. score each exercise with its hidden checks (`reference.course.homework`): the grader
      draws the inputs from a seed it keeps to itself, computes the expected answers
-     in this process, and runs the student's functions only in separate rank
+     in this process (under a lock: the threads of --jobs share torch's random state),
+     and runs the student's functions only in separate rank
      processes that can send back nothing but tensors, numbers and strings. An
      exercise earns its weight (by difficulty) times the share of its cases passed;
      a bonus exercise adds to the total, not to the maximum.

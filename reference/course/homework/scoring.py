@@ -7,7 +7,11 @@ back nothing but tensors, numbers, strings and containers of them. The inputs
 come from a seed only the grader knows; each rank reads its own inputs from a
 file and deletes it, and all ranks pass a barrier before any student code is
 loaded, so no rank can read another's inputs. The expected answers are computed
-by `spec.expect` in the grader's own process, from the inputs it generated. In
+by `spec.expect` in the grader's own process, from the inputs it generated. The grader
+grades several submissions at once in threads of that process, and making cases or expected
+answers may use process-wide state (the default random generator: a dropout mask drawn from
+a seed), so both run under one lock (`GRADER_STATE`): a grade never depends on what else is
+graded beside it. In
 the rank, every call of the student's function goes through `spec.call` under the
 exercise's rules (`guard`: its forbidden collectives switched off) and its
 `Refusal` (`refuse`: the course's own answers, `spec.banned` and the expected
@@ -33,6 +37,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,12 +49,15 @@ from reference.runtime import RankError, RankTimeoutError, launch
 from reference.course.homework.guard import COLLECTIVES, exercise_rules
 from reference.course.homework.refuse import refusal_for
 
-__all__ = ["Case", "ExerciseSpec", "ExerciseScore", "score_exercise", "one_line", "WEIGHTS", "WARM_UP",
+__all__ = ["GRADER_STATE", "Case", "ExerciseSpec", "ExerciseScore", "score_exercise", "one_line", "WEIGHTS", "WARM_UP",
            "weight"]
 
 # Points of an exercise by its difficulty (its stars), unless its spec sets `weight`.
 WEIGHTS = {1: 2, 2: 4, 3: 6}
 WARM_UP = 1  # a warm-up close to a lecture cell: worth little
+# Held while cases or expected answers are computed in this process: they may seed and draw
+# from torch's default generator, which every grading thread shares.
+GRADER_STATE = threading.RLock()
 
 
 @dataclass
@@ -183,7 +191,9 @@ def _judge(spec, case, outputs, world_size) -> str:
     if any(not isinstance(o, dict) for o in outputs):
         return "a rank returned no result for this case"
     try:
-        return spec.judge(case.inputs, spec.expect(case.inputs), outputs, world_size)
+        with GRADER_STATE:
+            expected = spec.expect(case.inputs)
+        return spec.judge(case.inputs, expected, outputs, world_size)
     except Exception as exc:  # noqa: BLE001 - malformed outputs from a rank fail the case
         return f"malformed result ({one_line(type(exc).__name__ + ': ' + str(exc), 120)})"
 
@@ -204,7 +214,8 @@ def score_exercise(spec: ExerciseSpec, fn_bytes: bytes | None, seed: int, timeou
     """Points for `spec` earned by the pickled function `fn_bytes` (None: `missing` says why).
 
     `cleanup` runs after every launch (the grader kills processes a rank left behind)."""
-    plan = [(ws, spec.make_cases(_generator(seed, spec.id, ws), ws)) for ws in spec.world_sizes]
+    with GRADER_STATE:
+        plan = [(ws, spec.make_cases(_generator(seed, spec.id, ws), ws)) for ws in spec.world_sizes]
     lost: list[tuple[int, str, str]] = []  # (world size, case name, reason)
     stop = None if fn_bytes is not None else missing
     for world_size, cases in plan:
