@@ -171,7 +171,7 @@ def _refusal(config, world, **kwargs) -> str:
 def test_config_defaults_to_gathering_once_and_refuses_what_it_cannot_reshard():
     from reference.model import GPTConfig
 
-    assert ParallelConfig().reshard_after_forward is False  # PyTorch's fully_shard: True
+    assert ParallelConfig().reshard_after_forward is False  # PyTorch's fully_shard: None
     PP.with_(reshard_after_forward=True).validate(4, GPTConfig.tiny(n_layer=4), batch=(16, 16))
     TP_PP.with_(reshard_after_forward=True).validate(8)
     for config, world in [(PP.with_(zero_stage=0), 4), (PP.with_(zero_stage=1), 4),
@@ -268,3 +268,23 @@ def test_resharding_holds_less_of_the_stage_during_the_step(dp2_pp2):
         after = resh["after"]
         assert len(after) == resh["actions"] and after[-1] == 8 * S
         assert set(after) <= {4 * S, 8 * S} and after[0] == 4 * S
+
+
+def test_the_course_states_pytorchs_default_as_the_pinned_version_has_it():
+    """`fully_shard`'s reshard_after_forward defaults to None (True for every module but the
+    root, False for the root) in the pinned PyTorch; every place that names that default says
+    None, never "defaults to True"."""
+    import inspect
+    from pathlib import Path
+
+    from torch.distributed.fsdp import fully_shard
+
+    assert inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
+    root = Path(__file__).resolve().parent.parent
+    for name in ("README.md", "notebooks/06_3d_parallel.ipynb", "reference/parallel/config.py",
+                 "reference/zero/fsdp_reshard.py", "reference/train/config.py",
+                 "reference/train/describe.py"):
+        text = " ".join((root / name).read_text().replace("\\n\",\n", " ").split())
+        assert "fully_shard` defaults to `reshard_after_forward=True" not in text, name
+        assert "fully_shard defaults to True" not in text and "fully_shard's true" not in text, name
+        assert "None" in text, name

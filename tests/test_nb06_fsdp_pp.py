@@ -49,7 +49,7 @@ def test_the_section_sits_after_fsdp_tp_and_before_the_summary_without_outputs()
     assert all(not c.get("outputs") and c.get("execution_count") is None
                for c in cells[start:start + len(SECTION)] if c["cell_type"] == "code")
     prose = "".join(cells[start]["source"])
-    assert "`fully_shard` defaults to `reshard_after_forward=True`" in prose
+    assert "`fully_shard` defaults to `reshard_after_forward=None`" in prose
     assert "course defaults to False" in prose
 
 

@@ -240,7 +240,7 @@ def test_zero_with_experts_check_says_what_runs_and_where_deepspeed_differs(tmp_
 
 def test_reshard_after_forward_reaches_the_run_and_check_says_what_it_trades(tmp_path):
     """parallelism.reshard_after_forward: false unless set (PyTorch's fully_shard defaults to
-    true, and --check says so when it is on); accepted with composed ZeRO-3, refused otherwise
+    None, true but for the root, and --check says so when it is on); accepted with composed ZeRO-3, refused otherwise
     with ParallelConfig's reason."""
     from reference.train.config import describe, load_config
 
@@ -255,7 +255,7 @@ def test_reshard_after_forward_reaches_the_run_and_check_says_what_it_trades(tmp
     assert (pc.dp, pc.pp, pc.zero_stage, pc.reshard_after_forward) == (2, 2, 3, True)
     said = describe(config, 4)
     assert "reshard_after_forward: each block gathered for its forward" in said
-    assert "PyTorch's fully_shard's true" in said
+    assert "PyTorch's fully_shard's None: true for every module but the root" in said
     config = load_config(_write(tmp_path, "z1.json", zero_optimization={"stage": 1},
                                 parallelism={"pipeline": 2, "reshard_after_forward": True}, **M2))
     with pytest.raises(ValueError, match="reshard_after_forward"):

@@ -31,7 +31,8 @@ reduce-scatters each backward's gradients into the shards, accumulating over the
 micro-batches (`reference.zero.fsdp_reshard`): per step and chunk 2 m all-gathers and m
 reduce-scatters of the stage (3 m transfers) against 1 + 1, for holding shards plus about
 one block whole instead of the whole stage and its gradients. **The defaults differ:**
-`fully_shard` defaults to True, this course to False (gather once per step), which is what
+`fully_shard` defaults to None (True for every module but the root, False for the root), this
+course to False (gather once per step), which is what
 torchtitan picks under a pipeline. Refused with True: anything but composed ZeRO-3
 (zero_stage 3 with dp x cp > 1, not `zero3_by_blocks`, which already gathers each block
 per micro-batch) and experts (see `_problems`).
@@ -79,7 +80,8 @@ class ParallelConfig:
     cp_kind: str = "ring"             # "ring" (zig-zag split) or "ulysses" (contiguous)
     # composed ZeRO-3: free each block's gathered parameters after every forward, gather them
     # again for its backward, reduce-scatter every backward's gradients (3 m transfers a step
-    # instead of 2). PyTorch's fully_shard defaults to True; the course to False, as torchtitan
+    # instead of 2). PyTorch's fully_shard defaults to None (True but for the root module); the course to
+    # False, as torchtitan
     # picks under a pipeline.
     reshard_after_forward: bool = False
 

@@ -24,7 +24,7 @@ choices where DeepSpeed leaves the reader guessing:
 
 The course's own blocks: `parallelism` {tensor, pipeline, expert, sequence_parallel,
 virtual_stages, schedule, embedding_stage, reshard_after_forward: composed ZeRO-3's FSDP2
-option, false by default where PyTorch's `fully_shard` defaults to true} (dp is what the
+option, false by default where PyTorch's `fully_shard` defaults to None: true but for the root} (dp is what the
 world size leaves), `model`
 {preset tiny | small | debug, or sizes, `experts`}, `data` {source stdlib | arithmetic |
 synthetic, seq_len, seed}, `steps`, `seed`, `checkpoint` {dir, every, resume: continue from
@@ -67,7 +67,7 @@ class ParallelismConfig:
     virtual_stages: int = spec(1, min=1)
     schedule: str = spec("1f1b", choices=SCHEDULES)
     embedding_stage: bool = False
-    reshard_after_forward: bool = False     # FSDP2's option (PyTorch's default True, the course's False)
+    reshard_after_forward: bool = False     # FSDP2's option (PyTorch's default None: True but for the root; the course's False)
 
 
 @dataclass

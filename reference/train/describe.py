@@ -94,7 +94,7 @@ def describe(config, world_size: int) -> str:
     if p.reshard_after_forward:
         line("", "reshard_after_forward: each block gathered for its forward and again for its "
                  "backward, its gradients reduce-scattered after every micro-batch (3 m transfers "
-                 "a step for less memory; the course's default is false, PyTorch's fully_shard's true)")
+                 "a step for less memory; the course's default is false, PyTorch's fully_shard's None: true for every module but the root)")
     if offload:
         from reference.train.deepspeed_blocks import OFFLOAD_REFUSED
 

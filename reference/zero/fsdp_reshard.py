@@ -47,7 +47,8 @@ storage to 0 bytes and gathering grows it back and copies the rows in, so the te
 saved (the parameters and views of them) see the numbers again. Writes go through ``full``'s
 own views, so the parameters' version counters do not move.
 
-The defaults: PyTorch's `fully_shard` defaults to ``reshard_after_forward=True``; this course
+The defaults: PyTorch's `fully_shard` defaults to ``reshard_after_forward=None``, True for every
+module but the root and False for the root; this course
 defaults to False (`ParallelConfig.reshard_after_forward`), as torchtitan does under a
 pipeline. And PyTorch's own pipeline schedules (`torch.distributed.pipelining`) turn gradient
 sync off for every backward but the last, reduce-scattering once a step; here, as FSDP2 does
