@@ -39,9 +39,10 @@ as torch's function does. The rule that counts each number once (Megatron-LM's, 
   row-block of a replicated LayerNorm gain on tp rank 0 only, of a column-parallel
   weight on every tp rank).
 
-Where the marks come from: `mark_parallel_params(modules)` reads them off the module
-types (`ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding`, the
-experts of MoE layers, a head stage whose embedding lives on another pipeline rank)
+Where the marks come from: `mark_parallel_params(modules)` reads them off the parameters
+and modules (the cut a tensor-parallel layer recorded on each parameter it split,
+``p.tp_cut``; the experts of MoE layers; a head stage whose embedding lives on another
+pipeline rank)
 and sets all four attributes on every parameter. `clip_grad_norm_` marks by itself
 what it is given as modules (a model, DDP, or this rank's list of pipeline chunks),
 a `ZeroOptimizer` or an `FSDP` module (after backward). Bare tensors are taken as they
@@ -71,7 +72,6 @@ from reference import comms
 from reference.expert_parallel import expert_parameters
 from reference.pipeline_parallel import GPTStage
 from reference.runtime import device as rank_device
-from reference.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from reference.zero import FSDP, ZeroOptimizer
 
 __all__ = ["clip_grad_norm_", "mark_parallel_params", "MARKS"]
@@ -100,12 +100,8 @@ def mark_parallel_params(modules) -> list[nn.Parameter]:
     are marked as data-parallel shards."""
     modules = _as_modules(modules)
     subs = [s for m in modules for s in m.modules()]
-    split = set()
-    for s in subs:
-        if isinstance(s, (ColumnParallelLinear, VocabParallelEmbedding)):  # incl. VocabParallelLMHead
-            split |= {id(p) for p in s.parameters(recurse=False)}         # weight (and column bias)
-        elif isinstance(s, RowParallelLinear):
-            split.add(id(s.weight))                                        # the bias stays whole
+    split = {id(p) for s in subs for p in s.parameters(recurse=False)
+             if hasattr(p, "tp_cut")}  # cut by its tensor-parallel layer (a row bias stays whole)
     experts = {id(p) for m in modules for p in expert_parameters(m)}
     stages = [s for s in subs if isinstance(s, GPTStage)]
     embedding_here = any(s.spec.embedding for s in stages)

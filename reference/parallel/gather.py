@@ -2,11 +2,12 @@
 
 `full_state_dict(pm)` undoes each split of `parallelize`, in reverse order:
 
-* tensor parallelism: a column-parallel weight is all-gathered along its output rows (a
-  fused q|k|v layer chunk by chunk, so that q, k and v come back whole), a row-parallel
-  weight along its input columns, the vocab-parallel embedding and head along the
-  vocabulary, then cut back from V_pad to V; replicated tensors (LayerNorms, row biases)
-  are taken as they are;
+* tensor parallelism: each parameter is all-gathered as its layer cut it, which the layer
+  recorded on it (``p.tp_cut``, `reference.tensor_parallel.cut`): a column-parallel weight
+  along its output rows (a fused q|k|v layer block by block, so that q, k and v come back
+  whole), a row-parallel weight along its input columns, the vocab-parallel embedding and
+  head along the vocabulary, then cut back from V_pad to V; replicated tensors (LayerNorms,
+  row biases) are taken as they are;
 * expert parallelism: each rank's experts are renamed from local to global indices
   (expert l of ep rank r is expert r * E / ep + l) and collected over the ep group;
 * the pipeline: each stage's names are collected over the pp group;
@@ -23,36 +24,18 @@ import torch
 import torch.distributed as dist
 
 from reference.expert_parallel import ExpertParallelMoE
-from reference.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 __all__ = ["full_state_dict", "tensor_parallel_full", "expert_names"]
 
 
-def _gather(t: torch.Tensor, group, dim: int, chunks: int = 1) -> torch.Tensor:
-    """All-gather ``t`` over ``group`` along ``dim``; with ``chunks`` each rank's piece is
-    ``chunks`` sub-blocks (q|k|v), and the result puts all ranks' block 0 first, and so on."""
-    n = dist.get_world_size(group)
-    pieces = [torch.empty_like(t) for _ in range(n)]
-    dist.all_gather(pieces, t.contiguous(), group=group)
-    if chunks == 1:
-        return torch.cat(pieces, dim=dim)
-    split = [p.chunk(chunks, dim=dim) for p in pieces]  # [rank][chunk]
-    return torch.cat([split[r][c] for c in range(chunks) for r in range(n)], dim=dim)
-
-
-def tensor_parallel_full(module_of: dict, name: str, p: torch.Tensor, tp_group, vocab: int):
-    """Parameter ``name``'s whole value from this rank's piece ``p`` (collective over tp):
-    gathered along the dimension its layer splits, q|k|v chunk by chunk, padding cut."""
-    owner = module_of[name.rsplit(".", 1)[0]]
-    leaf = name.rsplit(".", 1)[1]
-    if isinstance(owner, VocabParallelEmbedding):
-        return _gather(p, tp_group, 0)[:vocab]
-    if isinstance(owner, ColumnParallelLinear):
-        full = _gather(p, tp_group, 0, owner.chunks)
-        return full[:vocab] if name.startswith("lm_head.") else full
-    if isinstance(owner, RowParallelLinear) and leaf == "weight":
-        return _gather(p, tp_group, 1)
-    return p  # replicated over tp (LayerNorms, row-parallel biases, experts, router)
+def tensor_parallel_full(module_of: dict, name: str, p: torch.Tensor, tp_group, vocab: int = 0):
+    """Parameter ``name``'s whole value from this rank's piece ``p`` (a weight or its gradient;
+    collective over tp): gathered as its layer cut it (``tp_cut``, recorded on the parameter
+    where it was cut: q|k|v block by block, the vocabulary's padding dropped); a parameter
+    whole on every tp rank (LayerNorms, row-parallel biases, experts, router) as it is."""
+    owner, leaf = name.rsplit(".", 1)
+    cut = getattr(getattr(module_of[owner], leaf), "tp_cut", None)
+    return p if cut is None else cut.gather(p, tp_group)
 
 
 def expert_names(stage) -> dict[str, str]:

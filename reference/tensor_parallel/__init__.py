@@ -8,6 +8,8 @@ The pieces live in the package's modules and are all importable from here:
 * `reference.tensor_parallel.comms`: Megatron's conjugate operators f and g, the
   gather/scatter pairs along the hidden and the sequence dimension;
 * `reference.tensor_parallel.layers`: `ColumnParallelLinear`, `RowParallelLinear`;
+* `reference.tensor_parallel.cut`: `TensorParallelCut`, how a layer cut each parameter,
+  recorded on it (``p.tp_cut``) where it is cut and read by whatever undoes the cut;
 * `reference.tensor_parallel.attention`: `ParallelCausalSelfAttention` (heads split);
 * `reference.tensor_parallel.loss`: `VocabParallelEmbedding`,
   `vocab_parallel_cross_entropy`;
@@ -53,6 +55,7 @@ from reference.tensor_parallel.comms import (
     reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
+from reference.tensor_parallel.cut import TensorParallelCut
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_shard, row_shard
 from reference.tensor_parallel.loss import (
     VocabParallelEmbedding, padded_vocab_size, vocab_parallel_cross_entropy,
@@ -68,7 +71,7 @@ __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "ParallelCausalSelfAttention",
     "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "padded_vocab_size",
     "TensorParallelRNG", "ShardedDropout", "SequenceParallelScatter",
-    "column_shard", "row_shard",
+    "column_shard", "row_shard", "TensorParallelCut",
     "f", "g", "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "gather_from_tensor_parallel_region", "scatter_to_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",

@@ -54,6 +54,7 @@ from reference.tensor_parallel.comms import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
+from reference.tensor_parallel.cut import record_cut
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_shard", "row_shard", "linear_init_",
            "check_init_seed"]
@@ -188,6 +189,8 @@ class ColumnParallelLinear(nn.Module):
             self.weight.copy_(column_shard(weight, self.tp_rank, tp, chunks))
             if bias:
                 self.bias.copy_(column_shard(full_bias, self.tp_rank, tp, chunks))
+        for p in self.parameters(recurse=False):  # rows cut, block by block: recorded where cut
+            record_cut(p, 0, tp, self.tp_rank, out_features, blocks=chunks)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, group, gather_output: bool = False, *,
@@ -257,6 +260,7 @@ class RowParallelLinear(nn.Module):
             self.weight.copy_(row_shard(weight, self.tp_rank, tp))
             if bias:
                 self.bias.copy_(full_bias)
+        record_cut(self.weight, 1, tp, self.tp_rank, in_features)  # columns cut; the bias whole
         if self.bias is not None and sequence_parallel:
             self.bias.sequence_parallel = True  # its gradient sees only this rank's tokens
 

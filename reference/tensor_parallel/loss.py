@@ -53,6 +53,7 @@ from reference import comms
 from reference.tensor_parallel.comms import (
     gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
 )
+from reference.tensor_parallel.cut import record_cut
 from reference.tensor_parallel.layers import ColumnParallelLinear
 
 __all__ = ["VocabParallelEmbedding", "VocabParallelLMHead", "vocab_parallel_cross_entropy",
@@ -98,6 +99,7 @@ class VocabParallelEmbedding(nn.Module):
             rows = full[self.vocab_start_index:self.vocab_end_index]
             self.weight.zero_()  # padding rows (ids >= V) stay zero
             self.weight[: rows.shape[0]].copy_(rows)
+        record_cut(self.weight, 0, tp, tp_rank, self.num_embeddings_padded, real=num_embeddings)
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, group) -> "VocabParallelEmbedding":
@@ -225,6 +227,8 @@ class VocabParallelLMHead(ColumnParallelLinear):
         head = cls.from_dense(padded, group, gather_output=False, sequence_parallel=sequence_parallel,
                               regather_input=regather_input)
         head.vocab_size = vocab
+        for p in head.parameters(recurse=False):  # the rows past V are padding
+            record_cut(p, 0, head.tp, head.tp_rank, p.tp_cut.whole, real=vocab)
         return head
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

@@ -36,8 +36,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from reference.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                       VocabParallelEmbedding, padded_vocab_size)
 from reference.train.reshard import (Entry, _flat_groups, _is_head, _sharded, entries, full_shape,
                                      full_shapes)
 
@@ -101,22 +99,15 @@ def _local_boxes(h: Holding, t: torch.Tensor) -> list[Box]:
 
 def _segments(pm, e: Entry, shape) -> tuple[list[tuple[int, int, int]], int]:
     """How the TP-local tensor's rows sit in the whole tensor: [(local row, whole row, rows)]
-    (the padded vocabulary's rows past V left out), and the column offset (row-parallel)."""
-    o, d0 = e.owner, shape[0] if shape else 0
-    if isinstance(o, VocabParallelEmbedding):
-        return [(0, o.vocab_start_index, max(0, min(d0, o.num_embeddings - o.vocab_start_index)))], 0
-    if isinstance(o, ColumnParallelLinear):
-        whole = padded_vocab_size(pm.model_config.vocab_size, o.tp) if _is_head(e) else o.out_features
-        real = pm.model_config.vocab_size if _is_head(e) else o.out_features
-        block, piece = whole // o.chunks, whole // (o.chunks * o.tp)
-        out = []
-        for c in range(o.chunks):  # rank r holds piece r of each block [q | k | v]
-            g = c * block + o.tp_rank * piece
-            out.append((c * piece, g, max(0, min(piece, real - g))))
-        return out, 0
-    if isinstance(o, RowParallelLinear) and e.local.endswith(".weight"):
-        return [(0, 0, d0)], o.tp_rank * (o.in_features // o.tp)
-    return [(0, 0, d0)], 0
+    (the padded vocabulary's rows past V left out), and the column offset (row-parallel),
+    read from the cut the tensor-parallel layer recorded on the parameter (``tp_cut``)."""
+    cut, d0 = getattr(e.param, "tp_cut", None), shape[0] if shape else 0
+    if cut is None:
+        return [(0, 0, d0)], 0
+    if cut.dim == 0:  # rank r holds piece r of each block ([q | k | v])
+        return [(local, whole, n) for whole, local, n in cut.pieces()], 0
+    (whole, _, _), = cut.pieces()
+    return [(0, 0, d0)], whole
 
 
 def pieces(pm, h: Holding, t: torch.Tensor) -> list[Box]:

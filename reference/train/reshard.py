@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from reference.parallel.gather import expert_names
-from reference.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from reference.zero import ZeroOptimizer
 
 __all__ = ["Entry", "entries", "canonical_name", "full_shape", "full_shapes"]
@@ -80,15 +79,11 @@ def _is_head(e: Entry) -> bool:
 
 
 def full_shape(pm, e: Entry, local_shape: torch.Size) -> tuple[int, ...]:
-    """The whole tensor's shape, given this rank's slice of it (the inverse of `parallelize`'s cut)."""
-    shape, o = tuple(local_shape), e.owner
-    if isinstance(o, VocabParallelEmbedding):  # (V_pad / tp, C) -> (V, C)
-        return (o.num_embeddings,) + shape[1:]
-    if isinstance(o, ColumnParallelLinear):    # (out / tp, in) -> (out, in); the head's out is V
-        return (pm.model_config.vocab_size if _is_head(e) else o.out_features,) + shape[1:]
-    if isinstance(o, RowParallelLinear) and e.local.endswith(".weight"):  # (out, in / tp)
-        return shape[:1] + (o.in_features,)
-    return shape
+    """The whole tensor's shape, given this rank's slice of it: the inverse of the cut its
+    tensor-parallel layer recorded on the parameter (``tp_cut``), the vocabulary's padding
+    dropped; a tensor no layer cut is whole already."""
+    cut = getattr(e.param, "tp_cut", None)
+    return tuple(local_shape) if cut is None else cut.whole_shape(local_shape)
 
 
 def _sharded(pm, p) -> bool:
