@@ -41,27 +41,23 @@ class TensorParallelCut:
 
     def whole_shape(self, shape) -> tuple:
         """The whole tensor's shape (the padding dropped) of a piece shaped ``shape``."""
-        shape = tuple(shape)
-        return shape[:self.dim] + (self.real,) + shape[self.dim + 1:]
+        return tuple(shape[:self.dim]) + (self.real,) + tuple(shape[self.dim + 1:])
 
     def pieces(self) -> list[tuple[int, int, int]]:
         """This rank's runs along `dim`: (offset in the whole, offset in the piece, length),
         the padding past `real` left out (a run may be empty)."""
         block = self.whole // self.blocks
         piece = block // self.parts
-        out = []
-        for b in range(self.blocks):
-            start = b * block + self.index * piece
-            out.append((start, b * piece, max(0, min(piece, self.real - start))))
-        return out
+        starts = [b * block + self.index * piece for b in range(self.blocks)]
+        return [(s, b * piece, max(0, min(piece, self.real - s))) for b, s in enumerate(starts)]
 
     def gather(self, piece: torch.Tensor, group) -> torch.Tensor:
         """The whole tensor from every rank's ``piece`` (collective over the tp ``group``)."""
         parts = [torch.empty_like(piece) for _ in range(self.parts)]
         dist.all_gather(parts, piece.contiguous(), group=group)
-        split = [p.chunk(self.blocks, dim=self.dim) for p in parts]  # [rank][block]
-        whole = torch.cat([split[r][b] for b in range(self.blocks) for r in range(self.parts)], dim=self.dim)
-        return whole.narrow(self.dim, 0, self.real)
+        split = [p.chunk(self.blocks, dim=self.dim) for p in parts]  # [rank][block]: block by block
+        return torch.cat([split[r][b] for b in range(self.blocks) for r in range(self.parts)],
+                         dim=self.dim).narrow(self.dim, 0, self.real)
 
 
 def record_cut(param: torch.Tensor, dim: int, parts: int, index: int, whole: int,
