@@ -2,22 +2,27 @@
 numbers its prose prints about GPT-3 175B.
 
 * The step the student composes (cells `my-tp-model`, `my-pipeline`, `my-reduce`,
-  `my-train`, `my-clip`) equals one process on 8 ranks within the course's bounds
-  (`reference.tolerance`: the losses, every weight and their mean after AdamW's steps), and
-  each mistake the clinic plants leaves the symptom the notebook describes, beyond those
-  bounds: the printed loss 1/pp of one process's with the weights within rounding (loss
-  averaged over pp); the mean weight difference beyond a correct run's from the first steps
-  (SP gradients not summed over tp; the tied embedding's copies drifting; replicated
-  parameters counted tp times, whose gradient norm is too large); AdamW hiding a gradient dp
-  times too small (dp averaged twice with ZeRO: the loss and the mean weight difference within
-  a correct run's bounds), which SGD shows (its mean weight difference beyond SGD's bound for
-  any single weight).
+  `my-train`, `my-clip`, `my-clip-norm`, `my-zero`) equals one process on 8 ranks within the
+  course's bounds (`reference.tolerance`: the losses, every weight and their mean after
+  AdamW's steps), clipped, and clipped under ZeRO-1 (the norm over the reduced shards, each
+  step's norm one process's); in fp16 a step where one rank's gradient holds an inf is skipped
+  on every rank, the scale halves, and the weights are one process's that skips it too (a step
+  taken with the inf would leave NaN weights). Each mistake the clinic plants leaves the
+  symptom the notebook describes, beyond those bounds: the printed loss 1/pp of one process's
+  with the weights within rounding (loss averaged over pp); the mean weight difference beyond
+  a correct run's from the first steps (SP gradients not summed over tp; the tied embedding's
+  copies drifting; replicated parameters counted tp times, whose gradient norm is too large);
+  dp averaged twice with ZeRO: the norm exactly 1/dp of one process's, the clip and AdamW
+  hiding it in the weights, which SGD shows (its mean weight difference beyond SGD's bound for
+  any single weight); the clip before ZeRO's reduce-scatter: dp rank 0's own norm.
 * A different dropout mask on recompute (cell `clinic-dropout`): gradients off beyond
   rounding; the state restored: equal, bit for bit.
 * GPT-3 175B, DP 32 x TP 8 x PP 4 with Megatron's bf16 convention (18 bytes per parameter,
   6 + 12/d with the distributed optimizer): 5.5B parameters on the first stage, does not
-  fit 80 GB without ZeRO, fits with ZeRO-1, bubble 3/51; Megatron's published script
-  (TP 8 x PP 16, fp16, 2 + 2 + 12): fits without ZeRO, bubble 15/207; 1024 GPUs are 128 nodes.
+  fit 80 GiB without ZeRO, fits with ZeRO-1, bubble 3/51; Megatron's published script
+  (TP 8 x PP 16, fp16 at 20 bytes per parameter, no SP, no recompute): about 52 GiB of
+  activations on the first stage, fits 80 GiB (not 80e9 bytes) by about a GiB, bubble 15/207;
+  1024 GPUs are 128 nodes.
 """
 import json
 
@@ -41,12 +46,15 @@ def _namespace(*cell_ids, **given) -> dict:
 
 @pytest.fixture(scope="module")
 def cells():
-    return _namespace("setup", "my-tp-model", "my-pipeline", "my-reduce", "my-train", "my-clip")
+    ns = _namespace("setup", "my-tp-model", "my-pipeline", "my-reduce", "my-train", "one-process",
+                    "equals-one-process", "my-clip", "my-clip-norm", "my-zero")
+    ns["CHUNKS"] = ns["CONFIG"].dp * ns["M_MICRO"]  # set by the cell that first trains
+    return ns
 
 
 STEPS, MAX_NORM = 2, 0.5
 MISTAKES = ["SP not summed over tp", "tied copies drift", "loss averaged over pp",
-            "replicated counted tp times", "dp averaged twice with ZeRO"]
+            "replicated counted tp times", "dp averaged twice with ZeRO", "clip before ZeRO's reduce-scatter"]
 
 
 @pytest.mark.timeout(600)
@@ -55,33 +63,44 @@ def test_composed_step_equals_one_process_and_each_mistake_shows(cells):
     sgd = torch.optim.SGD
 
     def all_runs():
-        out = {"right": my_train(STEPS, MAX_NORM), "right, ZeRO-1": my_train(STEPS, None, True)}
+        out = {"right": my_train(STEPS, MAX_NORM), "right, ZeRO-1": my_train(STEPS, MAX_NORM, True),
+               "fp16, overflow": my_train(STEPS, MAX_NORM, True, True, overflow_at=0)}
         for name in MISTAKES:
-            zero = name.endswith("ZeRO")
-            out[name] = my_train(STEPS, None if zero else MAX_NORM, zero, False, (name,))
+            out[name] = my_train(STEPS, MAX_NORM, "ZeRO" in name, False, (name,))
         out["ZeRO, SGD"] = my_train(STEPS, None, True, False, ("dp averaged twice with ZeRO",), sgd)
         return out
 
-    runs = launch(all_runs, 8)[0]
-    clip, plain = one_process(STEPS, MAX_NORM), one_process(STEPS)
+    ranks = launch(all_runs, 8)
+    runs = ranks[0]
+    clip = one_process(STEPS, MAX_NORM)
     divergence, equals_one_process = cells["divergence"], cells["equals_one_process"]
     adamw, norm = tolerance.adamw_weights(STEPS, cells["LR"]), tolerance.gradient(n=8)
     equals_one_process(runs["right"], clip, STEPS, "right")  # asserts the losses and the weights
     assert all(norm.allows(a - c, c) and norm.allows(b - c, c)
                for (a, b), c in zip(runs["right"]["norms"], clip["norms"]))
-    equals_one_process(runs["right, ZeRO-1"], plain, STEPS, "right, ZeRO-1")
+    # clipped under ZeRO-1: the norm over the reduced shards, the weights one process's
+    equals_one_process(runs["right, ZeRO-1"], clip, STEPS, "right, ZeRO-1")
+    assert all(norm.allows(a - c, c) for (a, _), c in zip(runs["right, ZeRO-1"]["norms"], clip["norms"]))
+    # fp16: the inf on one rank skips step 0 on every rank, the scale halves, then as one process
+    fp16 = one_process(STEPS, MAX_NORM, fp16=True, overflow_at=0)
+    assert fp16["skipped"] == [True, False] and fp16["scales"] == [2.0 ** 11] * 2
+    assert all(r["fp16, overflow"]["skipped"] == fp16["skipped"] for r in ranks)
+    assert all(r["fp16, overflow"]["scales"] == fp16["scales"] for r in ranks)
+    equals_one_process(runs["fp16, overflow"], fp16, STEPS, "fp16, overflow", torch.float16)
 
     for name in ("SP not summed over tp", "tied copies drift", "replicated counted tp times"):
         assert divergence(runs[name], clip)[2] > adamw.mean_atol, name  # the mean: beyond rounding
     pp = runs["loss averaged over pp"]
     tolerance.loss().assert_losses([2 * a for a in pp["losses"]], clip["losses"])  # 1/pp of the loss
     adamw.assert_weights(pp["state"], clip["state"])  # training itself is right
-    replicated = runs["replicated counted tp times"]
-    assert not norm.allows(replicated["norms"][0][0] - clip["norms"][0], clip["norms"][0])
-    # AdamW hides most of a constant factor: the loss and the mean within a correct run's bounds
+    first = {name: runs[name]["norms"][0][0] / clip["norms"][0] for name in MISTAKES}
+    assert not norm.allows(first["replicated counted tp times"] - 1, 1)
+    assert norm.allows(first["dp averaged twice with ZeRO"] - 0.5, 0.5)  # exactly 1/dp
+    assert not norm.allows(first["clip before ZeRO's reduce-scatter"] - 1, 1)
+    # the clip and AdamW hide a constant factor: the loss and the mean within a correct run's bounds
     twice = runs["dp averaged twice with ZeRO"]
-    tolerance.loss().assert_losses(twice["losses"], plain["losses"])
-    assert divergence(twice, plain)[2] < adamw.mean_atol
+    tolerance.loss().assert_losses(twice["losses"], clip["losses"])
+    assert divergence(twice, clip)[2] < adamw.mean_atol
     # SGD moves each weight by lr times its gradient: even the mean beyond any one weight's bound
     one_sgd = one_process(STEPS, opt_class=sgd)
     assert divergence(runs["ZeRO, SGD"], one_sgd)[2] > tolerance.sgd_weights(STEPS, cells["LR"], n=4).atol
@@ -107,11 +126,23 @@ def test_gpt3_175b_readings():
     assert zero1.model_states.model_states == pytest.approx((6 + 12 / 32) * plain.params_per_gpu, rel=1e-6)
     assert not plain.fits(80e9) and zero1.fits(80e9)
     assert plain.bubble == 3 / 51  # (p - 1) / (m + p - 1): the same division
-    megatron = ParallelConfig(dp=8, tp=8, pp=16, sequence_parallel=True, microbatches=192, precision="fp16")
-    meg = estimate(gpt3, megatron, micro_batch=1, global_batch=1536, precision=Precision.mixed_adam())
-    assert meg.fits(80e9) and meg.bubble == 15 / 207
-    assert meg.model_states.model_states == 16 * meg.params_per_gpu
+    megatron = ParallelConfig(dp=8, tp=8, pp=16, sequence_parallel=False, microbatches=192, precision="fp16")
+    meg = estimate(gpt3, megatron, micro_batch=1, global_batch=1536,
+                   precision=Precision(param=2, grad=2, optimizer=16))
+    gib = 80 * 2**30  # an "80 GB" GPU
+    assert meg.fits(gib) and not meg.fits(80e9) and meg.bubble == 15 / 207
+    assert meg.model_states.model_states == 20 * meg.params_per_gpu
+    assert round(meg.activations / 2**30) == 52 and gib - meg.total_bytes < 2**31
     assert 1024 // 8 == 128 and article.tp * article.pp == 32
+    ns = _namespace("setup", "gpt3-table", "gpt3-facts", "gpt3-links", "megatron", "megatron-facts")
+    assert ns["MEGATRON_FACTS"]["memory_gib"] == meg.total_bytes / 2**30 and ns["MEGATRON_FACTS"]["fits"]
+    assert "sequence-parallel" in _markdown("c43") and "20 bytes" in _markdown("c43")
+    assert 0.09 < ns["shares"]["dp"] < 0.11 and ns["shares"]["pp"] < 0.002  # not "a few percent"
+
+
+def _markdown(cell_id):
+    from notebook_cells import source
+    return " ".join(source(NOTEBOOK, cell_id).split())
 
 
 def test_notebook_keeps_its_exercises_last_and_no_outputs():
