@@ -37,4 +37,4 @@ def test_zero3_ways():
 def test_zero3_by_blocks_refuses_weight_decay_and_names_the_way_out():
     way = WholeModelShards(fsdp=None, dp_cp=4)
     with pytest.raises(ValueError, match=r"weight_decay=0.1 with zero_stage=3 \(dp\*cp=4\).*zero_stage 1 or 2"):
-        way.make_optimizer([{"params": [], "weight_decay": 0.1}, {"params": [], "weight_decay": 0.0}], object)
+        way.make_optimizer([{"params": [], "weight_decay": 0.0}], object, 0.1)  # flat shards: 1-dim, no matrix

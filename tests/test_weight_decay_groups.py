@@ -24,6 +24,7 @@ import torch
 from reference.model import GPT, GPTConfig
 from reference.runtime import launch
 from reference.tolerance import adamw_weights, exact
+from reference.train.single import accumulated_step
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,9 +47,7 @@ def _single_process():
     opt = make_optimizer(model, LR, weight_decay=WD, betas=BETAS, eps=EPS)
     assert [g["weight_decay"] for g in opt.param_groups] == [WD, 0.0]
     for x, y in _batches():
-        opt.zero_grad(set_to_none=True)
-        model(x, y)[1].backward()
-        opt.step()
+        accumulated_step(model, opt, x, y)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

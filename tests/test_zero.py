@@ -19,6 +19,7 @@ from reference.runtime import launch
 from reference.tolerance import adamw_weights, sgd_weights
 from reference.zero import FSDP, ZeroOptimizer
 from reference.zero.shard import FlatLayout
+from reference.train.single import accumulated_step
 
 BATCH, STEPS, SEED = 8, 3, 0
 # Tolerances: the course's policy (reference.tolerance says why). After STEPS AdamW steps,
@@ -74,10 +75,7 @@ def _single_process(name, opt="adamw"):
     optim = (torch.optim.AdamW(trainable, lr=LR) if opt == "adamw"
              else torch.optim.SGD(trainable, lr=SGD_LR, momentum=0.9))
     for step in range(STEPS):
-        _, loss = model(*_batch(step))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
+        accumulated_step(model, optim, *_batch(step))
     return _params(model)
 
 

@@ -29,6 +29,7 @@ from reference.runtime import launch
 from reference.zero import ZeroOptimizer
 from reference.tolerance import adamw_weights, sgd_weights
 from reference.zero.shard import FlatLayout
+from reference.train.single import accumulated_step
 
 WIDTH, LAYERS = 64, 8
 LAYER = WIDTH * WIDTH + WIDTH                  # numbers per Linear layer: 4160
@@ -137,10 +138,7 @@ def _one_process():
     model = GPT.from_config_seed(CONFIG, 0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for step in range(STEPS):
-        _, loss = model(*_batch(step))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        accumulated_step(model, opt, *_batch(step))
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 

@@ -5,7 +5,8 @@
 `train_step`, `full_state_dict` and `generate` ask this object, and never which ZeRO stage
 runs. Each way answers the same questions:
 
-    make_optimizer(params, cls, **kw)    the optimizer of this rank's parameters
+    make_optimizer(params, cls, decay, **kw)  the optimizer of this rank's parameters (or
+                                         groups; ``decay``: the weight decay asked for)
     forward_backward(pm, run)            the step's forward and backward (`run.pipeline(hook)`
                                          runs its schedule), with what must happen around
                                          it: parameters gathered, or per block; returns the
@@ -66,7 +67,7 @@ def sum_sequence_parallel_grads(pm) -> None:
 class Replicas:
     """Every replica holds every weight of its slice; gradients averaged after the backward."""
 
-    def make_optimizer(self, params, optimizer_class, **kwargs):
+    def make_optimizer(self, params, optimizer_class, decay=None, **kwargs):
         return optimizer_class(params, **kwargs)
 
     def forward_backward(self, pm, run):
@@ -122,7 +123,7 @@ class OptimizerShards(Replicas):
     def __init__(self, group):
         self.group = group
 
-    def make_optimizer(self, params, optimizer_class, **kwargs):
+    def make_optimizer(self, params, optimizer_class, decay=None, **kwargs):
         return ZeroOptimizer(params, optimizer_class, stage=self.stage, group=self.group, **kwargs)
 
     def reduce_gradients(self, pm, optimizer) -> None:
@@ -176,8 +177,7 @@ class WholeModelShards(Replicas):
     def __init__(self, fsdp, dp_cp: int):
         self.fsdp, self.dp_cp = fsdp, dp_cp
 
-    def make_optimizer(self, params, optimizer_class, **kwargs):
-        decay = max((g.get("weight_decay", 0.0) for g in params if isinstance(g, dict)), default=0.0)
+    def make_optimizer(self, params, optimizer_class, decay=None, **kwargs):
         if decay:
             raise ValueError(f"weight_decay={decay} with zero_stage=3 (dp*cp={self.dp_cp}) is not "
                              f"supported: FSDP's flat shards mix matrices (decayed) with biases and "

@@ -141,7 +141,7 @@ class ParallelGPT:
                       [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
                        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}])
             params = [g for g in params if g["params"]]  # torch refuses an empty group
-        return self.data_parallel.make_optimizer(params, optimizer_class, **kwargs)
+        return self.data_parallel.make_optimizer(params, optimizer_class, weight_decay, **kwargs)
 
 
 def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: int = 0) -> ParallelGPT:
