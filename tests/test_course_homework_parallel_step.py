@@ -18,13 +18,15 @@ import torch
 from reference.course.homework import parallel_step
 from reference.course.homework.parallel_step import (FINISH_STEP, _tp_dim, expect_finish_step,
                                                      make_finish_cases)
-from reference.course.homework.scoring import score_exercise
+from reference.course.homework import HOMEWORK
+from reference.course.homework.scoring import ExerciseScore, score_exercise
 from reference.tolerance import forward, loss as loss_tolerance
 from solution_cells import solution_function
 
 TIMEOUT = 60  # s per launch; a 4-rank launch takes a few seconds on a loaded 2-core machine
 pytestmark = pytest.mark.timeout(300)
-ON_FOUR = dataclasses.replace(FINISH_STEP, world_sizes=(4,))
+# The homework's spec (its WRONG_KEEPS applied, as the grader grades it), on 4 ranks
+ON_FOUR = dataclasses.replace({s.id: s for s in HOMEWORK["06_3d_parallel"]}["finish_step"], world_sizes=(4,))
 
 
 def _student(*edits) -> bytes:
@@ -141,6 +143,41 @@ def test_each_clinic_mistake_loses_the_cases_that_show_it(mistake):
     score = score_exercise(ON_FOUR, _student(*edits), seed=11, timeout=TIMEOUT)
     assert 0 < score.points < score.max, (mistake, score.failures)
     assert all(symptom in f for f in score.failures), (mistake, score.failures)
+    assert score.weighted() <= score.weight / 2, score.as_dict()  # wrong: at least half lost
+
+
+# Plausible wrong answers beyond the clinic's, one line each: each fails only the cases that
+# can show it (a norm summed over dp: those with dp > 1), and still loses half the exercise.
+WRONG = {
+    "norm summed over the dp replicas too": [("    dist.all_reduce(total, group=pp_group)\n",
+                                              "    dist.all_reduce(total, group=pp_group)\n"
+                                              "    dist.all_reduce(total, group=dp_group)\n")],
+    "SP-partial tensors counted tp times": [('        if layout[name]["tp"] != "split" and not first_tp:',
+                                             '        if layout[name]["tp"] == "replicated" and not first_tp:')],
+    "clip coefficient not capped at 1": [("        coef = min(1.0, max_norm / (norm + 1e-6))",
+                                          "        coef = max_norm / (norm + 1e-6)")],
+    "tied embedding counted on both stages": [('        if layout[name]["tied"] and not first_stage:\n'
+                                               '            continue\n', "")],
+    "loss not averaged over dp": [("    mean_loss = value.item() / dp", "    mean_loss = value.item()")],
+}
+
+
+@pytest.mark.parametrize("mistake", list(WRONG))
+def test_a_plausible_wrong_answer_loses_at_least_half(mistake):
+    score = score_exercise(ON_FOUR, _student(*WRONG[mistake]), seed=11, timeout=TIMEOUT)
+    assert 0 < score.max - score.points, (mistake, score.failures)
+    assert score.weighted() <= score.weight / 2, (mistake, score.as_dict())
+
+
+def test_homeworks_03_and_06_keep_at_most_half_for_any_failed_case():
+    """An answer that fails one case of seven keeps half of the weight, not six sevenths; a
+    right answer keeps all of it; the other homeworks keep the share of their cases passed."""
+    for hw in ("03_tensor_parallel", "06_3d_parallel"):
+        assert all(spec.wrong_keeps == 0.5 for spec in HOMEWORK[hw]), hw
+    assert ExerciseScore("x", points=6, max=7, weight=6, wrong_keeps=0.5).weighted() == 3
+    assert ExerciseScore("x", points=2, max=7, weight=6, wrong_keeps=0.5).weighted() == 1.71
+    assert ExerciseScore("x", points=7, max=7, weight=6, wrong_keeps=0.5).weighted() == 6
+    assert ExerciseScore("x", points=6, max=7, weight=6).weighted() == 5.14
 
 
 def test_replacing_a_gradient_tensor_is_refused():

@@ -12,7 +12,7 @@ import cloudpickle
 import pytest
 
 from reference.course.checks.tensor_parallel import run_dense_check
-from reference.course.homework import score_exercise
+from reference.course.homework import HOMEWORK, score_exercise
 from reference.course.homework.tensor_parallel import CROSS_ENTROPY, MLP, course_versions_refused
 from reference.tensor_parallel.comms import _CopyToRegion
 
@@ -167,6 +167,7 @@ def _student(name):
 
 
 def _score(spec, name, world_sizes=None):
+    spec = {s.id: s for s in HOMEWORK["03_tensor_parallel"]}[spec.id]  # as graded: WRONG_KEEPS
     if world_sizes:
         spec = dataclasses.replace(spec, world_sizes=world_sizes)
     return score_exercise(spec, _student(name), seed=11, timeout=CHECK_TIMEOUT)
@@ -206,6 +207,9 @@ def test_padding_and_overflow_mistakes_lose_exactly_their_cases():
     assert all("scale 100" in line and "wrong loss" in line for line in no_shift.failures)
     summed = _score(CROSS_ENTROPY, "ce_sum_not_mean", world_sizes=(2,))
     assert summed.points == 1 and "N=1" not in " ".join(summed.failures)  # one token: sum = mean
+    # each wrong in principle, each keeps at most half (the max-shift alone fails 2 cases of 10)
+    for wrong in (no_mask, no_shift, summed):
+        assert 0 < wrong.weighted() <= wrong.weight / 2, wrong.as_dict()
 
 
 def test_the_lecture_loss_loses_the_ignored_tokens_and_bfloat16_cases():
@@ -215,6 +219,7 @@ def test_the_lecture_loss_loses_the_ignored_tokens_and_bfloat16_cases():
                     "N=7, V=7 (bfloat16 logits of scale 10, 2 tokens ignored)"}, lecture.failures
     assert any("the mean is over the" in line for line in lecture.failures)
     assert any("float32" in line for line in lecture.failures)
+    assert lecture.weighted() <= lecture.weight / 2, lecture.as_dict()
 
 
 def test_gathering_the_logits_is_refused_whichever_collective_does_it():

@@ -3,8 +3,10 @@
 A homework id is the notebook's file stem ("00_collectives"). Its exercise ids are
 the `metadata.course.exercise` ids of the solution's answer cells, which are also
 the names of the functions the grader takes from the executed notebook. Each
-homework is one module of this package that defines HOMEWORK_ID and EXERCISES;
-it is found by name, so adding a homework edits no shared file.
+homework is one module of this package that defines HOMEWORK_ID and EXERCISES (and
+optionally WRONG_KEEPS, the share of an exercise's points an answer failing any of its cases
+keeps at most, `ExerciseSpec.wrong_keeps`); it is found by name, so adding a homework edits
+no shared file.
 
 Shared by every homework: `scoring` (run a submission's function on fresh ranks and
 judge it), `guard` (the collectives an exercise must build are switched off and the
@@ -14,6 +16,7 @@ questions answered by a number, graded exactly).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 
@@ -35,7 +38,9 @@ def _discover() -> dict[str, tuple[ExerciseSpec, ...]]:
         if homework_id is not None:
             if homework_id in found:
                 raise RuntimeError(f"two homework modules claim the id {homework_id!r}")
-            found[homework_id] = tuple(module.EXERCISES)
+            keeps = getattr(module, "WRONG_KEEPS", None)
+            found[homework_id] = tuple(module.EXERCISES if keeps is None else (
+                dataclasses.replace(spec, wrong_keeps=keeps) for spec in module.EXERCISES))
     return found
 
 

@@ -169,5 +169,9 @@ from reference.course.homework.parallel_recompute import RECOMPUTE  # noqa: E402
 # FSDP inside tensor parallelism: the rows a rank holds.
 from reference.course.homework.parallel_fsdp import FSDP_TP_PIECES  # noqa: E402
 
+# An answer wrong in principle fails only the cases that can show it (a norm summed over
+# the dp replicas: those with dp > 1; a clip not capped at 1: those where it does not act):
+# failing any case keeps at most half of the exercise.
+WRONG_KEEPS = 0.5
 EXERCISES = (MESH_GROUPS, PARAMETERS_PER_RANK, GLOBAL_GRAD_NORM, RESHARD_PLAN, FINISH_STEP,
              RECOMPUTE, FSDP_TP_PIECES, STEP_BYTES_3D)

@@ -27,7 +27,9 @@ One launch per world size runs every case of the exercise. When it fails:
 An exercise is worth `weight(spec)` points, set by its difficulty (`WEIGHTS`: easy 2,
 medium 4, hard 6) unless the spec names its own (a warm-up close to the lecture: 1);
 its cases share that weight equally, so the score is weight x passed / cases, and each
-failed case carries a one-line reason. A `bonus` exercise adds its points to the total
+failed case carries a one-line reason. A homework may set `wrong_keeps` (its module's
+WRONG_KEEPS): an answer that fails any case keeps at most that share of the weight, so that an
+answer wrong in principle, which most cases cannot show, still loses half (0.5). A `bonus` exercise adds its points to the total
 but not to the maximum.
 """
 from __future__ import annotations
@@ -97,6 +99,7 @@ class ExerciseSpec:
     banned: tuple = ()
     weight: float | None = None
     bonus: bool = False
+    wrong_keeps: float = 1.0  # the share an answer failing any case keeps at most
 
 
 def weight(spec: ExerciseSpec) -> float:
@@ -125,10 +128,15 @@ class ExerciseScore:
     failures: list = field(default_factory=list)  # one line per failed case
     weight: float = 1.0
     bonus: bool = False
+    wrong_keeps: float = 1.0
 
     def weighted(self) -> float:
-        """The exercise's points: its weight times the share of its cases passed."""
-        return _number(self.weight * self.points / self.max) if self.max else 0
+        """The exercise's points: its weight times the share of its cases passed, at most
+        `wrong_keeps` of it when any case failed."""
+        if not self.max:
+            return 0
+        share = self.points / self.max
+        return _number(self.weight * (share if share == 1 else min(share, self.wrong_keeps)))
 
     def as_dict(self) -> dict:
         return {"id": self.id, "points": self.weighted(), "max": _number(self.weight),
@@ -259,7 +267,7 @@ def score_exercise(spec: ExerciseSpec, fn_bytes: bytes | None, seed: int, timeou
     return ExerciseScore(id=spec.id, points=total - len(lost), max=total,
                          reason=summarize(lost, total),
                          failures=[f"{ws} ranks, {name}: {why}" for ws, name, why in lost],
-                         weight=weight(spec), bonus=spec.bonus)
+                         weight=weight(spec), bonus=spec.bonus, wrong_keeps=spec.wrong_keeps)
 
 
 def summarize(lost: list, total: int, limit: int = 300) -> str:
