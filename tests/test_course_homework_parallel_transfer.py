@@ -140,6 +140,24 @@ def test_visible_checks_print_pass_and_fail(capsys):
     assert "FAIL step_bytes_3d" in out and "whole number" in out
 
 
+def test_the_numeric_question_check_asserts_the_text_worked_values(capsys):
+    """The visible check of step_bytes_3d asserts the two values the question's text gives
+    (5,712 and 6,192 bytes): an int of the right type but the wrong value fails it, as does
+    an answer right on one stage only; the solution's function passes."""
+    from reference.course.checks.parallel import WORKED_STEP_BYTES_3D, check_step_bytes_3d
+
+    assert [want for _, want in WORKED_STEP_BYTES_3D] == [5712, 6192]
+    assert [step_bytes_3d_formula(**ex) for ex, _ in WORKED_STEP_BYTES_3D] == [5712, 6192]
+    for wrong in (lambda **kw: 5713, lambda **kw: 5712, lambda **kw: 0):
+        capsys.readouterr()
+        assert check_step_bytes_3d(wrong) is False
+        assert "FAIL step_bytes_3d" in capsys.readouterr().out
+    from solution_cells import solution_function  # the solution notebook's own answer
+
+    check_step_bytes_3d(solution_function("06_3d_parallel", "step_bytes_3d"))
+    assert "PASS step_bytes_3d" in capsys.readouterr().out
+
+
 def test_the_hints_name_symptoms_not_the_answer():
     from reference.course.checks.parallel import _HINTS
 

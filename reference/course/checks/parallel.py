@@ -6,7 +6,7 @@
     check_reshard_plan(reshard_plan)
     check_finish_step(finish_step)                   # on 4 ranks, against one process
     check_recompute(recompute)                       # one process, against fn called directly
-    check_step_bytes_3d(step_bytes_3d)               # the kind of number, never its value
+    check_step_bytes_3d(step_bytes_3d)               # the text's worked values
 
 The pure functions (mesh_groups, parameters_per_rank, reshard_plan) run on one rank,
 global_grad_norm on 2 and 4 ranks, each on the same kinds of cases as the hidden checks
@@ -17,7 +17,7 @@ runs in one process against the same functions called directly from the same see
 from __future__ import annotations
 
 from reference.course.checks.runner import NOT_IMPLEMENTED, public_cases, run_cases, run_visible
-from reference.course.checks.questions import check_question
+from reference.course.homework.refuse import refusal_for
 from reference.course.homework.parallel import MESH_GROUPS, PARAMETERS_PER_RANK
 from reference.course.homework.parallel_extra import GLOBAL_GRAD_NORM, RESHARD_PLAN, STEP_BYTES_3D
 from reference.course.homework.parallel_recompute import RECOMPUTE
@@ -30,9 +30,13 @@ __all__ = ["check_mesh_groups", "check_parameters_per_rank", "check_global_grad_
 # Hints name the symptom and the part of a lecture to reread; they never give the answer.
 _LAYOUT = "notebook 06, 'Step 1 · The mesh and its groups'"
 _MEMORY = "notebook 06, 'Memory per rank, measured against the calculator'"
-_CLINIC = "notebook 06, 'The composition clinic: six mistakes, six symptoms'"
+_CLINIC = "notebook 06, 'The composition clinic: seven mistakes, seven symptoms'"
 _HINTS = {
     "not implemented": NOT_IMPLEMENTED,
+    "the text's worked example": ("your bytes differ from the worked example's: count each dimension "
+                                  "alone (tp per layer and micro-batch, pp per micro-batch and neighbour, "
+                                  "dp once, in ceil(m / dp) chunks) and reread notebook 00's ring formulas"),
+    "whole number": "the answer is a count of bytes: keep it an int (// and ceil, not /)",
     "not a dict": "return a dict from each dimension's name ('tp', 'dp', ...) to its groups",
     "tp groups": f"the tp groups differ from the mesh's: which coordinate varies fastest? Reread {_LAYOUT}",
     "dp groups": f"the dp groups differ from the mesh's: how far apart are two dp neighbours? Reread {_LAYOUT}",
@@ -65,6 +69,10 @@ _HINTS = {
 # finish_step's own: its messages say "loss", "norm" and "differs", with the ratio.
 _STEP_HINTS = {
     "not implemented": NOT_IMPLEMENTED,
+    "the text's worked example": ("your bytes differ from the worked example's: count each dimension "
+                                  "alone (tp per layer and micro-batch, pp per micro-batch and neighbour, "
+                                  "dp once, in ceil(m / dp) chunks) and reread notebook 00's ring formulas"),
+    "whole number": "the answer is a count of bytes: keep it an int (// and ceil, not /)",
     "not allowed": "a collective other than dist.all_reduce and dist.broadcast was called",
     "(partial) differs": ("a gradient marked partial differs from one process's by the ratio shown: "
                           "one process's gradient covers every token of the sequence; what does "
@@ -90,6 +98,10 @@ _STEP_HINTS = {
 _CHECKPOINTING = "notebook 04, 'Activation checkpointing'"
 _RECOMPUTE_HINTS = {
     "not implemented": NOT_IMPLEMENTED,
+    "the text's worked example": ("your bytes differ from the worked example's: count each dimension "
+                                  "alone (tp per layer and micro-batch, pp per micro-batch and neighbour, "
+                                  "dp once, in ceil(m / dp) chunks) and reread notebook 00's ring formulas"),
+    "whole number": "the answer is a count of bytes: keep it an int (// and ceil, not /)",
     "not allowed": "one process, no collective: nothing here needs torch.distributed",
     "not a tensor": "return what fn returns: one tensor",
     "shape": "return what fn returns: a tensor of fn's output shape",
@@ -178,8 +190,24 @@ def check_fsdp_tp_pieces(fn, skip: bool = False) -> None:
     _check(FSDP_TP_PIECES, fn, "every rank's rows equal those its shard holds", skip)
 
 
-def check_step_bytes_3d(fn, skip: bool = False) -> None:
-    """Visible check of the written question step_bytes_3d: an int comes back."""
-    check_question(STEP_BYTES_3D, fn, {"n_params": 124_439_808, "n_layer": 12, "b": 4, "s": 1024,
-                                       "h": 768, "microbatches": 8, "dp": 4, "tp": 2, "pp": 2,
-                                       "pp_rank": 0, "bytes_per_element": 2}, "int", skip)
+# The text's worked values (the method check it publishes): the last and the middle stage
+_WORKED_3D = dict(n_params=1200, n_layer=6, b=1, s=4, h=6, microbatches=5, dp=7, tp=2, pp=3,
+                  bytes_per_element=4)
+WORKED_STEP_BYTES_3D = ((dict(_WORKED_3D, pp_rank=2), 5712), (dict(_WORKED_3D, pp_rank=1), 6192))
+
+
+def check_step_bytes_3d(fn, skip: bool = False) -> bool | None:
+    """Visible check of the written question step_bytes_3d: the worked values its text gives
+    (5,712 bytes on the last stage, 6,192 on the middle one); other values are the grader's."""
+    def attempt() -> str:
+        for example, want in WORKED_STEP_BYTES_3D:
+            out = refusal_for(STEP_BYTES_3D).run(STEP_BYTES_3D.call, fn, dict(example))
+            if out["type"] != "int":
+                return f"returned {out['value']!r} for the text's worked example; the answer is a whole number (an int)"
+            if out["value"] != want:
+                return (f"the text's worked example, stage {example['pp_rank']} of pp {example['pp']}: "
+                        f"{out['value']:,} bytes, the text gives {want:,}")
+        return ""
+
+    return run_visible(STEP_BYTES_3D, fn, attempt, "gives the text's worked values, 5,712 and 6,192 bytes "
+                "(the hidden checks grade other values)", _HINTS, skip)
