@@ -227,11 +227,11 @@ def test_visible_checks_print_pass_and_fail(capsys):
     check_diagnose(_diagnose(comm_first=True))
     check_powersgd_all_reduce(_powersgd(whole=True))
     check_mfu(lambda **kw: "31 %")   # a string is not a number
-    check_mfu(lambda **kw: 0.31)     # a number of the right kind (its value is never told)
+    check_mfu(lambda **kw: 0.31)     # a number of the right kind, not the text's worked value
     out = capsys.readouterr().out
     assert "PASS step_breakdown" in out
     assert "FAIL step_breakdown" in out and "merge the compute intervals" in out
     assert "FAIL diagnose" in out and "compare the ranks' compute first" in out
     assert "FAIL powersgd_all_reduce" in out and "never the whole gradient" in out
     assert "FAIL mfu: returned a str, not a number" in out
-    assert "PASS mfu" in out
+    assert "FAIL mfu: gives 0.31 on the text's worked example" in out and "0.4674" in out

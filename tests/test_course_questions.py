@@ -39,7 +39,7 @@ def test_judge_number_rules():
     assert judge_number(float("nan"), 0.3, "real") != ""
 
 
-def test_visible_question_check_says_kind_never_rightness(capsys):
+def test_visible_question_check_without_worked_values_says_kind(capsys):
     from reference.course.checks.questions import check_question
     example = {"n_elements": 10, "world_size": 4, "bytes_per_element": 4}
     assert check_question(SPEC, _ring_bytes, example) is True

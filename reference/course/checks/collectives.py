@@ -4,7 +4,7 @@
     check_ring_all_gather(ring_all_gather)
     check_tree_all_reduce(tree_all_reduce)                      # on 3 and 4 ranks
     check_recursive_doubling_all_reduce(recursive_doubling_all_reduce)
-    check_ring_doubling_crossover(ring_doubling_crossover)      # the kind of number only
+    check_ring_doubling_crossover(ring_doubling_crossover)      # the text's worked value, then the kind
 
 A check runs your function on a few ranks with `reference.runtime.launch`, on
 inputs of shapes that do and do not divide by the number of ranks, compares each
@@ -24,7 +24,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from reference.course.checks.questions import check_question
+from reference.course.checks.questions import Worked, check_question
 from reference.course.homework.collectives import ALL_GATHER, ALL_REDUCE, CROSSOVER, DOUBLING, TREE
 from reference.course.homework.guard import exercise_rules
 from reference.course.homework.refuse import refusal_for
@@ -144,6 +144,8 @@ def check_recursive_doubling_all_reduce(fn, world_sizes=(3, 4), timeout: float =
               algorithm="recursive doubling")
 
 
-def check_ring_doubling_crossover(fn, skip: bool = False) -> None:
-    """Visible check of the written question ring_doubling_crossover: a finite number comes back."""
-    check_question(CROSSOVER, fn, {"world_size": 8, "alpha": 5e-6, "beta": 1 / 50e9}, "real", skip)
+def check_ring_doubling_crossover(fn, skip: bool = False) -> bool | None:
+    """Visible check of the written question ring_doubling_crossover: the text's worked value
+    (4 ranks, alpha 10 us, beta 1 ns a byte: 80,000 bytes), then a finite number."""
+    return check_question(CROSSOVER, fn, {"world_size": 8, "alpha": 5e-6, "beta": 1 / 50e9}, "real", skip,
+                   worked=(Worked({"world_size": 4, "alpha": 1e-5, "beta": 1e-9}, 80_000.0),))

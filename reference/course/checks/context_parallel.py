@@ -3,7 +3,7 @@
     check_merge_attention_blocks(merge_attention_blocks)   # one PASS or FAIL line, with a hint
     check_zigzag_mask(zigzag_mask)
     check_causal_ring_attention(causal_ring_attention)     # on 2 and 3 ranks
-    check_ring_forward_bytes(ring_forward_bytes)           # the kind of number, never its value
+    check_ring_forward_bytes(ring_forward_bytes)           # the text's worked values, then the kind
 
 The merge and the mask run on one rank, the ring on 2 and 3 ranks with every collective
 switched off and its messages recorded, each on the same kinds of cases as the hidden
@@ -12,7 +12,7 @@ the zig-zag layout and causal attention over the whole sequence.
 """
 from __future__ import annotations
 
-from reference.course.checks.questions import check_question
+from reference.course.checks.questions import Worked, check_question
 from reference.course.checks.runner import NOT_IMPLEMENTED, public_cases, run_cases, run_visible
 from reference.course.homework.context_parallel import (
     CAUSAL_RING_ATTENTION, MERGE_ATTENTION_BLOCKS, RING_FORWARD_BYTES, ZIGZAG_MASK,
@@ -84,8 +84,12 @@ def check_causal_ring_attention(fn, world_sizes=(2, 3), skip: bool = False) -> N
            f"block at a time", skip)
 
 
-def check_ring_forward_bytes(fn, skip: bool = False) -> None:
-    """Visible check of the written question ring_forward_bytes: an int comes back."""
-    check_question(RING_FORWARD_BYTES, fn, {"B": 1, "T": 131_072, "n_heads": 64, "n_kv_heads": 8,
+def check_ring_forward_bytes(fn, skip: bool = False) -> bool | None:
+    """Visible check of the written question ring_forward_bytes: the text's worked value
+    (B = 1, T = 64, 8 query heads sharing 2 of width 16, cp = 4, 2 bytes: 6,144 bytes), then
+    an int."""
+    return check_question(RING_FORWARD_BYTES, fn, {"B": 1, "T": 131_072, "n_heads": 64, "n_kv_heads": 8,
                                             "head_dim": 128, "cp": 8, "bytes_per_element": 2},
-                   "int", skip)
+                   "int", skip,
+                   worked=(Worked({"B": 1, "T": 64, "n_heads": 8, "n_kv_heads": 2, "head_dim": 16,
+                                   "cp": 4, "bytes_per_element": 2}, 6_144),))

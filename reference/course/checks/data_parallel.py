@@ -4,7 +4,7 @@
     check_bucketed_all_reduce(bucketed_all_reduce)
     check_accumulate_gradients(accumulate_gradients)  # on 3 ranks
     check_int8_all_reduce(int8_all_reduce)            # on 3 ranks
-    check_ddp_bytes_per_step(ddp_bytes_per_step)      # the kind of number, never its value
+    check_ddp_bytes_per_step(ddp_bytes_per_step)      # the text's worked values, then the kind
 
 Each check runs your function on 2 ranks (3 for accumulation and int8: uneven) with
 `reference.runtime.launch`, on a small MLP and a different batch per rank, and compares
@@ -19,7 +19,7 @@ is passed and the check does nothing.
 """
 from __future__ import annotations
 
-from reference.course.checks.questions import check_question
+from reference.course.checks.questions import Worked, check_question
 from reference.course.checks.runner import NOT_IMPLEMENTED, public_cases, run_cases, run_visible
 from reference.course.homework.data_parallel import (
     ACCUMULATE, AVERAGE_GRADIENTS, BUCKETED, DDP_BYTES, INT8,
@@ -125,7 +125,11 @@ def check_int8_all_reduce(fn, world_sizes=(3,), timeout: float = 60.0, skip: boo
                     world_sizes, timeout, skip)
 
 
-def check_ddp_bytes_per_step(fn, skip: bool = False) -> None:
-    """Visible check of the written question ddp_bytes_per_step: an int comes back."""
-    check_question(DDP_BYTES, fn, {"n_params": 124_439_808, "world_size": 8, "bytes_per_element": 4,
-                                   "accumulation_steps": 4, "no_sync": True}, "int", skip)
+def check_ddp_bytes_per_step(fn, skip: bool = False) -> bool | None:
+    """Visible check of the written question ddp_bytes_per_step: the text's worked values
+    (1,000 2-byte parameters on 3 ranks, 4 micro-batches: 2,672 and 10,688 bytes), then an int."""
+    small = {"n_params": 1_000, "world_size": 3, "bytes_per_element": 2, "accumulation_steps": 4}
+    return check_question(DDP_BYTES, fn, {"n_params": 124_439_808, "world_size": 8, "bytes_per_element": 4,
+                                   "accumulation_steps": 4, "no_sync": True}, "int", skip,
+                   worked=(Worked({**small, "no_sync": True}, 2_672),
+                           Worked({**small, "no_sync": False}, 10_688)))

@@ -4,7 +4,7 @@
     check_dispatch_combine(dispatch_combine)    # on 2 and 3 ranks
     check_dispatch_combine_dedup(dispatch_combine_dedup)   # on 2 and 3 ranks, bytes too
     check_global_balance_loss(global_balance_loss)         # on 2 and 3 ranks, gradient too
-    check_dedup_all_to_all_bytes(dedup_all_to_all_bytes)   # the kind of number, never its value
+    check_dedup_all_to_all_bytes(dedup_all_to_all_bytes)   # the text's worked values, then the kind
 
 Each check builds cases of the same kinds as the hidden checks, from a fixed public
 seed (the grader uses its own, private one), runs your function in fresh ranks
@@ -18,7 +18,7 @@ passed and the check does nothing.
 """
 from __future__ import annotations
 
-from reference.course.checks.questions import check_question
+from reference.course.checks.questions import Worked, check_question
 from reference.course.checks.runner import NOT_IMPLEMENTED, public_cases, run_cases, run_visible
 from reference.course.homework.expert_balance import GLOBAL_BALANCE_LOSS
 from reference.course.homework.expert_dedup import DEDUP_ALL_TO_ALL_BYTES, DISPATCH_COMBINE_DEDUP
@@ -132,8 +132,11 @@ def check_global_balance_loss(fn, world_sizes=(2, 3), timeout: float = 30.0,
                    timeout=timeout, skip=skip, hints=_BALANCE_HINTS)
 
 
-def check_dedup_all_to_all_bytes(fn, skip: bool = False) -> None:
-    """Visible check of the written question dedup_all_to_all_bytes: an int comes back."""
-    check_question(DEDUP_ALL_TO_ALL_BYTES, fn, {"tokens": 8192, "d_model": 7168, "k": 8, "ep": 32,
+def check_dedup_all_to_all_bytes(fn, skip: bool = False) -> bool | None:
+    """Visible check of the written question dedup_all_to_all_bytes: the text's worked value
+    (64 tokens of width 16, k = 4, ep = 4, 2 ranks a token, 2 bytes: 6,144 bytes), then an int."""
+    return check_question(DEDUP_ALL_TO_ALL_BYTES, fn, {"tokens": 8192, "d_model": 7168, "k": 8, "ep": 32,
                                                 "ranks_per_token": 4, "bytes_per_element": 2},
-                   "int", skip)
+                   "int", skip,
+                   worked=(Worked({"tokens": 64, "d_model": 16, "k": 4, "ep": 4,
+                                   "ranks_per_token": 2, "bytes_per_element": 2}, 6_144),))

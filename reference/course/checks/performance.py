@@ -3,7 +3,7 @@
     check_step_breakdown(step_breakdown)           # one PASS or FAIL line, with a hint
     check_diagnose(diagnose)
     check_powersgd_all_reduce(powersgd_all_reduce) # on 2 ranks
-    check_mfu(mfu)                                 # the kind of number, never its value
+    check_mfu(mfu)                                 # the text's worked values, then the kind
 
 The pure functions (step_breakdown, diagnose) run on one rank, powersgd_all_reduce on 2
 ranks, each on the same kinds of cases as the hidden checks drawn from a public seed:
@@ -12,7 +12,7 @@ the float64 truth and the numbers counted on the wire.
 """
 from __future__ import annotations
 
-from reference.course.checks.questions import check_question
+from reference.course.checks.questions import Worked, check_question
 from reference.course.checks.runner import NOT_IMPLEMENTED, public_cases, run_cases, run_visible
 from reference.course.homework.performance import DIAGNOSE, MFU, STEP_BREAKDOWN
 from reference.course.homework.performance_powersgd import POWERSGD
@@ -80,8 +80,12 @@ def check_powersgd_all_reduce(fn, skip: bool = False) -> None:
                                "Q went on the wire", skip)
 
 
-def check_mfu(fn, skip: bool = False) -> None:
-    """Visible check of the written question mfu: a finite number comes back."""
-    check_question(MFU, fn, {"n_params": 1_315_723_264, "n_layer": 24, "seq_len": 2048, "n_embd": 2048,
+def check_mfu(fn, skip: bool = False) -> bool | None:
+    """Visible check of the written question mfu: the text's worked value (0.4674 to four
+    digits), then a finite number."""
+    return check_question(MFU, fn, {"n_params": 1_315_723_264, "n_layer": 24, "seq_len": 2048, "n_embd": 2048,
                              "tokens_per_step": 1_048_576, "step_seconds": 1.5, "n_gpus": 64,
-                             "peak_flops": 312e12}, "real", skip)
+                             "peak_flops": 312e12}, "real", skip,
+                   worked=(Worked({"n_params": 100_000_000, "n_layer": 12, "seq_len": 1_024,
+                                   "n_embd": 768, "tokens_per_step": 524_288, "step_seconds": 1.0,
+                                   "n_gpus": 8, "peak_flops": 100e12}, 0.4674, places=4),))

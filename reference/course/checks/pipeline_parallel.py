@@ -4,7 +4,7 @@
     check_one_f_one_b_actions(one_f_one_b_actions)
     check_interleaved_actions(interleaved_actions)    # pipelines of 2 to 5, then run on 2 ranks
     check_balance_stages(balance_stages)
-    check_interleaved_peak_bytes(interleaved_peak_bytes)   # the kind of number, never its value
+    check_interleaved_peak_bytes(interleaved_peak_bytes)   # the text's worked values, then the kind
 
 Both call your function for every rank of several pipelines (m = 1, m < pp,
 m = pp, m > pp), build a `Schedule` from the lists and check it with the
@@ -32,7 +32,7 @@ import traceback
 
 import torch
 
-from reference.course.checks.questions import check_question
+from reference.course.checks.questions import Worked, check_question
 from reference.course.checks.runner import VISIBLE_SEED, run_cases, run_visible
 from reference.course.homework.pipeline_balance import BALANCE_STAGES
 from reference.course.homework.pipeline_interleaved import (
@@ -194,7 +194,10 @@ def check_balance_stages(fn, skip: bool = False) -> None:
               success="every cut fits and its slowest stage is the fastest possible")
 
 
-def check_interleaved_peak_bytes(fn, skip: bool = False) -> None:
-    """Visible check of the written question interleaved_peak_bytes: an int comes back."""
-    check_question(INTERLEAVED_PEAK_BYTES, fn, {"pp": 8, "m": 48, "v": 2, "rank": 0,
-                                                "stage_bytes": 3 * 2**30}, "int", skip)
+def check_interleaved_peak_bytes(fn, skip: bool = False) -> bool | None:
+    """Visible check of the written question interleaved_peak_bytes: the text's two worked
+    values (12 and 18 bytes), then an int."""
+    return check_question(INTERLEAVED_PEAK_BYTES, fn, {"pp": 8, "m": 48, "v": 2, "rank": 0,
+                                                "stage_bytes": 3 * 2**30}, "int", skip,
+                   worked=(Worked({"pp": 2, "m": 2, "v": 2, "rank": 1, "stage_bytes": 8}, 12),
+                           Worked({"pp": 3, "m": 2, "v": 3, "rank": 0, "stage_bytes": 9}, 18)))

@@ -4,7 +4,7 @@
     check_vocab_parallel_cross_entropy(vocab_parallel_cross_entropy)
     check_sequence_parallel_mlp(sequence_parallel_mlp)                # on 3 ranks
     check_make_tp_dropout(make_tp_dropout)                            # on 3 ranks
-    check_tp_layer_bytes(tp_layer_bytes)       # the kind of number, never its value
+    check_tp_layer_bytes(tp_layer_bytes)       # the text's worked values, then the kind
 
 The first two checks run your function on 2 and 4 ranks with
 `reference.runtime.launch`, on the same kinds of inputs as the hidden checks (uneven
@@ -17,7 +17,7 @@ check does nothing.
 """
 from __future__ import annotations
 
-from reference.course.checks.questions import check_question
+from reference.course.checks.questions import Worked, check_question
 from reference.course.checks.runner import NOT_IMPLEMENTED, public_cases, run_cases, run_visible
 from reference.course.homework.scoring import ExerciseSpec
 from reference.course.homework.tensor_parallel import CROSS_ENTROPY, MLP
@@ -152,7 +152,11 @@ def check_make_tp_dropout(fn, world_sizes=(3,), timeout: float = 60.0, skip: boo
                 "stream untouched, the same seed the same masks", _DROPOUT_HINTS, skip)
 
 
-def check_tp_layer_bytes(fn, skip: bool = False) -> None:
-    """Visible check of the written question tp_layer_bytes: an int comes back."""
-    check_question(TP_LAYER_BYTES, fn, {"b": 1, "s": 2048, "h": 12288, "tp": 8,
-                                        "bytes_per_element": 2, "mode": "sp"}, "int", skip)
+def check_tp_layer_bytes(fn, skip: bool = False) -> bool | None:
+    """Visible check of the written question tp_layer_bytes: the text's worked values (b = 2,
+    s = 8, h = 16, tp = 4, 2 bytes: 3,072, 3,360 and 4,128 bytes), then an int."""
+    small = {"b": 2, "s": 8, "h": 16, "tp": 4, "bytes_per_element": 2}
+    return check_question(TP_LAYER_BYTES, fn, {"b": 1, "s": 2048, "h": 12288, "tp": 8,
+                                        "bytes_per_element": 2, "mode": "sp"}, "int", skip,
+                   worked=tuple(Worked({**small, "mode": mode}, value) for mode, value in
+                                (("tp", 3_072), ("sp", 3_360), ("sp_regather", 4_128))))

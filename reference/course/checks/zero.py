@@ -3,7 +3,7 @@
     check_zero1_optimizer(zero1_optimizer)            # one PASS or FAIL line, with a hint
     check_clip_sharded_grad_norm_(clip_sharded_grad_norm_)
     check_fsdp_schedule(fsdp_schedule)
-    check_zero_max_params(zero_max_params)            # the kind of number, never its value
+    check_zero_max_params(zero_max_params)            # the text's worked values, then the kind
 
 zero1_optimizer runs on 2 ranks with `reference.runtime.launch`: a small MLP trained
 for 3 steps (AdamW, AdamW with weight decay, SGD with momentum, and a model of one
@@ -17,7 +17,7 @@ a fixed seed. While grading, `skip=True` is passed and the check does nothing.
 from __future__ import annotations
 
 from reference.course.checks.data_parallel import run_model_check
-from reference.course.checks.questions import check_question
+from reference.course.checks.questions import Worked, check_question
 from reference.course.checks.runner import NOT_IMPLEMENTED, public_cases, run_cases, run_visible
 from reference.course.homework.zero import ZERO1
 from reference.course.homework.zero_extra import CLIP, FSDP_SCHEDULE, ZERO_MAX_PARAMS
@@ -98,7 +98,12 @@ def check_fsdp_schedule(fn, skip: bool = False) -> None:
            "and gathers no more than needed", _SCHEDULE_HINTS, skip)
 
 
-def check_zero_max_params(fn, skip: bool = False) -> None:
-    """Visible check of the written question zero_max_params: an int comes back."""
-    check_question(ZERO_MAX_PARAMS, fn, {"memory_bytes": 80_000_000_000, "n": 8, "stage": 2,
-                                         "k": 12}, "int", skip)
+def check_zero_max_params(fn, skip: bool = False) -> bool | None:
+    """Visible check of the written question zero_max_params: the text's worked values (16 GB,
+    4 ranks, Adam: ZeRO-1 2,285,714,284 and ZeRO-3 4,000,000,000 parameters), then an int."""
+    return check_question(ZERO_MAX_PARAMS, fn, {"memory_bytes": 80_000_000_000, "n": 8, "stage": 2,
+                                         "k": 12}, "int", skip,
+                   worked=(Worked({"memory_bytes": 16_000_000_000, "n": 4, "stage": 1, "k": 12},
+                                  2_285_714_284),
+                           Worked({"memory_bytes": 16_000_000_000, "n": 4, "stage": 3, "k": 12},
+                                  4_000_000_000)))

@@ -25,8 +25,8 @@ the course's formula:
 `question(...)` turns the formula and the parameter ranges into an `ExerciseSpec`
 that the grader scores like any exercise (one rank per case, nothing communicated);
 `reference.course.checks.questions.check_question` is the visible check: it runs
-the function on the notebook's own example and says whether it returns a number of
-the right kind, never whether the number is right.
+the function on the worked examples the text publishes (their values must come out)
+and on the notebook's concrete case (a number of the right kind).
 """
 from __future__ import annotations
 
