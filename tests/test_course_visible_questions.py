@@ -13,6 +13,7 @@ QUESTIONS = [
     ("03_tensor_parallel", "tp_layer_bytes", "check_tp_layer_bytes", "int"),
     ("04_pipeline_parallel", "interleaved_peak_bytes", "check_interleaved_peak_bytes", "int"),
     ("05_expert_parallel", "dedup_all_to_all_bytes", "check_dedup_all_to_all_bytes", "int"),
+    ("06_3d_parallel", "step_bytes_3d", "check_step_bytes_3d", "int"),
     ("07_performance", "mfu", "check_mfu", "real"),
     ("08_context_parallel", "ring_forward_bytes", "check_ring_forward_bytes", "int"),
 ]
@@ -33,7 +34,7 @@ def test_visible_check_asserts_the_worked_values(stem, exercise, check, kind, ca
             return right(**kw) * 1.001
     assert check_fn(off) is False
     out = capsys.readouterr().out
-    assert f"FAIL {exercise}" in out and "the text's worked example" in out and "the text says" in out
+    assert f"FAIL {exercise}" in out and "the text's worked example" in out
 
 
 def test_a_wrong_number_on_the_concrete_case_alone_still_passes(capsys):
