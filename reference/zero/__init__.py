@@ -27,7 +27,9 @@ the parameters as well (P_os+g+p). Where each part lives:
   sharded again; gathered once per step, which composes with TP, pipelines and
   activation checkpointing (what `reference.parallel.parallelize` uses there);
   `ShardedSets` with experts: dense tensors sharded over dp, each expert over its
-  expert-data-parallel group;
+  expert-data-parallel group; its `all_gather_shards` and `reduce_scatter_grads` are the
+  collectives of every per-parameter gather and reduce-scatter, the stage's here and a
+  block's in `fsdp_reshard`;
 * `reference.zero.fsdp_reshard`: `ReshardAfterForward`, the same shards gathered per
   block and micro-batch instead (FSDP2's ``reshard_after_forward=True``: 3 m
   transfers a step for holding about one block whole; `ParallelConfig.reshard_after_forward`);

@@ -49,10 +49,11 @@ import torch.distributed as dist
 
 from reference import comms
 
-__all__ = ["ShardedParameters", "ShardedSets", "shard_rows"]
+__all__ = ["ShardedParameters", "ShardedSets", "shard_rows", "copy_rows", "all_gather_shards", "rows_of",
+           "reduce_scatter_grads"]
 
 
-def _copy_rows(blocks: torch.Tensor, full: torch.Tensor) -> None:
+def copy_rows(blocks: torch.Tensor, full: torch.Tensor) -> None:
     """Write ``full`` (d0, *rest) into ``blocks`` (N, c, *rest), zero, as rows of the padded
     (N c, *rest) tensor: block r gets rows [r c, (r + 1) c), the rows past d0 stay zero."""
     c, d0 = blocks.shape[1], full.shape[0]
@@ -60,6 +61,49 @@ def _copy_rows(blocks: torch.Tensor, full: torch.Tensor) -> None:
     blocks[:whole].copy_(full[:whole * c].view((whole, c) + tuple(full.shape[1:])))
     if whole * c < d0:
         blocks[whole, :d0 - whole * c].copy_(full[whole * c:])
+
+
+@torch.no_grad()
+def all_gather_shards(shards, n: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The collective of every per-parameter ZeRO-3 gather (the whole stage here, a block in
+    `reference.zero.fsdp_reshard`): the shards packed end to end (S,) and one all-gather.
+    Returns (the packed shards, the (N, S) result); `rows_of` reads each parameter's rows out
+    of the second. (The caller holds both until every parameter is copied out: the peak the
+    course's formulas count.)"""
+    packed = torch.cat([s.reshape(-1) for s in shards])                        # (S,)
+    out = torch.empty(n * packed.numel(), dtype=packed.dtype, device=packed.device)
+    comms.all_gather_into_tensor(out, packed, group=group)                     # (N S,)
+    return packed, out.view(n, packed.numel())                                 # (N, S)
+
+
+def rows_of(gathered: torch.Tensor, offset: int, c_shape) -> torch.Tensor:
+    """A parameter's N row blocks in the gathered (N, S) buffer, from ``offset``: the padded
+    (N c, *rest) tensor (the caller keeps its first d0 rows)."""
+    n = gathered.shape[0]
+    return gathered[:, offset:offset + c_shape.numel()].reshape((n * c_shape[0],) + tuple(c_shape[1:]))
+
+
+@torch.no_grad()
+def reduce_scatter_grads(params, c_shapes, n: int, group, mean_over: int, dtype, device):
+    """The collective of every per-parameter ZeRO-3 reduce-scatter: each whole gradient
+    copied as rows into one (N, S) buffer (block r: every tensor's rows for rank r) and
+    dropped as soon as it is copied, one reduce-scatter to (S,), divided by ``mean_over`` (gloo
+    has no AVG). Returns (this rank's (S,) mean gradient, which parameters had a gradient)."""
+    S = sum(c.numel() for c in c_shapes)
+    packed = torch.zeros(n, S, dtype=dtype, device=device)                     # (N, S)
+    offset, with_grad = 0, []
+    for p, c_shape in zip(params, c_shapes):
+        k = c_shape.numel()
+        with_grad.append(p.grad is not None)
+        if p.grad is not None:
+            copy_rows(packed[:, offset:offset + k].view((n,) + tuple(c_shape)), p.grad)
+            p.grad = None  # the whole gradient goes as soon as it is packed
+        offset += k
+    out = torch.empty(S, dtype=dtype, device=device)                           # (S,)
+    comms.reduce_scatter_tensor(out, packed.view(-1), group=group)             # (N S,) -> (S,)
+    del packed
+    out /= mean_over
+    return out, with_grad
 
 
 def shard_rows(full: torch.Tensor, rank: int, n: int) -> torch.Tensor:
@@ -122,17 +166,12 @@ class ShardedParameters:
         if self.gathered or not self.params:
             self.gathered = True
             return
-        device = self.params[0].device
-        packed = torch.cat([p.data.reshape(-1) for p in self.params])             # (S,)
-        out = torch.empty(self.n * packed.numel(), dtype=self.dtype, device=device)
-        comms.all_gather_into_tensor(out, packed, group=self.group)               # (N S,)
-        out = out.view(self.n, packed.numel())                                    # (N, S)
-        offset = 0
+        (packed, out), offset = all_gather_shards([p.data for p in self.params], self.n, self.group), 0
         for i, p in enumerate(self.params):
-            c_shape, k = self.shard_shape(i), self.shard_shape(i).numel()
-            rows = out[:, offset:offset + k].reshape((self.n * c_shape[0],) + tuple(c_shape[1:]))
-            p.data = rows[:self.shapes[i][0]].clone()                             # (d0, *rest)
-            offset += k
+            c_shape = self.shard_shape(i)
+            p.data = rows_of(out, offset, c_shape)[:self.shapes[i][0]].clone()     # (d0, *rest)
+            offset += c_shape.numel()
+        del packed, out  # the collective's buffers, held until every parameter is whole
         self.gathered = True
 
     @torch.no_grad()
@@ -145,22 +184,11 @@ class ShardedParameters:
         collective's own memory is that buffer and its (S,) output, 4 N S + 4 S bytes in fp32."""
         if not self.gathered:
             raise RuntimeError("reduce_scatter() without gather(): the parameters are shards already")
+        c_shapes = [self.shard_shape(i) for i in range(len(self.params))]
         with_grad = [p.grad is not None for p in self.params]
         if any(with_grad):
-            device = self.params[0].device
-            packed = torch.zeros(self.n, self.shard_numel, dtype=self.dtype, device=device)  # (N, S)
-            offset = 0
-            for i, p in enumerate(self.params):
-                c_shape = self.shard_shape(i)
-                k = c_shape.numel()
-                if p.grad is not None:
-                    _copy_rows(packed[:, offset:offset + k].view((self.n,) + tuple(c_shape)), p.grad)
-                    p.grad = None  # the whole gradient goes as soon as it is packed
-                offset += k
-            out = torch.empty(self.shard_numel, dtype=self.dtype, device=device)  # (S,)
-            comms.reduce_scatter_tensor(out, packed.view(-1), group=self.group)    # (N S,) -> (S,)
-            del packed
-            out /= self.mean_over  # the mean over the ranks (gloo has no AVG)
+            out, _ = reduce_scatter_grads(self.params, c_shapes, self.n, self.group, self.mean_over,
+                                          self.dtype, self.params[0].device)
         offset = 0
         for i, p in enumerate(self.params):
             c_shape, k = self.shard_shape(i), self.shard_shape(i).numel()

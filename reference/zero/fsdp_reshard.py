@@ -65,20 +65,10 @@ import math
 
 import torch
 
-from reference import comms
 from reference.model import Block
+from reference.zero.fsdp_param import all_gather_shards, reduce_scatter_grads, rows_of
 
 __all__ = ["ReshardAfterForward"]
-
-
-def _into_blocks(blocks: torch.Tensor, whole: torch.Tensor) -> None:
-    """``whole`` (d0, *rest) written into ``blocks`` (N, c, *rest), zeros, as the padded
-    (N c, *rest) tensor: block r gets rows [r c, (r + 1) c); the rows past d0 stay zero."""
-    c, d0 = blocks.shape[1], whole.shape[0]
-    full = d0 // c                                  # blocks filled entirely
-    blocks[:full].copy_(whole[:full * c].view((full, c) + tuple(whole.shape[1:])))
-    if full * c < d0:
-        blocks[full, :d0 - full * c].copy_(whole[full * c:])
 
 
 class _Unit:
@@ -115,15 +105,11 @@ class _Unit:
         if self.gathered:
             return
         self.full.untyped_storage().resize_(self.P * self.full.element_size())
-        packed = torch.cat([s.reshape(-1) for s in self.shards])                    # (S,)
-        out = torch.empty(self.n * self.S, dtype=packed.dtype, device=packed.device)
-        comms.all_gather_into_tensor(out, packed, group=self.group)                # (N S,)
-        out = out.view(self.n, self.S)                                             # (N, S)
-        offset = 0
+        (packed, out), offset = all_gather_shards(self.shards, self.n, self.group), 0  # (S,), (N, S)
         for view, c_shape, k in zip(self.views, self.c_shapes, self.k):
-            rows = out[:, offset:offset + k].reshape((self.n * c_shape[0],) + tuple(c_shape[1:]))
-            view.copy_(rows[:view.shape[0]])                                       # (d0, *rest)
+            view.copy_(rows_of(out, offset, c_shape)[:view.shape[0]])              # (d0, *rest)
             offset += k
+        del packed, out  # the collective's buffers, held until every parameter is copied out
         self.gathered = True
 
     def free(self) -> None:
@@ -136,19 +122,9 @@ class _Unit:
     def reduce_scatter(self) -> None:
         """This backward's whole gradients, averaged over the group, added into the shards'
         gradient (N, S) -> (S,); the whole gradients and parameters freed."""
-        packed = torch.zeros(self.n, self.S, dtype=self.full.dtype, device=self.full.device)
-        offset = 0
-        for i, (p, c_shape, k) in enumerate(zip(self.params, self.c_shapes, self.k)):
-            if p.grad is not None:
-                blocks = packed[:, offset:offset + k].view((self.n,) + tuple(c_shape))  # (N, c, *rest)
-                _into_blocks(blocks, p.grad)
-                self.with_grad[i] = True
-                p.grad = None                      # the whole gradient goes as soon as it is packed
-            offset += k
-        out = torch.empty(self.S, dtype=packed.dtype, device=packed.device)
-        comms.reduce_scatter_tensor(out, packed.view(-1), group=self.group)        # (N S,) -> (S,)
-        del packed
-        out /= self.mean_over
+        out, had = reduce_scatter_grads(self.params, self.c_shapes, self.n, self.group, self.mean_over,
+                                        self.full.dtype, self.full.device)
+        self.with_grad = [a or b for a, b in zip(self.with_grad, had)]
         if self.grad is None:
             self.grad = out
         else:
