@@ -20,6 +20,11 @@ from reference.runtime import launch
 from reference.tolerance import forward
 
 
+def _graded(spec):
+    """The spec as the grader has it (with the homework's WRONG_KEEPS)."""
+    return next(s for s in homework("08_context_parallel") if s.id == spec.id)
+
+
 def _score(spec, fn, seed=5):
     return score_exercise(spec, cloudpickle.dumps(fn), seed=seed, timeout=60)
 
@@ -68,13 +73,19 @@ def mask(T, cp, i, j, contiguous=False, strict=False, refuse=True):
     return pos(i)[:, None] > pos(j)[None, :] if strict else pos(i)[:, None] >= pos(j)[None, :]
 
 
-def ring(q, k, v, group, causal=True, contiguous=False, gather_all=False, to_everyone=False):
+def ring(q, k, v, group, causal=True, contiguous=False, gather_all=False, to_everyone=False,
+         group_ranks=False, send_q=False, in_place=False):
     """Causal ring attention; the flags make the usual mistakes."""
     cp, i = dist.get_world_size(group), dist.get_rank(group)
     n, scale = q.shape[-2], 1.0 / math.sqrt(q.shape[-1])
     nxt, prev = (i + 1) % cp, (i - 1) % cp
+    if not group_ranks:   # the lecture's whole-world ring sends to group ranks as global ones
+        nxt, prev = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prev)
+    if in_place:          # the scale folded into q where it lies
+        q = q.mul_(scale)
+        scale = 1.0
     out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], -math.inf, dtype=q.dtype)
-    kv, held = torch.stack([k, v]), []
+    kv, held = torch.stack([q, k, v] if send_q else [k, v]), []
     for s in range(cp):
         j = (i - s) % cp
         held.append((j, kv))
@@ -84,8 +95,9 @@ def ring(q, k, v, group, causal=True, contiguous=False, gather_all=False, to_eve
             for r in range(cp):
                 if r != i:
                     got[r] = torch.empty_like(kv)
-                    works += dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, r),
-                                                     dist.P2POp(dist.irecv, got[r], r)])
+                    peer = dist.get_global_rank(group, r)
+                    works += dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, peer),
+                                                     dist.P2POp(dist.irecv, got[r], peer)])
             for w in works:
                 w.wait()
             held += [(r, t) for r, t in got.items()]
@@ -98,18 +110,18 @@ def ring(q, k, v, group, causal=True, contiguous=False, gather_all=False, to_eve
             kv = incoming
     if gather_all:   # every rank's keys and values, then the (T/cp, T) scores at once
         held.sort(key=lambda x: x[0])
-        keys = torch.cat([t[0] for _, t in held], dim=-2)
-        values = torch.cat([t[1] for _, t in held], dim=-2)
+        keys = torch.cat([t[-2] for _, t in held], dim=-2)
+        values = torch.cat([t[-1] for _, t in held], dim=-2)
         allowed = torch.cat([mask(n * cp, cp, i, j) for j, _ in held], dim=-1)
         scores = (q @ keys.transpose(-2, -1) * scale).masked_fill(~allowed, -math.inf)
         return torch.softmax(scores, dim=-1) @ values
     for j, kv in held:
-        scores = q @ kv[0].transpose(-2, -1) * scale
+        scores = q @ kv[-2].transpose(-2, -1) * scale
         if causal:
             scores = scores.masked_fill(~mask(n * cp, cp, i, j, contiguous=contiguous), -math.inf)
         block_lse = torch.logsumexp(scores, dim=-1)
         p = torch.exp(scores - block_lse.unsqueeze(-1)).nan_to_num(0.0)
-        out, lse = merge([out, p @ kv[1]], [lse, block_lse])
+        out, lse = merge([out, p @ kv[-1]], [lse, block_lse])
     return out
 
 
@@ -217,21 +229,38 @@ def test_zigzag_mask_mistakes_lose_their_cases(mistake, lost):
 
 def test_causal_ring_right_answer_scores_full_marks():
     s = _score(CAUSAL_RING_ATTENTION, ring)
-    assert s.points == s.max == 9, s.failures
+    # 3 cases on 2 ranks; 4 on 3 and on 4 ranks, one of them a ring on the subgroup 1 .. w - 1
+    assert s.points == s.max == 11, s.failures
 
 
 @pytest.mark.parametrize("mistake, lost, words", [
-    (dict(causal=False), 3, "wrong output"),
-    (dict(contiguous=True), 3, "wrong output"),
+    (dict(causal=False), 4, "wrong output"),
+    (dict(contiguous=True), 4, "wrong output"),
     # right values, but the (T/cp, T) scores of every key at once: caught where T/cp = 8, D = 2
     (dict(gather_all=True), 1, "created a tensor"),
+    # on the subgroup of cp = 2 the only other rank is the next one: a ring there
     (dict(to_everyone=True), 3, "not a ring"),
+    # q travels with k and v: 3/2 of the elements the ring may send
+    (dict(send_q=True), 4, "elements; the ring needs at most"),
+    (dict(in_place=True), 4, "changed q, k or v"),
 ])
 def test_causal_ring_mistakes_lose_their_cases(mistake, lost, words):
-    on_three = dataclasses.replace(CAUSAL_RING_ATTENTION, world_sizes=(3,))  # one launch: 3 cases
+    on_three = dataclasses.replace(_graded(CAUSAL_RING_ATTENTION), world_sizes=(3,))  # one launch: 4 cases
     s = _score(on_three, lambda q, k, v, group: ring(q, k, v, group, **mistake))
     assert s.max - s.points == lost, s.failures
     assert all(words in f for f in s.failures), s.failures
+    # each rule the text states, broken alone, costs at least half the exercise
+    assert s.weighted() <= s.weight / 2, s.failures
+
+
+def test_causal_ring_with_group_ranks_as_peers_fails_on_a_subgroup():
+    """The lecture's whole-world ring, (i +- 1) % cp as peers: right on the whole world, wrong
+    on the subgroup of ranks 1, 2, where group rank i is global rank i + 1."""
+    on_three = dataclasses.replace(_graded(CAUSAL_RING_ATTENTION), world_sizes=(3,))
+    s = _score(on_three, lambda q, k, v, group: ring(q, k, v, group, group_ranks=True))
+    assert s.max - s.points == 1, s.failures
+    assert "subgroup of global ranks [1, 2]" in s.failures[0], s.failures
+    assert s.weighted() <= s.weight / 2, s.failures
 
 
 def test_causal_ring_with_a_contiguous_mask_loses_over_half_the_exercise():

@@ -2,7 +2,7 @@
 
     check_merge_attention_blocks(merge_attention_blocks)   # one PASS or FAIL line, with a hint
     check_zigzag_mask(zigzag_mask)
-    check_causal_ring_attention(causal_ring_attention)     # on 2 and 3 ranks
+    check_causal_ring_attention(causal_ring_attention)     # on 2 and 3 ranks, and a subgroup
     check_ring_forward_bytes(ring_forward_bytes)           # the text's worked values, then the kind
 
 The merge and the mask run on one rank, the ring on 2 and 3 ranks with every collective
@@ -45,7 +45,10 @@ _HINTS = {
                   "together (isend/irecv or batch_isend_irecv): two blocking sends deadlock"),
     "created a tensor": ("never gather every key: attend to one key/value block at a time, then "
                          "pass it on to the next rank"),
-    "not a ring": "send only to (rank + 1) % cp and receive only from (rank - 1) % cp",
+    "not a ring": ("send only to the next rank of the group and receive only from the previous "
+                   "one, as global ranks: dist.get_global_rank(group, (i + 1) % cp) and (i - 1) % cp"),
+    "not part of group": ("peers are global ranks: dist.get_global_rank(group, (i + 1) % cp), not "
+                          "(i + 1) % cp, which is a group rank"),
     "elements; the ring needs": "send K and V only (not q), cp - 1 times",
     "send/isend": "the keys and values must travel: with send/recv, isend/irecv or batch_isend_irecv",
     "returned": "check the return value against the contract in the exercise text",
@@ -80,8 +83,8 @@ def check_causal_ring_attention(fn, world_sizes=(2, 3), skip: bool = False) -> N
     """Visible check of exercise causal_ring_attention on 2 and 3 ranks."""
     sizes = " and ".join(str(w) for w in world_sizes)
     _check(CAUSAL_RING_ATTENTION, fn, world_sizes,
-           f"equals causal attention over the whole sequence on {sizes} ranks, as a ring, one "
-           f"block at a time", skip)
+           f"equals causal attention over the whole sequence on {sizes} ranks (on 3, also on "
+           f"the subgroup of ranks 1 and 2), as a ring, one block at a time", skip)
 
 
 def check_ring_forward_bytes(fn, skip: bool = False) -> bool | None:

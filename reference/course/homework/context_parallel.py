@@ -247,4 +247,7 @@ RING_FORWARD_BYTES = question(
     banned=("reference.course.homework.context_parallel.ring_forward_bytes_formula",
             "reference.context_parallel.cost"))
 HOMEWORK_ID = "08_context_parallel"
+# An answer failing any case keeps at most half: a rule broken alone (peers taken as group
+# ranks, q sent along, the scores of every key) shows only in the cases that can show it.
+WRONG_KEEPS = 0.5
 EXERCISES = (MERGE_ATTENTION_BLOCKS, ZIGZAG_MASK, CAUSAL_RING_ATTENTION, RING_FORWARD_BYTES)

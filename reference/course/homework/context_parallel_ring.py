@@ -10,8 +10,9 @@ another order, of values of order 1; reference/tolerance.py gives the reasoning)
 rules besides the values:
 
 * the messages form a ring: a rank sends only to the next rank of the group, receives
-  only from the previous one, and sends at most 2 (cp - 1) key/value blocks
-  (`reference.course.homework.collectives.ring_pattern`);
+  only from the previous one (peers are global ranks: on a subgroup, `(i + 1) % cp` is
+  the wrong rank), and sends at most 2 (cp - 1) B H (T/cp) D elements in all, the keys
+  and values of cp - 1 blocks (`ring_pattern_of`);
 * no tensor the function creates (views aside) holds more than one (T/cp, T/cp) score
   block per batch row and head, or four (B, H, T/cp, D) key/value blocks, whichever is
   larger: the (T/cp, T) scores of every key, or every rank's keys and values gathered,
@@ -20,7 +21,9 @@ rules besides the values:
 * q, k and v are left as they were.
 
 Cases per world size: float32 with T/cp = 8 and D = 2 (scores of all keys would be
-caught), float64, and chunks of a single token with D = 6.
+caught), float64, and chunks of a single token with D = 6; on 3 and 4 ranks also a ring
+on the subgroup of ranks 1 .. world - 1 (rank 0 stays out), where group ranks and global
+ranks differ.
 
 This module also holds what homework 08's other checks share: `close` and the zig-zag
 positions.
@@ -35,13 +38,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from reference.context_parallel.ring import ring_attention
-from reference.course.homework.collectives import ring_pattern
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.scoring import Case, ExerciseSpec
 from reference.tolerance import Tolerance, forward
 
 __all__ = ["CAUSAL_RING_ATTENTION", "LargestCreated", "course_causal_ring_attention",
-           "zigzag_positions", "plain", "close", "make_ring_cases", "score_limit"]
+           "zigzag_positions", "plain", "close", "make_ring_cases", "score_limit",
+           "ring_pattern_of"]
 
 
 def plain(value):
@@ -86,6 +89,29 @@ class LargestCreated(TorchDispatchMode):
         return result
 
 
+def ring_pattern_of(outputs: list, members: list, limit: int) -> str:
+    """"" when every member of the ring `members` (global ranks, in group order) sent only to
+    the next member, received only from the previous one and sent at most `limit` elements."""
+    if len(members) > 1 and not any(outputs[g]["sends"] for g in members):
+        return "no message went through torch.distributed send/isend"
+    for i, g in enumerate(members):
+        nxt, prev = members[(i + 1) % len(members)], members[(i - 1) % len(members)]
+        for peer, _ in outputs[g]["sends"]:
+            if peer != nxt:
+                return (f"not a ring: global rank {g} (group rank {i} of {members}) sent to global "
+                        f"rank {peer}; the next rank of the group is global rank {nxt} "
+                        f"(peers are global ranks: dist.get_global_rank(group, (i + 1) % cp))")
+        for peer, _ in outputs[g]["recvs"]:
+            if peer != prev:
+                source = "any rank" if peer == -1 else f"global rank {peer}"
+                return (f"not a ring: global rank {g} (group rank {i} of {members}) received from "
+                        f"{source}; the previous rank of the group is global rank {prev}")
+        sent = sum(n for _, n in outputs[g]["sends"])
+        if sent > limit:
+            return f"rank {g} sent {sent} elements; the ring needs at most {limit}"
+    return ""
+
+
 def score_limit(B: int, H: int, n: int, D: int) -> int:
     """The most elements one tensor of ring attention may hold: a score block or 4 KV blocks."""
     return B * H * max(n * n, 4 * n * D)
@@ -104,31 +130,56 @@ RING_SHAPES = (
 )
 
 
+# On 3 and 4 ranks: the ring of ranks 1 .. world - 1 (group rank i is global rank i + 1)
+SUBGROUP_SHAPE = ("float32 B=1 H=2 T/cp=4 D=3", 1, 2, 2, 3, torch.float32)
+
+
 def make_ring_cases(generator: torch.Generator, world_size: int) -> list[Case]:
+    rings = [(shape, list(range(world_size))) for shape in RING_SHAPES]
+    if world_size >= 3:
+        rings.append((SUBGROUP_SHAPE, list(range(1, world_size))))
     cases = []
-    for name, B, H, c, D, dtype in RING_SHAPES:
-        T = 2 * c * world_size
+    for (name, B, H, c, D, dtype), members in rings:
+        cp = len(members)
+        T = 2 * c * cp
         full = [torch.randn(B, H, T, D, generator=generator, dtype=torch.float64).to(dtype)
                 for _ in range(3)]
-        parts = []
-        for r in range(world_size):
-            pos = zigzag_positions(T, world_size, r)
-            parts.append({n: t.index_select(2, pos) for n, t in zip("qkv", full)})
+        parts = [{"members": members} for _ in range(world_size)]
+        for i, g in enumerate(members):
+            pos = zigzag_positions(T, cp, i)
+            parts[g].update({n: t.index_select(2, pos) for n, t in zip("qkv", full)})
+        if cp < world_size:
+            name += f" on the subgroup of global ranks {members} (cp = {cp})"
         cases.append(Case(name, parts))
     return cases
 
 
 def call_ring(fn, case: dict) -> dict:
+    members = case["members"]
+    # every rank creates the group, members or not, in the same order
+    group = dist.group.WORLD if len(members) == dist.get_world_size() else dist.new_group(members)
+    if "q" not in case:
+        return {"member": False}
     q, k, v = (case[n].clone() for n in "qkv")
     largest = LargestCreated()
     with largest:
-        out = fn(q, k, v, dist.group.WORLD)
+        out = fn(q, k, v, group)
     changed = any(not torch.equal(t, case[n]) for t, n in zip((q, k, v), "qkv"))
     return {"out": plain(out), "type": type(out).__name__, "changed": changed,
             "largest": int(largest.elements), "largest_shape": list(largest.shape)}
 
 
 def expect_ring(inputs: list) -> list:
+    members = inputs[0]["members"]
+    ring = expect_members([inputs[g] for g in members])
+    expected = [None] * len(inputs)
+    for g, want in zip(members, ring):
+        expected[g] = want
+    return expected
+
+
+def expect_members(inputs: list) -> list:
+    """Each member's rows of causal attention over the whole sequence its parts make."""
     cp = len(inputs)
     T = cp * inputs[0]["q"].shape[2]
     order = torch.argsort(torch.cat([zigzag_positions(T, cp, r) for r in range(cp)]))
@@ -142,8 +193,10 @@ def expect_ring(inputs: list) -> list:
 
 
 def judge_ring(inputs, expected, outputs, world_size) -> str:
-    B, H, n, D = inputs[0]["q"].shape
-    for rank, (out, want) in enumerate(zip(outputs, expected)):
+    members = inputs[0]["members"]
+    B, H, n, D = inputs[members[0]]["q"].shape
+    for rank in members:
+        out, want = outputs[rank], expected[rank]
         got = out["out"]
         if got is None:
             return f"rank {rank} returned {out['type']}, not a tensor"
@@ -156,13 +209,14 @@ def judge_ring(inputs, expected, outputs, world_size) -> str:
             return (f"rank {rank}: wrong output ({error}) against causal attention over the "
                     f"whole sequence")
     limit = score_limit(B, H, n, D)
-    for rank, out in enumerate(outputs):
+    for rank in members:
+        out = outputs[rank]
         if out["largest"] > limit:
             return (f"rank {rank} created a tensor of shape {tuple(out['largest_shape'])} "
                     f"({out['largest']} elements): ring attention holds at most one "
                     f"(T/cp, T/cp) score block per batch row and head, or a few key/value "
                     f"blocks ({limit} elements here)")
-    return ring_pattern(outputs, world_size, 2 * (world_size - 1) * B * H * n * D)
+    return ring_pattern_of(outputs, members, 2 * (len(members) - 1) * B * H * n * D)
 
 
 CAUSAL_RING_ATTENTION = ExerciseSpec(
