@@ -16,12 +16,14 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the package, and the sweep the tests run
 
 from tqdm import tqdm  # noqa: E402
 
-from reference.parallel.sweep import covering_set, full_product, pair_reason  # noqa: E402
-from reference.parallel.sweep_run import TOLERANCES, compare, run_cases, single_process  # noqa: E402
+from sweep import covering_set, full_product, pair_reason  # noqa: E402
+from sweep_run import TOLERANCES, compare, run_cases, single_process  # noqa: E402
+
 from reference.runtime import launch  # noqa: E402
 
 

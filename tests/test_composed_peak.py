@@ -102,7 +102,7 @@ def _measure():
     from reference.parallel.estimate import estimate
     from reference.parallel.parallelize import parallelize
     from reference.parallel.step import train_step
-    from reference.parallel.sweep_run import batches
+    from sweep_run import batches
 
     out = []
     for config in CONFIGS:

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.timeout(300)
 
 # ---------------------------------------------------------------- ZeRO + TP/PP + clipping
 def _zero_clip(config):
-    from reference.parallel.sweep import SweepCase
-    from reference.parallel.sweep_run import run_cases
+    from sweep import SweepCase
+    from sweep_run import run_cases
 
     return run_cases([SweepCase(config, clip=True)])
 
@@ -33,8 +33,8 @@ def test_zero1_with_tensor_or_pipeline_parallel_clips_like_one_process(config):
     """Megatron's recipe (distributed optimizer + TP or PP, clipping at 1.0): it crashed at
     step 1 with "a gradient of shape (128, 32) carries no parallel marks", because the flat
     ZeRO shard was clipped without the marks of the parameters it is made of."""
-    from reference.parallel.sweep import SweepCase
-    from reference.parallel.sweep_run import compare, single_process
+    from sweep import SweepCase
+    from sweep_run import compare, single_process
 
     case = SweepCase(config, clip=True)
     got = launch(_zero_clip, config.world_size, config, timeout=240)[0][0]

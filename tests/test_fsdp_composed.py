@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from reference.parallel.config import ParallelConfig
-from reference.parallel.sweep import SweepCase
+from sweep import SweepCase
 from reference.runtime import launch
 
 pytestmark = pytest.mark.timeout(600)
@@ -44,8 +44,8 @@ def _run(cases):
     from reference.parallel.gather import full_state_dict
     from reference.parallel.parallelize import parallelize
     from reference.parallel.step import train_step
-    from reference.parallel.sweep import BATCH
-    from reference.parallel.sweep_run import EPS, LR, _scaler, batches, model_for
+    from sweep import BATCH
+    from sweep_run import EPS, LR, _scaler, batches, model_for
 
     out = []
     for case in cases:
@@ -84,7 +84,7 @@ def ranks():
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[str(c) for c in CASES])
 def test_zero3_composed_equals_one_process(ranks, i):
-    from reference.parallel.sweep_run import compare, single_process
+    from sweep_run import compare, single_process
 
     case = CASES[i]
     for r in ranks[1:]:
@@ -112,7 +112,7 @@ def test_zero3_composed_holds_its_rows_of_each_tensor(ranks, i):
     # over all dp x tp x pp ranks the shards add up to the model's numbers, plus the padding
     # and the tensors replicated over tp (LayerNorms, row biases) counted tp times, and the
     # tied embedding's copy on the last pipeline stage
-    from reference.parallel.sweep_run import model_for
+    from sweep_run import model_for
 
     weights = model_for(CASES[i]).state_dict()
     whole = sum(p.numel() for p in model_for(CASES[i]).parameters())
@@ -129,7 +129,7 @@ ZERO2_SP = [SweepCase(ParallelConfig(dp=2, tp=2, zero_stage=2, sequence_parallel
 
 
 def test_zero2_with_sequence_parallelism_equals_one_process():
-    from reference.parallel.sweep_run import compare, run_cases, single_process
+    from sweep_run import compare, run_cases, single_process
 
     ranks = launch(run_cases, 4, ZERO2_SP, timeout=300)
     for i, case in enumerate(ZERO2_SP):
@@ -146,7 +146,7 @@ def _train_uneven(config):
     from reference.parallel.gather import full_state_dict
     from reference.parallel.parallelize import parallelize
     from reference.parallel.step import train_step
-    from reference.parallel.sweep_run import EPS, LR, batches
+    from sweep_run import EPS, LR, batches
 
     torch.manual_seed(0)
     cfg = GPTConfig.tiny(n_layer=4, block_size=16, vocab_size=255)
@@ -164,7 +164,7 @@ def test_zero3_pads_uneven_rows():
     got = launch(_train_uneven, 6, ParallelConfig(dp=3, pp=2, zero_stage=3, microbatches=2),
                  timeout=300)[0]
     want = launch(_train_uneven, 1, ParallelConfig(microbatches=6), timeout=300)[0]
-    from reference.parallel.sweep_run import TOLERANCES
+    from sweep_run import TOLERANCES
 
     assert got.keys() - want.keys() <= {"lm_head.weight"}  # the pipeline's copy of the tied wte
     assert torch.equal(got["wte.weight"], got["lm_head.weight"])
@@ -176,8 +176,8 @@ def _zero2_sp_memory(config):
     from reference import memory
     from reference.parallel.parallelize import parallelize
     from reference.parallel.step import train_step
-    from reference.parallel.sweep import BATCH
-    from reference.parallel.sweep_run import EPS, LR, batches, model_for
+    from sweep import BATCH
+    from sweep_run import EPS, LR, batches, model_for
 
     mesh = config.mesh().build_groups()
     case = SweepCase(config)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from reference.parallel.config import ParallelConfig
-from reference.parallel.sweep import SweepCase
+from sweep import SweepCase
 from reference.runtime import launch
 
 pytestmark = pytest.mark.timeout(600)
@@ -49,8 +49,8 @@ def _run(cases):
     from reference.parallel.gather import full_state_dict
     from reference.parallel.parallelize import parallelize
     from reference.parallel.step import train_step
-    from reference.parallel.sweep import BATCH
-    from reference.parallel.sweep_run import EPS, LR, _scaler, batches, model_for
+    from sweep import BATCH
+    from sweep_run import EPS, LR, _scaler, batches, model_for
 
     out = []
     for case in cases:
@@ -96,7 +96,7 @@ def _of(ranks, i):
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[str(c) for c in CASES])
 def test_zero3_with_experts_equals_one_process(ranks, i):
-    from reference.parallel.sweep_run import compare, single_process
+    from sweep_run import compare, single_process
 
     case, rs = _of(ranks, i)
     for r in rs[1:]:

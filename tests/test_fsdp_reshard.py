@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from reference.parallel.config import ParallelConfig
-from reference.parallel.sweep import SweepCase
+from sweep import SweepCase
 from reference.runtime import launch
 
 pytestmark = pytest.mark.timeout(300)
@@ -67,8 +67,8 @@ def _train(cases):
     from reference.parallel.gather import full_state_dict
     from reference.parallel.parallelize import parallelize
     from reference.parallel.step import train_step
-    from reference.parallel.sweep import BATCH
-    from reference.parallel.sweep_run import EPS, LR, batches, model_for
+    from sweep import BATCH
+    from sweep_run import EPS, LR, batches, model_for
 
     out = []
     for case in cases:
@@ -108,8 +108,8 @@ def _memory():
     from reference.model import GPT, Block, GPTConfig
     from reference.parallel.parallelize import parallelize
     from reference.parallel.step import train_step
-    from reference.parallel.sweep import BATCH
-    from reference.parallel.sweep_run import batches
+    from sweep import BATCH
+    from sweep_run import batches
 
     class Held(memory.PeakMemory):
         def __init__(self, pm):
@@ -192,7 +192,7 @@ def test_config_defaults_to_gathering_once_and_refuses_what_it_cannot_reshard():
 # ---------------------------------------------------------------------------- parity
 def _same_run(case, got, want) -> None:
     """The resharded run's (losses, skipped, weights) against the gather-once run's."""
-    from reference.parallel.sweep_run import TOLERANCES
+    from sweep_run import TOLERANCES
 
     tol = TOLERANCES[case.config.precision]
     tol["loss"].assert_losses(got[0], want[0], f"{case} losses against gathering once")
@@ -202,7 +202,7 @@ def _same_run(case, got, want) -> None:
 
 @pytest.mark.parametrize("once, resharded", [(0, 1), (2, 3)], ids=["1f1b", "1f1b-recompute"])
 def test_zero3_pp_resharded_equals_one_process_and_gathering_once(dp2_pp2, once, resharded):
-    from reference.parallel.sweep_run import compare, single_process
+    from sweep_run import compare, single_process
 
     ranks = [r[0] for r in dp2_pp2]
     case = PP_CASES[resharded]
@@ -217,7 +217,7 @@ def test_zero3_pp_resharded_equals_one_process_and_gathering_once(dp2_pp2, once,
 
 @pytest.mark.parametrize("i", [1, 2], ids=["1f1b", "interleaved"])
 def test_zero3_tp_pp_sp_resharded_equals_one_process_and_gathering_once(dp2_tp2_pp2, i):
-    from reference.parallel.sweep_run import compare, single_process
+    from sweep_run import compare, single_process
 
     case = TP_PP_CASES[i]
     units = [[3], [2, 1]][i - 1]  # rank 0: 2 blocks and the embedding; or block 0 + it, block 2

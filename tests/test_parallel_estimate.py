@@ -245,7 +245,7 @@ def test_stage_params_counts_untied_padded_and_uneven_models():
 # ---------------------------------------------------------------------------------------------
 # Experts, sequence parallelism and resharding, against the meter and the step's peak
 # ---------------------------------------------------------------------------------------------
-MOE = 4  # experts per layer, every layer (reference.parallel.sweep's model)
+MOE = 4  # experts per layer, every layer (tests/sweep.py's model)
 MEASURED = [  # (config, experts): 4 ranks, BATCH = (16, 16) as tests/test_composed_peak.py
     (ParallelConfig(dp=2, tp=2, sequence_parallel=True, activation_checkpointing=True, microbatches=2), False),
     (ParallelConfig(dp=2, tp=2, ep=2, zero_stage=3, sequence_parallel=True, microbatches=2), True),
@@ -267,8 +267,8 @@ def _measure_steps(cases):
     from reference import comms, memory
     from reference.parallel.parallelize import parallelize
     from reference.parallel.step import train_step
-    from reference.parallel.sweep_run import batches, model_for
-    from reference.parallel.sweep import SweepCase
+    from sweep_run import batches, model_for
+    from sweep import SweepCase
 
     out = []
     for config, experts in cases:

@@ -1,10 +1,10 @@
 """Every pair of options of the composed GPT, trained and compared with one process.
 
-`reference.parallel.sweep.covering_set` picks accepted configurations (dp, tp, pp, cp and its
+`sweep.covering_set` (tests/sweep.py) picks accepted configurations (dp, tp, pp, cp and its
 kind, ep, ZeRO stage, SP, schedule and virtual stages, recompute, precision, clipping,
 accumulation, embedding stage, experts; world sizes 1 to 8) so that every pair of values
 that can act together trains in at least one of them. Each trains 3 AdamW steps and must
-equal one process within `reference.parallel.sweep_run.TOLERANCES`, the course's policy
+equal one process within `sweep_run.TOLERANCES`, the course's policy
 (`reference.tolerance`): every loss, every weight and the mean weight differences (overall and
 per tensor), bf16 and fp16 against the same-precision single process. Each pair no accepted
 case can hold is refused by
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from reference.parallel.sweep import covering_set, names_pair
+from sweep import covering_set, names_pair
 from reference.runtime import launch
 
 pytestmark = pytest.mark.timeout(900)
@@ -26,7 +26,7 @@ ACCEPTED, REFUSED = covering_set()
 
 
 def test_the_covering_set_covers_every_pair_that_can_train():
-    from reference.parallel.sweep import OPTIONS, _all_pairs, _key, pairs_of
+    from sweep import OPTIONS, _all_pairs, _key, pairs_of
 
     covered = set()
     for case in ACCEPTED:
@@ -48,7 +48,7 @@ def test_every_refused_pair_names_its_reason():
 
 @pytest.mark.parametrize("world_size", sorted({c.world_size for c in ACCEPTED}))
 def test_every_accepted_case_equals_one_process(world_size, record_property):
-    from reference.parallel.sweep_run import compare, run_cases, single_process
+    from sweep_run import compare, run_cases, single_process
 
     cases = [c for c in ACCEPTED if c.world_size == world_size]
     ranks = launch(run_cases, world_size, cases, timeout=800)

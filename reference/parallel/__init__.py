@@ -33,9 +33,6 @@ of them imports it. Where each part lives:
   `reference.parallel.explorer`: which configurations fit a cluster;
   `reference.parallel.placement`: which traffic crosses nodes for an order of the axes;
 * `reference.parallel.golden`: the debug run's committed losses;
-* `reference.parallel.sweep`: an all-pairs set of configurations over every option (and the
-  pairs `validate` refuses, with its reasons); `reference.parallel.sweep_run` trains them on
-  ranks and on one process and compares, with the tolerances and why;
 * `reference.parallel.viz`: a composed step drawn rank by rank, costs of configurations.
 
 Pictures and widgets (`viz`, `explorer`) and the golden run are imported from their

@@ -1,4 +1,4 @@
-"""Run the cases of `reference.parallel.sweep` on ranks and on one process, and compare.
+"""Run the cases of `sweep` (the all-pairs set of the tests) on ranks and on one process, and compare.
 
     results = launch(run_cases, world_size, cases)             # every rank: losses, rank 0: weights
     row = compare(case, results[0][i], single_process(case))   # the largest differences
@@ -40,7 +40,7 @@ FP16_POWER = 12   # the loss scale starts at 2^12: the tiny model's gradients st
 
 
 def batches(steps: int = STEPS):
-    from reference.parallel.sweep import BATCH
+    from sweep import BATCH
 
     B, T = BATCH
     g = torch.Generator().manual_seed(4321)
@@ -51,7 +51,7 @@ def batches(steps: int = STEPS):
 def model_for(case):
     from reference.expert_parallel import moe_factory
     from reference.model import GPT, GPTConfig
-    from reference.parallel.sweep import MODEL_SIZES, N_EXPERTS
+    from sweep import MODEL_SIZES, N_EXPERTS
 
     torch.manual_seed(0)  # the same initial weights on every rank and in the single process
     cfg = GPTConfig.tiny(**MODEL_SIZES)
@@ -72,7 +72,7 @@ def run_cases(cases, steps: int = STEPS):
     from reference.parallel.gather import full_state_dict
     from reference.parallel.parallelize import parallelize
     from reference.parallel.step import train_step
-    from reference.parallel.sweep import BATCH
+    from sweep import BATCH
     from reference.runtime import device
 
     out = []
