@@ -44,7 +44,7 @@ def _try(issues: list, fn):
 
 
 def describe(config, world_size: int) -> str:
-    p, z, issues = config.parallelism, config.zero_optimization, []
+    p, issues = config.parallelism, []
     tp, pp, ep, v = p.tensor, p.pipeline, p.expert, p.virtual_stages
     dp = config.dp(world_size)
     out = [f"{config.path or 'configuration'} on {world_size} ranks"
@@ -87,6 +87,20 @@ def describe(config, world_size: int) -> str:
                           + f": train_batch_size counts every data-parallel rank, and here only {dp} "
                           f"share{'s' if dp == 1 else ''} it; raise gradient_accumulation_steps or "
                           f"lower train_batch_size")
+    _zero_lines(config, line, issues, dp, fits, world_size)
+    _precision_line(config, line)
+    _optimizer_lines(config, line, issues)
+    _run_lines(config, line, issues, tp)
+    _refusals(config, issues, world_size)
+    out.append("inconsistent or pointless:" if issues else "inconsistent or pointless: nothing found")
+    out += [f"  - {i}" for i in issues]
+    return "\n".join(out)
+
+
+def _zero_lines(config, line, issues, dp, fits, world_size):
+    """ZeRO's stage, what it shards over how many ranks, offload and resharding."""
+    p, z = config.parallelism, config.zero_optimization
+    tp, pp = p.tensor, p.pipeline
     offload = z.offload_optimizer.device if z.offload else None
     line("ZeRO", f"stage {z.stage} at dp {dp}: shards {_ZERO_SHARDS[z.stage]}"
          + (f" over {dp} rank{'s' if dp > 1 else ''}" if z.stage else "")
@@ -94,7 +108,8 @@ def describe(config, world_size: int) -> str:
     if p.reshard_after_forward:
         line("", "reshard_after_forward: each block gathered for its forward and again for its "
                  "backward, its gradients reduce-scattered after every micro-batch (3 m transfers "
-                 "a step for less memory; the course's default is false, PyTorch's fully_shard's None: true for every module but the root)")
+                 "a step for less memory; the course's default is false, PyTorch's fully_shard's "
+                 "None: true for every module but the root)")
     if offload:
         from reference.train.deepspeed_blocks import OFFLOAD_REFUSED
 
@@ -106,6 +121,10 @@ def describe(config, world_size: int) -> str:
     if offload and z.stage == 0:
         issues.append("zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 "
                       "(DeepSpeed's rule): at stage 0 it does nothing")
+
+
+def _precision_line(config, line):
+    """fp16's loss scaling as DeepSpeed's keys set it, or bf16 / fp32."""
     f16 = config.fp16
     if config.precision == "fp16":
         scaling = (f"a fixed loss scale {f16.loss_scale:g}" if f16.loss_scale else
@@ -122,8 +141,12 @@ def describe(config, world_size: int) -> str:
     else:
         line("precision", f"{config.precision}: no loss scaling"
              + (" (bf16 keeps fp32's exponent range)" if config.precision == "bf16" else ""))
-    _optimizer_lines(config, line, issues)
-    _run_lines(config, line, issues, tp)
+
+
+def _refusals(config, issues, world_size):
+    """What ParallelConfig refuses at this world size, said in DeepSpeed's terms where
+    DeepSpeed refuses it too, and ZeRO-2/3 beside a pipeline."""
+    z, pp = config.zero_optimization, config.parallelism.pipeline
     try:
         config.parallel_config(world_size)
     except ValueError as e:      # "<file> at world_size=W: <message>": keep the message
@@ -148,9 +171,6 @@ def describe(config, world_size: int) -> str:
                       f"this trainer differs and runs it as torchtitan does (each parameter sharded "
                       f"over dp, a stage gathered once per step and kept whole through its "
                       f"micro-batches: memory for traffic)")
-    out.append("inconsistent or pointless:" if issues else "inconsistent or pointless: nothing found")
-    out += [f"  - {i}" for i in issues]
-    return "\n".join(out)
 
 
 def _ordinal(n: int) -> str:
