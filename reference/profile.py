@@ -214,14 +214,14 @@ def plot_profile(summaries, title: Optional[str] = None, labels=None):
 
     `labels` names the bars (default "rank r"), e.g. one configuration per bar. Each bar ends
     with its communication share; the legend sits below the bars, clear of those labels."""
-    from reference.viz import _CATEGORICAL, _Figure
+    from reference.viz import CATEGORICAL, NotebookFigure
 
     kinds = [k for k in COMM_KINDS if any(k in s.communication for s in summaries)]
     parts = ["compute"] + kinds + ["idle"]
-    fig = _Figure(figsize=(8.5, 0.45 * len(summaries) + 2.0))
+    fig = NotebookFigure(figsize=(8.5, 0.45 * len(summaries) + 2.0))
     ax = fig.add_subplot()
-    colours = {"compute": _CATEGORICAL[0], "idle": (0.85, 0.85, 0.85)}
-    colours.update({k: _CATEGORICAL[2 * (i + 2)] for i, k in enumerate(kinds)})
+    colours = {"compute": CATEGORICAL[0], "idle": (0.85, 0.85, 0.85)}
+    colours.update({k: CATEGORICAL[2 * (i + 2)] for i, k in enumerate(kinds)})
     longest = 0.0
     for row, s in enumerate(summaries):
         left = 0.0
@@ -247,11 +247,11 @@ def plot_profile(summaries, title: Optional[str] = None, labels=None):
 def plot_comm_shares(labels, shares, threshold: float = 0.3, title: Optional[str] = None):
     """One bar per configuration: the share of its step spent communicating, with the line
     a step should stay under (the troubleshooting table's 30 %)."""
-    from reference.viz import _CATEGORICAL, _Figure
+    from reference.viz import CATEGORICAL, NotebookFigure
 
-    fig = _Figure(figsize=(7, 2.8))
+    fig = NotebookFigure(figsize=(7, 2.8))
     ax = fig.add_subplot()
-    ax.bar(range(len(shares)), [100 * s for s in shares], color=_CATEGORICAL[0])
+    ax.bar(range(len(shares)), [100 * s for s in shares], color=CATEGORICAL[0])
     ax.axhline(100 * threshold, color="0.4", ls="--", lw=1)
     ax.text(len(shares) - 0.5, 100 * threshold + 1, f"{threshold:.0%}", ha="right", fontsize=8)
     ax.set_xticks(range(len(shares)), labels, fontsize=7)

@@ -25,11 +25,11 @@ from reference.runtime import preload
 preload(__name__)  # matplotlib: every rank that draws or imports a picture starts with it
 
 # Data values take colours from these categorical maps, in order of first appearance.
-_CATEGORICAL = [c for name in ("tab20", "tab20b", "tab20c") for c in colormaps[name].colors]
+CATEGORICAL = [c for name in ("tab20", "tab20b", "tab20c") for c in colormaps[name].colors]
 _EMPTY = "#eeeeee"
 
 
-class _Figure(Figure):
+class NotebookFigure(Figure):
     """A plain Figure that a notebook can draw without pyplot.
 
     Jupyter shows a Figure as an image only once pyplot has set up the inline
@@ -44,7 +44,7 @@ class _Figure(Figure):
 
 
 # ----------------------------------------------------------------- helpers
-def _lighten(rgb, amount: float = 0.45):
+def lighten(rgb, amount: float = 0.45):
     """Mix a colour with white so black text stays readable on it."""
     return tuple(amount + (1 - amount) * c for c in rgb[:3])
 
@@ -95,8 +95,8 @@ class _Palette:
         if label == "":
             return _EMPTY
         if label not in self._colours:
-            rgb = _CATEGORICAL[len(self._colours) % len(_CATEGORICAL)]
-            self._colours[label] = _lighten(rgb)
+            rgb = CATEGORICAL[len(self._colours) % len(CATEGORICAL)]
+            self._colours[label] = lighten(rgb)
         return self._colours[label]
 
 
@@ -121,7 +121,7 @@ def _draw_rank_rows(ax, rows: Sequence[Sequence], palette: _Palette, width: int,
     ax.set_title(title, fontsize=10)
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     # Decimal units, as network bandwidths are quoted (1 GB/s = 1e9 bytes per second).
     for unit in ("B", "kB", "MB", "GB"):
         if float(f"{n:.3g}") < 1000 or unit == "GB":  # so 999.99... MB reads "1 GB"
@@ -129,7 +129,7 @@ def _fmt_bytes(n: float) -> str:
         n /= 1000
 
 
-def _fmt_seconds(t: float) -> str:
+def fmt_seconds(t: float) -> str:
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
         if t >= scale or unit == "µs":
             return f"{t / scale:.3g} {unit}"
@@ -147,13 +147,13 @@ def plot_mesh(mesh) -> Figure:
     ncols = min(mesh.pp, 4)
     nrows = math.ceil(mesh.pp / ncols)
     cell_w, cell_h = 1.25, 0.75 if mesh.ep == 1 else 0.95
-    fig = _Figure(figsize=(max(5.0, ncols * (mesh.tp * cell_w + 1.0)),
+    fig = NotebookFigure(figsize=(max(5.0, ncols * (mesh.tp * cell_w + 1.0)),
                           max(2.5, nrows * (mesh.dp * cell_h + 1.0) + 0.6)),
                  layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for extra in axes[mesh.pp:]:
         fig.delaxes(extra)
-    tints = [_lighten(c, 0.55) for c in colormaps["tab10"].colors]
+    tints = [lighten(c, 0.55) for c in colormaps["tab10"].colors]
     for pp_rank, ax in enumerate(axes[:mesh.pp]):
         for dp_rank in range(mesh.dp):
             tint = tints[dp_rank % len(tints)]  # one tint per TP group (a row)
@@ -196,7 +196,7 @@ def plot_collective(name: str, before: Sequence, after: Sequence) -> Figure:
     rows_after = [_as_values(x) for x in after]
     width = max([len(r) for r in rows_before + rows_after] + [1])
     palette = _Palette()
-    fig = _Figure(figsize=(max(5.0, 2 * (0.6 * width + 1.0)), 0.5 * len(before) + 1.2), layout="constrained")
+    fig = NotebookFigure(figsize=(max(5.0, 2 * (0.6 * width + 1.0)), 0.5 * len(before) + 1.2), layout="constrained")
     ax_before, ax_after = fig.subplots(1, 2, sharey=True)
     _draw_rank_rows(ax_before, rows_before, palette, width, "before")
     _draw_rank_rows(ax_after, rows_after, palette, width, "after")
@@ -222,7 +222,7 @@ def plot_ring_steps(states: Sequence[tuple]) -> Figure:
     world = max(len(rows) for _, rows in snapshots)
     ncols = min(len(snapshots), 4)
     nrows = math.ceil(len(snapshots) / ncols)
-    fig = _Figure(figsize=(ncols * (0.55 * width + 1.2), nrows * (0.4 * world + 0.9)), layout="constrained")
+    fig = NotebookFigure(figsize=(ncols * (0.55 * width + 1.2), nrows * (0.4 * world + 0.9)), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for extra in axes[len(snapshots):]:
         fig.delaxes(extra)
@@ -256,12 +256,12 @@ def plot_cost_model(sizes_bytes: Sequence[float], measured_seconds: Optional[Seq
 
     lo, hi = min(sizes.min(), crossover / 2), max(sizes.max(), crossover * 2)
     n = np.geomspace(lo, hi, 200)
-    fig = _Figure(figsize=(6.5, 4.5), layout="constrained")
+    fig = NotebookFigure(figsize=(6.5, 4.5), layout="constrained")
     ax = fig.subplots()
     ax.loglog(n, latency + per_byte * n, color="black", lw=2,
               label="model T(n) = 2(N-1)α + 2(N-1)/N·nβ")
     ax.loglog(n, np.full_like(n, latency), ls="--", color="tab:blue",
-              label=f"latency-bound: 2(N-1)α = {_fmt_seconds(latency)}")
+              label=f"latency-bound: 2(N-1)α = {fmt_seconds(latency)}")
     ax.loglog(n, per_byte * n, ls="--", color="tab:orange", label="bandwidth-bound: 2(N-1)/N·nβ")
     y = [latency + per_byte * n[0], latency + per_byte * n[-1]]
     if measured_seconds is not None:
@@ -272,13 +272,13 @@ def plot_cost_model(sizes_bytes: Sequence[float], measured_seconds: Optional[Seq
         y += [measured[measured > 0].min(), measured.max()] if np.any(measured > 0) else []
     ax.axvline(crossover, color="grey", ls=":", lw=1)
     bottom = min(y) / 3
-    ax.annotate(f"n* = Nα/β = {_fmt_bytes(crossover)}", (crossover, bottom),
+    ax.annotate(f"n* = Nα/β = {fmt_bytes(crossover)}", (crossover, bottom),
                 xytext=(4, 4), textcoords="offset points", fontsize=9, color="dimgrey")
     ax.set_ylim(bottom, max(y) * 3)
     ax.set_xlabel("message size n (bytes)")
     ax.set_ylabel("all-reduce time (s)")
-    ax.set_title(f"Ring all-reduce on N={n_ranks} ranks: α={_fmt_seconds(alpha)}, "
-                 f"1/β={_fmt_bytes(1 / beta)}/s", fontsize=10)
+    ax.set_title(f"Ring all-reduce on N={n_ranks} ranks: α={fmt_seconds(alpha)}, "
+                 f"1/β={fmt_bytes(1 / beta)}/s", fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(True, which="major", alpha=0.3)
     return fig
@@ -299,21 +299,21 @@ def plot_latency_vs_ranks(cost, sizes_bytes: Sequence[float], ranks: Sequence[in
         raise ValueError(f"ranks must be numbers of ranks >= 2, got {list(ranks)}")
     if not sizes_bytes or min(sizes_bytes) <= 0:
         raise ValueError(f"sizes_bytes must be positive message sizes, got {list(sizes_bytes)}")
-    fig = _Figure(figsize=(6.5, 3.8), layout="constrained")
+    fig = NotebookFigure(figsize=(6.5, 3.8), layout="constrained")
     ax = fig.subplots()
     latency = [cost.time("all_reduce", 0, n) for n in ranks]
     ax.loglog(ranks, latency, "o-", color="black", lw=2, ms=4, label="latency term 2(N-1)α")
     for k, nbytes in enumerate(sizes_bytes):
         bandwidth = [cost.time("all_reduce", nbytes, n) - t for n, t in zip(ranks, latency)]
-        ax.loglog(ranks, bandwidth, "s--", ms=3, color=_CATEGORICAL[2 * k + 2],
-                  label=f"bandwidth term 2(N-1)/N·nβ, n = {_fmt_bytes(nbytes)}")
+        ax.loglog(ranks, bandwidth, "s--", ms=3, color=CATEGORICAL[2 * k + 2],
+                  label=f"bandwidth term 2(N-1)/N·nβ, n = {fmt_bytes(nbytes)}")
     if mark is not None:
         ax.axvline(mark, color="grey", ls=":", lw=1)
         ax.annotate(f"N = {mark}", (mark, min(latency)), xytext=(4, 4), textcoords="offset points",
                     fontsize=9, color="dimgrey")
     ax.set_xlabel("ranks N")
     ax.set_ylabel("seconds")
-    ax.set_title(f"Ring all-reduce: α = {_fmt_seconds(cost.alpha)}, 1/β = {_fmt_bytes(cost.bandwidth)}/s",
+    ax.set_title(f"Ring all-reduce: α = {fmt_seconds(cost.alpha)}, 1/β = {fmt_bytes(cost.bandwidth)}/s",
                  fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(True, which="major", alpha=0.3)

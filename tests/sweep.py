@@ -81,7 +81,7 @@ class SweepCase:
         from reference.model import GPTConfig
 
         c = self.config
-        return c._problems(c.world_size, GPTConfig.tiny(**MODEL_SIZES), BATCH,
+        return c.problems(c.world_size, GPTConfig.tiny(**MODEL_SIZES), BATCH,
                            N_EXPERTS if self.moe else None)
 
 

@@ -14,7 +14,7 @@ import pytest
 from reference.course.checks.tensor_parallel import run_dense_check
 from reference.course.homework import HOMEWORK, score_exercise
 from reference.course.homework.tensor_parallel import CROSS_ENTROPY, MLP, course_versions_refused
-from reference.tensor_parallel.comms import _CopyToRegion
+from reference.tensor_parallel.comms import CopyToRegion
 
 CHECK_TIMEOUT = 60  # s per launch (a few s needed); only a hanging answer would wait
 
@@ -231,8 +231,8 @@ def test_gathering_the_logits_is_refused_whichever_collective_does_it():
 
 
 @pytest.mark.parametrize("spec, name, what", [
-    (MLP, "mlp_course", "_CopyToRegion"),
-    (CROSS_ENTROPY, "ce_course", "_VocabParallelCrossEntropy"),
+    (MLP, "mlp_course", "CopyToRegion"),
+    (CROSS_ENTROPY, "ce_course", "VocabParallelCrossEntropy"),
 ])
 def test_the_course_versions_are_refused(spec, name, what):
     score = _score(spec, name, world_sizes=(2,))
@@ -242,11 +242,11 @@ def test_the_course_versions_are_refused(spec, name, what):
 
 
 def test_refusing_the_course_versions_leaves_them_as_they_were():
-    before = _CopyToRegion.apply
-    with course_versions_refused("x", (_CopyToRegion,)):
+    before = CopyToRegion.apply
+    with course_versions_refused("x", (CopyToRegion,)):
         with pytest.raises(RuntimeError, match="not allowed"):
-            _CopyToRegion.apply(None, None)
-    assert "apply" not in _CopyToRegion.__dict__ and _CopyToRegion.apply == before
+            CopyToRegion.apply(None, None)
+    assert "apply" not in CopyToRegion.__dict__ and CopyToRegion.apply == before
 
 
 def test_visible_check_prints_pass_or_fail_with_a_hint(capsys):

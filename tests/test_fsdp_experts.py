@@ -126,11 +126,11 @@ def test_zero1_and_zero2_with_experts_are_refused_naming_the_groups():
 
     for stage in (1, 2):
         config = ParallelConfig(dp=4, ep=2, zero_stage=stage)
-        problems = config._problems(4, GPTConfig.tiny(), None, 4)
+        problems = config.problems(4, GPTConfig.tiny(), None, 4)
         assert len(problems) == 1, problems
         assert f"zero_stage={stage} with ep=2" in problems[0] and "expert-data-parallel" in problems[0]
         assert "dp/ep=2" in problems[0] and "zero_stage 0, or 3" in problems[0]
-    assert not ParallelConfig(dp=4, ep=2, zero_stage=3)._problems(4, GPTConfig.tiny(), None, 4)
+    assert not ParallelConfig(dp=4, ep=2, zero_stage=3).problems(4, GPTConfig.tiny(), None, 4)
     assert not ParallelConfig(dp=4, ep=2, zero_stage=3).zero3_by_blocks  # rows per parameter
 
 

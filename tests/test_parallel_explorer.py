@@ -18,7 +18,7 @@ def test_every_offered_configuration_validates(model, n_gpus, device_gb, batch, 
     assert rows
     for r in rows:
         c = r["config"]
-        assert c._problems(n_gpus, cfg, (batch, cfg.block_size), n_experts) == [], c
+        assert c.problems(n_gpus, cfg, (batch, cfg.block_size), n_experts) == [], c
         c.validate(n_gpus, cfg, batch=(batch, cfg.block_size), n_experts=n_experts)
         assert not (c.zero_stage == 2 and c.pp > 1)  # ZeRO-3 composes with tp and pp (per parameter)
         assert r["estimate"].fits(device_gb * 1e9)

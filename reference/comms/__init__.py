@@ -18,6 +18,9 @@ Everything the rest of the course needs to communicate is reachable from here:
 * the link speeds of those models, named once (`NVLINK`, `NIC`, `NICS_PER_NODE`), in
   `reference.comms.links`; pictures of the algorithms' times and of scaling in
   `reference.comms.viz` (imported on its own: matplotlib stays out of the ranks);
+* collectives as functions of tensors that several parallelisms share, in
+  `reference.comms.functional`: `all_gather_along` (one dimension, rank order) and
+  `all_to_all` (uneven splits, differentiable: its backward is the inverse exchange);
 * in `reference.comms.collectives`, thin wrappers of torch.distributed's collectives with the same
   signatures. Each records its call in the open meters and then calls
   torch.distributed. Later modules communicate only through these wrappers, so
@@ -48,6 +51,7 @@ from reference.comms.algorithms import (
     halving_doubling_all_reduce, hierarchical_all_reduce, node_groups, tree_all_reduce, two_level_time,
 )
 from reference.comms.cost import COST_OPS, CostModel
+from reference.comms.functional import AllToAll, all_gather_along, all_to_all
 from reference.comms.links import GPUS_PER_NODE, NIC, NICS_PER_NODE, NVLINK, Link
 from reference.comms.metering import CommMeter, format_records, group_label, meter, name_group, record
 from reference.comms.ring import (
@@ -71,4 +75,6 @@ __all__ = [
     # metered wrappers of torch.distributed
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
     "all_to_all_single", "send", "recv", "ReduceOp",
+    # collectives as functions of tensors
+    "all_gather_along", "all_to_all", "AllToAll",
 ]

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from matplotlib.figure import Figure
 
 from reference.comms.algorithms import ALGORITHMS, two_level_time
-from reference.viz import _CATEGORICAL, _Figure
+from reference.viz import CATEGORICAL, NotebookFigure
 
 __all__ = ["plot_allreduce_times", "plot_scaling"]
 
@@ -20,12 +20,12 @@ def plot_allreduce_times(sizes: Sequence[float], n: int, node_size: int,
                          **links) -> Figure:
     """Seconds of one all-reduce against message bytes, one line per algorithm, one panel per
     number of NICs per node (`two_level_time`; ``links``: its ``intra`` and ``inter``)."""
-    fig = _Figure(figsize=(4.2 * len(nics) + 1.2, 3.6))
+    fig = NotebookFigure(figsize=(4.2 * len(nics) + 1.2, 3.6))
     axes = fig.subplots(1, len(nics), sharey=True, squeeze=False)[0]
     for ax, k in zip(axes, nics):
         for i, name in enumerate(algorithms):
             ax.plot(sizes, [two_level_time(name, s, n, node_size, nics_per_node=k, **links) for s in sizes],
-                    "o-", ms=3, color=_CATEGORICAL[2 * i], label=name)
+                    "o-", ms=3, color=CATEGORICAL[2 * i], label=name)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("message bytes")
@@ -39,11 +39,11 @@ def plot_allreduce_times(sizes: Sequence[float], n: int, node_size: int,
 
 def plot_scaling(gpus: Sequence[int], curves: Mapping[str, Sequence[float]], title: str = "") -> Figure:
     """Speed-up over one GPU against the number of GPUs: one line per label, and the ideal."""
-    fig = _Figure(figsize=(6.5, 3.4))
+    fig = NotebookFigure(figsize=(6.5, 3.4))
     ax = fig.add_subplot()
     ax.plot(gpus, gpus, ":", color="0.5", label="ideal")
     for i, (label, values) in enumerate(curves.items()):
-        ax.plot(gpus, values, "o-", ms=3, color=_CATEGORICAL[2 * i], label=label)
+        ax.plot(gpus, values, "o-", ms=3, color=CATEGORICAL[2 * i], label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("data-parallel GPUs")

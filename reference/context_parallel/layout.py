@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from reference.tensor_parallel.comms import all_gather_along
+from reference.comms.functional import all_gather_along
 
 __all__ = ["check_sequence_split", "sequence_positions", "split_sequence", "gather_sequence",
            "gather_order", "zigzag_chunks"]

@@ -14,7 +14,7 @@ q, k and v each take one all-to-all, the attention runs on the whole sequence of
 H/cp heads (`torch.nn.functional.scaled_dot_product_attention`, any mask and
 dropout it supports), and a fourth all-to-all turns the output back to
 (B, H, T/cp, D). The all-to-all is a permutation of rows, so its backward is
-the inverse all-to-all (`reference.expert_parallel.all_to_all`): backward moves
+the inverse all-to-all (`reference.comms.functional.all_to_all`): backward moves
 the same four tensors' gradients.
 
 Bytes each rank sends (S = B * H * (T/cp) * D * b, the size of q on one rank;
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from reference.context_parallel.layout import gather_order
 from reference.context_parallel.ring import check_attention_inputs
-from reference.expert_parallel.comms import all_to_all
+from reference.comms.functional import all_to_all
 
 __all__ = ["ulysses_attention", "sequence_to_heads", "heads_to_sequence", "check_heads"]
 

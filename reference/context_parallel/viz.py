@@ -20,7 +20,7 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.colors import ListedColormap
 
-from reference.viz import _Figure
+from reference.viz import NotebookFigure
 
 __all__ = ["plot_memory_vs_length", "plot_ring_messages", "plot_causal_split", "plot_work_per_rank",
            "plot_bytes_per_rank", "rank_colour"]
@@ -32,7 +32,7 @@ def rank_colour(rank: int):
 
 
 def _figure(width: float, height: float, ncols: int = 1):
-    fig = _Figure(figsize=(width, height))
+    fig = NotebookFigure(figsize=(width, height))
     axes = fig.subplots(1, ncols, squeeze=False)[0]
     return fig, list(axes)
 

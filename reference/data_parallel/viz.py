@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 from matplotlib.patches import FancyBboxPatch, Patch
 
-from reference.viz import _CATEGORICAL, _Figure, _fmt_seconds, _lighten
+from reference.viz import CATEGORICAL, NotebookFigure, fmt_seconds, lighten
 
 __all__ = ["OverlapSummary", "summarize_overlap", "plot_overlap", "plot_data_parallel_step",
            "plot_dp_scaling"]
 
 _BACKWARD = "0.55"
-_HIDDEN = _lighten(_CATEGORICAL[0], 0.35)  # light blue: launched while backward still runs
-_EXPOSED = _CATEGORICAL[6]  # red: the step waits for it after backward
+_HIDDEN = lighten(CATEGORICAL[0], 0.35)  # light blue: launched while backward still runs
+_EXPOSED = CATEGORICAL[6]  # red: the step waits for it after backward
 
 
 # ------------------------------------------------------------------- the trace
@@ -113,7 +113,7 @@ def plot_overlap(traces, title: str | None = None, same_clock: bool = False):
         raise ValueError("no traces: pass ddp.trace, or a list of one trace per rank")
     parsed = [_parse(tr) for tr in per_rank]
     n_rows = 1 + max(len(t["buckets"]) for t in parsed)
-    fig = _Figure(figsize=(9, len(parsed) * (0.24 * n_rows + 0.9) + 0.6), layout="constrained")
+    fig = NotebookFigure(figsize=(9, len(parsed) * (0.24 * n_rows + 0.9) + 0.6), layout="constrained")
     axes = fig.subplots(len(parsed), 1, squeeze=False, sharex=True)[:, 0]
     first_forward_end = min(t["forward_end"] for t in parsed)
     for rank, (ax, t, trace) in enumerate(zip(axes, parsed, per_rank)):
@@ -132,8 +132,8 @@ def plot_overlap(traces, title: str | None = None, same_clock: bool = False):
         s = summarize_overlap(trace)
         ax.set_yticks(range(n_rows), ["backward"] + [f"bucket {b}" for b in t["buckets"]], fontsize=8)
         ax.set_ylim(n_rows - 0.4, -0.6)  # backward on top, then bucket 0, 1, ...
-        ax.set_title(f"rank {rank}: backward {_fmt_seconds(s.backward_s)}, {s.launched_in_backward} of "
-                     f"{s.n_buckets} all-reduces launched during it, {_fmt_seconds(s.exposed_s)} "
+        ax.set_title(f"rank {rank}: backward {fmt_seconds(s.backward_s)}, {s.launched_in_backward} of "
+                     f"{s.n_buckets} all-reduces launched during it, {fmt_seconds(s.exposed_s)} "
                      f"waited after it", fontsize=9)
         ax.grid(True, axis="x", alpha=0.3)
         for side in ("top", "right"):
@@ -170,7 +170,7 @@ def plot_data_parallel_step(world_size: int = 4):
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     n = world_size
-    fig = _Figure(figsize=(max(6.0, 2.1 * n + 0.6), 5.0), layout="constrained")
+    fig = NotebookFigure(figsize=(max(6.0, 2.1 * n + 0.6), 5.0), layout="constrained")
     ax = fig.subplots()
     # Bottom y of each row of boxes, top to bottom; boxes are 0.6 high, the all-reduce 0.9.
     y_slice, y_model, y_reduce, y_step = 4.4, 3.3, 1.6, 0.3
@@ -179,7 +179,7 @@ def plot_data_parallel_step(world_size: int = 4):
         return "0" if k == 0 else "B/N" if k == 1 else f"{k}B/N"
 
     for r in range(n):
-        tint = _lighten(_CATEGORICAL[2 * (r % 10)], 0.5)
+        tint = lighten(CATEGORICAL[2 * (r % 10)], 0.5)
         x = r * 2.1
         _box(ax, x, y_slice, 1.8, 0.6, f"rank {r}: batch rows\n[{rows_of(r)}, {rows_of(r + 1)})", tint)
         _box(ax, x, y_model, 1.8, 0.6, "full model (Ψ params)\nforward, backward", "0.92")
@@ -191,7 +191,7 @@ def plot_data_parallel_step(world_size: int = 4):
         _arrow(ax, x + 0.9, y_reduce, y_step + 0.6)
     _box(ax, 0, y_reduce, 2.1 * n - 0.3, 0.9,
          f"all-reduce, then divide by N = {n}:  ḡ = (g_0 + ... + g_{n - 1}) / N\n"
-         "each rank sends 2(N-1)/N · (gradient bytes)", _lighten(_CATEGORICAL[0], 0.6), fontsize=9)
+         "each rank sends 2(N-1)/N · (gradient bytes)", lighten(CATEGORICAL[0], 0.6), fontsize=9)
     ax.set_xlim(-0.15, 2.1 * n + 0.25)
     ax.set_ylim(0.2, 5.1)
     ax.axis("off")
@@ -227,7 +227,7 @@ def plot_dp_scaling(names: Sequence[str], psis: Sequence[int], world_size: int,
     n = world_size
     states = [state_bytes_per_param * p for p in psis]
     sent = [2 * (n - 1) / n * grad_bytes_per_param * p for p in psis]
-    fig = _Figure(figsize=(10, 4.0), layout="constrained")
+    fig = NotebookFigure(figsize=(10, 4.0), layout="constrained")
     ax_mem, ax_net = fig.subplots(1, 2)
     x = range(len(names))
     fits = [s <= device_bytes for s in states]
@@ -236,11 +236,11 @@ def plot_dp_scaling(names: Sequence[str], psis: Sequence[int], world_size: int,
     ax_mem.text(-0.4, device_bytes, f"one device: {_bytes_label(device_bytes)}",
                 ha="left", va="bottom", fontsize=8)
     ax_mem.set_title(f"model states per rank: {state_bytes_per_param}Ψ bytes (any N)", fontsize=10)
-    ax_net.bar(x, sent, color=_lighten(_CATEGORICAL[4], 0.3))
+    ax_net.bar(x, sent, color=lighten(CATEGORICAL[4], 0.3))
     ax_net.set_title(f"sent per rank per step: 2(N-1)/N·{grad_bytes_per_param}Ψ bytes, N = {n}", fontsize=10)
     for i, (s, b) in enumerate(zip(states, sent)):
         ax_mem.text(i, s, _bytes_label(s), ha="center", va="bottom", fontsize=7)
-        label = _bytes_label(b) + (f"\n{_fmt_seconds(cost.time('all_reduce', grad_bytes_per_param * psis[i], n))}"
+        label = _bytes_label(b) + (f"\n{fmt_seconds(cost.time('all_reduce', grad_bytes_per_param * psis[i], n))}"
                                  if cost is not None else "")
         ax_net.text(i, b, label, ha="center", va="bottom", fontsize=7)
     for ax in (ax_mem, ax_net):

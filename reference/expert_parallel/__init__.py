@@ -13,8 +13,9 @@ Where each part lives:
   `ExpertParallelMoE`, which sends each token to the rank holding its expert and
   back; composition with data parallelism (`moe_all_reduce_gradients`: dense
   parameters over dp, experts over the expert-data-parallel group);
-* `reference.expert_parallel.comms`: the all-to-all with its backward, and the
-  bytes it moves per step;
+* `reference.expert_parallel.comms`: the counts exchanged before the all-to-all
+  (`reference.comms.functional.all_to_all`, with its backward), and the bytes it moves
+  per step;
 * `reference.expert_parallel.sequence_parallel`: MoE layers under Megatron sequence
   parallelism (`sequence_parallel_experts`): the sequence gathered over tp and routed
   whole, as one process routes it, this rank's rows kept;
@@ -24,7 +25,7 @@ Where each part lives:
 With E experts on P ranks each rank stores E / P of the expert weights (the
 1/8 of the article's claim at 8 ranks).
 """
-from reference.expert_parallel.comms import all_to_all, all_to_all_bytes_per_step, exchange_counts
+from reference.expert_parallel.comms import all_to_all_bytes_per_step, exchange_counts
 from reference.expert_parallel.moe import (
     Expert, ExpertParallelMoE, MoE, MoEStats, expert_parameters, moe_all_reduce_gradients,
     moe_factory, shard_experts,
@@ -37,5 +38,5 @@ __all__ = [
     "Expert", "MoEStats", "MoE", "ExpertParallelMoE", "moe_factory", "shard_experts",
     "expert_parameters", "moe_all_reduce_gradients",
     "Router", "Routing", "DispatchPlan", "expert_capacity", "sort_by_expert", "combine",
-    "all_to_all", "exchange_counts", "all_to_all_bytes_per_step",
+    "exchange_counts", "all_to_all_bytes_per_step",
 ]

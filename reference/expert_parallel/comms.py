@@ -1,4 +1,4 @@
-"""The all-to-all of expert parallelism, with its backward, and the bytes it moves.
+"""The all-to-all of expert parallelism: the counts it exchanges first, and the bytes it moves.
 
 With expert parallelism the E experts are split over the P ranks of the ``ep``
 group, E / P consecutive experts each (rank r holds experts r*E/P ... ). A
@@ -8,8 +8,9 @@ experts and come back:
 1. ``exchange_counts``: every rank tells every other how many rows it will send
    for each of the receiver's experts (an all-to-all of E integers), so that
    receivers can size their buffers: the splits are uneven and data-dependent.
-2. dispatch: ``all_to_all(rows, recv_splits, send_splits)`` sends the rows,
-   sorted by expert, to their experts' ranks.
+2. dispatch: ``all_to_all(rows, recv_splits, send_splits)`` sends the rows, sorted by
+   expert, to their experts' ranks (`reference.comms.functional.all_to_all`, which
+   Ulysses shares);
 3. the experts run on what arrived.
 4. combine: ``all_to_all(out, send_splits, recv_splits)``, the same exchange
    with the splits swapped, returns each result to its token's rank.
@@ -36,44 +37,12 @@ of S tokens sends k * S * (P - 1) / P rows to the others.
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 import torch.distributed as dist
 
 from reference import comms
 
-__all__ = ["all_to_all", "exchange_counts", "all_to_all_bytes_per_step"]
-
-
-class _AllToAll(torch.autograd.Function):
-    """Rows (sum(input_splits), C) -> rows (sum(output_splits), C) across the group."""
-
-    @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):
-        ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
-        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
-        comms.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        # The inverse permutation: every row's gradient goes back to where the row came from.
-        grad_in = grad_out.new_empty((sum(ctx.input_splits),) + tuple(grad_out.shape[1:]))
-        comms.all_to_all_single(grad_in, grad_out.contiguous(), ctx.input_splits,
-                                ctx.output_splits, group=ctx.group)
-        return grad_in, None, None, None
-
-
-def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
-               group=None) -> torch.Tensor:
-    """Differentiable all-to-all with uneven splits.
-
-    Rank r sends rows ``input_splits[d]`` (a block of consecutive rows) to group
-    rank d, and receives ``output_splits[s]`` rows from group rank s, stacked in
-    source order. Every rank of `group` must call it, with matching splits.
-    """
-    return _AllToAll.apply(x, [int(n) for n in output_splits], [int(n) for n in input_splits], group)
+__all__ = ["exchange_counts", "all_to_all_bytes_per_step"]
 
 
 def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:

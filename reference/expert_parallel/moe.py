@@ -11,7 +11,7 @@ with E while each token still pays for only k MLPs.
   (``ep``) group, E / P consecutive experts per rank, so each rank stores 1/P
   of the expert weights. Each rank routes its own tokens, sends them to the
   ranks holding their experts with an all-to-all, runs its experts on what it
-  received and sends the results back (`reference.expert_parallel.comms`).
+  received and sends the results back (`reference.comms.functional.all_to_all`, `reference.expert_parallel.comms`).
   ``ExpertParallelMoE.from_dense(moe, group)`` copies a `MoE`'s weights, so its
   results equal the oracle's.
 
@@ -34,12 +34,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from reference import comms
-from reference.expert_parallel.comms import all_to_all, exchange_counts
+from reference.comms.functional import all_to_all
+from reference.expert_parallel.comms import exchange_counts
 from reference.model import MLP, GPTConfig, init_weights
 from reference.tensor_parallel.layers import check_init_seed, linear_init_
 from reference.expert_parallel.router import Router, check_routing_args, combine, sort_by_expert
 
-__all__ = ["Expert", "MoEStats", "MoE", "ExpertParallelMoE", "moe_factory", "shard_experts",
+__all__ = ["Expert", "MoEStats", "MoELayer", "MoE", "ExpertParallelMoE", "moe_factory", "shard_experts",
            "expert_parameters", "moe_all_reduce_gradients"]
 
 
@@ -80,7 +81,7 @@ def _as_groups(x: torch.Tensor, d_model: int) -> torch.Tensor:
     return x if x.dim() == 3 else x.unsqueeze(0)
 
 
-class _MoELayer(nn.Module):
+class MoELayer(nn.Module):
     """What the oracle and the expert-parallel layer share: router, shared expert, forward."""
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, k: int = 2,
@@ -131,7 +132,7 @@ class _MoELayer(nn.Module):
         raise NotImplementedError
 
 
-class MoE(_MoELayer):
+class MoE(MoELayer):
     """Single-process mixture-of-experts feed-forward layer: the oracle.
 
     ``MoE(d_model, d_ff, n_experts, k=2, capacity_factor=1.25)``; see
@@ -147,7 +148,7 @@ class MoE(_MoELayer):
         return torch.cat([expert(block) for expert, block in zip(self.experts, blocks)]), {}
 
 
-class ExpertParallelMoE(_MoELayer):
+class ExpertParallelMoE(MoELayer):
     """The MoE with its experts split over the ranks of `group` (the ep group).
 
     Group rank r holds experts ``r * E / P ... (r + 1) * E / P - 1`` (``expert_ids``);
@@ -277,7 +278,7 @@ def shard_experts(model: nn.Module, group=None) -> nn.Module:
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters of the experts of every MoE layer in `model` (not router, not shared expert)."""
-    return [p for m in model.modules() if isinstance(m, _MoELayer) for p in m.experts.parameters()]
+    return [p for m in model.modules() if isinstance(m, MoELayer) for p in m.experts.parameters()]
 
 
 def moe_all_reduce_gradients(model: nn.Module, dp_group, edp_group) -> None:

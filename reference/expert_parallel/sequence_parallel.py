@@ -66,9 +66,9 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def _is_moe(module: nn.Module) -> bool:
-    from reference.expert_parallel.moe import _MoELayer
+    from reference.expert_parallel.moe import MoELayer
 
-    return isinstance(module, _MoELayer)
+    return isinstance(module, MoELayer)
 
 
 def sequence_parallel_experts(model: nn.Module, group) -> int:

@@ -14,15 +14,15 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from reference.viz import _Figure, _fmt_bytes
+from reference.viz import NotebookFigure, fmt_bytes
 
 __all__ = ["plot_tokens_per_expert", "plot_routing", "plot_all_to_all", "plot_expert_memory"]
 
-# Counts may be a list, a numpy array or a torch tensor (converted with _array).
+# Counts may be a list, a numpy array or a torch tensor (converted with as_array).
 Counts = Union[Sequence[int], np.ndarray]
 
 
-def _array(x) -> np.ndarray:
+def as_array(x) -> np.ndarray:
     if hasattr(x, "detach"):
         x = x.detach().cpu().numpy()
     return np.asarray(x)
@@ -37,9 +37,9 @@ def plot_tokens_per_expert(counts: Union[Counts, Mapping[str, Counts]], *,
     The dotted line is the perfectly balanced load, total / E.
     """
     series = dict(counts) if isinstance(counts, Mapping) else {"tokens": counts}
-    series = {label: _array(c).reshape(-1) for label, c in series.items()}
+    series = {label: as_array(c).reshape(-1) for label, c in series.items()}
     n_experts = max(len(c) for c in series.values())
-    fig = _Figure(figsize=(max(5.0, 0.45 * n_experts * len(series) + 2.0), 3.4), layout="constrained")
+    fig = NotebookFigure(figsize=(max(5.0, 0.45 * n_experts * len(series) + 2.0), 3.4), layout="constrained")
     ax = fig.add_subplot()
     width = 0.8 / len(series)
     colours = colormaps["tab10"].colors
@@ -66,13 +66,13 @@ def plot_routing(expert_idx: Counts, kept: Optional[Counts] = None, n_experts: O
     first choice is a dark cell, a second a lighter one (and so on); an
     assignment dropped at capacity is crossed out.
     """
-    idx = _array(expert_idx)
+    idx = as_array(expert_idx)
     if idx.ndim != 2:
         raise ValueError(f"expert_idx must be (T, k) for one sequence, got shape {idx.shape}")
-    keep = np.ones_like(idx, dtype=bool) if kept is None else _array(kept).astype(bool)
+    keep = np.ones_like(idx, dtype=bool) if kept is None else as_array(kept).astype(bool)
     T, k = idx.shape
     E = int(idx.max()) + 1 if n_experts is None else n_experts
-    fig = _Figure(figsize=(max(4.0, 0.3 * T + 1.5), max(2.0, 0.3 * E + 1.0)), layout="constrained")
+    fig = NotebookFigure(figsize=(max(4.0, 0.3 * T + 1.5), max(2.0, 0.3 * E + 1.0)), layout="constrained")
     ax = fig.add_subplot()
     shades = colormaps["Blues"](np.linspace(0.85, 0.35, k))
     for t in range(T):
@@ -99,11 +99,11 @@ def plot_all_to_all(send_counts: Counts, *, title: str = "all-to-all: rows sent"
     The diagonal stays on its rank and costs no communication; the combine
     sends the transpose back.
     """
-    m = _array(send_counts)
+    m = as_array(send_counts)
     if m.ndim != 2 or m.shape[0] != m.shape[1]:
         raise ValueError(f"send_counts must be a square (P, P) matrix, got shape {m.shape}")
     P = m.shape[0]
-    fig = _Figure(figsize=(1.0 * P + 2.2, 0.9 * P + 1.2), layout="constrained")
+    fig = NotebookFigure(figsize=(1.0 * P + 2.2, 0.9 * P + 1.2), layout="constrained")
     ax = fig.add_subplot()
     image = ax.imshow(m, cmap="Oranges", vmin=0)
     for s in range(P):
@@ -121,16 +121,16 @@ def plot_all_to_all(send_counts: Counts, *, title: str = "all-to-all: rows sent"
 def plot_expert_memory(expert_bytes: Sequence[int], dense_bytes: Sequence[int], *,
                        title: str = "parameter bytes per rank") -> Figure:
     """Stacked bars per rank: expert parameters (split by ep) over the replicated dense ones."""
-    experts, dense = _array(expert_bytes).reshape(-1), _array(dense_bytes).reshape(-1)
+    experts, dense = as_array(expert_bytes).reshape(-1), as_array(dense_bytes).reshape(-1)
     if experts.shape != dense.shape:
         raise ValueError(f"one value per rank in each: {experts.shape} expert vs {dense.shape} dense")
     ranks = np.arange(len(experts))
-    fig = _Figure(figsize=(max(4.0, 0.6 * len(ranks) + 2.0), 3.2), layout="constrained")
+    fig = NotebookFigure(figsize=(max(4.0, 0.6 * len(ranks) + 2.0), 3.2), layout="constrained")
     ax = fig.add_subplot()
     ax.bar(ranks, dense, color="#9e9e9e", label="dense (replicated)")
     ax.bar(ranks, experts, bottom=dense, color="#e6851e", label="experts (split)")
     for r in ranks:
-        ax.text(r, dense[r] + experts[r], _fmt_bytes(dense[r] + experts[r]), ha="center",
+        ax.text(r, dense[r] + experts[r], fmt_bytes(dense[r] + experts[r]), ha="center",
                 va="bottom", fontsize=7)
     ax.set_xticks(ranks, [str(r) for r in ranks])
     ax.set_xlabel("rank")

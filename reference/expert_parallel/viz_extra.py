@@ -19,8 +19,8 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from reference.expert_parallel.viz import _array
-from reference.viz import _Figure
+from reference.expert_parallel.viz import as_array
+from reference.viz import NotebookFigure
 
 __all__ = ["plot_gate", "plot_balance_history"]
 
@@ -33,13 +33,13 @@ def plot_gate(probs, expert_idx, weights, *, title: str = "the gate: softmax, th
     cell is framed (thick for the first choice) and shows its weight, so
     renormalisation is visible: a token's framed numbers sum to 1 when k > 1.
     """
-    p, idx, w = _array(probs), _array(expert_idx), _array(weights)
+    p, idx, w = as_array(probs), as_array(expert_idx), as_array(weights)
     if p.ndim != 2 or idx.ndim != 2 or idx.shape != w.shape or idx.shape[0] != p.shape[0]:
         raise ValueError(f"expected probs (T, E), expert_idx and weights (T, k); got shapes "
                          f"{p.shape}, {idx.shape}, {w.shape}")
     T, E = p.shape
     k = idx.shape[1]
-    fig = _Figure(figsize=(max(4.5, 0.42 * T + 2.0), max(2.2, 0.38 * E + 1.2)), layout="constrained")
+    fig = NotebookFigure(figsize=(max(4.5, 0.42 * T + 2.0), max(2.2, 0.38 * E + 1.2)), layout="constrained")
     ax = fig.add_subplot()
     image = ax.imshow(p.T, cmap="Greys", vmin=0, vmax=1, aspect="auto")  # (E, T): experts down, tokens across
     shades = colormaps["Blues"](np.linspace(0.95, 0.55, k))
@@ -67,7 +67,7 @@ def plot_balance_history(loads: Mapping[str, Sequence], balance_loss: Optional[M
     step (1 is perfect balance) and, when given, each run's load-balancing loss
     per step (1 for uniform routing, E when every token picks one expert).
     """
-    runs = {name: _array(l).astype(float) for name, l in loads.items()}
+    runs = {name: as_array(l).astype(float) for name, l in loads.items()}
     for name, l in runs.items():
         if l.ndim != 2:
             raise ValueError(f"loads[{name!r}] must be (steps, E), got shape {l.shape}")
@@ -75,7 +75,7 @@ def plot_balance_history(loads: Mapping[str, Sequence], balance_loss: Optional[M
     n_curves = 1 if balance_loss is None else 2
     # Heat maps on the top row, curves on the bottom row, all sharing the step axis.
     ncols = max(len(runs), n_curves)
-    fig = _Figure(figsize=(4.2 * ncols, 6.0), layout="constrained")
+    fig = NotebookFigure(figsize=(4.2 * ncols, 6.0), layout="constrained")
     grid = fig.add_gridspec(2, ncols)
     heat_axes = [fig.add_subplot(grid[0, j]) for j in range(len(runs))]
     curve_axes = [fig.add_subplot(grid[1, j]) for j in range(n_curves)]
@@ -97,7 +97,7 @@ def plot_balance_history(loads: Mapping[str, Sequence], balance_loss: Optional[M
     if balance_loss is not None:
         ax = curve_axes[1]
         for j, (name, values) in enumerate(balance_loss.items()):
-            ax.plot(_array(values).reshape(-1), color=colours[j], label=name)
+            ax.plot(as_array(values).reshape(-1), color=colours[j], label=name)
         ax.axhline(1.0, color="black", ls=":", lw=1)
         ax.set_xlabel("step")
         ax.set_ylabel("balance loss")

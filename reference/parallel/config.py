@@ -35,7 +35,7 @@ one block whole instead of the whole stage and its gradients. **The defaults dif
 course to False (gather once per step), which is what
 torchtitan picks under a pipeline. Refused with True: anything but composed ZeRO-3
 (zero_stage 3 with dp x cp > 1, not `zero3_by_blocks`, which already gathers each block
-per micro-batch) and experts (see `_problems`).
+per micro-batch) and experts (see `problems`).
 
 Context parallelism (`cp`, `cp_kind`): the cp ranks of one dp rank split each sequence
 (`reference.context_parallel`); "ring" attention needs T divisible by 2 cp (the zig-zag
@@ -171,13 +171,15 @@ class ParallelConfig:
 
         ``model_config`` a `GPTConfig`; ``batch`` the global batch size B or (B, T);
         ``n_experts`` the experts per MoE layer (None: a dense model). Returns self."""
-        problems = self._problems(world_size, model_config, batch, n_experts)
+        problems = self.problems(world_size, model_config, batch, n_experts)
         if problems:
             raise ValueError(f"invalid parallel configuration ({self}, world_size={world_size}):\n  - "
                              + "\n  - ".join(problems))
         return self
 
-    def _problems(self, world_size, cfg, batch, n_experts) -> list[str]:
+    def problems(self, world_size, cfg, batch, n_experts) -> list[str]:
+        """Every inconsistency, each a sentence naming the values involved (empty: valid);
+        `validate` raises with all of them, the sweep and the explorer only ask."""
         out = []
         ints = dict(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp,
                     virtual_stages=self.virtual_stages, microbatches=self.microbatches)

@@ -94,7 +94,7 @@ def feasible_configs(model: GPTConfig, n_gpus: int, gpus_per_node: int = 8,
                                       sequence_parallel=sp, activation_checkpointing=ckpt,
                                       precision="bf16")
                 for config in _reshard_options(base):
-                    if config._problems(n_gpus, model, batch, n_experts):
+                    if config.problems(n_gpus, model, batch, n_experts):
                         continue  # only what `ParallelConfig.validate` accepts
                     row = _row(model, config, micro_batch, global_batch, n_experts, hardware)
                     if row["estimate"].fits(device_bytes):

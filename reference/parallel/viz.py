@@ -13,12 +13,12 @@ from typing import Optional, Sequence
 
 from matplotlib.patches import Patch, Rectangle
 
-from reference.viz import _CATEGORICAL, _Figure, _lighten
+from reference.viz import CATEGORICAL, NotebookFigure, lighten
 
 __all__ = ["plot_step", "plot_bubble_against_m", "plot_memory_breakdown"]
 
-_KIND_COLOURS = {"F": _CATEGORICAL[1], "B": _CATEGORICAL[0], "SEND": (0.45,) * 3, "RECV": (0.7,) * 3,
-                 "reduce": _CATEGORICAL[6], "optimizer": _CATEGORICAL[4]}
+_KIND_COLOURS = {"F": CATEGORICAL[1], "B": CATEGORICAL[0], "SEND": (0.45,) * 3, "RECV": (0.7,) * 3,
+                 "reduce": CATEGORICAL[6], "optimizer": CATEGORICAL[4]}
 _KIND_NAMES = {"F": "forward", "B": "backward", "SEND": "send", "RECV": "receive",
                "reduce": "gradient reduction (tp, dp)", "optimizer": "optimizer step"}
 
@@ -28,7 +28,7 @@ def plot_step(traces: Sequence[Sequence], mesh=None, title: Optional[str] = None
     if not traces or not any(traces):
         raise ValueError("no events to draw: pass every rank's StepResult.trace")
     span = max(e.end for row in traces for e in row) or 1.0
-    fig = _Figure(figsize=(11, 0.45 * len(traces) + 1.6))
+    fig = NotebookFigure(figsize=(11, 0.45 * len(traces) + 1.6))
     ax = fig.add_subplot()
     for r, row in enumerate(traces):
         for e in row:
@@ -36,7 +36,7 @@ def plot_step(traces: Sequence[Sequence], mesh=None, title: Optional[str] = None
             thin = e.kind in ("SEND", "RECV")
             y, h = (r + 0.35, 0.3) if thin else (r + 0.1, 0.8)
             ax.add_patch(Rectangle((e.start, y), max(e.end - e.start, span * 1e-3), h,
-                                   facecolor=colour if not thin else _lighten(colour, 0.1),
+                                   facecolor=colour if not thin else lighten(colour, 0.1),
                                    edgecolor="black" if not thin else "none", lw=0.4))
             if e.kind in ("F", "B") and (e.end - e.start) / span > 0.03:
                 ax.text((e.start + e.end) / 2, r + 0.5, e.label.split(".")[0], ha="center",
@@ -66,10 +66,10 @@ def plot_step(traces: Sequence[Sequence], mesh=None, title: Optional[str] = None
 
 def plot_bubble_against_m(pp: int, ms: Sequence[int], virtual: int = 1, title: Optional[str] = None):
     """(pp - 1) / (v m + pp - 1) for each m: the idle share of a pipeline of pp stages."""
-    fig = _Figure(figsize=(6, 3.4))
+    fig = NotebookFigure(figsize=(6, 3.4))
     ax = fig.add_subplot()
     bubbles = [(pp - 1) / (virtual * m + pp - 1) for m in ms]
-    ax.plot(ms, bubbles, "o-", color=_CATEGORICAL[0])
+    ax.plot(ms, bubbles, "o-", color=CATEGORICAL[0])
     for m, b in zip(ms, bubbles):
         ax.annotate(f"{b:.0%}", (m, b), textcoords="offset points", xytext=(0, 6), ha="center",
                     fontsize=7)
@@ -86,7 +86,7 @@ def plot_bubble_against_m(pp: int, ms: Sequence[int], virtual: int = 1, title: O
 
 def plot_memory_breakdown(estimates: dict, device_bytes: float = 80e9, title: Optional[str] = None):
     """``estimates``: {label: `Estimate`}; stacked bars in GB per GPU and the device's line."""
-    fig = _Figure(figsize=(max(6, 1.3 * len(estimates) + 3), 3.8))
+    fig = NotebookFigure(figsize=(max(6, 1.3 * len(estimates) + 3), 3.8))
     ax = fig.add_subplot()
     parts = [("parameters", lambda e: e.model_states.params), ("gradients", lambda e: e.model_states.grads),
              ("optimizer state", lambda e: e.model_states.optimizer_state),
@@ -95,7 +95,7 @@ def plot_memory_breakdown(estimates: dict, device_bytes: float = 80e9, title: Op
     bottoms = [0.0] * len(labels)
     for i, (name, get) in enumerate(parts):
         values = [get(estimates[k]) / 1e9 for k in labels]
-        ax.bar(range(len(labels)), values, bottom=bottoms, color=_CATEGORICAL[2 * i], label=name)
+        ax.bar(range(len(labels)), values, bottom=bottoms, color=CATEGORICAL[2 * i], label=name)
         bottoms = [b + v for b, v in zip(bottoms, values)]
     for x, total in enumerate(bottoms):
         ax.text(x, total, f"{total:.0f} GB", ha="center", va="bottom", fontsize=8)

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 from matplotlib.patches import Patch, Rectangle
 
 from reference.pipeline_parallel.check import bubble_of
-from reference.viz import _CATEGORICAL, _Figure, _lighten
+from reference.viz import CATEGORICAL, NotebookFigure, lighten
 
 __all__ = ["plot_timeline", "plot_bubble_curve", "plot_stage_balance"]
 
@@ -27,7 +27,7 @@ _HATCHES = ["", "//", "..", "xx", "\\\\", "++", "oo", "--"]
 def _new_axes(ax, size):
     if ax is not None:
         return ax.figure, ax
-    fig = _Figure(figsize=size)
+    fig = NotebookFigure(figsize=size)
     return fig, fig.add_subplot()
 
 
@@ -51,8 +51,8 @@ def plot_timeline(timeline, title: Optional[str] = None, ax=None, xlabel: str = 
     for e in events:
         a, x, w = e.action, e.start - t0, e.end - e.start
         if a.op in ("F", "B"):
-            rgb = _CATEGORICAL[2 * (a.mb % (len(_CATEGORICAL) // 2))]
-            face = _lighten(rgb, 0.55) if a.op == "F" else _lighten(rgb, 0.05)
+            rgb = CATEGORICAL[2 * (a.mb % (len(CATEGORICAL) // 2))]
+            face = lighten(rgb, 0.55) if a.op == "F" else lighten(rgb, 0.05)
             ax.add_patch(Rectangle((x, e.rank + 0.1), w, 0.8, facecolor=face, edgecolor="black",
                                    lw=0.6, hatch=_HATCHES[a.chunk % len(_HATCHES)]))
             if fontsize and w / span > 0.012:
@@ -88,7 +88,7 @@ def plot_bubble_curve(ms: Sequence[int], measured: dict, pp: int, formula=None, 
     fine = [ms[0] + (ms[-1] - ms[0]) * i / 200 for i in range(201)]
     ax.plot(fine, [formula(m) for m in fine], color="black", lw=1.2, label="(p-1)/(m+p-1)")
     for i, (label, values) in enumerate(measured.items()):
-        ax.plot(ms, values, "o--", color=_CATEGORICAL[2 * i], label=label)
+        ax.plot(ms, values, "o--", color=CATEGORICAL[2 * i], label=label)
     ax.set_xlabel("micro-batches m")
     ax.set_ylabel("bubble fraction")
     ax.set_ylim(0, 1)
@@ -104,12 +104,12 @@ def plot_stage_balance(costs: dict, pp: int, m: int):
     right, what it holds at the 1F1B peak (memory balance): its model states, 16
     bytes a parameter (fp32 AdamW), and min(m, pp - r) micro-batches' stored
     activations on rank r."""
-    fig = _Figure(figsize=(9, 1.7 * len(costs) + 0.6), layout="constrained")
+    fig = NotebookFigure(figsize=(9, 1.7 * len(costs) + 0.6), layout="constrained")
     axes = fig.subplots(len(costs), 2, squeeze=False, sharex="col")
-    states_c, act_c = _CATEGORICAL[0], _CATEGORICAL[2]
+    states_c, act_c = CATEGORICAL[0], CATEGORICAL[2]
     for (label, stages), (ax_t, ax_m) in zip(costs.items(), axes):
         ranks = range(len(stages))
-        ax_t.barh(ranks, [c.flops / 1e6 for c in stages], color=_CATEGORICAL[6])
+        ax_t.barh(ranks, [c.flops / 1e6 for c in stages], color=CATEGORICAL[6])
         states = [16 * c.params / 1e6 for c in stages]
         acts = [min(m, pp - r) * c.stored_bytes / 1e6 for r, c in zip(ranks, stages)]
         ax_m.barh(ranks, states, color=states_c, label="model states (16 B a parameter)")

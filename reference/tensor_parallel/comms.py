@@ -37,21 +37,24 @@ import torch
 import torch.distributed as dist
 
 from reference import comms
+from reference.comms.functional import all_gather_along
 
 __all__ = [
     "SEQ_DIM",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region", "f", "g",
+    "CopyToRegion", "ReduceFromRegion",
     "gather_from_tensor_parallel_region", "scatter_to_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
-    "all_gather_along", "reduce_scatter_along", "split_along",
+    "reduce_scatter_along", "split_along",
 ]
 
 SEQ_DIM = 1  # activations are (B, T, C)
 
 
 # ---------------------------------------------------------------------------
-# The collectives along one dimension (no autograd; used by the functions below)
+# The collectives along one dimension (no autograd; used by the functions below; the
+# all-gather, which context parallelism uses too, is `reference.comms.functional`'s)
 # ---------------------------------------------------------------------------
 def _size(group) -> int:
     return dist.get_world_size(group)
@@ -64,18 +67,6 @@ def _check_divisible(x: torch.Tensor, dim: int, n: int, what: str) -> None:
             f"{x.shape[dim]} does not divide by the tensor-parallel size tp={n}"
             + (" (sequence parallelism needs the sequence length to divide by tp)"
                if dim == SEQ_DIM else ""))
-
-
-def all_gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Concatenate every rank's `x` along `dim`, rank order: (.., n, ..) -> (.., tp * n, ..)."""
-    n = _size(group)
-    if n == 1:
-        return x
-    # all_gather_into_tensor concatenates along dim 0: move `dim` there and back.
-    x0 = x.movedim(dim, 0).contiguous()
-    out = x0.new_empty((n * x0.shape[0],) + x0.shape[1:])
-    comms.all_gather_into_tensor(out, x0, group=group)
-    return out.movedim(0, dim).contiguous()
 
 
 def reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -111,7 +102,7 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 # Megatron's f and g
 # ---------------------------------------------------------------------------
-class _CopyToRegion(torch.autograd.Function):
+class CopyToRegion(torch.autograd.Function):
     """f: identity forward, all-reduce backward."""
 
     @staticmethod
@@ -124,7 +115,7 @@ class _CopyToRegion(torch.autograd.Function):
         return _all_reduce(grad, ctx.group), None
 
 
-class _ReduceFromRegion(torch.autograd.Function):
+class ReduceFromRegion(torch.autograd.Function):
     """g: all-reduce forward, identity backward."""
 
     @staticmethod
@@ -138,12 +129,12 @@ class _ReduceFromRegion(torch.autograd.Function):
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Megatron's f, placed where a replicated tensor enters a TP region: (..) -> (..)."""
-    return _CopyToRegion.apply(x, group)
+    return CopyToRegion.apply(x, group)
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Megatron's g, placed where partial sums leave a TP region: (..) -> (..) summed."""
-    return _ReduceFromRegion.apply(x, group)
+    return ReduceFromRegion.apply(x, group)
 
 
 f = copy_to_tensor_parallel_region

@@ -43,9 +43,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from reference.comms.functional import all_gather_along
 from reference.tensor_parallel.comms import (
     SEQ_DIM,
-    all_gather_along,
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,

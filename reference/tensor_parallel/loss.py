@@ -57,7 +57,7 @@ from reference.tensor_parallel.cut import record_cut
 from reference.tensor_parallel.layers import ColumnParallelLinear
 
 __all__ = ["VocabParallelEmbedding", "VocabParallelLMHead", "vocab_parallel_cross_entropy",
-           "padded_vocab_size"]
+           "VocabParallelCrossEntropy", "padded_vocab_size"]
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -125,7 +125,7 @@ class VocabParallelEmbedding(nn.Module):
                 f"[{self.vocab_start_index}, {self.vocab_end_index})), {self.embedding_dim}, tp={self.tp}")
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
+class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_start, vocab_size, ignore_index):
         # logits (N, V_local): this rank's columns, any float dtype; targets (N,) global ids.
@@ -191,7 +191,7 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
         raise ValueError(f"logits {tuple(logits_shard.shape)} and targets {tuple(targets.shape)} "
                          f"must agree on every dimension but the last")
     _check_ids(targets, vocab_size, "targets", ignore_index)
-    losses = _VocabParallelCrossEntropy.apply(
+    losses = VocabParallelCrossEntropy.apply(
         logits_shard.reshape(-1, v_local), targets.reshape(-1), group, tp_rank * v_local,
         vocab_size, ignore_index)
     losses = losses.view(targets.shape)  # fp32

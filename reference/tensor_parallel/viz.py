@@ -29,13 +29,13 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from reference.viz import _Figure, _fmt_bytes, _lighten
+from reference.viz import NotebookFigure, fmt_bytes, lighten
 
 __all__ = ["KINDS", "HeldBlocks", "split_layout", "plot_matrix_split", "plot_activation_memory"]
 
 KINDS = ("column", "row")
 
-_RANK_COLOURS = [_lighten(c, 0.35) for c in colormaps["tab10"].colors]
+_RANK_COLOURS = [lighten(c, 0.35) for c in colormaps["tab10"].colors]
 _SHARED = "#d9d9d9"  # a block every rank holds (replicated), or the sum of every rank's part
 
 
@@ -124,7 +124,7 @@ def plot_matrix_split(kind: str, tp: int = 2, t: int = 4, k: int = 8, n: int = 8
     """
     layout = split_layout(kind, tp, t, k, n)
     shapes = {"X": (t, k), "A": (k, n), "Y": (t, n)}
-    fig = _Figure(figsize=(1.2 + 0.32 * (k + 2 * n), 0.5 + 0.3 * (tp + 1) * max(t, k) + 0.4 * tp),
+    fig = NotebookFigure(figsize=(1.2 + 0.32 * (k + 2 * n), 0.5 + 0.3 * (tp + 1) * max(t, k) + 0.4 * tp),
                   layout="constrained")
     axes = fig.subplots(tp + 1, 3, squeeze=False, gridspec_kw=dict(width_ratios=[k, n, n]))
     titles = {"X": f"X  ({t} × {k})", "A": f"A = weightᵀ  ({k} × {n})", "Y": f"Y = X A  ({t} × {n})"}
@@ -191,7 +191,7 @@ def plot_activation_memory(tps: Sequence[int], measured: Mapping[str, Sequence[f
     scale = float(unit_bytes) if unit_bytes else 1.0
     modes = list(measured)
     width = 0.8 / len(modes)
-    fig = _Figure(figsize=(max(5.5, 1.6 + 1.2 * len(tps) * len(modes) * 0.6), 3.8), layout="constrained")
+    fig = NotebookFigure(figsize=(max(5.5, 1.6 + 1.2 * len(tps) * len(modes) * 0.6), 3.8), layout="constrained")
     ax = fig.subplots()
     colours = colormaps["tab10"].colors
     top, formula_in_legend = 0.0, False
@@ -199,10 +199,10 @@ def plot_activation_memory(tps: Sequence[int], measured: Mapping[str, Sequence[f
         for g, tp in enumerate(tps):
             x = g + (i - (len(modes) - 1) / 2) * width
             height = float(measured[mode][g]) / scale
-            bar = ax.bar(x, height, width * 0.92, color=_lighten(colours[i % 10], 0.25),
+            bar = ax.bar(x, height, width * 0.92, color=lighten(colours[i % 10], 0.25),
                          edgecolor="black", lw=0.6, label=mode if g == 0 else None)[0]
             bar.set_gid(f"{mode} @ tp={tp}")
-            label = f"{height:.3g}" if unit_bytes else _fmt_bytes(height)
+            label = f"{height:.3g}" if unit_bytes else fmt_bytes(height)
             ax.text(x, height, label, ha="center", va="bottom", fontsize=7)
             top = max(top, height)
             if predicted and mode in predicted:

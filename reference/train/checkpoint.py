@@ -66,7 +66,7 @@ from reference.train.checkpoint_publish import (CheckpointNotPublishedError,
                                                 check_checkpoint_dir, publish)
 from reference.train.checkpoint_planners import ShardLoadPlanner, ShardSavePlanner
 from reference.train.checkpoint_shards import check_shapes, load_boxes, save_boxes
-from reference.train.reshard import _load_optimizer_local_state
+from reference.train.reshard import load_optimizer_local_state
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_checkpoint",
            "check_checkpoint_dir", "CorruptCheckpointError", "CheckpointNotPublishedError",
@@ -299,7 +299,7 @@ def load_checkpoint(path, pm, optimizer, *, scheduler=None, scaler=None) -> dict
         raise _corrupt(path, _read_error(err)) from None
     last_bytes.update(read=planner.read, allocated=allocated)
     if optimizer is not None:
-        _load_optimizer_local_state(pm, optimizer, finish(), hyper, flat=True)
+        load_optimizer_local_state(pm, optimizer, finish(), hyper, flat=True)
     if scheduler is not None:
         scheduler.load_state_dict(scheduler_state)
     if scaler is not None:

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from reference.train.reshard import _flat_groups, entries
+from reference.train.reshard import flat_groups, entries
 
 __all__ = ["PER_GROUP", "local_groups", "merge_groups", "resolve_groups"]
 
@@ -51,7 +51,7 @@ def _group_names(pm, optimizer) -> list[list[str]]:
     """For each param group of ``optimizer``, the plain-GPT names of the parameters it updates
     (a flat shard of ZeRO-1/2 or FSDP stands for every parameter laid out in it)."""
     name_of = {id(e.param): e.name for e in entries(pm)}
-    flat = {id(shard): params for shard, _, params, _, _ in _flat_groups(pm, optimizer)}
+    flat = {id(shard): params for shard, _, params, _, _ in flat_groups(pm, optimizer)}
     out = []
     for i, group in enumerate(optimizer.param_groups):
         names = set()

@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from reference.train.reshard import (Entry, _flat_groups, _is_head, _sharded, entries, full_shape,
-                                     full_shapes)
+from reference.train.reshard import (Entry, entries, flat_groups, full_shape, full_shapes, is_head,
+                                     is_sharded)
 
 __all__ = ["Holding", "weight_holdings", "state_holdings", "pieces", "check_shapes", "save_boxes",
            "load_boxes"]
@@ -131,7 +131,7 @@ def pieces(pm, h: Holding, t: torch.Tensor) -> list[Box]:
 # ---------------------------------------------------------------------- what a rank holds
 def skip_tied_head(pm, e: Entry) -> bool:
     """The last stage's copy of a weight tied to the embedding: the first stage's is saved."""
-    return _is_head(e) and e.name != e.local and pm.mesh.pp > 1
+    return is_head(e) and e.name != e.local and pm.mesh.pp > 1
 
 
 def weight_holdings(pm) -> list[tuple[Holding, torch.Tensor]]:
@@ -140,7 +140,7 @@ def weight_holdings(pm) -> list[tuple[Holding, torch.Tensor]]:
     if pm.fsdp is None:
         out = []
         for e in es:
-            if _sharded(pm, e.param):
+            if is_sharded(pm, e.param):
                 shape = tuple(pm.sharded.full_shape(e.param))
                 out.append((Holding(e, shape, "rows", pm.sharded.rank_of(e.param) * e.param.shape[0]), e.param))
             else:
@@ -167,7 +167,7 @@ def _flat_holdings(by_id, layout, params, shapes, rank, shard) -> list[tuple[Hol
 def state_holdings(pm, optimizer) -> list[tuple[Holding, torch.Tensor]]:
     """(holding, the optimizer's parameter whose state holds it) for each parameter: a flat
     shard under ZeRO-1/2 and FSDP, else the parameter itself (whole, or rows under ZeRO-3)."""
-    groups = _flat_groups(pm, optimizer)
+    groups = flat_groups(pm, optimizer)
     if not groups:
         return [(h, t) for h, t in weight_holdings(pm)]
     by_id = {id(e.param): e for e in entries(pm)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from reference.viz import _CATEGORICAL, _Figure
+from reference.viz import CATEGORICAL, NotebookFigure
 
 __all__ = ["read_log", "plot_log"]
 
@@ -29,9 +29,9 @@ def read_log(path) -> list[dict]:
 def plot_log(records: list[dict], title: str = "training run"):
     """Loss (left axis) and tokens per second (right axis) against the step."""
     steps = [r["step"] for r in records]
-    fig = _Figure(figsize=(7.5, 3.6))
+    fig = NotebookFigure(figsize=(7.5, 3.6))
     ax = fig.add_subplot()
-    ax.plot(steps, [r["loss"] for r in records], "o-", ms=3, color=_CATEGORICAL[0], label="loss")
+    ax.plot(steps, [r["loss"] for r in records], "o-", ms=3, color=CATEGORICAL[0], label="loss")
     skipped = [r["step"] for r in records if r.get("skipped")]
     if skipped:
         ax.plot(skipped, [r["loss"] for r in records if r.get("skipped")], "x", color="red",
@@ -39,7 +39,7 @@ def plot_log(records: list[dict], title: str = "training run"):
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     right = ax.twinx()
-    right.plot(steps, [r["tokens_per_s"] for r in records], "-", lw=1, color=_CATEGORICAL[4],
+    right.plot(steps, [r["tokens_per_s"] for r in records], "-", lw=1, color=CATEGORICAL[4],
                label="tokens / s")
     right.set_ylabel("tokens / s")
     right.set_ylim(0, max(r["tokens_per_s"] for r in records) * 1.3)

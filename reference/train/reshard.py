@@ -11,7 +11,7 @@ parameter's whole shape:
                              plain-GPT name (experts by global id), the owning module
     full_shape(pm, e, shape) the whole tensor's shape, from this rank's slice of it
     full_shapes(pm)          every parameter's whole shape, on every rank (collective)
-    _flat_groups / _load_optimizer_local_state
+    flat_groups / load_optimizer_local_state
                              ZeRO-1/2 and FSDP's flat shard (S,) and its layout, and giving an
                              optimizer per-parameter states: flattened into its layout, this
                              rank's shard kept (per-parameter ZeRO-3: its dim-0 rows)
@@ -34,7 +34,8 @@ import torch.distributed as dist
 from reference.parallel.gather import expert_names
 from reference.zero import ZeroOptimizer
 
-__all__ = ["Entry", "entries", "canonical_name", "full_shape", "full_shapes"]
+__all__ = ["Entry", "entries", "canonical_name", "full_shape", "full_shapes", "is_head", "is_sharded",
+           "flat_groups", "load_optimizer_local_state"]
 
 
 def canonical_name(pm, name: str) -> str:
@@ -74,7 +75,7 @@ def entries(pm) -> list[Entry]:
     return out
 
 
-def _is_head(e: Entry) -> bool:
+def is_head(e: Entry) -> bool:
     return e.local.startswith("lm_head.")
 
 
@@ -86,12 +87,12 @@ def full_shape(pm, e: Entry, local_shape: torch.Size) -> tuple[int, ...]:
     return tuple(local_shape) if cut is None else cut.whole_shape(local_shape)
 
 
-def _sharded(pm, p) -> bool:
+def is_sharded(pm, p) -> bool:
     """Whether ``p`` is a per-parameter ZeRO-3 shard (its dim-0 rows of the TP-local tensor)."""
     return getattr(pm, "sharded", None) is not None and getattr(p, "fsdp_sharded", False)
 
 
-def _flat_groups(pm, optimizer):
+def flat_groups(pm, optimizer):
     """(flat shard the optimizer steps on, layout, the parameters laid out in it, dp group) for
     ZeRO-1/2 (one) and FSDP (one per unit); empty for a plain optimizer."""
     if isinstance(optimizer, ZeroOptimizer):
@@ -124,7 +125,7 @@ def _flat_state(per_param: dict, params, layout, rank: int, what: str) -> dict:
     return out
 
 
-def _load_optimizer_local_state(pm, optimizer, per_param: dict, hyper: list[dict],
+def load_optimizer_local_state(pm, optimizer, per_param: dict, hyper: list[dict],
                                 flat: bool = False) -> None:
     """Give ``optimizer`` the per-parameter states ``per_param`` ({id(p): {key: local tensor}}),
     flattened into its own layout under ZeRO / FSDP (``flat``: already its flat shards'
@@ -134,7 +135,7 @@ def _load_optimizer_local_state(pm, optimizer, per_param: dict, hyper: list[dict
     if len(hyper) != len(optimizer.param_groups):
         raise ValueError(f"{len(hyper)} param groups' hyper-parameters for an optimizer of "
                          f"{len(optimizer.param_groups)}")
-    groups = _flat_groups(pm, optimizer)
+    groups = flat_groups(pm, optimizer)
     if groups and not flat:  # ZeRO / FSDP: the optimizer's parameters are the flat shards
         per_param = {id(shard): _flat_state(per_param, params, layout, dist.get_rank(group),
                                             f"flat shard of {len(params)} tensors")
@@ -157,7 +158,7 @@ def _load_optimizer_local_state(pm, optimizer, per_param: dict, hyper: list[dict
 
 def full_shapes(pm) -> dict[str, tuple[int, ...]]:
     """{plain-GPT name: whole shape} of every parameter of the model, on every rank (collective)."""
-    shapes = {e.name: full_shape(pm, e, pm.sharded.full_shape(e.param) if _sharded(pm, e.param)
+    shapes = {e.name: full_shape(pm, e, pm.sharded.full_shape(e.param) if is_sharded(pm, e.param)
                                  else e.param.shape) for e in entries(pm)}
     if not dist.is_initialized():
         return shapes

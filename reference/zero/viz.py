@@ -25,10 +25,10 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter
 
 from reference.memory import STAGE_NAMES, MemoryBytes, Precision, model_state_bytes
-from reference.viz import _Figure, _lighten
+from reference.viz import NotebookFigure, lighten
 
 __all__ = ["KINDS", "plot_zero_stages", "plot_memory_per_rank", "plot_memory_calculator",
-           "plot_unit_residency"]
+           "plot_unit_residency", "fmt_bytes"]
 
 # (attribute of MemoryBytes, label, colour), in the order bars are stacked.
 KINDS = (("params", "parameters", "tab:blue"),
@@ -37,7 +37,7 @@ KINDS = (("params", "parameters", "tab:blue"),
 _SHORT_STAGE = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     """Decimal units up to TB: 1.04e12 -> '1.04 TB'."""
     for unit in ("B", "kB", "MB", "GB"):
         if float(f"{n:.3g}") < 1000:
@@ -47,7 +47,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _byte_axis(ax) -> None:
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _fmt_bytes(v) if v else "0"))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt_bytes(v) if v else "0"))
 
 
 def _check_stage(stage) -> None:
@@ -60,7 +60,7 @@ def _kind_legend(extra: Sequence = ()) -> list:
 
 
 # ---------------------------------------------------------------- the idea
-def plot_zero_stages(dp: int = 4, precision: Optional[Precision] = None) -> _Figure:
+def plot_zero_stages(dp: int = 4, precision: Optional[Precision] = None) -> NotebookFigure:
     """What each of `dp` ranks holds per parameter at each stage (the ZeRO paper's figure 1).
 
     The x axis is bytes per parameter (4 + 4 + 8 = 16 for fp32 Adam). A kind that
@@ -73,7 +73,7 @@ def plot_zero_stages(dp: int = 4, precision: Optional[Precision] = None) -> _Fig
     precision = precision or Precision.fp32_adam()
     widths = [precision.param, precision.grad, precision.optimizer]
     total = sum(widths)
-    fig = _Figure(figsize=(8.5, 1.0 + 4 * (0.32 * dp + 0.55)), layout="constrained")
+    fig = NotebookFigure(figsize=(8.5, 1.0 + 4 * (0.32 * dp + 0.55)), layout="constrained")
     axes = fig.subplots(4, 1, sharex=True)
     for stage, ax in enumerate(axes):
         # Stage 1 shards the optimizer state, 2 the gradients too, 3 the
@@ -84,7 +84,7 @@ def plot_zero_stages(dp: int = 4, precision: Optional[Precision] = None) -> _Fig
             for (_, _, colour), width, is_sharded in zip(KINDS, widths, sharded):
                 if is_sharded:
                     ax.add_patch(Rectangle((x0, rank + 0.1), width, 0.8,
-                                           facecolor=_lighten(to_rgb(colour), 0.8),
+                                           facecolor=lighten(to_rgb(colour), 0.8),
                                            edgecolor="white", lw=0.5))
                     ax.add_patch(Rectangle((x0 + width * rank / dp, rank + 0.1), width / dp, 0.8,
                                            facecolor=colour, edgecolor="black", lw=0.5))
@@ -123,7 +123,7 @@ def _stack(ax, x, width, mem: MemoryBytes, hatch: str = "") -> None:
 
 def plot_memory_per_rank(measured: Mapping[str, Mapping[str, MemoryBytes]],
                          formula: Optional[Mapping[str, Mapping[str, MemoryBytes]]] = None,
-                         title: str = "model-state bytes per rank") -> _Figure:
+                         title: str = "model-state bytes per rank") -> NotebookFigure:
     """Stacked bars of bytes per rank: one panel per outer key, one bar per inner key.
 
     ``measured = {"dp = 2": {"DDP": MemoryBytes, "ZeRO-1": ...}, "dp = 4": {...}}``.
@@ -140,7 +140,7 @@ def plot_memory_per_rank(measured: Mapping[str, Mapping[str, MemoryBytes]],
                                  f"{panel!r} has bars {sorted(bars)} measured and "
                                  f"{sorted(formula.get(panel, {}))} in the formula")
     n_bars = max(len(bars) for bars in measured.values())
-    fig = _Figure(figsize=(max(6.0, len(measured) * (1.2 * n_bars + 1.0)), 4.4), layout="constrained")
+    fig = NotebookFigure(figsize=(max(6.0, len(measured) * (1.2 * n_bars + 1.0)), 4.4), layout="constrained")
     axes = fig.subplots(1, len(measured), sharey=True, squeeze=False)[0]
     top = max(m.model_states for bars in measured.values() for m in bars.values())
     for ax, (panel, bars) in zip(axes, measured.items()):
@@ -148,7 +148,7 @@ def plot_memory_per_rank(measured: Mapping[str, Mapping[str, MemoryBytes]],
         for i, (label, mem) in enumerate(bars.items()):
             if formula is None:
                 _stack(ax, i, width, mem)
-                ax.text(i, mem.model_states, _fmt_bytes(mem.model_states), ha="center", va="bottom",
+                ax.text(i, mem.model_states, fmt_bytes(mem.model_states), ha="center", va="bottom",
                         fontsize=8)
                 continue
             want = formula[panel][label]
@@ -156,9 +156,9 @@ def plot_memory_per_rank(measured: Mapping[str, Mapping[str, MemoryBytes]],
             _stack(ax, i + 0.2, width, want, hatch="//")
             same = (mem.params, mem.grads, mem.optimizer_state) == \
                 (want.params, want.grads, want.optimizer_state)
-            verdict = "= formula" if same else f"formula {_fmt_bytes(want.model_states)}"
+            verdict = "= formula" if same else f"formula {fmt_bytes(want.model_states)}"
             ax.text(i, max(mem.model_states, want.model_states),
-                    f"{_fmt_bytes(mem.model_states)}\n{verdict}", ha="center", va="bottom", fontsize=8)
+                    f"{fmt_bytes(mem.model_states)}\n{verdict}", ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(bars)), list(bars), fontsize=9)
         ax.set_title(panel, fontsize=10)
         ax.set_ylim(0, top * 1.25)
@@ -182,7 +182,7 @@ def _count(n: float) -> str:
 
 
 def plot_memory_calculator(num_params: int, dp: int, stage: int, precision: Optional[Precision] = None,
-                           device_bytes: Optional[float] = None, precision_label: str = "") -> _Figure:
+                           device_bytes: Optional[float] = None, precision_label: str = "") -> NotebookFigure:
     """Bytes per rank from `reference.memory.model_state_bytes`, for one configuration.
 
     Left: parameters, gradients and optimizer state at `stage`, one bar each.
@@ -194,16 +194,16 @@ def plot_memory_calculator(num_params: int, dp: int, stage: int, precision: Opti
     precision = precision or Precision.fp32_adam()
     rows = {s: model_state_bytes(int(num_params), dp, s, precision) for s in STAGE_NAMES}
     chosen = rows[stage]
-    fig = _Figure(figsize=(9.5, 3.8), layout="constrained")
+    fig = NotebookFigure(figsize=(9.5, 3.8), layout="constrained")
     left, right = fig.subplots(1, 2, gridspec_kw=dict(width_ratios=[1, 1.3]))
     for i, (attr, label, colour) in enumerate(KINDS):
         value = getattr(chosen, attr)
         left.bar(i, value, 0.6, color=colour)
-        left.text(i, value, _fmt_bytes(value), ha="center", va="bottom", fontsize=9)
+        left.text(i, value, fmt_bytes(value), ha="center", va="bottom", fontsize=9)
     left.set_xticks(range(3), [label for _, label, _ in KINDS], fontsize=9)
     left.set_ylim(0, max(chosen.params, chosen.grads, chosen.optimizer_state, 1) * 1.2)
     left.set_ylabel("bytes per rank")
-    left.set_title(f"{STAGE_NAMES[stage]}: {_fmt_bytes(chosen.model_states)} per rank", fontsize=10)
+    left.set_title(f"{STAGE_NAMES[stage]}: {fmt_bytes(chosen.model_states)} per rank", fontsize=10)
     for s, mem in rows.items():
         bottom = 0
         for attr, _, colour in KINDS:
@@ -211,11 +211,11 @@ def plot_memory_calculator(num_params: int, dp: int, stage: int, precision: Opti
             right.bar(s, value, 0.6, bottom=bottom, color=colour, alpha=1.0 if s == stage else 0.45,
                       edgecolor="black" if s == stage else "none", lw=1.5)
             bottom += value
-        right.text(s, mem.model_states, _fmt_bytes(mem.model_states), ha="center", va="bottom", fontsize=8)
+        right.text(s, mem.model_states, fmt_bytes(mem.model_states), ha="center", va="bottom", fontsize=8)
     top = rows[0].model_states
     if device_bytes:
         right.axhline(device_bytes, color="crimson", ls="--", lw=1.2,
-                      label=f"one device: {_fmt_bytes(device_bytes)}")
+                      label=f"one device: {fmt_bytes(device_bytes)}")
         right.legend(loc="upper right", fontsize=8)
         top = max(top, device_bytes)
     right.set_ylim(0, top * 1.2)
@@ -230,7 +230,7 @@ def plot_memory_calculator(num_params: int, dp: int, stage: int, precision: Opti
 
 
 # ---------------------------------------------------------------- FSDP residency
-def plot_unit_residency(steps: Sequence[tuple[str, Sequence[bool]]], unit_names: Sequence[str]) -> _Figure:
+def plot_unit_residency(steps: Sequence[tuple[str, Sequence[bool]]], unit_names: Sequence[str]) -> NotebookFigure:
     """Which FSDP units hold their full parameters after each event of a step.
 
     `steps` is a list of ``(event label, whole)`` with one bool per unit in
@@ -244,7 +244,7 @@ def plot_unit_residency(steps: Sequence[tuple[str, Sequence[bool]]], unit_names:
             raise ValueError(f"steps[{i}] ({label!r}) has {len(whole)} flags for "
                              f"{len(unit_names)} units {list(unit_names)}")
     n, k = len(steps), len(unit_names)
-    fig = _Figure(figsize=(min(16.0, 1.5 + 0.42 * n), 0.45 * k + 2.6), layout="constrained")
+    fig = NotebookFigure(figsize=(min(16.0, 1.5 + 0.42 * n), 0.45 * k + 2.6), layout="constrained")
     ax = fig.add_subplot()
     for col, (_, whole) in enumerate(steps):
         for row, flag in enumerate(whole):

@@ -20,7 +20,7 @@ from typing import Optional
 import ipywidgets as widgets
 
 from reference.memory import STAGE_NAMES, Precision, model_state_bytes
-from reference.zero.viz import _fmt_bytes, plot_memory_calculator
+from reference.zero.viz import fmt_bytes, plot_memory_calculator
 
 __all__ = ["PRECISIONS", "DEVICES", "MemoryCalculator", "memory_calculator"]
 
@@ -101,11 +101,11 @@ class MemoryCalculator(widgets.VBox):
         fits = ""
         if device_bytes:
             verdict = "fits" if mem.model_states <= device_bytes else "does not fit"
-            fits = f"; {verdict} in one {_fmt_bytes(device_bytes)} device"
+            fits = f"; {verdict} in one {fmt_bytes(device_bytes)} device"
         self.summary.value = (f"<b>{STAGE_NAMES[stage]}</b>, Ψ = {psi:,} parameters, dp = {dp}: "
-                              f"params {_fmt_bytes(mem.params)} + grads {_fmt_bytes(mem.grads)} + "
-                              f"optimizer state {_fmt_bytes(mem.optimizer_state)} = "
-                              f"<b>{_fmt_bytes(mem.model_states)}</b> per rank{fits}")
+                              f"params {fmt_bytes(mem.params)} + grads {fmt_bytes(mem.grads)} + "
+                              f"optimizer state {fmt_bytes(mem.optimizer_state)} = "
+                              f"<b>{fmt_bytes(mem.model_states)}</b> per rank{fits}")
         self.figure = plot_memory_calculator(psi, dp, stage, precision, device_bytes, label)
         self.image.value = _png(self.figure)
         return self.figure

@@ -45,7 +45,8 @@ __all__ = ["DISPATCH_COMBINE_DEDUP", "DEDUP_ALL_TO_ALL_BYTES", "course_dispatch_
 
 def course_dispatch_combine(tokens, expert_idx, weights, experts_per_rank, expert_fn, group=None):
     """The lecture's dispatch and combine, on the course's all-to-all (`expert_parallel.comms`)."""
-    from reference.expert_parallel.comms import all_to_all, exchange_counts
+    from reference.comms.functional import all_to_all
+    from reference.expert_parallel.comms import exchange_counts
 
     P, rank, k = dist.get_world_size(group), dist.get_rank(group), expert_idx.shape[1]
     flat = expert_idx.reshape(-1)
@@ -215,7 +216,8 @@ DISPATCH_COMBINE_DEDUP = ExerciseSpec(
     forbidden=tuple(c for c in COLLECTIVES if c != "all_to_all_single"),
     banned=("reference.course.homework.expert_dedup.course_dispatch_combine_dedup",
             "reference.course.homework.expert_dedup.course_dispatch_combine",
-            "reference.expert_parallel.comms", "reference.expert_parallel.moe",
+            "reference.expert_parallel.comms", "reference.comms.functional.all_to_all",
+            "reference.expert_parallel.moe",
             "reference.expert_parallel.router.sort_by_expert",
             "reference.expert_parallel.router.combine"))
 DEDUP_ALL_TO_ALL_BYTES = question(

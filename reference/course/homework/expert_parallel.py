@@ -324,7 +324,8 @@ DISPATCH_COMBINE = ExerciseSpec(
     reference=reference_dispatch_combine,
     forbidden=tuple(c for c in COLLECTIVES if c != "all_to_all_single"),
     banned=("reference.course.homework.expert_dedup.course_dispatch_combine",
-            "reference.expert_parallel.comms", "reference.expert_parallel.moe",
+            "reference.expert_parallel.comms", "reference.comms.functional.all_to_all",
+            "reference.expert_parallel.moe",
             "reference.expert_parallel.router.sort_by_expert",
             "reference.expert_parallel.router.combine"))
 HOMEWORK_ID = "05_expert_parallel"

@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from reference.tensor_parallel.comms import _CopyToRegion, _ReduceFromRegion
-from reference.tensor_parallel.loss import _VocabParallelCrossEntropy
+from reference.tensor_parallel.comms import CopyToRegion as _CopyToRegion, ReduceFromRegion as _ReduceFromRegion
+from reference.tensor_parallel.loss import VocabParallelCrossEntropy as _VocabParallelCrossEntropy
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.refuse import Refusal
 from reference.course.homework.scoring import WARM_UP, Case, ExerciseSpec

@@ -270,7 +270,8 @@ SEQUENCE_PARALLEL = ExerciseSpec(
     expect=expect_sp, judge=judge_sp, reference=_dense_only,
     forbidden=tuple(c for c in COLLECTIVES if c not in ALLOWED),
     banned=("reference.course.homework.tensor_parallel_extra.course_sequence_parallel_mlp",
-            "reference.tensor_parallel.comms", "reference.tensor_parallel.plan",
+            "reference.tensor_parallel.comms", "reference.comms.functional.all_gather_along",
+            "reference.tensor_parallel.plan",
             "reference.tensor_parallel.layers"))
 TP_LAYER_BYTES = question(
     "tp_layer_bytes", "Bytes a TP rank sends per layer, with and without sequence parallelism",

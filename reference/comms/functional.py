@@ -1,0 +1,72 @@
+"""Collectives as functions of tensors, shared by several parallelisms.
+
+    y = all_gather_along(x, dim=1, group=tp_group)            # (B, T / n, C) -> (B, T, C)
+    rows = all_to_all(x, recv_splits, send_splits, ep_group)  # differentiable, uneven splits
+
+Each returns a new tensor instead of filling a buffer, and goes through the metered
+wrappers of `reference.comms.collectives`, so `comms.meter()` counts it.
+
+* `all_gather_along`: every rank's tensor concatenated along one dimension, in rank order.
+  Tensor parallelism gathers the sequence or the hidden dimension with it
+  (`reference.tensor_parallel.comms`); context parallelism puts a sequence split over the
+  cp ranks back together (`reference.context_parallel.layout`).
+* `all_to_all`: rows exchanged between the ranks of a group with uneven, data-dependent
+  splits, with its backward. An all-to-all is a permutation of rows between ranks, so its
+  gradient is the inverse permutation: the same exchange with the splits swapped. Expert
+  parallelism sends tokens to their experts and back with it
+  (`reference.expert_parallel.moe`); Ulysses trades a sequence split for a head split
+  (`reference.context_parallel.ulysses`).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from reference.comms.collectives import all_gather_into_tensor, all_to_all_single
+
+__all__ = ["all_gather_along", "all_to_all", "AllToAll"]
+
+
+def all_gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`, rank order: (.., n, ..) -> (.., N * n, ..)
+    on a group of N ranks (no autograd: the differentiable operators are built on it)."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return x
+    # all_gather_into_tensor concatenates along dim 0: move `dim` there and back.
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((n * x0.shape[0],) + x0.shape[1:])
+    all_gather_into_tensor(out, x0, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows (sum(input_splits), C) -> rows (sum(output_splits), C) across the group."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
+        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+        all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        # The inverse permutation: every row's gradient goes back to where the row came from.
+        grad_in = grad_out.new_empty((sum(ctx.input_splits),) + tuple(grad_out.shape[1:]))
+        all_to_all_single(grad_in, grad_out.contiguous(), ctx.input_splits,
+                          ctx.output_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
+               group=None) -> torch.Tensor:
+    """Differentiable all-to-all with uneven splits.
+
+    Rank r sends rows ``input_splits[d]`` (a block of consecutive rows) to group
+    rank d, and receives ``output_splits[s]`` rows from group rank s, stacked in
+    source order. Every rank of `group` must call it, with matching splits.
+    """
+    return AllToAll.apply(x, [int(n) for n in output_splits], [int(n) for n in input_splits], group)
