@@ -22,8 +22,6 @@ reduction gives.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from reference.tolerance import adamw_weights, loss
@@ -94,41 +92,22 @@ def run_cases(cases, steps: int = STEPS):
     return out
 
 
-def _autocast(precision: str):
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
-
-
 def single_process(case, steps: int = STEPS):
-    """The oracle: (losses, skipped flags, weights) of one process training the same case."""
+    """The oracle (`reference.train.single.accumulated_step`): (losses, skipped flags, weights)
+    of one process training the same case over the parallel run's dp x micro-batch chunks."""
+    from reference.train.single import accumulated_step
+
     model = model_for(case)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     config = case.config
-    chunks = config.dp * config.microbatches
     scaler = _scaler() if config.precision == "fp16" else None
     losses, skipped = [], []
     for idx, tgt in batches(steps):
-        opt.zero_grad(set_to_none=True)
-        scale = scaler.scale if scaler is not None else 1.0
-        total = 0.0
-        for x, y in zip(idx.chunk(chunks), tgt.chunk(chunks)):
-            with _autocast(config.precision):
-                _, with_aux = model(x, y)  # the LM loss plus the MoE's balance loss (0 if dense)
-            (with_aux * (scale / chunks)).backward()
-            total += float(model.last_lm_loss.float()) / chunks
-        losses.append(total)
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        overflow = False
-        if scaler is not None:
-            overflow = scaler.unscale_and_check(grads)
-            scaler.update(overflow)
-        skipped.append(overflow)
-        if overflow:
-            continue
-        if case.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss, skip = accumulated_step(model, opt, idx, tgt, config.dp * config.microbatches,
+                                      precision=config.precision, scaler=scaler,
+                                      max_norm=1.0 if case.clip else None)
+        losses.append(loss)
+        skipped.append(skip)
     return losses, skipped, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
