@@ -63,6 +63,7 @@ and peaks (`tests/test_parallel_estimate.py`, `tests/test_composed_peak.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from reference.comms.links import GPUS_PER_NODE, NIC, NICS_PER_NODE, NVLINK, Link
 from reference.memory import MemoryBytes, Precision, human_bytes, model_state_bytes
@@ -74,7 +75,7 @@ from reference.parallel.estimate_memory import (activation_bytes_per_block, bloc
 from reference.parallel.estimate_traffic import dp_transfers, tp_bytes
 from reference.profile import training_flops
 
-__all__ = ["Estimate", "estimate", "block_params", "stage_params", "activation_bytes_per_block",
+__all__ = ["Estimate", "Workload", "estimate", "block_params", "stage_params", "activation_bytes_per_block",
            "Hardware", "H100_BF16_PEAK", "step_time", "link_of"]
 
 # FLOP/s of an H100 SXM's dense bf16 tensor cores (the datasheet's peak; the node whose links
@@ -154,100 +155,164 @@ class Estimate:
         return "\n".join(out)
 
 
-def estimate(model, config: ParallelConfig, *, micro_batch: int, global_batch: int,
-             seq_len: int | None = None, precision: Precision | None = None,
-             act_bytes: int | None = None, grad_bytes: int | None = None,
-             recompute: str | None = None, stage: int = 0, n_experts: int | None = None,
-             moe_layers=None, k: int = 2, attention: str = "unfused") -> Estimate:
-    """Memory per GPU of pipeline rank ``stage``, the bubble and bytes per step per link.
+@dataclass(frozen=True)
+class Workload:
+    """What `estimate` models, in one object: the model (a `GPTConfig`) under ``config`` on
+    pipeline rank ``stage``, the batch, and how the step stores its numbers. Left None, a
+    field takes its default from the configuration (`__post_init__`), so every part of the
+    estimate reads the same resolved values."""
 
-    ``model`` a `GPTConfig`; ``micro_batch`` b sequences per micro-batch per dp rank;
-    ``global_batch`` sequences per step (so m = global_batch / (dp b) micro-batches).
-    ``act_bytes`` per activation (default 4 in fp32, else 2); ``recompute`` "none",
-    "selective" or "full" (default: full when the config checkpoints); ``n_experts`` experts
-    per MoE layer routing each token to ``k`` of them (``moe_layers``: which layers, default
-    all); ``attention`` "unfused" (the paper's stored scores) or "fused"."""
-    if config.cp > 1:  # its activations (T / cp per rank) and ring traffic are not modelled here
-        raise ValueError(f"estimate models dp, tp, pp and ep: cp={config.cp} ({config}) is not in its "
-                         f"formulas (see reference.context_parallel.cost for context parallelism's)")
-    if not 0 <= stage < config.pp:
-        raise ValueError(f"stage={stage} is not a pipeline rank of pp={config.pp}")
-    precision = precision or (Precision.fp32_adam() if config.precision == "fp32" else Precision.mixed_adam())
-    grad_bytes = precision.grad if grad_bytes is None else grad_bytes
-    act_bytes = act_bytes or (4 if config.precision == "fp32" else 2)
-    recompute = recompute or ("full" if config.activation_checkpointing else "none")
-    s = seq_len or model.block_size
-    b, h, a, L = micro_batch, model.n_embd, model.n_head, model.n_layer
-    if global_batch % (config.dp * b):
-        raise ValueError(f"global_batch={global_batch} is not a multiple of dp={config.dp} x "
-                         f"micro_batch={b}")
-    m = global_batch // (config.dp * b)
-    t, p, d, v, ep = config.tp, config.pp, config.dp, config.virtual_stages, config.ep
-    sp = config.sequence_parallel and t > 1
-    reshard = getattr(config, "reshard_after_forward", False)
-    tensors = stage_tensors(model, config, stage, n_experts, moe_layers)
-    params, n_expert = tensors.sizes()[0], tensors.of(True).sizes()[0]
-    blocks = set(tensors.units()) - {"root"}
-    moe_blocks = set(tensors.of(True).units())
-    head = any(spec.head for spec in stage_specs(model, config)[stage::p])
-    embedding = any(spec.embedding for spec in stage_specs(model, config)[stage::p])
+    model: object
+    config: ParallelConfig
+    micro_batch: int                  # b sequences per micro-batch per dp rank
+    global_batch: int                 # sequences per step: m = global_batch / (dp b)
+    seq_len: Optional[int] = None     # default: the model's block size
+    precision: Optional[Precision] = None  # default: fp32 Adam, or mixed precision
+    act_bytes: Optional[int] = None   # per activation; default 4 in fp32, else 2
+    grad_bytes: Optional[int] = None  # per gradient sent; default the precision's
+    recompute: Optional[str] = None   # "none", "selective", "full"; default full when checkpointing
+    stage: int = 0
+    n_experts: Optional[int] = None   # experts per MoE layer, each token routed to k
+    moe_layers: Optional[tuple] = None  # which layers are MoE (default all)
+    k: int = 2
+    attention: str = "unfused"        # the paper's stored scores, or "fused"
 
-    # Activations: what one micro-batch leaves stored, and what a backward adds beside it.
+    def __post_init__(self):
+        c = self.config
+        if c.cp > 1:  # its activations (T / cp per rank) and ring traffic are not modelled here
+            raise ValueError(f"estimate models dp, tp, pp and ep: cp={c.cp} ({c}) is not in its "
+                             f"formulas (see reference.context_parallel.cost for context parallelism's)")
+        if not 0 <= self.stage < c.pp:
+            raise ValueError(f"stage={self.stage} is not a pipeline rank of pp={c.pp}")
+        if self.global_batch % (c.dp * self.micro_batch):
+            raise ValueError(f"global_batch={self.global_batch} is not a multiple of dp={c.dp} x "
+                             f"micro_batch={self.micro_batch}")
+        precision = self.precision or (Precision.fp32_adam() if c.precision == "fp32" else Precision.mixed_adam())
+        resolved = dict(precision=precision, seq_len=self.seq_len or self.model.block_size,
+                        grad_bytes=precision.grad if self.grad_bytes is None else self.grad_bytes,
+                        act_bytes=self.act_bytes or (4 if c.precision == "fp32" else 2),
+                        recompute=self.recompute or ("full" if c.activation_checkpointing else "none"))
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def m(self) -> int:
+        """Micro-batches per step (accumulation when pp = 1)."""
+        return self.global_batch // (self.config.dp * self.micro_batch)
+
+    @property
+    def activation(self) -> float:
+        """S: the bytes of one activation of one micro-batch, b s h."""
+        return self.seq_len * self.micro_batch * self.model.n_embd * self.act_bytes
+
+    @property
+    def tensors(self):
+        """Every tensor one GPU of the stage holds (`estimate_memory.stage_tensors`)."""
+        return stage_tensors(self.model, self.config, self.stage, self.n_experts, self.moe_layers)
+
+    @property
+    def blocks(self) -> set:
+        return set(self.tensors.units()) - {"root"}
+
+    @property
+    def moe_blocks(self) -> set:
+        return set(self.tensors.of(True).units())
+
+    def holds(self, part: str) -> bool:
+        """Whether the stage holds the "embedding" or the "head"."""
+        return any(getattr(spec, part) for spec in stage_specs(self.model, self.config)[self.stage::self.config.pp])
+
+    @property
+    def composed(self) -> bool:
+        """ZeRO-3 composed (`ShardedParameters`): the stage gathered once per step."""
+        c = self.config
+        return c.zero_stage == 3 and c.dp > 1 and not c.zero3_by_blocks
+
+    @property
+    def reshard(self) -> bool:
+        return getattr(self.config, "reshard_after_forward", False)
+
+
+def estimate(model, config: ParallelConfig, **workload) -> Estimate:
+    """Memory per GPU of pipeline rank ``stage``, the bubble and bytes per step per link, of
+    ``Workload(model, config, **workload)`` (its fields say what each option means)."""
+    w = Workload(model, config, **workload)
+    c, m = w.config, w.m
+    t, p, v = c.tp, c.pp, c.virtual_stages
+    a1, work, first, later, peak = activations(w)
+    states, phases, held = model_states(w, a1, first, later, work, peak * a1)
+    # a middle stage sends an activation on and a gradient back per micro-batch; with pp = 2
+    # each end sends one of the two (sequence-split under SP)
+    per_gpu = {"tp": tp_bytes(w) if t > 1 else 0.0,
+               "pp": (2 if p > 2 else 1) * m * w.activation / (t if c.sequence_parallel and t > 1 else 1)
+               if p > 1 else 0.0}
+    transfers = dp_transfers(w)
+    per_gpu["dp"] = sum(nbytes * times for _, nbytes, times, _ in transfers)
+    flops, forward = training_flops_per_gpu(w)
+    tensors = w.tensors
+    return Estimate(c, tensors.sizes()[0], states, peak * a1, (p - 1) / (v * m + p - 1), per_gpu, m,
+                    flops, forward, transfers, held, phases, w.stage, tensors.of(True).sizes()[0])
+
+
+def activations(w: Workload) -> tuple:
+    """(a1, work, first, later, peak): the bytes one micro-batch leaves stored, what a backward
+    adds beside them, and the micro-batches in flight at the first and later backwards and at
+    the peak (`in_flight`)."""
+    model, c, recompute = w.model, w.config, w.recompute
+    s, b, h, t = w.seq_len, w.micro_batch, model.n_embd, c.tp
+
     def block(kind, moe):  # one block's stored bytes under recompute ``kind``
-        x = activation_bytes_per_block(s, b, h, a, t, config.sequence_parallel, kind,
-                                       act_bytes=act_bytes, d_ff=model.d_ff, attention=attention)
+        x = activation_bytes_per_block(s, b, h, model.n_head, t, c.sequence_parallel, kind,
+                                       act_bytes=w.act_bytes, d_ff=model.d_ff, attention=w.attention)
         if moe and kind != "full":  # an MoE layer stores what it routes in the MLP's place
-            x += (moe_activation_bytes(s, b, h, model.d_ff, k, act_bytes)
-                  - mlp_activation_bytes(s, b, h, model.d_ff, t, config.sequence_parallel, act_bytes))
+            x += (moe_activation_bytes(s, b, h, model.d_ff, w.k, w.act_bytes)
+                  - mlp_activation_bytes(s, b, h, model.d_ff, t, c.sequence_parallel, w.act_bytes))
         return x
 
-    n_moe = len(moe_blocks)
-    stored = (len(blocks) - n_moe) * block(recompute, False) + n_moe * block(recompute, True)
-    whole = (len(blocks) - n_moe) * block("none", False) + n_moe * block("none", True)
-    logprobs = 4 * s * b * (-(-model.vocab_size // t) * t) / t if head else 0.0
+    n_blocks, n_moe = len(w.blocks), len(w.moe_blocks)
+    stored = (n_blocks - n_moe) * block(recompute, False) + n_moe * block(recompute, True)
+    whole = (n_blocks - n_moe) * block("none", False) + n_moe * block("none", True)
+    logprobs = 4 * s * b * (-(-model.vocab_size // t) * t) / t if w.holds("head") else 0.0
     a1 = stored + (0.0 if recompute == "full" else logprobs)
     # the gradient of the log-probabilities and the softmax it comes from; with recompute the
     # stage's forward again (this executor recomputes a whole chunk at the start of its B)
-    work = 2 * logprobs + {"full": (whole + logprobs) / v,
-                           "selective": (whole - stored) / v}.get(recompute, 0.0)
-    first, later, peak = in_flight(config, m, stage)
-    acts = peak * a1
-    bubble = (p - 1) / (v * m + p - 1)
+    work = 2 * logprobs + {"full": (whole + logprobs) / c.virtual_stages,
+                           "selective": (whole - stored) / c.virtual_stages}.get(recompute, 0.0)
+    first, later, peak = in_flight(c, w.m, w.stage)
+    return a1, work, first, later, peak
 
-    # Model states and the step's phases.
-    composed = config.zero_stage == 3 and d > 1 and not config.zero3_by_blocks
-    held = 0.0
-    if composed:
-        sets = [(tensors.of(False), d), (tensors.of(True), d // ep)] if ep > 1 else [(tensors, d)]
-        sets = [(ts, n) for ts, n in sets if ts]
-        shard = sum(ts.sizes(n)[1] for ts, n in sets)
-        states = MemoryBytes(precision.param * shard, precision.grad * shard, precision.optimizer * shard)
-        phases, held = zero3_phases(sets, precision, a1, first, later, work, head, reshard,
-                                    recompute == "full")
-    else:
-        states = model_state_bytes(params, d, config.zero_stage, precision)
-        phases = {"step": states.model_states + acts + work}
 
-    S = s * b * h * act_bytes
-    per_gpu = {"tp": tp_bytes(tensors, config, m, S, s * b, blocks, moe_blocks, embedding, head,
-                               recompute, grad_bytes, reshard) if t > 1 else 0.0,
-               # a middle stage sends an activation on and a gradient back per micro-batch; with
-               # pp = 2 each end sends one of the two
-               "pp": (2 if p > 2 else 1) * m * S / (t if sp else 1) if p > 1 else 0.0}
-    transfers = dp_transfers(tensors, config, m, params, grad_bytes, composed, reshard)
-    per_gpu["dp"] = sum(nbytes * times for _, nbytes, times, _ in transfers)
+def model_states(w: Workload, a1, first, later, work, acts) -> tuple:
+    """(`MemoryBytes` of the model states, the step's peak by phase, bytes held whole in the
+    step): ZeRO's formulas over dp, or composed ZeRO-3's shards and phases (`zero3_phases`)."""
+    c, precision, tensors = w.config, w.precision, w.tensors
+    if not w.composed:
+        states = model_state_bytes(tensors.sizes()[0], c.dp, c.zero_stage, precision)
+        return states, {"step": states.model_states + acts + work}, 0.0
+    d = c.dp
+    sets = [(tensors.of(False), d), (tensors.of(True), d // c.ep)] if c.ep > 1 else [(tensors, d)]
+    sets = [(ts, n) for ts, n in sets if ts]
+    shard = sum(ts.sizes(n)[1] for ts, n in sets)
+    states = MemoryBytes(precision.param * shard, precision.grad * shard, precision.optimizer * shard)
+    phases, held = zero3_phases(sets, precision, a1, first, later, work, w.holds("head"), w.reshard,
+                                w.recompute == "full")
+    return states, phases, held
 
-    # FLOPs: the whole model's over every GPU (tokens split by dp, weights by tp and pp); an
-    # expert's over dp and pp only (every tp rank runs the experts on the whole sequence)
-    world = d * t * p
-    tokens = global_batch * s
-    one = stage_tensors(model, ParallelConfig(), 0, k if n_experts else None, moe_layers)
+
+def training_flops_per_gpu(w: Workload) -> tuple[float, float]:
+    """(FLOPs one GPU computes per step, recompute included; the first forward's of them): the
+    whole model's over every GPU (tokens split by dp, weights by tp and pp); an expert's over
+    dp and pp only (every tp rank runs the experts on the whole sequence)."""
+    model, c, s = w.model, w.config, w.seq_len
+    L, h = model.n_layer, model.n_embd
+    world = c.dp * c.tp * c.pp
+    tokens = w.global_batch * s
+    one = stage_tensors(model, ParallelConfig(), 0, w.k if w.n_experts else None, w.moe_layers)
     active, active_experts = one.of(False).sizes()[0], one.of(True).sizes()[0]  # k experts a layer
-    flops = training_flops(active, tokens, L, s, h) / world + 6 * tokens * active_experts / (d * p)
+    flops = training_flops(active, tokens, L, s, h) / world + 6 * tokens * active_experts / (c.dp * c.pp)
     forward = flops / 3
-    extra = {"full": forward, "selective": tokens * 4 * L * s * h / world}.get(recompute, 0.0)
-    return Estimate(config, params, states, acts, bubble, per_gpu, m, flops + extra, forward,
-                    transfers, held, phases, stage, n_expert)
+    extra = {"full": forward, "selective": tokens * 4 * L * s * h / world}.get(w.recompute, 0.0)
+    return flops + extra, forward
 
 
 def link_of(config: ParallelConfig, kind: str, hardware: Hardware = Hardware()) -> str:

@@ -47,19 +47,22 @@ from __future__ import annotations
 __all__ = ["tp_bytes", "dp_transfers"]
 
 
-def tp_bytes(tensors, config, m, S, tokens, blocks, moe_blocks, embedding, head, recompute,
-             grad_bytes, reshard) -> float:
-    """Bytes one GPU sends over tp per step (the module docstring's list)."""
+def tp_bytes(w) -> float:
+    """Bytes one GPU sends over tp per step (the module docstring's list), for the
+    `reference.parallel.estimate.Workload` ``w``."""
+    config, tensors = w.config, w.tensors
     t, sp = config.tp, config.sequence_parallel
-    U = (t - 1) / t * S                                         # one all-gather / reduce-scatter
-    counts = (len(blocks), len(blocks) - len(moe_blocks), len(moe_blocks), embedding, head, sp)
+    U = (t - 1) / t * w.activation                              # one all-gather / reduce-scatter
+    blocks, moe_blocks, head = w.blocks, w.moe_blocks, w.holds("head")
+    counts = (len(blocks), len(blocks) - len(moe_blocks), len(moe_blocks), w.holds("embedding"), head, sp)
+    tokens = w.seq_len * w.micro_batch
     loss = 3 * 2 * (t - 1) / t * 4 * tokens if head else 0.0   # max, sum of exp, target logit
     forward = _tp_forward(*counts) * U + loss
-    per_mb = forward + _tp_backward(*counts) * U + (forward if recompute == "full" else 0.0)
+    per_mb = forward + _tp_backward(*counts) * U + (forward if w.recompute == "full" else 0.0)
     # once per step with SP: the gradients of the sequence-parallel tensors summed over tp (on
     # the shards when resharding: every micro-batch's gradients are reduce-scattered already)
-    marked = tensors.marked(config.dp if reshard else 1)
-    return m * per_mb + (2 * (t - 1) / t * grad_bytes * marked if sp else 0.0)
+    marked = tensors.marked(config.dp if w.reshard else 1)
+    return w.m * per_mb + (2 * (t - 1) / t * w.grad_bytes * marked if sp else 0.0)
 
 
 def _tp_forward(n_blocks, dense, moe, embedding, head, sp) -> int:
@@ -72,13 +75,17 @@ def _tp_backward(n_blocks, dense, moe, embedding, head, sp) -> int:
             + ((1 if sp else 2) if head else 0))
 
 
-def dp_transfers(tensors, config, m, params, g, composed, reshard) -> tuple:
-    """Data parallelism's transfers, each where it happens (the module docstring's table)."""
+def dp_transfers(w) -> tuple:
+    """Data parallelism's transfers, each where it happens (the module docstring's table), for
+    the `reference.parallel.estimate.Workload` ``w``: (what, bytes each, times per step, what
+    it may hide under)."""
+    config, tensors, m, g, reshard = w.config, w.tensors, w.m, w.grad_bytes, w.reshard
+    params = tensors.sizes()[0]
     d, ep = config.dp, config.ep
     if d == 1:
         return ()
     once = (d - 1) / d * params * g
-    if composed:  # per group: dense rows over dp, experts' over dp / ep
+    if w.composed:  # per group: dense rows over dp, experts' over dp / ep
         sets = [(False, d, "dp"), (True, d // ep, "dp / ep")] if ep > 1 else [(None, d, "dp")]
         out = []
         for expert, n, over in sets:
