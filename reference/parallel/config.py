@@ -207,6 +207,25 @@ class ParallelConfig:
                        f"use zero_stage 0, or 3 (each expert sharded over that group)")
         if self.reshard_after_forward:
             out += self._reshard_problems(n_experts)
+        out += self._schedule_problems()
+        if self.precision not in PRECISIONS:
+            out.append(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if cfg is not None:
+            out += self._model_problems(cfg)
+        if batch is not None:
+            out += self._batch_problems(batch, cfg)
+        if n_experts is not None and self.ep > 1 and n_experts % self.ep:
+            out.append(f"n_experts={n_experts} is not a multiple of ep={self.ep}")
+        if n_experts is None and self.ep > 1:
+            out.append(f"ep={self.ep} needs a model with experts (pass n_experts)")
+        if self.cp > 1 or self.cp_kind not in CP_KINDS:
+            T = None if batch is None or isinstance(batch, int) else tuple(batch)[1]
+            out += self._context_problems(cfg, T, n_experts)
+        return out
+
+    def _schedule_problems(self) -> list[str]:
+        """The pipeline schedule against pp, its virtual stages and the micro-batches."""
+        out = []
         if self.schedule not in SCHEDULES:
             out.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.precision not in PRECISIONS:
@@ -224,26 +243,20 @@ class ParallelConfig:
         if self.schedule == "1f1b" and 1 < self.pp and self.microbatches < self.pp:
             out.append(f"1F1B with microbatches={self.microbatches} < pp={self.pp} never reaches "
                        f"its steady state (the bubble is the naive split's); use microbatches >= pp")
-        if cfg is not None:
-            out += self._model_problems(cfg)
-        if batch is not None:
-            B, T = (batch, None) if isinstance(batch, int) else tuple(batch)
-            if B % (self.dp * self.microbatches):
-                out.append(f"global batch {B} does not divide into dp={self.dp} x microbatches="
-                           f"{self.microbatches} = {self.dp * self.microbatches} equal micro-batches")
-            if T is not None and cfg is not None and T > cfg.block_size:
-                out.append(f"sequence length T={T} exceeds block_size={cfg.block_size}")
-            if (T is not None and self.sequence_parallel and self.tp > 1 and self.cp == 1
-                    and T % self.tp):
-                out.append(f"sequence parallelism splits the sequence: T={T} is not a multiple "
-                           f"of tp={self.tp}")
-        if n_experts is not None and self.ep > 1 and n_experts % self.ep:
-            out.append(f"n_experts={n_experts} is not a multiple of ep={self.ep}")
-        if n_experts is None and self.ep > 1:
-            out.append(f"ep={self.ep} needs a model with experts (pass n_experts)")
-        if self.cp > 1 or self.cp_kind not in CP_KINDS:
-            T = None if batch is None or isinstance(batch, int) else tuple(batch)[1]
-            out += self._context_problems(cfg, T, n_experts)
+        return out
+
+    def _batch_problems(self, batch, cfg) -> list[str]:
+        """The global batch (B, or (B, T)) against dp x micro-batches, the block and SP."""
+        out = []
+        B, T = (batch, None) if isinstance(batch, int) else tuple(batch)
+        if B % (self.dp * self.microbatches):
+            out.append(f"global batch {B} does not divide into dp={self.dp} x microbatches="
+                       f"{self.microbatches} = {self.dp * self.microbatches} equal micro-batches")
+        if T is not None and cfg is not None and T > cfg.block_size:
+            out.append(f"sequence length T={T} exceeds block_size={cfg.block_size}")
+        if T is not None and self.sequence_parallel and self.tp > 1 and self.cp == 1 and T % self.tp:
+            out.append(f"sequence parallelism splits the sequence: T={T} is not a multiple "
+                       f"of tp={self.tp}")
         return out
 
     def _reshard_problems(self, n_experts) -> list[str]:
