@@ -9,7 +9,8 @@ a unit with `wte` because it is the same tensor). A training step then runs:
                block i: all-gather  ->  compute  ->  free
     backward   root: all-gather again      (held until the end of backward)
                block i: all-gather again  ->  compute gradients  ->  free,
-                        reduce-scatter its gradients into the shard
+                        reduce-scatter its gradients into the shard (block i+1's,
+                        in flight meanwhile, waited on first and its full gradient freed)
     step       any torch.optim optimizer over `fsdp.parameters()` (the shards)
 
 While block i computes, block i+1's all-gather (i-1's in backward) is already
@@ -200,7 +201,16 @@ class FSDP(nn.Module):
     def _reduce(self, unit):
         self._ready[id(unit)] = -1  # reduced: later grads of this backward are not expected
         unit.free()
+        # One reduce-scatter in flight, as FSDP2: the previous unit's is waited on
+        # and its full-size gradient freed before this one starts, so backward
+        # holds at most two units' full gradients, not every unit's until the end.
+        self._finish_pending()
         self._pending.append(unit.reduce_grads(async_op=True))
+
+    def _finish_pending(self):
+        for finish in self._pending:
+            finish()
+        self._pending = []
 
     def _finish_backward(self):
         # Units with a parameter that got no gradient (unused in this step)
@@ -209,11 +219,10 @@ class FSDP(nn.Module):
         for unit in self.units:
             if self._ready.get(id(unit), 0) >= 0 and id(unit) in self._backward_gathered:
                 self._reduce(unit)
-        for finish in self._pending:
-            finish()
+        self._finish_pending()
         for unit in self.units:
             unit.free()
-        self._pending, self._ready = [], {}
+        self._ready = {}
         self._backward_gathered = set()
         self._callback_queued = False
 

@@ -132,9 +132,17 @@ class FSDPUnit:
             work = comms.reduce_scatter_tensor(reduced, flat, op=dist.ReduceOp.AVG,
                                                group=self.group, async_op=async_op)
 
+        # The full-size input stays alive until the collective is done (the work
+        # object holds it too); finish() drops both, so a caller that finishes
+        # each unit before reducing the next holds one full gradient in flight.
+        in_flight = {"work": work, "flat": flat}
+        del flat, work
+
         def finish():
+            work = in_flight.pop("work", None)
             if work is not None:
                 work.wait()
+            in_flight.clear()
             with torch.no_grad():
                 # offload: "device to host", a real separate copy even on a CPU
                 grad = reduced.to(self.shard.device, copy=True) if self.offload else reduced
@@ -142,9 +150,7 @@ class FSDPUnit:
                     self.shard.grad = grad
                 else:  # gradient accumulation over several backward passes
                     self.shard.grad.add_(grad)
-            del flat_holder[:]  # the full-size input may go once the collective is done
 
-        flat_holder = [flat]
         return finish
 
     @torch.no_grad()
