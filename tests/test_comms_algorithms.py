@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from reference import comms
-from reference.comms.algorithms import (algorithm_steps, halving_doubling_all_reduce,
+from reference.comms.algorithms import (ALGORITHMS, algorithm_steps, halving_doubling_all_reduce,
                                         hierarchical_all_reduce, node_groups, tree_all_reduce,
                                         tree_sent_bytes, two_level_time)
 from reference.runtime import launch
@@ -81,13 +81,15 @@ def test_steps_and_tree_bytes_formulas():
 
 def test_where_the_tree_beats_the_ring():
     """On 1024 ranks, 8 a node: a 1 KB all-reduce is latency-bound (the ring pays 2046
-    latencies, the tree 20), a 1 GB one bandwidth-bound (the binomial tree sends all S in each of
-    its rounds, the ring 2/N of it per step); the hierarchical one crosses the slow links with
-    S/8 only, so it wins for large messages."""
+    latencies, 254 of them the NIC's, the tree 20), a 1 GB one bandwidth-bound (the binomial
+    tree sends all S in each of its rounds, the ring 2/N of it per step): there the ring, which
+    sends the fewest bytes, is the fastest of the four with one NIC a node or one a GPU."""
     small, large = 1e3, 1e9
     assert two_level_time("tree", small, 1024, 8) < two_level_time("ring", small, 1024, 8) / 10
     assert two_level_time("ring", large, 1024, 8) < two_level_time("tree", large, 1024, 8) / 5
-    assert two_level_time("hierarchical", large, 1024, 8) < two_level_time("ring", large, 1024, 8)
+    for nics in (1, 8):
+        times = {a: two_level_time(a, large, 1024, 8, nics_per_node=nics) for a in ALGORITHMS}
+        assert min(times, key=times.get) == "ring"
     # on 8 ranks of one node the ring's few latencies cost little: the tree's edge is small
     assert two_level_time("ring", small, 8, 8) < 3 * two_level_time("tree", small, 8, 8)
 
@@ -101,10 +103,13 @@ def test_nics_per_node():
     from reference.comms.links import NIC, NICS_PER_NODE, NVLINK
     S, n, g = 1e9, 64, 8
     assert NICS_PER_NODE == g and (NVLINK.bandwidth, NIC.bandwidth) == (450e9, 50e9)
+    # NCCL's model: only the 2 (nodes-1) steps that cross a node pay the NIC's latency
+    latency = 2 * (n // g - 1) * NIC.alpha + 2 * (n - n // g) * NVLINK.alpha
+    assert two_level_time("ring", 0, n, g) == pytest.approx(latency)
     one = two_level_time("ring", S, n, g, nics_per_node=1)
-    assert one == pytest.approx(2 * (n - 1) * (NIC.alpha + S / n / NIC.bandwidth))
+    assert one == pytest.approx(latency + 2 * (n - 1) * S / n / NIC.bandwidth)
     every = two_level_time("ring", S, n, g)
-    assert every == pytest.approx(2 * (n - 1) * (NIC.alpha + S / n / min(NVLINK.bandwidth, g * NIC.bandwidth)))
+    assert every == pytest.approx(latency + 2 * (n - 1) * S / n / min(NVLINK.bandwidth, g * NIC.bandwidth))
     assert two_level_time("ring", S, n, g, nics_per_node=g) == every and one > 7 * every / 2
     no_latency = dict(intra=(0.0, NVLINK.bandwidth), inter=(0.0, NIC.bandwidth))
     for nics in (1, 2, 8):
@@ -117,6 +122,11 @@ def test_nics_per_node():
         across = two_level_time("hierarchical", S, n, g, nics_per_node=nics,
                                 intra=(0.0, float("inf")), inter=(0.0, NIC.bandwidth))
         assert across == pytest.approx(2 * (n // g - 1) / (n // g) * S / (min(nics, g) * NIC.bandwidth))
+    # halving-doubling takes its nearest partners first: with free links inside a node, what
+    # is left is halving-doubling across the nodes on the S/g each GPU holds by then
+    free = (0.0, float("inf"))
+    assert two_level_time("halving_doubling", S, n, g, intra=free) == pytest.approx(
+        two_level_time("halving_doubling", S / g, n // g, 1))
     # large messages on 8 nodes with a NIC per GPU: the ring is fastest; latency-bound ones: not
     big = {a: two_level_time(a, 200 * 2**20, n, g) for a in ("ring", "tree", "halving_doubling", "hierarchical")}
     assert min(big, key=big.get) == "ring"

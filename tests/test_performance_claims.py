@@ -251,9 +251,10 @@ def test_the_bucket_model_ranks_the_algorithms_as_the_notebook_says():
     for nics in (1, 8):
         tiny = {a: step(0.1, a, nics) for a in ALGORITHMS}
         assert max(tiny, key=tiny.get) == "ring"
-        assert tiny["tree"] < tiny["ring"] / 5 and tiny["halving_doubling"] < tiny["ring"] / 5
+        assert tiny["tree"] < tiny["ring"] / 3 and tiny["halving_doubling"] < tiny["ring"] / 3
         mid = {a: step(25, a, nics) for a in ALGORITHMS}
-        assert min(mid, key=mid.get) == "hierarchical"          # fewer latencies
+        assert min(mid, key=mid.get) == "halving_doubling"      # nearest partners first
+        assert mid["hierarchical"] < mid["ring"] < 1.25 * mid["hierarchical"]   # fewer latencies
     large = {a: step(200, a, 8) for a in ALGORITHMS}
     assert min(large, key=large.get) == "ring"                  # bandwidth-optimal over every NIC
     # The hierarchical all-reduce crosses nodes with S / 8: with free links inside a node its
@@ -268,12 +269,13 @@ def test_the_bucket_model_ranks_the_algorithms_as_the_notebook_says():
 
 def test_the_scaling_model_and_its_quoted_inputs():
     code, text = _sources("code"), _sources("markdown")
-    assert "PEAK, MFU, BATCH = 312e12, 0.45, 512 * 2048" in code
-    assert "45 % of a 312 TFLOP/s peak" in text and "a batch of 512 sequences of 2048 tokens" in text
+    # one machine throughout: the H100 node of reference.comms.links, its GPU's dense bf16 peak
+    assert "PEAK, MFU = 989e12, 0.45" in code and "SEQUENCES, SEQ = 512, 2048" in code
+    assert "the H100 node whose links" in text and "312" not in text
     xl = MODELS["GPT-3 1.3B"]
     n = stage_params(xl, ParallelConfig(), 0)
     assert sum(math.prod(s) for s in gpt_gradient_shapes(xl)) == n
-    compute_1 = training_flops(n, 512 * 2048, xl.n_layer, 2048, xl.n_embd) / (312e12 * 0.45)
+    compute_1 = training_flops(n, 512 * 2048, xl.n_layer, 2048, xl.n_embd) / (989e12 * 0.45)
     wire = {"fp32": 4 * n, "bf16": 2 * n, "powersgd": powersgd_bytes(gpt_gradient_shapes(xl), 4).total}
 
     def comm(g, nbytes, nics=1):
@@ -284,8 +286,8 @@ def test_the_scaling_model_and_its_quoted_inputs():
 
     def outlasts(nbytes, nics=1):
         return next(g for g in (2 ** k for k in range(20)) if comm(g, nbytes, nics) > compute_1 / g)
-    # the all-reduce takes longer than the computation from 512 GPUs (one NIC a node), 2048 (one a GPU)
-    assert (outlasts(wire["fp32"]), outlasts(wire["fp32"], 8), outlasts(wire["bf16"])) == (512, 2048, 1024)
+    # the all-reduce takes longer than the computation from 128 GPUs (one NIC a node), 1024 (one a GPU)
+    assert (outlasts(wire["fp32"]), outlasts(wire["fp32"], 8), outlasts(wire["bf16"])) == (128, 1024, 256)
     assert speedup(1024, wire["bf16"]) > speedup(1024, wire["fp32"])          # a higher ceiling
     assert 100 <= wire["fp32"] / wire["powersgd"] < 1000                      # two orders of magnitude
     assert speedup(1024, wire["powersgd"]) > 1024 / 2                         # keeps scaling

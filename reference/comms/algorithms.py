@@ -19,7 +19,8 @@ latency alpha) and how many bytes (each paying 1 / bandwidth beta) a rank needs:
   and the bandwidth matches the ring's; a single binomial tree, built here because its rounds
   are easy to follow, sends S per child and is slower for large messages);
 * **recursive halving-doubling** (Rabenseifner): reduce-scatter by exchanging halves with the
-  partner at distance N/2, N/4, ..., 1, then all-gather the same way back: the ring's bytes in
+  partner at distance 1, 2, 4, ..., N/2 (nearest first: with nodes of consecutive ranks the
+  large halves stay inside a node), then all-gather the same way back: the ring's bytes in
   log N steps; N must be a power of two;
 * **hierarchical**: with the ranks grouped into nodes of g consecutive ranks (fast links inside
   a node, slow ones across), reduce-scatter inside each node, all-reduce each 1/g piece across
@@ -110,8 +111,8 @@ def halving_doubling_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tenso
                          f"(world_size={dist.get_world_size()}): use the ring or the tree")
     flat = tensor.detach().view(-1) if tensor.is_contiguous() else tensor.detach().reshape(-1).clone()
     lo, hi, sent, kept = 0, flat.numel(), 0, []
-    distance = n // 2
-    while distance:  # halving: keep one half of [lo, hi), send the other to the partner
+    distance = 1
+    while distance < n:  # halving, nearest partner first: keep one half, send the other
         partner = me ^ distance
         mid = lo + (hi - lo) // 2
         mine, theirs = ((lo, mid), (mid, hi)) if me < partner else ((mid, hi), (lo, mid))
@@ -121,7 +122,7 @@ def halving_doubling_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tenso
         flat[mine[0]:mine[1]].add_(incoming)
         kept.append((lo, hi, mine, theirs, partner))
         lo, hi = mine
-        distance //= 2
+        distance *= 2
     for lo, hi, mine, theirs, partner in reversed(kept):  # doubling: give back, take the rest
         sent += _exchange(ranks, group, send_to=partner, send=flat[mine[0]:mine[1]].clone(),
                           recv_from=partner, recv=flat[theirs[0]:theirs[1]])
@@ -199,11 +200,14 @@ def two_level_time(algorithm: str, nbytes: float, n: int, node_size: int,
     * tree (binomial): its cross-node rounds send the whole tensor from one GPU of a node, one
       NIC, whatever ``nics_per_node`` is (NCCL's trees also run several channels; this one
       does not);
-    * halving-doubling: in a cross-node step all ``node_size`` GPUs of a node send at once;
+    * halving-doubling: partners nearest first, so the large halves go over NVLink and only
+      the last log2(nodes) steps, with S/g and less, cross the nodes; in such a step all
+      ``node_size`` GPUs of a node send at once;
     * hierarchical: ``node_size`` rings cross the nodes at once, one per local rank, each with
       S / node_size bytes.
 
-    The ring's bandwidth term is 2 (n-1)/n S over min(NVLink, nics x NIC). The hierarchical
+    The ring pays the NIC's latency on its 2 (nodes-1) steps across nodes and NVLink's on the
+    2 (n - nodes) others; its bandwidth term is 2 (n-1)/n S over min(NVLink, nics x NIC). The hierarchical
     all-reduce sends 2 (nodes-1)/nodes S out of each node instead (8/7 fewer bytes on 8 nodes,
     almost the same on many) through the same NICs, and adds its passes inside the node: what
     it saves is latencies (2 (g-1) + 2 (nodes-1) steps instead of 2 (n-1)), not bandwidth.
@@ -216,20 +220,23 @@ def two_level_time(algorithm: str, nbytes: float, n: int, node_size: int,
     if nics < 1:
         raise ValueError(f"nics_per_node must be at least 1, got {nics_per_node}")
     if algorithm == "ring":
-        if nodes > 1:
-            step = a_out + max(nbytes / n / b_in, nbytes / n / nics / b_out)
-        else:
-            step = a_in + nbytes / n / b_in
-        return 2 * (n - 1) * step
+        # Of the 2 (n-1) steps only the 2 (nodes-1) that cross a node boundary pay the NIC's
+        # latency, the others NVLink's (NCCL's tuning model, its nInterSteps); every step
+        # moves S/n at the pace of the ring's slowest link.
+        inter_steps = 2 * (nodes - 1)
+        per_step = max(nbytes / n / b_in, nbytes / n / nics / b_out) if nodes > 1 else nbytes / n / b_in
+        return inter_steps * a_out + (2 * (n - 1) - inter_steps) * a_in + 2 * (n - 1) * per_step
     if algorithm == "tree":
         rounds = math.ceil(math.log2(n)) if n > 1 else 0
         return sum(2 * ((a_in + nbytes / b_in) if (1 << k) < node_size else (a_out + nbytes / b_out))
                    for k in range(rounds))
     if algorithm == "halving_doubling":
+        # Partners at distance 1, 2, 4, ...: the halves, largest first, stay inside the node
+        # and only the smaller pieces cross it.
         across_bw = b_out * _nic_share(nics, node_size)
-        return sum(2 * ((a_in + nbytes / (2 << k) / b_in) if d < node_size
+        return sum(2 * ((a_in + nbytes / (2 << k) / b_in) if (1 << k) < node_size
                         else (a_out + nbytes / (2 << k) / across_bw))
-                   for k, d in enumerate(n >> (j + 1) for j in range(int(math.log2(n)))))
+                   for k in range(int(math.log2(n))))
     if algorithm == "hierarchical":
         g = node_size
         inside = 2 * (g - 1) * (a_in + nbytes / g / b_in) if g > 1 else 0.0
