@@ -121,7 +121,7 @@ def mark_parallel_params(modules) -> list[nn.Parameter]:
             # ZeRO-3 per parameter (`ShardedParameters`): p holds its dim-0 rows of the
             # (TP-local) tensor, different numbers on every dp x cp rank
             _set_marks(p, id(p) in split, id(p) in shared, id(p) in experts,
-                       getattr(p, "fsdp_sharded", False))
+                       hasattr(p, "zero_rows"))
     return params
 
 

@@ -140,9 +140,9 @@ def weight_holdings(pm) -> list[tuple[Holding, torch.Tensor]]:
     if pm.fsdp is None:
         out = []
         for e in es:
-            if is_sharded(pm, e.param):
-                shape = tuple(pm.sharded.full_shape(e.param))
-                out.append((Holding(e, shape, "rows", pm.sharded.rank_of(e.param) * e.param.shape[0]), e.param))
+            if is_sharded(pm, e.param):  # its rows, as ZeRO-3 recorded them where it cut
+                rows = e.param.zero_rows
+                out.append((Holding(e, tuple(rows.whole), "rows", rows.first_row), e.param))
             else:
                 out.append((Holding(e, tuple(e.param.shape)), e.param))
         return out

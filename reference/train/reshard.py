@@ -89,7 +89,7 @@ def full_shape(pm, e: Entry, local_shape: torch.Size) -> tuple[int, ...]:
 
 def is_sharded(pm, p) -> bool:
     """Whether ``p`` is a per-parameter ZeRO-3 shard (its dim-0 rows of the TP-local tensor)."""
-    return getattr(pm, "sharded", None) is not None and getattr(p, "fsdp_sharded", False)
+    return hasattr(p, "zero_rows")  # recorded by `ShardedParameters` where it cut p
 
 
 def flat_groups(pm, optimizer):
@@ -158,7 +158,7 @@ def load_optimizer_local_state(pm, optimizer, per_param: dict, hyper: list[dict]
 
 def full_shapes(pm) -> dict[str, tuple[int, ...]]:
     """{plain-GPT name: whole shape} of every parameter of the model, on every rank (collective)."""
-    shapes = {e.name: full_shape(pm, e, pm.sharded.full_shape(e.param) if is_sharded(pm, e.param)
+    shapes = {e.name: full_shape(pm, e, e.param.zero_rows.whole if is_sharded(pm, e.param)
                                  else e.param.shape) for e in entries(pm)}
     if not dist.is_initialized():
         return shapes

@@ -43,13 +43,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from reference import comms
 
-__all__ = ["ShardedParameters", "ShardedSets", "shard_rows", "copy_rows", "all_gather_shards", "rows_of",
+__all__ = ["ShardedParameters", "ShardedSets", "ZeroRows", "shard_rows", "copy_rows", "all_gather_shards", "rows_of",
            "reduce_scatter_grads"]
 
 
@@ -115,11 +116,26 @@ def shard_rows(full: torch.Tensor, rank: int, n: int) -> torch.Tensor:
     return out
 
 
+@dataclass(frozen=True)
+class ZeroRows:
+    """Where ZeRO-3 per parameter cut a tensor: rows [rank c, (rank + 1) c) of the whole
+    (TP-local) tensor of shape ``whole``, c = ceil(whole[0] / parts), padded with zero rows."""
+
+    rank: int
+    parts: int
+    whole: torch.Size
+
+    @property
+    def first_row(self) -> int:
+        return self.rank * math.ceil(self.whole[0] / self.parts)
+
+
 class ShardedParameters:
     """This rank's parameters, each sharded along dim 0 over ``group`` (the dp x cp ranks).
 
     ``params``: the distinct parameters of this rank's pipeline stages (tensor-parallel slices
-    included). Each is marked ``p.fsdp_sharded = True`` for the gradient clip and checkpoints.
+    included). Each records where it was cut, ``p.zero_rows`` (`ZeroRows`: this rank's place,
+    the group's size and the whole shape), which the gradient clip and the checkpoints read.
     ``mean_over``: what the summed gradient is divided by, the group's size unless given
     (experts sharded over the expert-data-parallel group divide by dp: see `ShardedSets`)."""
 
@@ -135,10 +151,10 @@ class ShardedParameters:
             raise ValueError(f"ShardedParameters packs one buffer: parameters of dtypes {dtypes}")
         self.dtype = dtypes.pop() if dtypes else torch.float32
         self.gathered = False
-        for p in self.params:
+        for p, shape in zip(self.params, self.shapes):
             with torch.no_grad():
                 p.data = shard_rows(p.data, self.rank, self.n)  # (c, *rest): the full tensor freed
-            p.fsdp_sharded = True
+            p.zero_rows = ZeroRows(self.rank, self.n, shape)    # recorded where it is cut
 
     # ------------------------------------------------------------------ arithmetic
     def shard_shape(self, i: int) -> torch.Size:
