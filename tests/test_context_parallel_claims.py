@@ -10,8 +10,9 @@
 * the ring sends cp / 2 times Ulysses' bytes per rank; the ring's tend to 2 B H T D b,
   Ulysses' fall as 1 / cp;
 * the transfer of a block hides behind a causal zig-zag step's compute from
-  T/cp = 2 b F / (2 W): 16,000 tokens at 400 Tflop/s and 50 GB/s, 1,778 at 450 GB/s, so
-  a 131,072-token sequence on cp = 8 (16,384 a rank) just breaks even across nodes (1.02);
+  T/cp = 2 b F / (2 W): 16,000 tokens at 400 Tflop/s (the notebook prints both) and 50 GB/s, 1,778 at 450 GB/s, so
+  a 131,072-token sequence on cp = 8 (16,384 a rank) just breaks even across nodes (1.02)
+  in the forward; the backward (3x the bytes for 2.5x the compute) hides only from 19,200;
 * the contiguous split's last rank computes cp times rank 0's score entries (the diagonal
   block whole) for about 2 cp - 1 times its pairs;
 * the pictures of `reference.context_parallel.viz`.
@@ -107,15 +108,17 @@ def test_ring_sends_cp_over_2_times_ulysses():
     assert ulysses_at[8] / ulysses_at[4] == pytest.approx((7 / 64) / (3 / 16), rel=1e-12)
 
 
-def _hidden_from(flops_per_s, bytes_per_s, bytes_per_element=2, B=1, H=1, D=128, cp=8):
+def _hidden_from(flops_per_s, bytes_per_s, bytes_per_element=2, B=1, H=1, D=128, cp=8, backward=False):
     """Smallest n = T/cp (even) whose causal zig-zag step computes at least as long as its
-    message takes, counted from the block plans and the byte formula."""
+    message takes, counted from the block plans and the byte formula (the backward: five
+    products of the block instead of two, K and V again with dK and dV in float32)."""
     n = 2
     while True:
         plan = block_plan(1, 0, cp, n, True, True)              # a step after the first
-        flops = 4 * B * H * D * plan.block_elements(n)           # q k^T and P V of the block
+        products = 5 if backward else 2                          # q k^T and P V; S, dV, dP, dQ, dK
+        flops = 2 * products * B * H * D * plan.block_elements(n)
         sent = ring_attention_sent_bytes(B, H, n * cp, D, cp, element_size=bytes_per_element)
-        per_step = sent["forward"] // (cp - 1)
+        per_step = sent["backward" if backward else "forward"] // (cp - 1)
         if flops * bytes_per_s >= per_step * flops_per_s:        # flops / F >= bytes / W, in integers
             return n
         n += 2
@@ -127,6 +130,8 @@ def test_ring_transfer_hides_behind_compute_from_the_notebooks_thresholds():
     assert inside == 1_778                         # the notebook's ceil(1,777.8)
     assert 131_072 // 8 == 16_384 >= across
     assert 16_384 / across == pytest.approx(1.024)                 # "just breaks even"
+    back = _hidden_from(400 * 10**12, 50 * 10**9, backward=True)   # 3x the bytes, 2.5x the compute
+    assert back == 19_200 > 16_384                                 # the backward does not hide there
     from reference.comms.links import NIC, NVLINK
     assert (NIC.bandwidth, NVLINK.bandwidth) == (50e9, 450e9)      # the course's links
 

@@ -26,10 +26,11 @@ every all-to-all keeps 1/cp of its input and sends the rest)::
 With grouped-query attention (k, v of H_kv heads) the k and v all-to-alls shrink to
 H_kv / H of that and q's and the output's do not: (2 + 2 H_kv / H) (cp - 1)/cp S.
 
-Constant in cp per rank (4 S), where ring attention sends 2 (cp - 1) blocks of
-K and V: Ulysses moves less as cp grows, but cp cannot exceed H (H % cp == 0 is
-required), and the attention of H/cp heads on all T tokens holds a
-(T, T) score matrix per local head.
+Per rank that is below 4 S, and S itself falls as 1/cp (each rank holds T/cp
+tokens), where ring attention sends 2 (cp - 1) blocks of K and V, S each in all:
+Ulysses moves less as cp grows, but here cp cannot exceed H (H % cp == 0, and
+H_kv % cp == 0 under grouped-query attention, are required), and the attention
+of H/cp heads on all T tokens holds a (T, T) score matrix per local head.
 
 With the zig-zag layout (``zigzag=True``) the gathered sequence arrives in rank
 order (chunks 0, 2cp-1, 1, 2cp-2, ...); it is permuted back to position order
