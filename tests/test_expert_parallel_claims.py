@@ -110,6 +110,22 @@ def test_balance_loss_is_1_when_uniform_and_e_over_k_when_collapsed(k):
     assert (E * (f * torch.full((E,), 1 / E)).sum()).item() == pytest.approx(1.0)
 
 
+def test_balance_loss_goes_below_1_where_the_mass_sits_on_an_expert_never_picked():
+    """Notebook 05: 1 is the loss under uniform routing, not its least value. Three experts,
+    k = 1, two tokens that each pick their favourite (experts 0 and 1) while expert 2, never
+    picked, holds almost half of every token's probability: E sum f_i P_i = 3 (0.5 x 0.255 x 2)."""
+    from reference.expert_parallel.router import Router
+
+    probs = torch.tensor([[0.5, 0.01, 0.49], [0.01, 0.5, 0.49]])     # (tokens, E)
+    router = Router(2, 3, k=1, capacity_factor=None)
+    with torch.no_grad():
+        router.gate.weight.copy_(probs.log().T)                       # token t's logits: log probs[t]
+    routing = router(torch.eye(2).unsqueeze(0))                       # (1, 2, 2): one group of 2 tokens
+    assert routing.expert_idx.flatten().tolist() == [0, 1]
+    assert routing.balance_loss.item() == pytest.approx(3 * 0.5 * 0.255 * 2, rel=1e-5)
+    assert routing.balance_loss.item() < 1
+
+
 # ----------------------------------------------------------- memory per rank
 def make_gpt():
     return GPT.from_config_seed(GPTConfig.tiny(), 0, ffn_factory=moe_factory(E, k=2, capacity_factor=1.0))

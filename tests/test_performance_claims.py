@@ -15,9 +15,10 @@ size), and the model's inputs that the prose quotes are read from the notebook's
   full), a quarter of the memory, and a loss that follows fp32 Adam's;
 * communication over 30 %: per-parameter all-reduces are over the line and one 25 MiB bucket
   is below them; the calls per bucket size; the bucket model's ranking of the algorithms (ring slowest for tiny buckets,
-  hierarchical fastest at 25 MiB, the ring fastest at 200 MiB with a NIC per GPU);
+  halving-doubling (nearest partners first) fastest at 25 MiB, the hierarchical all-reduce
+  ahead of the ring there, the ring fastest at 200 MiB with a NIC per GPU);
 * no speed-up with more ranks: bytes per rank grow with N, the all-reduce outlasts the
-  compute of GPT-3 1.3B from 512 GPUs with one NIC a node and 2048 with one a GPU, bf16 raises the ceiling, PowerSGD sends
+  compute of GPT-3 1.3B on H100s from 128 GPUs with one NIC a node and 1024 with one a GPU, bf16 raises the ceiling, PowerSGD sends
   two orders of magnitude fewer bytes and keeps scaling; measured, bf16 halves the bytes and
   moves the loss by less than 0.1 % (the course's bound for a bf16 loss, `reference.tolerance`),
   PowerSGD sends about 15 times fewer bytes here and stays within 1 %;
