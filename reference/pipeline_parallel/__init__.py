@@ -31,15 +31,24 @@ Where each part lives:
   deadlock), the ideal timeline `simulate`, and `bubble_of` any timeline;
 * `reference.pipeline_parallel.stage`: `plan_stages` / `split_stages` (by layers or by
   parameters, embedding and head optionally on stages of their own),
-  `GPTStage`, the tied embedding's gradient sum across the first and last stage,
-  and `DelayedStage` (a stage that takes a fixed time, to time schedules on a laptop);
+  `GPTStage`, and `DelayedStage` (a stage that takes a fixed time, to time schedules
+  on a laptop);
+* `reference.pipeline_parallel.tied`: the tied embedding's two copies, on the first
+  and last stage, kept equal (`build_embedding_group`, `sync_tied_grads`);
 * `reference.pipeline_parallel.costs`: `stage_costs` measures each stage's flops (time
   balance) and stored bytes (memory balance) on one micro-batch, against
   `stage_flops_formula` and `stored_bytes_formula`;
-* `reference.pipeline_parallel.executor`: `run_pipeline`, activation
-  checkpointing, trace and stored-activation bytes;
-* `reference.pipeline_parallel.messages`: the executor's batched point-to-point
-  messages, sized from the stages' actual outputs by a handshake on micro-batch 0;
+* `reference.pipeline_parallel.executor`: `run_pipeline`, the loop over a rank's
+  steps; each kind of step is done by a part of its own:
+  - `reference.pipeline_parallel.forward_backward`: what F and B do to one
+    micro-batch on one chunk (the loss on the last stage, divided by m);
+  - `reference.pipeline_parallel.recompute`: activation checkpointing, F without the
+    autograd graph and B running it again with the random state F saw;
+  - `reference.pipeline_parallel.messages`: the batched point-to-point messages,
+    sized from the stages' actual outputs by a handshake on micro-batch 0;
+  - `reference.pipeline_parallel.accounting`: what the executor measures, the
+    trace of every action and the activation bytes each F stores for its B
+    (`PipelineResult`);
 * `reference.pipeline_parallel.viz`: timelines, the bubble against its formula, and
   the time and memory balance of a cut into stages;
 * `reference.pipeline_parallel.widgets`: the schedule explorer (pp, m, kind and
@@ -50,8 +59,9 @@ from reference.pipeline_parallel.costs import StageCost, stage_costs, stage_flop
 from reference.pipeline_parallel.executor import PipelineResult, run_pipeline
 from reference.pipeline_parallel.schedules import (KINDS, OPS, Action, Schedule, ScheduleError, bubble_formula,
                                  build_schedule)
-from reference.pipeline_parallel.stage import (DelayedStage, GPTStage, StageSpec, build_embedding_group, local_stages,
-                             plan_stages, split_stages, sync_tied_grads)
+from reference.pipeline_parallel.stage import (DelayedStage, GPTStage, StageSpec, local_stages, plan_stages,
+                                               split_stages)
+from reference.pipeline_parallel.tied import build_embedding_group, sync_tied_grads
 from reference.pipeline_parallel.viz import plot_bubble_curve, plot_stage_balance, plot_timeline
 
 __all__ = [

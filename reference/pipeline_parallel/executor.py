@@ -1,114 +1,38 @@
 """One executor for every pipeline schedule.
 
 `run_pipeline(schedule, stages, inputs, targets, group=pp_group)` walks this
-rank's steps of the schedule (`Schedule.steps`) and does exactly what they say:
+rank's steps of the schedule (`Schedule.steps`) and does exactly what they say,
+each kind of action by a part of its own:
 
-* F: forward the micro-batch through the chunk's stage; keep what backward
-  needs; on the last stage compute the micro-batch's loss with the stage's own
-  ``loss`` (`GPTStage.loss`: the vocab-parallel cross-entropy when the head is
-  split over the vocabulary by tensor parallelism), divided by m so the
-  gradients add up to those of the full-batch mean;
-* B: backward from the received output gradient (or from the loss);
+* F and B: `reference.pipeline_parallel.forward_backward` (the loss on the last
+  stage, divided by m; activation checkpointing, ``checkpoint=True`` or one flag
+  per local chunk, in `reference.pipeline_parallel.recompute`);
 * a run of SEND/RECV: one ``batch_isend_irecv`` holding all of them, waited on
-  together, metered (`reference.pipeline_parallel.messages`). What a message
-  holds is read from the stage's actual output, never assumed: (B / m, T / tp, C)
-  under sequence parallelism, bf16 from a stage that hands on bf16; a handshake
-  on micro-batch 0 tells the receiver.
+  together, metered (`reference.pipeline_parallel.messages`, which sizes what a
+  message holds from the stage's actual output, never assumed);
+* around every step, its start and end into ``result.trace``, and the bytes each
+  F leaves stored for its B into ``result.peak_activation_bytes``
+  (`reference.pipeline_parallel.accounting`).
 
-Activation checkpointing (``checkpoint=True``, or one flag per local chunk): F
-runs without building the autograd graph and keeps only the stage's input; B
-runs the forward again, with the random state F saw, then backward. "The
-random state" is every stream the stage draws dropout masks from: the default
-generator (and the GPU's), and under tensor parallelism the per-rank stream of
-sharded regions (`reference.tensor_parallel.rng.RNGStates`); a recomputation
-with other masks would differentiate another network than the one whose output
-was sent on. Stored bytes fall from the whole stage's activations to its input,
-for one more forward per micro-batch.
-
-Measured, not assumed: every action's start and end (seconds from a common
-start; the ranks meet at a barrier first) go into ``result.trace``, and the
-bytes each F leaves stored for its B are counted by a saved-tensors hook:
-every tensor autograd saves (parameters excluded; each storage counted once)
-plus the tensors the executor itself keeps. ``result.peak_activation_bytes``
-is the most held at once, a recomputing B's extra bytes included.
+A new kind of compute action (a backward split into its input and weight halves,
+as zero-bubble schedules do) is one more entry of `COMPUTE`.
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
-from reference.model import lm_loss
-from reference.pipeline_parallel.check import TraceEvent
+from reference.pipeline_parallel.accounting import ActivationStore, PipelineResult, Trace
+from reference.pipeline_parallel.forward_backward import RankState, backward, forward
 from reference.pipeline_parallel.messages import Mailbox
 from reference.pipeline_parallel.schedules import Schedule
-from reference.pipeline_parallel.stage import sync_tied_grads
-from reference.tensor_parallel.rng import RNGStates
+from reference.pipeline_parallel.tied import sync_tied_grads
 
-__all__ = ["run_pipeline", "PipelineResult"]
+__all__ = ["run_pipeline", "PipelineResult", "COMPUTE"]
 
-
-@dataclass
-class PipelineResult:
-    """What one rank saw running one schedule (one training step's forward and backward)."""
-
-    loss: Optional[torch.Tensor]  # mean loss over the micro-batches, on the last stage; else None
-    trace: list[TraceEvent] = field(default_factory=list)
-    peak_in_flight: int = 0  # most (micro-batch, chunk) activations held at once
-    peak_activation_bytes: int = 0
-    activation_bytes: dict = field(default_factory=dict)  # (mb, chunk) -> bytes its F stored
-    recompute_bytes: int = 0  # most bytes one checkpointed B's recomputation saved (0 without)
-
-
-class _SavedBytes:
-    """Bytes of the distinct storages autograd saves for backward inside the block.
-
-    Parameters are left out (they are stored whatever the schedule), and so is
-    anything in ``exclude`` (storage pointers already counted elsewhere). ``params``,
-    when given, are looked at as each tensor is saved: parameters whose storage an
-    action hook frees and regathers (ZeRO-3 resharding) move between actions."""
-
-    def __init__(self, param_ptrs: set, exclude: Sequence[torch.Tensor] = (), params=None):
-        self.skip = set(param_ptrs) | {t.untyped_storage().data_ptr() for t in exclude}
-        self.params = params
-        self.storages: dict[int, int] = {}
-
-    def add(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        if st.data_ptr() in self.skip or (self.params is not None and st.data_ptr() in
-                                          {p.untyped_storage().data_ptr() for p in self.params}):
-            return
-        self.storages[st.data_ptr()] = st.nbytes()
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
-
-    def __enter__(self):
-        def pack(t):
-            self.add(t)
-            return t
-
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-
-def _run_stage(stage, x, last: bool, target, m: int, loss_fn):
-    """Forward one micro-batch: (out, aux, scaled loss or None, loss or None)."""
-    out = stage(x)
-    out, aux = out if isinstance(out, tuple) else (out, None)
-    if not last:
-        return out, aux, None, None
-    loss = (loss_fn or getattr(stage, "loss", None) or lm_loss)(out, target)
-    total = loss if aux is None else loss + aux
-    return out, aux, total / m, loss  # / m: the mean over micro-batches
+COMPUTE = {"F": forward, "B": backward}  # what each compute action runs: handler(rank_state, action)
 
 
 def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
@@ -134,10 +58,38 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
     Returns a `PipelineResult`; its ``loss`` is the mean over the m micro-batches (unscaled).
     """
     schedule.validate()
-    pp, m, v = schedule.pp, schedule.m, schedule.virtual
     if not loss_scale > 0:
         raise ValueError(f"loss_scale must be positive, got {loss_scale!r}")
-    divisor = m / loss_scale  # backward starts from (loss + aux) * loss_scale / m
+    rank = _pipeline_rank(schedule, stages, group)
+    flags = [bool(checkpoint)] * schedule.virtual if isinstance(checkpoint, bool) else list(checkpoint)
+    if len(flags) != schedule.virtual:
+        raise ValueError(f"checkpoint needs one flag per chunk ({schedule.virtual}), got {len(flags)}")
+    result = PipelineResult(loss=None)
+    store = ActivationStore(stages, result, moving=action_hook is not None)
+    mb_in, mb_tgt = _micro_batches(inputs, targets, batch_shape, schedule.m, rank, store.device)
+    w = RankState(schedule, stages, rank, mb_in, mb_tgt, flags, schedule.m / loss_scale, loss_fn,
+                  Mailbox(group, rank, store.device), store)
+    hook = action_hook or (lambda when, action: None)
+    if schedule.pp > 1:
+        dist.barrier(group=group)  # a common start, so the ranks' traces line up
+    trace = Trace(rank, store.device, result.trace)
+    for step in schedule.steps(rank):
+        with trace.step(step):
+            if step[0].is_comm:
+                w.mail.exchange(step)  # every SEND and RECV of the step at once
+            else:
+                hook("before", step[0])
+                COMPUTE[step[0].op](w, step[0])
+                hook("after", step[0])
+    sync_tied_grads(stages, tied_group)  # nothing without a group
+    if w.losses:
+        result.loss = torch.stack(w.losses).mean()
+    return result
+
+
+def _pipeline_rank(schedule: Schedule, stages: Sequence[torch.nn.Module], group) -> int:
+    """This rank's place in the pipeline group, once the group and the stages fit the schedule."""
+    pp, v = schedule.pp, schedule.virtual
     distributed = dist.is_available() and dist.is_initialized()
     if pp > 1 and not distributed:
         raise RuntimeError(f"a pipeline of pp={pp} ranks needs torch.distributed initialised "
@@ -158,113 +110,16 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
         if spec is not None and (spec.stage != s or spec.head != (s == last_stage)):
             raise ValueError(f"pipeline rank {rank} chunk {c} should run model stage {s} of "
                              f"{schedule.n_stages}, got {spec}")
-    flags = [bool(checkpoint)] * v if isinstance(checkpoint, bool) else list(checkpoint)
-    if len(flags) != v:
-        raise ValueError(f"checkpoint needs one flag per chunk ({v}), got {len(flags)}")
+    return rank
 
+
+def _micro_batches(inputs, targets, batch_shape, m: int, rank: int, device) -> tuple:
+    """``inputs`` and ``targets`` (B, T) cut into m micro-batches along B, each its own storage
+    (a clone, so that its bytes are counted alone); None where the rank has none."""
     shape = next((t.shape for t in (inputs, targets) if t is not None), batch_shape)
     if shape is None:
         raise ValueError(f"pipeline rank {rank} got neither inputs nor targets: pass batch_shape=(B, T)")
-    B = shape[0]  # (B, T): micro-batches cut along B
-    if B % m:
-        raise ValueError(f"the batch of {B} sequences does not split into m={m} equal micro-batches")
-    params = [p for st in stages for p in st.parameters()]
-    device = params[0].device if params else torch.device("cpu")
-    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-    moving = params if action_hook is not None else None  # storages a hook may free and regrow
-    # clone: a micro-batch's own storage, so its bytes are counted alone
-    mb_in = [t.to(device).clone() for t in inputs.split(B // m)] if inputs is not None else None
-    mb_tgt = [t.to(device).clone() for t in targets.split(B // m)] if targets is not None else None
-
-    held: dict = {}      # (mb, chunk) -> what B needs
-    mail = Mailbox(group, rank, device)
-    losses, result = [], PipelineResult(loss=None)
-    held_bytes = 0
-
-    def forward(mb, c):
-        nonlocal held_bytes
-        s, st = schedule.stage(rank, c), stages[c]
-        if s == 0:
-            x = mb_in[mb]  # (B / m, T) token ids
-        else:
-            x = mail.take("F", mb, c).requires_grad_()  # (B / m, T, C), or (B / m, T / tp, C) under SP
-        target = mb_tgt[mb] if s == last_stage else None
-        entry = {"x": x}
-        with _SavedBytes(param_ptrs, params=moving) as saved:
-            if flags[c]:
-                entry["rng"] = RNGStates.capture(st, device)  # every stream F draws from
-                with torch.no_grad():
-                    out, _, _, loss = _run_stage(st, x, s == last_stage, target, divisor, loss_fn)
-            else:
-                out, aux, total, loss = _run_stage(st, x, s == last_stage, target, divisor, loss_fn)
-                entry.update(aux=aux, total=total)
-                if s < last_stage:  # backward starts from it; the last stage's starts from the loss
-                    entry["out"] = out
-                    saved.add(out)
-        saved.add(x)
-        if loss is not None:
-            losses.append(loss.detach())
-        if s < last_stage:
-            mail.post("F", mb, c, out.detach())
-        entry["bytes"] = saved.bytes
-        held[(mb, c)] = entry
-        held_bytes += saved.bytes
-        result.activation_bytes[(mb, c)] = saved.bytes
-        result.peak_in_flight = max(result.peak_in_flight, len(held))
-        result.peak_activation_bytes = max(result.peak_activation_bytes, held_bytes)
-
-    def backward(mb, c):
-        nonlocal held_bytes
-        s, st = schedule.stage(rank, c), stages[c]
-        entry = held.pop((mb, c))
-        x = entry["x"]
-        if flags[c]:  # recompute the forward with the random state F saw
-            now = RNGStates.capture(st, device)
-            entry["rng"].restore()  # the same dropout masks as the forward that was sent on
-            try:
-                with _SavedBytes(param_ptrs, exclude=[x], params=moving) as again:
-                    out, aux, total, _ = _run_stage(st, x, s == last_stage,
-                                                    mb_tgt[mb] if s == last_stage else None, divisor, loss_fn)
-            finally:
-                now.restore()  # the streams go on as if nothing had been drawn again
-            result.recompute_bytes = max(result.recompute_bytes, again.bytes)
-            result.peak_activation_bytes = max(result.peak_activation_bytes, held_bytes + again.bytes)
-        else:
-            out, aux, total = entry.get("out"), entry["aux"], entry["total"]
-        if s == last_stage:
-            tensors, grads = [total], [None]
-        else:
-            tensors, grads = [out], [mail.take("B", mb, c)]
-            if aux is not None and aux.requires_grad:  # the stage's share of the aux loss
-                tensors.append(aux)
-                grads.append(torch.full_like(aux, 1.0 / divisor))
-        keep = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
-        if keep:
-            torch.autograd.backward([t for t, _ in keep], [g for _, g in keep])
-        if s > 0:
-            mail.post("B", mb, c, x.grad if x.grad is not None else torch.zeros_like(x))
-        held_bytes -= entry["bytes"]
-
-    if not alone and pp > 1:
-        dist.barrier(group=group)  # a common start, so the ranks' traces line up
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
-    for step in schedule.steps(rank):
-        start = time.perf_counter() - t0
-        a = step[0]
-        if a.is_comm:
-            mail.exchange(step)
-        else:
-            if action_hook is not None:
-                action_hook("before", a)
-            (forward if a.op == "F" else backward)(a.mb, a.chunk)
-            if action_hook is not None:
-                action_hook("after", a)
-        sync()  # GPU work is asynchronous: time it to its end
-        end = time.perf_counter() - t0
-        result.trace += [TraceEvent(rank, x, start, end) for x in step]
-    if tied_group is not None:
-        sync_tied_grads(stages, tied_group)
-    if losses:
-        result.loss = torch.stack(losses).mean()
-    return result
+    if shape[0] % m:
+        raise ValueError(f"the batch of {shape[0]} sequences does not split into m={m} equal micro-batches")
+    return tuple(None if t is None else [x.to(device).clone() for x in t.split(shape[0] // m)]
+                 for t in (inputs, targets))

@@ -21,29 +21,22 @@ stage of its own: with a large vocabulary it is as heavy as several blocks,
 and a stage holding it and blocks is the slowest link of the pipeline.
 
 Tied weights. With ``tie_weights`` the token embedding ``wte`` (stage 0) and the
-``lm_head`` (the last stage) are one matrix. Split over two ranks each holds a
-copy, and each copy gets only its half of the gradient. `build_embedding_group`
-makes the process group of the first and last pipeline ranks (Megatron-LM's
-"embedding group") and `sync_tied_grads` all-reduces the two halves there, so
-both copies take the same optimizer step and stay equal. Alternatively build
-the model with ``tie_weights=False``.
+``lm_head`` (the last stage) are one matrix; split over two ranks each holds a copy
+(``GPTStage.tied``), kept equal by `reference.pipeline_parallel.tied`.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from reference import comms
 from reference.model import GPT, Block, GPTConfig, lm_loss
 from reference.tensor_parallel.loss import VocabParallelLMHead
 
-__all__ = ["StageSpec", "plan_stages", "GPTStage", "split_stages", "local_stages",
-           "DelayedStage", "build_embedding_group", "sync_tied_grads"]
+__all__ = ["StageSpec", "plan_stages", "GPTStage", "split_stages", "local_stages", "DelayedStage"]
 
 
 @dataclass(frozen=True)
@@ -255,41 +248,3 @@ class DelayedStage(nn.Module):
         """The wrapped stage's loss (`lm_loss` if it has none)."""
         return getattr(self.stage, "loss", lm_loss)(logits, targets)
 
-
-def build_embedding_group(mesh) -> Optional[object]:
-    """The group of the first and last rank of this rank's pipeline (None if not in one).
-
-    Every rank must call it (``new_group`` is collective), after ``mesh.build_groups()``.
-    With pp = 1 both ends live in one process and share the weight: returns None."""
-    if mesh.pp == 1:
-        return None
-    mine = None
-    for ranks in mesh.group_ranks("pp"):
-        ends = [ranks[0], ranks[-1]]
-        group = dist.new_group(ends)
-        if mesh.rank in ends:
-            mine = group
-            comms.name_group(group, "embedding")
-    return mine
-
-
-def sync_tied_grads(stages: Union[GPTStage, Sequence[GPTStage]], group) -> int:
-    """Sum the gradient of the tied embedding / lm_head over its two copies.
-
-    Call on every rank of the embedding group after the backward pass; the
-    first and last stage each all-reduce their copy's gradient. Returns the
-    number of tensors reduced here (0 where nothing is tied or shared)."""
-    stages = [stages] if isinstance(stages, GPTStage) else list(stages)
-    if group is None or not stages or not stages[0].tied:
-        return 0
-    mine = [s.wte.weight for s in stages if s.spec.embedding] \
-        + [s.lm_head.weight for s in stages if s.spec.head]
-    if len(mine) != 1:  # both ends here (the same Parameter) or neither
-        return 0
-    p = mine[0]
-    if not p.requires_grad:
-        return 0
-    if p.grad is None:
-        p.grad = torch.zeros_like(p)
-    comms.all_reduce(p.grad, group=group)
-    return 1

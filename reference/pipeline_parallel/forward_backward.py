@@ -1,0 +1,127 @@
+"""What the executor does for an F and a B: one micro-batch through one chunk's stage.
+
+* F (`forward`): take the micro-batch's input (token ids on the first stage, the
+  received activation elsewhere), run the chunk's stage and keep what B needs; on
+  the last stage compute the micro-batch's loss with the stage's own ``loss``
+  (`GPTStage.loss`: the vocab-parallel cross-entropy when the head is split over
+  the vocabulary by tensor parallelism), divided by m so the gradients add up to
+  those of the full-batch mean; hand the output on to be sent to the next stage.
+* B (`backward`): backward from the received output gradient (or from the loss on
+  the last stage), and hand the input's gradient on to be sent back.
+
+A checkpointed chunk keeps only the input and runs its forward again in B
+(`reference.pipeline_parallel.recompute`). `RankState` is what one rank carries
+from action to action: its micro-batches, its mailbox, what each F keeps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from reference.model import lm_loss
+from reference.pipeline_parallel.accounting import ActivationStore
+from reference.pipeline_parallel.actions import Action
+from reference.pipeline_parallel.messages import Mailbox
+from reference.pipeline_parallel.recompute import forward_without_graph, recompute
+from reference.pipeline_parallel.schedules import Schedule
+from reference.tensor_parallel.rng import RNGStates
+
+__all__ = ["RankState", "Kept", "forward", "backward"]
+
+
+@dataclass
+class RankState:
+    """One rank's run of a schedule: its stages by chunk, micro-batches, messages and stored activations."""
+
+    schedule: Schedule
+    stages: Sequence[torch.nn.Module]
+    rank: int
+    inputs: Optional[list]   # micro-batches of token ids (B / m, T), on the first stage
+    targets: Optional[list]  # (B / m, T), on the last stage
+    checkpoint: list         # one flag per chunk
+    divisor: float           # m / loss_scale: backward starts from (loss + aux) * loss_scale / m
+    loss_fn: Optional[Callable]
+    mail: Mailbox
+    store: ActivationStore
+    losses: list = field(default_factory=list)
+
+    def ends(self, chunk: int) -> tuple[bool, bool]:
+        """Whether the chunk's model stage is the first, and the last, of the pipeline."""
+        s = self.schedule.stage(self.rank, chunk)
+        return s == 0, s == self.schedule.n_stages - 1
+
+
+@dataclass
+class Kept:
+    """What one F keeps for its B: the stage's input, and either the output, aux loss and
+    scaled loss (their autograd graph kept) or the random state to run it again (checkpointed)."""
+
+    x: torch.Tensor
+    out: Optional[torch.Tensor] = None
+    aux: Optional[torch.Tensor] = None
+    total: Optional[torch.Tensor] = None
+    rng: Optional[RNGStates] = None
+
+
+def _run_stage(w: RankState, a: Action, x: torch.Tensor):
+    """Forward one micro-batch: (out, aux, scaled loss or None, loss or None)."""
+    out = w.stages[a.chunk](x)
+    out, aux = out if isinstance(out, tuple) else (out, None)
+    if not w.ends(a.chunk)[1]:
+        return out, aux, None, None
+    loss = (w.loss_fn or getattr(w.stages[a.chunk], "loss", None) or lm_loss)(out, w.targets[a.mb])
+    total = loss if aux is None else loss + aux
+    return out, aux, total / w.divisor, loss  # / m: the mean over micro-batches
+
+
+def forward(w: RankState, a: Action) -> None:
+    """F: micro-batch ``a.mb`` through chunk ``a.chunk``; keep what its B needs, post the output."""
+    first, last = w.ends(a.chunk)
+    if first:
+        x = w.inputs[a.mb]  # (B / m, T) token ids
+    else:
+        x = w.mail.take("F", a.mb, a.chunk).requires_grad_()  # (B / m, T, C), or (B / m, T / tp, C) under SP
+    kept = Kept(x)
+    with w.store.saving() as saved:
+        if w.checkpoint[a.chunk]:
+            kept.rng, (out, _, _, loss) = forward_without_graph(w.stages[a.chunk], w.store.device,
+                                                                lambda: _run_stage(w, a, x))
+        else:
+            out, kept.aux, kept.total, loss = _run_stage(w, a, x)
+            if not last:  # backward starts from it; the last stage's starts from the loss
+                kept.out = out
+                saved.add(out)
+    saved.add(x)
+    if loss is not None:
+        w.losses.append(loss.detach())
+    if not last:
+        w.mail.post("F", a.mb, a.chunk, out.detach())
+    w.store.keep((a.mb, a.chunk), kept, saved.bytes)
+
+
+def backward(w: RankState, a: Action) -> None:
+    """B: backward of micro-batch ``a.mb`` through chunk ``a.chunk``; post the input's gradient."""
+    first, last = w.ends(a.chunk)
+    kept = w.store.get((a.mb, a.chunk))
+    if kept.rng is not None:  # checkpointed: run the forward again, as F ran it
+        with w.store.saving(exclude=[kept.x]) as again:
+            out, aux, total, _ = recompute(w.stages[a.chunk], w.store.device, kept.rng,
+                                           lambda: _run_stage(w, a, kept.x))
+        w.store.recomputed(again.bytes)
+    else:
+        out, aux, total = kept.out, kept.aux, kept.total
+    if last:
+        tensors, grads = [total], [None]
+    else:
+        tensors, grads = [out], [w.mail.take("B", a.mb, a.chunk)]
+        if aux is not None and aux.requires_grad:  # the stage's share of the aux loss
+            tensors.append(aux)
+            grads.append(torch.full_like(aux, 1.0 / w.divisor))
+    keep = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
+    if keep:
+        torch.autograd.backward([t for t, _ in keep], [g for _, g in keep])
+    if not first:
+        w.mail.post("B", a.mb, a.chunk, kept.x.grad if kept.x.grad is not None else torch.zeros_like(kept.x))
+    w.store.drop((a.mb, a.chunk))
