@@ -23,6 +23,7 @@ the executor's measured trace has the same form (`TraceEvent` lists per rank).
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import NamedTuple
 
 from reference.pipeline_parallel.actions import COMM, OPS, Action, ScheduleError
@@ -127,19 +128,10 @@ def _match(s: "Schedule") -> dict:
 def _run(s: "Schedule", t_f: float, t_b: float, partner: dict) -> list[list[TraceEvent]]:
     """Simulate all ranks together; raise ScheduleError on a deadlock."""
     steps = [s.steps(r) for r in range(s.pp)]
-    # action index -> (step index) on each rank, to find where a partner waits
-    step_of = []
-    for r in range(s.pp):
-        idx, table = 0, {}
-        for k, step in enumerate(steps[r]):
-            for _ in step:
-                table[idx] = k
-                idx += 1
-        step_of.append(table)
-    first_index = [[0] for _ in range(s.pp)]
-    for r in range(s.pp):
-        for step in steps[r][:-1]:
-            first_index[r].append(first_index[r][-1] + len(step))
+    # on each rank: the step of every action (by its index), to find where a partner waits,
+    # and the index of every step's first action
+    step_of = [[k for k, step in enumerate(st) for _ in step] for st in steps]
+    first_index = [[0, *accumulate(len(step) for step in st[:-1])] for st in steps]
 
     pos, clock = [0] * s.pp, [0.0] * s.pp
     reached = {(r, 0): 0.0 for r in range(s.pp)}  # (rank, step) -> time the rank got there
@@ -185,9 +177,7 @@ def _run(s: "Schedule", t_f: float, t_b: float, partner: dict) -> list[list[Trac
 
 def validate(s: "Schedule") -> None:
     """Raise ScheduleError unless the schedule is complete and free of deadlock."""
-    for r in range(s.pp):
-        _check_rank(s, r)
-    _run(s, 1.0, 2.0, _match(s))
+    simulate(s)
 
 
 def simulate(s: "Schedule", t_f: float = 1.0, t_b: float = 2.0) -> list[list[TraceEvent]]:

@@ -113,15 +113,14 @@ def backward(w: RankState, a: Action) -> None:
     else:
         out, aux, total = kept.out, kept.aux, kept.total
     if last:
-        tensors, grads = [total], [None]
+        roots = [(total, None)]  # backward starts from the scaled loss
     else:
-        tensors, grads = [out], [w.mail.take("B", a.mb, a.chunk)]
-        if aux is not None and aux.requires_grad:  # the stage's share of the aux loss
-            tensors.append(aux)
-            grads.append(torch.full_like(aux, 1.0 / w.divisor))
-    keep = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
-    if keep:
-        torch.autograd.backward([t for t, _ in keep], [g for _, g in keep])
+        roots = [(out, w.mail.take("B", a.mb, a.chunk))]  # from the output's received gradient
+        if aux is not None:  # and the stage's share of the aux loss
+            roots.append((aux, torch.full_like(aux, 1.0 / w.divisor)))
+    roots = [(t, g) for t, g in roots if t.requires_grad]
+    if roots:
+        torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
     if not first:
         w.mail.post("B", a.mb, a.chunk, kept.x.grad if kept.x.grad is not None else torch.zeros_like(kept.x))
     w.store.drop((a.mb, a.chunk))
