@@ -243,7 +243,7 @@ def _emb65():
 
     namespace = dict(GPTConfig=GPTConfig, ParallelConfig=ParallelConfig, estimate=estimate,
                      Precision=Precision, plan_stages=plan_stages)
-    for cell_id in ("emb65-table", "emb65-facts"):
+    for cell_id in ("emb65-table", "emb65-table2", "emb65-facts"):
         exec(_cell("04_pipeline_parallel.ipynb", cell_id), namespace)
     return namespace
 
