@@ -40,16 +40,18 @@ TOPICS = {
     "DDP": (["data_parallel.ddp"], ["data_parallel"], None),
     "TP layers (Megatron)": (["tensor_parallel.layers"], ["tensor_parallel"], None),
     "1F1B": (["pipeline_parallel.schedules", "pipeline_parallel.executor"], ["pipeline_parallel"], None),
+    "zero-bubble": (["pipeline_parallel.zero_bubble", "pipeline_parallel.split_backward"], ["pipeline_parallel"],
+                    None),
     "ZeRO-3 composed with TP and PP": (["zero.fsdp_param", "zero.fsdp_reshard"], ["zero"], None),
     "the composed step": (["parallel.step", "parallel.data_parallelism"], ["parallel", "zero"], 1),
 }
 PICTURES = ("viz", "widgets")
 # the most lines of code each topic may take: a change that makes reading longer fails the
 # test; where a topic is over its target, its budget is what it takes today, lowered as it shrinks
-BUDGET = {"DDP": 300, "TP layers (Megatron)": 320, "1F1B": 659,
+BUDGET = {"DDP": 300, "TP layers (Megatron)": 320, "1F1B": 659, "zero-bubble": 777,
           "ZeRO-3 composed with TP and PP": 400, "the composed step": 500}
 # what the course reads towards
-TARGET = {"DDP": 300, "TP layers (Megatron)": 320, "1F1B": 400,
+TARGET = {"DDP": 300, "TP layers (Megatron)": 320, "1F1B": 400, "zero-bubble": 600,
           "ZeRO-3 composed with TP and PP": 400, "the composed step": 500}
 LONG = 60  # lines of code: a function longer than this holds more than one idea
 DP_BRANCH = re.compile(r"\b(zero_stage|fsdp|sharded|reshard_after_forward)\b")

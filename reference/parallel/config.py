@@ -8,7 +8,9 @@ out of dp (the experts of one MoE layer are split over ep ranks; the ranks holdi
 same experts form the expert-data-parallel group). Inside dp, `zero_stage` shards the
 training state (0 = plain data parallelism, 1 = optimizer state, 2 = and gradients,
 3 = and parameters). The pipeline runs `microbatches` micro-batches per step with
-`schedule` ("gpipe", "1f1b", or "interleaved" with `virtual_stages` chunks per rank); with
+`schedule` ("gpipe", "1f1b", "interleaved" with `virtual_stages` chunks per rank, or the
+zero-bubble "zb-h1" and "zb-v", the latter with virtual_stages=2 placed in a V; see
+`reference.pipeline_parallel.zero_bubble`); with
 pp = 1 the micro-batches are gradient accumulation and always run F0 B0 F1 B1 ..., one
 micro-batch's activations alive at a time.
 
@@ -54,7 +56,7 @@ from typing import Optional, Union
 
 __all__ = ["ParallelConfig", "SCHEDULES", "PRECISIONS", "CP_KINDS"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 PRECISIONS = ("fp32", "bf16", "fp16")
 CP_KINDS = ("ring", "ulysses")  # reference.context_parallel.KINDS
 
@@ -230,9 +232,10 @@ class ParallelConfig:
             out.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.precision not in PRECISIONS:
             out.append(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
-            out.append(f"virtual_stages={self.virtual_stages} needs schedule='interleaved', "
-                       f"got {self.schedule!r}")
+        if self.virtual_stages > 1 and self.schedule not in ("interleaved", "zb-v"):
+            out.append(f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (or "
+                       f"'zb-v' with 2), got {self.schedule!r}")
+        out += self._zero_bubble_problems()
         if self.schedule == "interleaved":
             if self.pp < 2 or self.virtual_stages < 2:
                 out.append(f"schedule='interleaved' needs pp >= 2 and virtual_stages >= 2, got "
@@ -243,6 +246,21 @@ class ParallelConfig:
         if self.schedule == "1f1b" and 1 < self.pp and self.microbatches < self.pp:
             out.append(f"1F1B with microbatches={self.microbatches} < pp={self.pp} never reaches "
                        f"its steady state (the bubble is the naive split's); use microbatches >= pp")
+        return out
+
+    def _zero_bubble_problems(self) -> list[str]:
+        """The zero-bubble schedules (backward split into I and W) against pp, chunks and ZeRO."""
+        out = []
+        if self.schedule == "zb-v" and (self.pp < 2 or self.virtual_stages != 2):
+            out.append(f"schedule='zb-v' places two chunks per rank in a V: it needs pp >= 2 and "
+                       f"virtual_stages=2, got pp={self.pp}, virtual_stages={self.virtual_stages}")
+        if self.schedule == "zb-h1" and 1 < self.pp and self.microbatches < self.pp:
+            out.append(f"ZB-H1 with microbatches={self.microbatches} < pp={self.pp} never reaches "
+                       f"1F1B's steady state, whose idle end its W's fill; use microbatches >= pp")
+        if self.schedule in ("zb-h1", "zb-v") and self.zero_stage == 3 and self.dp * self.cp > 1:
+            out.append(f"schedule={self.schedule!r} splits each backward into I and W, and composed "
+                       f"ZeRO-3 gathers and reduce-scatters around a whole backward B: use zero_stage "
+                       f"<= 1 or schedule='1f1b'")
         return out
 
     def _batch_problems(self, batch, cfg) -> list[str]:

@@ -53,7 +53,8 @@ activation); dp traffic hides under the compute it runs beside (DDP's buckets an
 reduce-scatter under the last micro-batch's backward, ZeRO-2's under each backward, ZeRO-3's
 prefetched gathers under each micro-batch) and only what outlasts it is exposed; the
 parameters' all-gather after the optimizer step is exposed; the bubble idles (pp - 1) / (v m)
-of the busy time (compute + tp + pp). A link is NVLink when its group fits in one node
+of the busy time (compute + tp + pp), the zero-bubble schedules less (`idle_share`: ZB-H1
+(pp - 1) / (3 m), ZB-V (pp - 1) / (6 m) with F = I = W). A link is NVLink when its group fits in one node
 (Megatron's order, tp innermost, then dp, then pp), else the GPU's share of the node's NICs;
 latency (alpha) is left out.
 
@@ -70,13 +71,14 @@ from reference.memory import MemoryBytes, Precision, human_bytes, model_state_by
 from reference.parallel.config import ParallelConfig
 from reference.parallel.estimate_memory import (activation_bytes_per_block, block_params, in_flight,
                                                 mlp_activation_bytes, moe_activation_bytes,
-                                                stage_params, stage_specs, stage_tensors,
+                                                rank_specs, stage_params, stage_specs, stage_tensors,
                                                 zero3_phases)
 from reference.parallel.estimate_traffic import dp_transfers, tp_bytes
+from reference.pipeline_parallel import ZB_KINDS, build_schedule, zero_bubble_formula
 from reference.profile import training_flops
 
 __all__ = ["Estimate", "Workload", "estimate", "block_params", "stage_params", "activation_bytes_per_block",
-           "Hardware", "H100_BF16_PEAK", "step_time", "link_of"]
+           "Hardware", "H100_BF16_PEAK", "step_time", "link_of", "idle_share"]
 
 # FLOP/s of an H100 SXM's dense bf16 tensor cores (the datasheet's peak; the node whose links
 # reference.comms.links describes). Real steps reach about half of it: compute here is a floor.
@@ -105,7 +107,7 @@ class Hardware:
                 f"{self.inter_bandwidth / 1e9:.0f} GB/s across nodes; tp and pp traffic exposed, "
                 f"dp traffic hidden under the backward it runs beside (ZeRO-3: under each "
                 f"micro-batch) up to its length, the all-gather after the step exposed; "
-                f"bubble (pp-1)/(v m) of the busy time; latency left out")
+                f"bubble (pp-1)/(v m) of the busy time (zero-bubble: idle_share); latency left out")
 
 
 @dataclass
@@ -220,7 +222,7 @@ class Workload:
 
     def holds(self, part: str) -> bool:
         """Whether the stage holds the "embedding" or the "head"."""
-        return any(getattr(spec, part) for spec in stage_specs(self.model, self.config)[self.stage::self.config.pp])
+        return any(getattr(spec, part) for spec in rank_specs(self.model, self.config, self.stage))
 
     @property
     def composed(self) -> bool:
@@ -250,8 +252,25 @@ def estimate(model, config: ParallelConfig, **workload) -> Estimate:
     per_gpu["dp"] = sum(nbytes * times for _, nbytes, times, _ in transfers)
     flops, forward = training_flops_per_gpu(w)
     tensors = w.tensors
-    return Estimate(c, tensors.sizes()[0], states, peak * a1, (p - 1) / (v * m + p - 1), per_gpu, m,
+    idle = idle_share(c, m)
+    return Estimate(c, tensors.sizes()[0], states, peak * a1, idle / (1 + idle), per_gpu, m,
                     flops, forward, transfers, held, phases, w.stage, tensors.of(True).sizes()[0])
+
+
+def idle_share(c: ParallelConfig, m: int) -> float:
+    """The pipeline's idle time over its busy time: (p - 1) / (v m) for GPipe, 1F1B and
+    interleaved 1F1B; for the zero-bubble schedules their closed form with F = I = W (Qi et
+    al.'s assumption; `zero_bubble_formula`): (p - 1) / (3 m) for ZB-H1, (p - 1) / (6 m) for
+    ZB-V from m >= 2p - 1 (below it, their simulated timeline)."""
+    if c.pp == 1:
+        return 0.0
+    if c.schedule in ZB_KINDS:
+        try:
+            share = zero_bubble_formula(c.schedule, c.pp, m)
+        except ValueError:  # outside the closed form's range: simulate the schedule
+            share = build_schedule(c.schedule, c.pp, m, c.virtual_stages).bubble_fraction()
+        return share / (1 - share)
+    return (c.pp - 1) / (c.virtual_stages * m)
 
 
 def activations(w: Workload) -> tuple:
@@ -341,6 +360,6 @@ def step_time(e: Estimate, hardware: Hardware = Hardware()) -> dict:
     dp = sum(times * max(0.0, seconds(nbytes, "dp") - window[under])
              for _, nbytes, times, under in e.dp_transfers)
     tp, pp = seconds(e.bytes_per_step["tp"], "tp"), seconds(e.bytes_per_step["pp"], "pp")
-    bubble = (compute + tp + pp) * (c.pp - 1) / (c.virtual_stages * m)
+    bubble = (compute + tp + pp) * idle_share(c, m)
     return dict(compute=compute, tp=tp, pp=pp, dp=dp, bubble=bubble,
                 total=compute + tp + pp + dp + bubble)

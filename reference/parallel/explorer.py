@@ -8,8 +8,9 @@
 (tp <= gpus_per_node: TP communicates in every layer, so it needs the node's fast links),
 pp dividing the layers (equal stages), m = global_batch / (dp micro_batch) micro-batches of
 `micro_batch` sequences, ZeRO 0-3, with and without sequence parallelism, with and without
-full activation recomputation; composed ZeRO-3 (with tp, pp, ep or recomputation) gathering
-its stage once a step and, where `ParallelConfig` has the option, resharding after every
+full activation recomputation, with each pipeline schedule of ``schedules`` (1F1B by default;
+the zero-bubble "zb-h1" and "zb-v" idle less for the activations they hold longer); composed
+ZeRO-3 (with tp, pp, ep or recomputation) gathering its stage once a step and, where `ParallelConfig` has the option, resharding after every
 forward (FSDP2's ``reshard_after_forward``: 3 m transfers, shards and one block whole); with
 ``n_experts`` every expert-parallel degree ep that divides dp and the experts. It keeps only
 what `ParallelConfig.validate` accepts for the model, the batch and ``n_experts`` (so no
@@ -32,7 +33,7 @@ from __future__ import annotations
 import html
 from dataclasses import replace
 from itertools import product
-from typing import Optional
+from typing import Optional, Sequence
 
 import ipywidgets as widgets
 
@@ -67,7 +68,8 @@ def _reshard_options(config: ParallelConfig) -> tuple:
 def feasible_configs(model: GPTConfig, n_gpus: int, gpus_per_node: int = 8,
                      device_bytes: float = 80e9, global_batch: int = 1536,
                      micro_batch: int = 1, n_experts: Optional[int] = None,
-                     hardware: Optional[Hardware] = None) -> list[dict]:
+                     hardware: Optional[Hardware] = None,
+                     schedules: Sequence[str] = ("1f1b",)) -> list[dict]:
     """Every candidate that validates and fits, fastest estimated step first (rows: dicts of
     config, estimate (of the pipeline rank with the largest peak), memory, bubble,
     time = `step_time`'s parts, step_time, cross_node and inside = bytes one GPU sends per
@@ -88,11 +90,12 @@ def feasible_configs(model: GPTConfig, n_gpus: int, gpus_per_node: int = 8,
                 continue
             m = global_batch // (dp * micro_batch)
             eps = [e for e in _divisors(dp) if n_experts % e == 0] if n_experts else [1]
-            for ep, zero, sp, ckpt in product(eps, (0, 1, 2, 3), (True, False) if tp > 1 else (False,),
-                                              (False, True)):
+            for ep, zero, sp, ckpt, sched in product(eps, (0, 1, 2, 3), (True, False) if tp > 1 else
+                                                     (False,), (False, True), schedules if pp > 1 else ("1f1b",)):
                 base = ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero, microbatches=m,
                                       sequence_parallel=sp, activation_checkpointing=ckpt,
-                                      precision="bf16")
+                                      precision="bf16", schedule=sched,
+                                      virtual_stages=2 if sched == "zb-v" else 1)
                 for config in _reshard_options(base):
                     if config.problems(n_gpus, model, batch, n_experts):
                         continue  # only what `ParallelConfig.validate` accepts
@@ -118,14 +121,14 @@ def _row(model, config, micro_batch, global_batch, n_experts, hardware) -> dict:
 
 
 def _table(rows: list[dict], limit: int) -> str:
-    head = ("dp", "tp", "pp", "ep", "ZeRO", "SP", "m", "recompute", "memory / GPU", "step (s)",
+    head = ("dp", "tp", "pp", "schedule", "ep", "ZeRO", "SP", "m", "recompute", "memory / GPU", "step (s)",
             "compute (s)", "exposed comm (s)", "bubble", "sent across nodes", "sent inside a node")
     cells = ["<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
     for r in rows[:limit]:
         c, t = r["config"], r["time"]
         zero = f"{c.zero_stage}{' reshard' if getattr(c, 'reshard_after_forward', False) else ''}"
-        values = (c.dp, c.tp, c.pp, c.ep, zero, "yes" if c.sequence_parallel else "no",
-                  c.microbatches, "full" if c.activation_checkpointing else "none",
+        values = (c.dp, c.tp, c.pp, c.schedule if c.pp > 1 else "", c.ep, zero,
+                  "yes" if c.sequence_parallel else "no", c.microbatches, "full" if c.activation_checkpointing else "none",
                   human_bytes(r["memory"]), f"{r['step_time']:.2f}", f"{t['compute']:.2f}",
                   f"{t['tp'] + t['pp'] + t['dp']:.2f}", f"{r['bubble']:.1%} ({t['bubble']:.2f} s)",
                   human_bytes(r["cross_node"]), human_bytes(r["inside"]))
@@ -138,9 +141,11 @@ class ConfigExplorer(widgets.VBox):
     first (``n_experts``: None for the dense model, else an MoE layer in every block)."""
 
     EXPERTS = [("dense", 0), ("8 experts", 8), ("64 experts", 64)]
+    SCHEDULES = [("1F1B", ("1f1b",)), ("1F1B or zero-bubble", ("1f1b", "zb-h1", "zb-v"))]
 
     def __init__(self, model: str = "GPT-3 175B", n_gpus: int = 1024, device_gb: int = 80,
-                 global_batch: int = 1536, limit: int = 8, n_experts: Optional[int] = None):
+                 global_batch: int = 1536, limit: int = 8, n_experts: Optional[int] = None,
+                 schedules: Sequence[str] = ("1f1b",)):
         if model not in MODELS:
             raise ValueError(f"model must be one of {list(MODELS)}, got {model!r}")
         if (n_experts or 0) not in dict((v, k) for k, v in self.EXPERTS):
@@ -154,19 +159,22 @@ class ConfigExplorer(widgets.VBox):
         self.device = widgets.Dropdown(options=[24, 40, 80, 141], value=device_gb, description="GB / GPU")
         self.batch = widgets.Dropdown(options=[256, 512, 1024, 1536, 2048], value=global_batch,
                                       description="batch")
+        self.schedules = widgets.Dropdown(options=self.SCHEDULES, value=tuple(schedules),
+                                          description="pipeline")
         self.summary = widgets.HTML()
         self.output = widgets.HTML()
-        for control in (self.model, self.experts, self.n_gpus, self.device, self.batch):
+        for control in (self.model, self.experts, self.n_gpus, self.device, self.batch, self.schedules):
             control.observe(lambda _change: self.update(), names="value")
         super().__init__([widgets.HBox([self.model, self.experts, self.n_gpus]),
-                          widgets.HBox([self.device, self.batch]), self.summary, self.output])
+                          widgets.HBox([self.device, self.batch, self.schedules]), self.summary, self.output])
         self.update()
 
     def update(self) -> None:
         experts = self.experts.value or None
         self.rows = feasible_configs(MODELS[self.model.value], self.n_gpus.value,
                                      device_bytes=self.device.value * 1e9,
-                                     global_batch=self.batch.value, n_experts=experts)
+                                     global_batch=self.batch.value, n_experts=experts,
+                                     schedules=self.schedules.value)
         what = self.model.value + (f" with {experts} experts per layer" if experts else "")
         self.summary.value = (f"<b>{len(self.rows)}</b> configurations fit {what} on "
                               f"{self.n_gpus.value} GPUs of {self.device.value} GB "

@@ -35,20 +35,22 @@ def _logits_of_last_position(pm, context: torch.Tensor, device) -> Optional[torc
     t_msg = -(-T // tp) if config.sequence_parallel and tp > 1 else T  # (B, T / tp, C) under SP
     C = pm.model_config.n_embd
     pp_ranks = mesh.group_ranks_of(mesh.rank, "pp") if mesh.pp > 1 else [mesh.rank]
-    out = None
+    out, sched = None, pm.schedule  # where each stage lives: `Schedule.rank_of` (ZB-V: a V)
     for s in range(config.n_stages):
-        owner, chunk = s % mesh.pp, s // mesh.pp
+        owner = sched.rank_of(s)
         if owner != mesh.pp_rank:
             continue
-        stage = pm.stages[chunk]
+        stage = pm.stages[next(c for c in range(sched.virtual) if sched.stage(owner, c) == s)]
         if s == 0:
             x = context.to(device)
+        elif sched.rank_of(s - 1) == owner:  # the V's turn: the previous stage is this rank's
+            x = out
         else:
             x = torch.empty(B, t_msg, C, device=device)
-            dist.recv(x, src=pp_ranks[(s - 1) % mesh.pp], group=mesh.group("pp"))
+            dist.recv(x, src=pp_ranks[sched.rank_of(s - 1)], group=mesh.group("pp"))
         out, _ = stage(x)
-        if s < config.n_stages - 1:
-            dist.send(out.contiguous(), dst=pp_ranks[(s + 1) % mesh.pp], group=mesh.group("pp"))
+        if s < config.n_stages - 1 and sched.rank_of(s + 1) != owner:
+            dist.send(out.contiguous(), dst=pp_ranks[sched.rank_of(s + 1)], group=mesh.group("pp"))
     if not pm.is_last_stage:
         return None
     head = pm.stages[-1].lm_head
@@ -85,7 +87,7 @@ def _sample(pm, idx, max_new_tokens, temperature, top_k, generator) -> torch.Ten
             if logits is not None:  # the last stage samples, as GPT.generate does
                 token = sample_next_token(logits, temperature, top_k, generator)
             if pm.mesh.pp > 1:  # the last stage's token, to every stage
-                last = pm.mesh.group_ranks_of(pm.mesh.rank, "pp")[-1]
+                last = pm.mesh.group_ranks_of(pm.mesh.rank, "pp")[pm.schedule.rank_of(pm.schedule.n_stages - 1)]
                 dist.broadcast(token, src=last, group=pm.mesh.group("pp"))
             idx = torch.cat([idx, token], dim=1)
     finally:

@@ -87,11 +87,17 @@ class ParallelGPT:
 
     @property
     def is_first_stage(self) -> bool:
-        return self.mesh.pp_rank == 0
+        """Whether this rank holds model stage 0 (the schedule places the stages: ZB-V in a V)."""
+        return 0 in self._stage_numbers
 
     @property
     def is_last_stage(self) -> bool:
-        return self.mesh.pp_rank == self.mesh.pp - 1
+        """Whether this rank holds the last model stage (under ZB-V, pipeline rank 0 does)."""
+        return self.schedule.n_stages - 1 in self._stage_numbers
+
+    @property
+    def _stage_numbers(self) -> set:
+        return {self.schedule.stage(self.mesh.pp_rank, c) for c in range(self.schedule.virtual)}
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's distinct parameters (a tied weight once)."""
@@ -181,7 +187,7 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
     # 4. the pipeline cut (a pipeline of one stage when pp = 1)
     stages = split_stages(model, config.pp, config.virtual_stages,
                           embedding_stage=config.embedding_stage, head_stage=config.embedding_stage)
-    mine = local_stages(stages, config.pp, mesh.pp_rank)
+    mine = local_stages(stages, config.pp, mesh.pp_rank, schedule)  # ZB-V: rank r holds r and 2 pp - 1 - r
     tied = build_embedding_group(mesh) if config.pp > 1 else None
     # 5. activation checkpointing is the executor's per-chunk flag (see `train_step`);
     # 6. data parallelism / ZeRO: the optimizer (`make_optimizer`) and `train_step`'s

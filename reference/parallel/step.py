@@ -101,8 +101,8 @@ def _global_loss(pm, loss: Optional[torch.Tensor], device) -> torch.Tensor:
     if mesh.world_size == 1:
         return value.cpu()
     value = value.reshape(1).to(device)
-    if mesh.pp > 1:  # the last stage has it: send it up the pipeline
-        last = mesh.group_ranks_of(mesh.rank, "pp")[-1]
+    if mesh.pp > 1:  # the last stage's rank has it (ZB-V's: pipeline rank 0): to every stage
+        last = mesh.group_ranks_of(mesh.rank, "pp")[pm.schedule.rank_of(pm.schedule.n_stages - 1)]
         comms.broadcast(value, src=last, group=mesh.group("pp"))
     if mesh.dp_cp > 1:  # every dp and cp rank's mean over the same number of tokens
         comms.all_reduce(value, group=mesh.group("dp_cp"))

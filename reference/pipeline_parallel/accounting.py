@@ -5,7 +5,7 @@ the ranks meet at a barrier first) go into ``PipelineResult.trace`` (`Trace`). T
 bytes each F leaves stored for its B are counted by a saved-tensors hook
 (`SavedBytes`): every tensor autograd saves, parameters excluded and each storage
 counted once, plus the tensors the executor itself keeps. `ActivationStore` holds
-what each F keeps until its B and adds up those bytes as they come and go:
+what each F keeps until its B (or, split, its W) and adds up those bytes as they come and go:
 ``peak_activation_bytes`` is the most held at once, a recomputing B's extra bytes
 included.
 """
@@ -90,11 +90,12 @@ class ActivationStore:
         return SavedBytes(self.param_ptrs, exclude, params=self.moving)
 
     def keep(self, key: tuple, kept, nbytes: int) -> None:
-        """F of ``key`` keeps ``kept`` for its B, ``nbytes`` of stored activations."""
-        self.held[key] = (kept, nbytes)
+        """F of ``key`` keeps ``kept`` for its B, ``nbytes`` of stored activations. Kept again
+        (a split backward's I, `split_backward`), ``nbytes`` more are held until its W."""
+        self.held[key] = (kept, self.held.get(key, (kept, 0))[1] + nbytes)
         self.bytes += nbytes
         r = self.result
-        r.activation_bytes[key] = nbytes
+        r.activation_bytes.setdefault(key, nbytes)  # what its F stored
         r.peak_in_flight = max(r.peak_in_flight, len(self.held))
         r.peak_activation_bytes = max(r.peak_activation_bytes, self.bytes)
 

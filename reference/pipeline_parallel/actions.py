@@ -1,5 +1,11 @@
-"""The vocabulary of pipeline schedules: the six actions a rank can take, and the error
-a wrong schedule raises. Shared by the schedules, the checker and the executor.
+"""The vocabulary of pipeline schedules: the actions a rank can take, and the error a wrong
+schedule raises. Shared by the schedules, the checker and the executor.
+
+Compute: F (forward), B (the full backward), and B's two halves, which zero-bubble
+schedules run apart: I, the gradient of the stage's input (what the previous stage
+waits for), and W, the gradients of the weights (which nobody waits for). The letters
+are torch.distributed.pipelining's (``_ComputationType``: F, I = BACKWARD_INPUT,
+W = BACKWARD_WEIGHT, B = FULL_BACKWARD). Messages: the four SEND/RECV.
 """
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ from typing import NamedTuple, Optional
 
 __all__ = ["Action", "ScheduleError", "COMPUTE", "COMM", "OPS"]
 
-COMPUTE = ("F", "B")
+COMPUTE = ("F", "B", "I", "W")
 COMM = ("RECV_F", "SEND_F", "RECV_B", "SEND_B")
 OPS = COMPUTE + COMM
 
@@ -19,7 +25,7 @@ class ScheduleError(ValueError):
 class Action(NamedTuple):
     """One thing a rank does: ``op`` on micro-batch ``mb`` of its chunk ``chunk``.
 
-    ``peer`` is the pipeline rank at the other end of a SEND/RECV (None for F and B).
+    ``peer`` is the pipeline rank at the other end of a SEND/RECV (None for compute).
     """
 
     op: str

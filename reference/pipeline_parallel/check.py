@@ -3,30 +3,33 @@
 `validate(schedule)` checks, without starting a process:
 
 1. every rank's list is complete: each F and B of every (micro-batch, chunk)
-   exactly once, each with the receives and sends its stage needs, in an order
-   that can work (receive before F, F before its send and before B, ...), each
-   message addressed to the rank that holds the neighbouring stage;
+   exactly once (or, for a backward split in two, its I and its W), each with the
+   receives and sends its stage needs, in an order that can work (receive before
+   F, F before its send and before B, I before W, ...), each message addressed to
+   the rank that holds the neighbouring stage (`Schedule.rank_of`);
 2. every message has a partner: the k-th send from rank a to rank b is the
    k-th receive on b from a (point-to-point messages between two ranks arrive
    in the order they were sent), and it carries what the receiver expects;
 3. no deadlock: all ranks are simulated together. A rank runs its steps in
    order; a communication step (consecutive SEND/RECV, issued together) finishes
-   only once every partner has *reached* its own matching step. Counting a send
+   only once every partner has *reached* its own matching step (in a schedule that
+   is not strict, `Schedule.strict`, a send never waits: only its receive does). Counting a send
    as finished only when its receiver is there is the strict rule (large
    messages under NCCL and gloo do wait for the receiver), so a schedule that
    passes cannot hang whatever the library buffers. If no rank can move, the
    error names each stuck rank, its action and the action it waits for.
 
-The same simulation, with F taking ``t_f`` and B ``t_b`` and messages free,
+The same simulation, with F taking ``t_f``, B ``t_b`` (split: I ``t_b - t_w``, W
+``t_w``) and messages free,
 gives the ideal timeline that `Schedule.plot` draws and `bubble_of` measures;
 the executor's measured trace has the same form (`TraceEvent` lists per rank).
 """
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
-from reference.pipeline_parallel.actions import COMM, OPS, Action, ScheduleError
+from reference.pipeline_parallel.actions import COMM, COMPUTE, OPS, Action, ScheduleError
 
 # `Schedule` (reference.pipeline_parallel.schedules) appears only in annotations, as a
 # string: that module imports this one to validate, so importing it back would be a cycle.
@@ -64,8 +67,8 @@ def _check_rank(s: "Schedule", rank: int) -> None:
             if not 0 <= towards <= last:
                 raise ScheduleError(f"{here}: stage {stage} has no stage {towards} to talk to "
                                     f"({s.n_stages} stages)")
-            if a.peer != towards % pp:
-                raise ScheduleError(f"{here}: stage {towards} lives on rank {towards % pp}, "
+            if a.peer != s.rank_of(towards):
+                raise ScheduleError(f"{here}: stage {towards} lives on rank {s.rank_of(towards)}, "
                                     f"not on rank {a.peer}")
         elif a.peer is not None:
             raise ScheduleError(f"{here}: {a.op} is computed locally and takes no peer")
@@ -75,16 +78,18 @@ def _check_rank(s: "Schedule", rank: int) -> None:
         seen[key] = i
     for mb in range(m):
         for c in range(v):
-            stage = s.stage(rank, c)
-            need = ["F", "B"] + (["RECV_F", "SEND_B"] if stage > 0 else []) \
+            stage, split = s.stage(rank, c), {("I", mb, c), ("W", mb, c)} & seen.keys()  # B in halves
+            if split and ("B", mb, c) in seen:
+                raise ScheduleError(f"rank {rank} runs B{mb} (chunk {c}) and also its halves I, W")
+            need = ["F", *(("I", "W") if split else ("B",))] + (["RECV_F", "SEND_B"] if stage > 0 else []) \
                 + (["SEND_F", "RECV_B"] if stage < last else [])
             for op in need:
                 if (op, mb, c) not in seen:
                     raise ScheduleError(f"rank {rank} never runs {Action(op, mb, c)} "
                                         f"(stage {stage} of {s.n_stages}, pp={pp}, m={m})")
-            # each pair must come in this order on the rank
-            for before, after in (("RECV_F", "F"), ("F", "SEND_F"), ("F", "B"),
-                                  ("RECV_B", "B"), ("B", "SEND_B")):
+            # each pair must come in this order on the rank (the input's gradient comes from I, or B)
+            for before, after in (("RECV_F", "F"), ("F", "SEND_F"), ("F", "B"), ("RECV_B", "B"), ("B", "SEND_B"),
+                                  ("F", "I"), ("RECV_B", "I"), ("I", "SEND_B"), ("I", "W")):
                 i, j = seen.get((before, mb, c)), seen.get((after, mb, c))
                 if i is not None and j is not None and i > j:
                     acts = s.actions(rank)
@@ -94,14 +99,12 @@ def _check_rank(s: "Schedule", rank: int) -> None:
 
 def _match(s: "Schedule") -> dict:
     """Pair every send with its receive: (rank, action index) -> (peer, peer's action index)."""
-    sends: dict[tuple, list] = {}
+    sends: dict[tuple, list] = {}  # (sender, receiver) -> [(rank, action index, action)], in order
     recvs: dict[tuple, list] = {}
     for r in range(s.pp):
-        for i, a in enumerate(s.actions(r)):
-            if a.op.startswith("SEND"):
-                sends.setdefault((r, a.peer), []).append((r, i, a))
-            elif a.op.startswith("RECV"):
-                recvs.setdefault((a.peer, r), []).append((r, i, a))
+        for i, a in [(i, a) for i, a in enumerate(s.actions(r)) if a.is_comm]:
+            sending = a.op.startswith("SEND")
+            (sends if sending else recvs).setdefault((r, a.peer) if sending else (a.peer, r), []).append((r, i, a))
     partner = {}
     for channel in sorted(set(sends) | set(recvs)):
         out, inn = sends.get(channel, []), recvs.get(channel, [])
@@ -120,13 +123,14 @@ def _match(s: "Schedule") -> dict:
                     f"{_where(rr, ri, ra)} would receive {sa} ({_where(sr, si, sa)}): messages "
                     f"from rank {sr} to rank {rr} arrive in the order they are sent, and the "
                     f"two ranks list them in different orders")
-            partner[(sr, si)] = (rr, ri)
-            partner[(rr, ri)] = (sr, si)
+            partner[(sr, si)], partner[(rr, ri)] = (rr, ri), (sr, si)
     return partner
 
 
-def _run(s: "Schedule", t_f: float, t_b: float, partner: dict) -> list[list[TraceEvent]]:
-    """Simulate all ranks together; raise ScheduleError on a deadlock."""
+def _run(s: "Schedule", cost: dict, partner: dict) -> list[list[TraceEvent]]:
+    """Simulate all ranks together; raise ScheduleError on a deadlock. A send waits for its
+    receiver too if the schedule is strict (`Schedule.strict`), else only a receive waits,
+    for its send; a message to oneself is handed over and never waits for its receive."""
     steps = [s.steps(r) for r in range(s.pp)]
     # on each rank: the step of every action (by its index), to find where a partner waits,
     # and the index of every step's first action
@@ -146,11 +150,12 @@ def _run(s: "Schedule", t_f: float, t_b: float, partner: dict) -> list[list[Trac
                 reached.setdefault((r, k), clock[r])
                 if not step[0].is_comm:
                     a = step[0]
-                    d = (t_f if a.op == "F" else t_b) / s.virtual
+                    d = cost[a.op] / s.virtual
                     events[r].append(TraceEvent(r, a, clock[r], clock[r] + d))
                     clock[r] += d
                 else:
-                    waits = [partner[(r, first_index[r][k] + j)] for j in range(len(step))]
+                    waits = [partner[(r, first_index[r][k] + j)] for j, a in enumerate(step)
+                             if a.op.startswith("RECV") or (s.strict and a.peer != r)]
                     where = [(q, step_of[q][i]) for q, i in waits]
                     if any(pos[q] < kq for q, kq in where):
                         break  # a partner has not posted its side yet
@@ -166,7 +171,7 @@ def _run(s: "Schedule", t_f: float, t_b: float, partner: dict) -> list[list[Trac
             k = pos[r]
             for j, a in enumerate(steps[r][k]):
                 q, qi = partner[(r, first_index[r][k] + j)]
-                if pos[q] < step_of[q][qi]:
+                if pos[q] < step_of[q][qi] and (s.strict or a.op.startswith("RECV")):
                     i = first_index[r][k] + j
                     lines.append(f"{_where(r, i, a)} waits for rank {q}, which has not reached "
                                  f"its action #{qi} {s.actions(q)[qi]}")
@@ -180,28 +185,33 @@ def validate(s: "Schedule") -> None:
     simulate(s)
 
 
-def simulate(s: "Schedule", t_f: float = 1.0, t_b: float = 2.0) -> list[list[TraceEvent]]:
+def simulate(s: "Schedule", t_f: float = 1.0, t_b: float = 2.0,
+             t_w: Optional[float] = None) -> list[list[TraceEvent]]:
     """The ideal timeline of a valid schedule: a list per rank of `TraceEvent`.
 
     A chunk's F takes ``t_f / virtual`` and its B ``t_b / virtual`` (it holds
-    1/virtual of the rank's layers); a message costs nothing but waiting for
-    its partner."""
-    if t_f <= 0 or t_b <= 0:
-        raise ValueError(f"t_f and t_b must be positive, got t_f={t_f}, t_b={t_b}")
+    1/virtual of the rank's layers); a B split in two takes as long: its W
+    ``t_w / virtual`` (``t_b / 2`` unless given: dW = X^T dY costs what dX = dY W^T
+    does), its I the rest. A message costs nothing but waiting: for its partner to
+    reach it, or, in a schedule that is not strict (`Schedule.strict`, the zero-bubble
+    ones, whose sends the executor waits for only at the end), a receive for its send."""
+    t_w = t_b / 2 if t_w is None else t_w
+    if t_f <= 0 or not 0 < t_w < t_b:
+        raise ValueError(f"need t_f > 0 and 0 < t_w < t_b, got t_f={t_f}, t_b={t_b}, t_w={t_w}")
     for r in range(s.pp):
         _check_rank(s, r)
-    return _run(s, t_f, t_b, _match(s))
+    return _run(s, {"F": t_f, "B": t_b, "I": t_b - t_w, "W": t_w}, _match(s))
 
 
 def bubble_of(timeline) -> float:
     """Idle share of a timeline (simulated or measured): 1 - busy / (ranks * makespan).
 
-    Busy time is the time spent in F and B; everything else, waiting for a
+    Busy time is the time spent computing (F, B, I, W); everything else, waiting for a
     message included, is bubble. The makespan runs from the first event on any
     rank to the last."""
     events = [e for rank in timeline for e in rank]
     if not events:
         raise ValueError("the timeline has no events")
     span = max(e.end for e in events) - min(e.start for e in events)
-    busy = sum(e.end - e.start for e in events if e.action.op in ("F", "B"))
+    busy = sum(e.end - e.start for e in events if e.action.op in COMPUTE)
     return 1.0 - busy / (len(timeline) * span) if span > 0 else 0.0

@@ -24,6 +24,9 @@ the logits it keeps for the loss's backward.
   recomputes them), the embedding its token ids and positions, the head its
   LayerNorm, the log-probabilities (b, T, V) and the targets, and every stage
   but the last its output.
+* `held_bytes_formula(config, micro_batch, spec)`: what a zero-bubble schedule's I holds
+  beyond that until its W, the gradients caught at the split points
+  (`reference.pipeline_parallel.split_backward`): 11 S a block, S + b T V * 4 the head.
 * `stage_flops_formula(config, micro_batch, spec)`: the weight GEMMs, 72 C^2 per
   token and block, 6 C V per token for the head, nothing for the embedding.
 """
@@ -38,7 +41,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from reference.model import GPTConfig, lm_loss
 from reference.pipeline_parallel.stage import StageSpec
 
-__all__ = ["StageCost", "stage_costs", "stored_bytes_formula", "stage_flops_formula"]
+__all__ = ["StageCost", "stage_costs", "stored_bytes_formula", "held_bytes_formula", "stage_flops_formula"]
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,19 @@ def stored_bytes_formula(config: GPTConfig, micro_batch: int, spec: StageSpec) -
     else:
         parts["output kept for its gradient, S"] = S
     return parts
+
+
+def held_bytes_formula(config: GPTConfig, micro_batch: int, spec: StageSpec) -> int:
+    """Bytes one micro-batch's I holds on the stage ``spec`` until its W, beside what its F stored:
+    the gradients caught at the split points (fp32, the plain GPT, no tensor parallelism).
+
+    A block has six: its two LayerNorms (b T C each) and its four linear layers (3, 1, 4 and 1
+    times b T C), 11 S in all with S = b T C * 4 bytes; the head its LayerNorm (S) and the
+    lm_head (b T V * 4). The first stage's I has nothing to compute: it holds nothing more."""
+    if spec.stage == 0:
+        return 0
+    tokens, C = micro_batch * config.block_size, config.n_embd
+    return tokens * 4 * (11 * C * len(spec.layers) + ((C + config.vocab_size) if spec.head else 0))
 
 
 def stage_flops_formula(config: GPTConfig, micro_batch: int, spec: StageSpec) -> int:

@@ -68,7 +68,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
     store = ActivationStore(stages, result, moving=action_hook is not None)
     mb_in, mb_tgt = _micro_batches(inputs, targets, batch_shape, schedule.m, rank, store.device)
     w = RankState(schedule, stages, rank, mb_in, mb_tgt, flags, schedule.m / loss_scale, loss_fn,
-                  Mailbox(group, rank, store.device), store)
+                  (schedule.mailbox or Mailbox)(group, rank, store.device), store)
     hook = action_hook or (lambda when, action: None)
     if schedule.pp > 1:
         dist.barrier(group=group)  # a common start, so the ranks' traces line up
@@ -81,6 +81,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
                 hook("before", step[0])
                 COMPUTE[step[0].op](w, step[0])
                 hook("after", step[0])
+    w.mail.finish()  # sends a zero-bubble schedule left going
     sync_tied_grads(stages, tied_group)  # nothing without a group
     if w.losses:
         result.loss = torch.stack(w.losses).mean()

@@ -28,7 +28,7 @@ from reference.pipeline_parallel.recompute import forward_without_graph, recompu
 from reference.pipeline_parallel.schedules import Schedule
 from reference.tensor_parallel.rng import RNGStates
 
-__all__ = ["RankState", "Kept", "forward", "backward"]
+__all__ = ["RankState", "Kept", "forward", "backward", "backward_roots"]
 
 
 @dataclass
@@ -63,6 +63,7 @@ class Kept:
     aux: Optional[torch.Tensor] = None
     total: Optional[torch.Tensor] = None
     rng: Optional[RNGStates] = None
+    weights: Optional[object] = None  # a split backward's W, waiting after its I (split_backward.py)
 
 
 def _run_stage(w: RankState, a: Action, x: torch.Tensor):
@@ -101,26 +102,32 @@ def forward(w: RankState, a: Action) -> None:
     w.store.keep((a.mb, a.chunk), kept, saved.bytes)
 
 
-def backward(w: RankState, a: Action) -> None:
-    """B: backward of micro-batch ``a.mb`` through chunk ``a.chunk``; post the input's gradient."""
-    first, last = w.ends(a.chunk)
-    kept = w.store.get((a.mb, a.chunk))
+def backward_roots(w: RankState, a: Action) -> tuple[Kept, list, int]:
+    """What the backward of micro-batch ``a.mb`` on chunk ``a.chunk`` starts from: (what its F
+    kept, [(tensor, its gradient; None for the loss)], bytes a checkpointed chunk's forward
+    run again stores)."""
+    kept, nbytes = w.store.get((a.mb, a.chunk)), 0
     if kept.rng is not None:  # checkpointed: run the forward again, as F ran it
         with w.store.saving(exclude=[kept.x]) as again:
             out, aux, total, _ = recompute(w.stages[a.chunk], w.store.device, kept.rng,
                                            lambda: _run_stage(w, a, kept.x))
-        w.store.recomputed(again.bytes)
+        w.store.recomputed(nbytes := again.bytes)
     else:
         out, aux, total = kept.out, kept.aux, kept.total
-    if last:
+    if w.ends(a.chunk)[1]:
         roots = [(total, None)]  # backward starts from the scaled loss
     else:
         roots = [(out, w.mail.take("B", a.mb, a.chunk))]  # from the output's received gradient
         if aux is not None:  # and the stage's share of the aux loss
             roots.append((aux, torch.full_like(aux, 1.0 / w.divisor)))
-    roots = [(t, g) for t, g in roots if t.requires_grad]
+    return kept, [(t, g) for t, g in roots if t.requires_grad], nbytes
+
+
+def backward(w: RankState, a: Action) -> None:
+    """B: backward of micro-batch ``a.mb`` through chunk ``a.chunk``; post the input's gradient."""
+    kept, roots, _ = backward_roots(w, a)
     if roots:
         torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
-    if not first:
+    if not w.ends(a.chunk)[0]:
         w.mail.post("B", a.mb, a.chunk, kept.x.grad if kept.x.grad is not None else torch.zeros_like(kept.x))
     w.store.drop((a.mb, a.chunk))

@@ -16,7 +16,9 @@ dtype of the activation this rank sent, which it remembers.
 
 Between two ranks, messages are matched in the order they are posted. The
 handshake goes right before its activation on both sides, so the order of the
-messages is the schedule's, as without it.
+messages is the schedule's, as without it. Each step waits for its sends too; the
+zero-bubble schedules' mailbox (`reference.pipeline_parallel.async_messages`) waits for
+them only at the end (`finish`).
 """
 from __future__ import annotations
 
@@ -78,6 +80,13 @@ class Mailbox:
             shape, dtype = self.incoming[a.chunk]
         return torch.empty(shape, dtype=dtype, device=self.device)
 
+    def waited(self, sends: list) -> list:
+        """Which of a step's send works the step waits for: all of them, here."""
+        return sends
+
+    def finish(self) -> None:
+        """Wait for what is still on its way after the last step: nothing, here."""
+
     def exchange(self, step) -> None:
         """Run one step of SEND/RECV actions, all posted before any is waited on.
 
@@ -95,7 +104,7 @@ class Mailbox:
                     sends.append(self._p2p(dist.isend, _encode_meta(t), a.peer, "send_meta"))
                 sends.append(self._p2p(dist.isend, t, a.peer, "send"))
         if sends:
-            works += dist.batch_isend_irecv(sends)
+            works += self.waited(dist.batch_isend_irecv(sends))
         recvs = []
         for a in step:
             if not a.op.startswith("RECV"):

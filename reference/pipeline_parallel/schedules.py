@@ -34,7 +34,10 @@ The schedules (the order of F and B; the communication follows from it):
   (all m when m < p). The bubble shrinks to (p - 1) / (v m + p - 1) when m is
   a multiple of p, for v times more messages.
 
-The checker (`Schedule.validate`) and the simulated timeline live in
+The zero-bubble schedules (ZB-H1, ZB-V), which split B into I and W, are built in
+`reference.pipeline_parallel.zero_bubble` and reached through the same
+`build_schedule` (the package registers them in `BUILDERS`). The checker
+(`Schedule.validate`) and the simulated timeline live in
 `reference.pipeline_parallel.check`.
 """
 from __future__ import annotations
@@ -48,29 +51,27 @@ from reference.pipeline_parallel.viz import plot_timeline
 __all__ = ["Action", "Schedule", "ScheduleError", "build_schedule", "bubble_formula", "KINDS", "OPS"]
 
 KINDS = ("naive", "gpipe", "1f1b", "interleaved")
+BUILDERS: dict = {}  # kind -> builder(pp, m, virtual) of the schedules built elsewhere (zero_bubble.py)
+
+
 def _check_args(kind, pp, m, virtual):
     for name, value in (("pp", pp), ("m", m), ("virtual", virtual)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r} "
                              f"(kind={kind!r}, pp={pp!r}, m={m!r}, virtual={virtual!r})")
     if kind not in KINDS:
-        raise ValueError(f"unknown schedule kind {kind!r}; expected one of {', '.join(KINDS)}")
+        raise ValueError(f"unknown schedule kind {kind!r}; expected one of {', '.join(KINDS + tuple(BUILDERS))}")
     if kind == "interleaved":
         if virtual < 2 or pp < 2:
             raise ValueError(f"interleaved needs virtual >= 2 chunks per rank and pp >= 2, "
                              f"got pp={pp}, virtual={virtual} (m={m})")
-        g = _round_size(pp, m)
+        g = min(m, pp)  # micro-batches per round: pp, or all of them when m < pp
         if m % g:
             raise ValueError(f"interleaved runs micro-batches in rounds of {g}: m={m} must be a "
                              f"multiple of pp={pp} or smaller than it (virtual={virtual})")
     elif virtual != 1:
         raise ValueError(f"{kind!r} has one chunk per rank: virtual must be 1, got {virtual} "
                          f"(pp={pp}, m={m}); use kind='interleaved' for virtual stages")
-
-
-def _round_size(pp: int, m: int) -> int:
-    """Micro-batches per round of the interleaved schedule: pp, or all of them when m < pp."""
-    return m if m < pp else pp
 
 
 def _compute_groups(kind: str, pp: int, m: int, virtual: int, rank: int) -> list[list[tuple]]:
@@ -87,17 +88,12 @@ def _compute_groups(kind: str, pp: int, m: int, virtual: int, rank: int) -> list
             order += [("F", warmup + i, 0), ("B", i, 0)]
         order += [("B", i, 0) for i in range(m - warmup, m)]
         return [[x] for x in order]
-    # interleaved: the k-th forward (backward) of this rank, counted over all chunks
-    g = _round_size(pp, m)
-    total = m * virtual
+    g, total = min(m, pp), m * virtual  # interleaved: rounds of g micro-batches per chunk
 
-    def fwd(k):
+    def nth(op, k):  # the k-th forward (backward) of this rank, counted over all chunks
         within = k % (g * virtual)
-        return ("F", (k // (g * virtual)) * g + within % g, within // g)
-
-    def bwd(k):
-        within = k % (g * virtual)
-        return ("B", (k // (g * virtual)) * g + within % g, virtual - 1 - within // g)
+        c = within // g  # forwards go up the chunks, backwards down
+        return (op, (k // (g * virtual)) * g + within % g, c if op == "F" else virtual - 1 - c)
 
     # Warm-up: the forwards of the other chunks of the first round, plus two per
     # stage still ahead of this rank (the activation going there and its
@@ -109,9 +105,9 @@ def _compute_groups(kind: str, pp: int, m: int, virtual: int, rank: int) -> list
     # between the two instead lets two neighbours each wait, in a send, for the
     # other's receive: with chunks the activations and gradients of different
     # chunks cross between the same two ranks in both directions.
-    return ([[fwd(k)] for k in range(warmup)]
-            + [[fwd(warmup + k), bwd(k)] for k in range(total - warmup)]
-            + [[bwd(k)] for k in range(total - warmup, total)])
+    return ([[nth("F", k)] for k in range(warmup)]
+            + [[nth("F", warmup + k), nth("B", k)] for k in range(total - warmup)]
+            + [[nth("B", k)] for k in range(total - warmup, total)])
 
 
 def _with_comms(groups, pp: int, virtual: int, rank: int) -> list[Action]:
@@ -121,30 +117,21 @@ def _with_comms(groups, pp: int, virtual: int, rank: int) -> list[Action]:
     last = pp * virtual - 1
     prev_rank, next_rank = (rank - 1) % pp, (rank + 1) % pp
 
-    def recvs(group):
+    def messages(verb, group):
+        """The group's receives (``verb`` "RECV") or sends ("SEND"), activations first: an
+        activation goes to the next stage and comes from the previous one, a gradient back."""
         out = []
         for op, mb, c in group:
             s = c * pp + rank
-            if op == "F" and s > 0:
-                out.append(Action("RECV_F", mb, c, prev_rank))
-            if op == "B" and s < last:
-                out.append(Action("RECV_B", mb, c, next_rank))
-        return out
+            down = (op == "F") == (verb == "SEND")  # with the next stage
+            if (s < last) if down else (s > 0):
+                out.append(Action(f"{verb}_{op}", mb, c, next_rank if down else prev_rank))
+        return sorted(out, key=lambda a: a.op[-1] != "F")
 
-    def sends(group):
-        out = []
-        for op, mb, c in group:
-            s = c * pp + rank
-            if op == "F" and s < last:
-                out.append(Action("SEND_F", mb, c, next_rank))
-            if op == "B" and s > 0:
-                out.append(Action("SEND_B", mb, c, prev_rank))
-        return sorted(out, key=lambda a: a.op != "SEND_F")
-
-    actions = recvs(groups[0]) if groups else []
+    actions = messages("RECV", groups[0]) if groups else []
     for i, group in enumerate(groups):
-        actions += [Action(*x) for x in group]
-        actions += sends(group) + (recvs(groups[i + 1]) if i + 1 < len(groups) else [])
+        actions += [Action(*x) for x in group] + messages("SEND", group)
+        actions += messages("RECV", groups[i + 1]) if i + 1 < len(groups) else []
     return actions
 
 
@@ -154,6 +141,9 @@ class Schedule:
     Build one with :func:`build_schedule`, or from hand-written lists with
     ``Schedule(pp, m, {rank: [Action, ...]}, virtual=..., kind="custom")``.
     """
+
+    strict = True  # a send waits for its receive, in its step (the zero-bubble ones: at the end)
+    mailbox = None  # the executor's messages (`Mailbox` unless a schedule brings its own)
 
     def __init__(self, pp: int, m: int, actions_by_rank, virtual: int = 1, kind: str = "custom"):
         self.kind, self.pp, self.m, self.virtual = kind, pp, m, virtual
@@ -171,6 +161,10 @@ class Schedule:
     def stage(self, rank: int, chunk: int) -> int:
         """Model stage held by ``rank`` as its chunk ``chunk``."""
         return chunk * self.pp + rank
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that holds model ``stage`` (the inverse of `stage`)."""
+        return stage % self.pp
 
     def actions(self, rank: int) -> list[Action]:
         """Rank ``rank``'s actions in order (a copy)."""
@@ -191,10 +185,10 @@ class Schedule:
 
     def peak_in_flight(self, rank: int) -> int:
         """Most micro-batches (per chunk) whose activations rank holds at once:
-        one more after each F, one fewer after its B."""
+        one more after each F, one fewer after its B (or, split, its W)."""
         held = peak = 0
         for a in self.actions(rank):
-            held += (a.op == "F") - (a.op == "B")
+            held += (a.op == "F") - (a.op in ("B", "W"))
             peak = max(peak, held)
         return peak
 
@@ -208,14 +202,15 @@ class Schedule:
             self._validated = True
         return self
 
-    def simulate(self, t_f: float = 1.0, t_b: float = 2.0):
-        """The ideal timeline: F takes ``t_f / virtual``, B ``t_b / virtual``, messages
-        are free. A list per rank of `TraceEvent`; see `reference.pipeline_parallel.check`."""
-        return simulate(self, t_f, t_b)
+    def simulate(self, t_f: float = 1.0, t_b: float = 2.0, t_w: Optional[float] = None):
+        """The ideal timeline: F takes ``t_f / virtual``, B ``t_b / virtual`` (a split B's W
+        ``t_w``, by default t_b / 2, its I the rest), messages are free. A list per rank of
+        `TraceEvent`; see `reference.pipeline_parallel.check`."""
+        return simulate(self, t_f, t_b, t_w)
 
-    def bubble_fraction(self, t_f: float = 1.0, t_b: float = 2.0) -> float:
+    def bubble_fraction(self, t_f: float = 1.0, t_b: float = 2.0, t_w: Optional[float] = None) -> float:
         """Idle share of the ideal timeline: 1 - busy / (pp * makespan)."""
-        return bubble_of(self.simulate(t_f, t_b))
+        return bubble_of(self.simulate(t_f, t_b, t_w))
 
     def plot(self, t_f: float = 1.0, t_b: float = 2.0, ax=None, title: Optional[str] = None):
         """The ideal timeline as a figure: ranks as rows, F and B as labelled boxes."""
@@ -231,8 +226,11 @@ class Schedule:
 
 
 def build_schedule(kind: str, pp: int, m: int, virtual: int = 1) -> Schedule:
-    """The ``kind`` schedule ("naive", "gpipe", "1f1b", "interleaved") for ``pp`` ranks and
-    ``m`` micro-batches, ``virtual`` chunks per rank (interleaved only); validated."""
+    """The ``kind`` schedule ("naive", "gpipe", "1f1b", "interleaved", or one of `BUILDERS`:
+    "zb-h1", "zb-v") for ``pp`` ranks and ``m`` micro-batches, ``virtual`` chunks per rank
+    (interleaved, and zb-v's 2); validated."""
+    if kind in BUILDERS:
+        return BUILDERS[kind](pp, m, virtual).validate()
     _check_args(kind, pp, m, virtual)
     actions = {r: _with_comms(_compute_groups(kind, pp, m, virtual, r), pp, virtual, r)
                for r in range(pp)}

@@ -204,11 +204,14 @@ def split_stages(model: GPT, pp: int, virtual: int = 1, balance: str = "layers",
     return [GPTStage(model, spec) for spec in specs]
 
 
-def local_stages(stages: Sequence[GPTStage], pp: int, pp_rank: int) -> list[GPTStage]:
-    """The stages pipeline rank ``pp_rank`` runs, indexed by chunk: stage ``c * pp + pp_rank``."""
+def local_stages(stages: Sequence[GPTStage], pp: int, pp_rank: int, schedule=None) -> list[GPTStage]:
+    """The stages pipeline rank ``pp_rank`` runs, indexed by chunk: stage ``c * pp + pp_rank``,
+    or, given the ``schedule``, where it places them (`Schedule.stage`: ZB-V's V)."""
     if len(stages) % pp or not 0 <= pp_rank < pp:
         raise ValueError(f"{len(stages)} stages do not deal out over pp={pp} ranks "
                          f"(or pp_rank={pp_rank} is not in [0, {pp}))")
+    if schedule is not None:
+        return [stages[schedule.stage(pp_rank, c)] for c in range(len(stages) // pp)]
     return list(stages[pp_rank::pp])
 
 

@@ -16,12 +16,14 @@ from typing import Optional, Sequence
 
 from matplotlib.patches import Patch, Rectangle
 
+from reference.pipeline_parallel.actions import COMPUTE
 from reference.pipeline_parallel.check import bubble_of
 from reference.viz import CATEGORICAL, NotebookFigure, lighten
 
 __all__ = ["plot_timeline", "plot_bubble_curve", "plot_stage_balance"]
 
 _HATCHES = ["", "//", "..", "xx", "\\\\", "++", "oo", "--"]
+_SHADE = {"F": 0.55, "B": 0.05, "I": 0.05, "W": 0.3}  # how far each compute box is lightened
 
 
 def _new_axes(ax, size):
@@ -45,14 +47,14 @@ def plot_timeline(timeline, title: Optional[str] = None, ax=None, xlabel: str = 
     span = max(e.end for e in events) - t0 or 1.0
     n_mb = 1 + max(e.action.mb for e in events)
     n_chunks = 1 + max(e.action.chunk for e in events)
-    n_boxes = max(sum(e.action.op in ("F", "B") for e in row) for row in timeline)
+    n_boxes = max(sum(e.action.op in COMPUTE for e in row) for row in timeline)
     fig, ax = _new_axes(ax, (min(16, 3 + 0.3 * n_boxes), 0.55 * n_ranks + 1.4))
     fontsize = 8 if n_boxes <= 24 else 6 if n_boxes <= 48 else 0
     for e in events:
         a, x, w = e.action, e.start - t0, e.end - e.start
-        if a.op in ("F", "B"):
+        if a.op in COMPUTE:  # F light, B dark; a split B's I dark too, its W in between
             rgb = CATEGORICAL[2 * (a.mb % (len(CATEGORICAL) // 2))]
-            face = lighten(rgb, 0.55) if a.op == "F" else lighten(rgb, 0.05)
+            face = lighten(rgb, _SHADE[a.op])
             ax.add_patch(Rectangle((x, e.rank + 0.1), w, 0.8, facecolor=face, edgecolor="black",
                                    lw=0.6, hatch=_HATCHES[a.chunk % len(_HATCHES)]))
             if fontsize and w / span > 0.012:
@@ -68,7 +70,9 @@ def plot_timeline(timeline, title: Optional[str] = None, ax=None, xlabel: str = 
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
     legend = [Patch(facecolor="0.85", edgecolor="black", label="forward"),
-              Patch(facecolor="0.45", edgecolor="black", label="backward")]
+              Patch(facecolor="0.45", edgecolor="black", label="backward (B, or its input half I)")]
+    if any(e.action.op == "W" for e in events):
+        legend.append(Patch(facecolor="0.65", edgecolor="black", label="weight gradients W"))
     legend += [Patch(facecolor="white", edgecolor="black", hatch=_HATCHES[c], label=f"chunk {c}")
                for c in range(n_chunks)] if n_chunks > 1 else []
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)

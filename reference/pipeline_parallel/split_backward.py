@@ -1,0 +1,159 @@
+"""A backward in two halves, as zero-bubble schedules run it: I now, W later.
+
+A linear layer Y = X A^T has two products in its backward: the input's gradient
+dX = dY A, which the previous stage waits for, and the weight's gradient
+dA = dY^T X, which nobody waits for. Qi et al. (2024, "Zero Bubble Pipeline
+Parallelism", ICLR 2024) split a stage's backward along that line:
+
+* I (`backward_input`): the gradient of the stage's input only. It runs
+  ``torch.autograd.grad(outputs, inputs=[stage input], retain_graph=True)``:
+  autograd computes only what leads to the input (for every linear layer dX, not
+  dA; a tensor-parallel layer's collectives are on this path), and the gradient
+  is posted to the previous stage at once;
+* W (`backward_weight`), later: the weights' gradients, accumulated into
+  ``.grad``. It starts where I left off, not from the stage's output: I caught,
+  on its way, the gradient arriving at each *split point*, an autograd node on
+  the input's path with a branch to parameters that leads nowhere near the input
+  (the matmul of a linear layer, whose branch is its weight and bias; a layer
+  norm). W runs, from each split point with its caught gradient, the backward
+  of that branch alone (``torch.autograd.backward`` of gradient edges, with
+  ``inputs`` its parameters): dA = dY^T X and no more. Nothing on the input's
+  path runs twice, so no collective of tensor parallelism (f's all-reduce, the
+  sequence-parallel reduce-scatter) runs in W. The one exception is a layer
+  whose autograd function computes both halves at once (the sequence-parallel
+  column GEMM that gathers its input again, ``regather_input``): it runs whole in
+  I and again in W, the gradient still counted once.
+
+Every path from the output to a parameter leaves the input's path once and for
+all (a node that reaches a node on it is on it), at one split point: the sum over
+the split points is the whole gradient, each path once. (A parameter used twice in
+one stage, on two branches one below the other, would break that; the check
+refuses it.) On the first stage the input is token ids: I has nothing to compute
+and W is the whole backward, run from the output. A checkpointed chunk runs its
+forward again in I and keeps that graph until W.
+
+What is held between I and W (measured: kept again, `ActivationStore.keep`, into
+``PipelineResult.peak_activation_bytes``): ``retain_graph=True`` keeps everything
+F stored (nothing is freed at I), plus the gradients caught at the split points,
+about one output gradient per weight-bearing layer, plus, when checkpointed, the
+recomputed forward. All of it is freed by W. The zero-bubble schedules hold a
+micro-batch from its F to its W, later than 1F1B's B.
+
+The letters are torch.distributed.pipelining's (I = BACKWARD_INPUT,
+W = BACKWARD_WEIGHT); this module is the course's own way to split the backward.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from reference.pipeline_parallel.actions import Action
+from reference.pipeline_parallel.forward_backward import RankState, backward_roots
+
+__all__ = ["WeightPass", "backward_input", "backward_weight", "COMPUTE"]
+
+
+def _children(node):
+    return [c for c, _ in node.next_functions if c is not None]
+
+
+def _postorder(roots) -> list:
+    """Every autograd node under ``roots``, each after all the nodes below it."""
+    out, seen, stack = [], set(), [(n, False) for n in roots]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            out.append(node)
+        elif node not in seen:
+            seen.add(node)
+            stack += [(node, True)] + [(c, False) for c in _children(node) if c not in seen]
+    return out
+
+
+class WeightPass:
+    """The W of one micro-batch on one chunk: where its branches to the parameters start,
+    the gradients I caught there, and the parameters each branch reaches."""
+
+    def __init__(self, roots: list, x: torch.Tensor, params: list):
+        tops = [t.grad_fn for t, _ in roots]
+        order = _postorder(tops)
+        target = get_gradient_edge(x).node if x.requires_grad else None
+        leaf = {get_gradient_edge(p).node: p for p in params}
+        on_path, below = set(), {}  # nodes that reach the input; non-path node -> its parameters
+        for node in order:
+            if node is target or any(c in on_path for c in _children(node)):
+                on_path.add(node)
+            else:
+                below[node] = set().union(*(below[c] for c in _children(node))) | (
+                    {node} if node in leaf else set())
+        # split points: a node on the input's path, the parameters of its branches off it
+        self.splits = {n: set().union(*(below[c] for c in _children(n) if c not in on_path))
+                       for n in order if n in on_path}
+        self.splits = {n: ps for n, ps in self.splits.items() if ps}
+        # roots off the input's path (the first stage's, or an output that ignores the input)
+        off = [(t, g) for t, g in roots if t.grad_fn not in on_path]
+        self.off_roots = (off, set().union(*(below[t.grad_fn] for t, _ in off)))
+        counted = [p for ps in [*self.splits.values(), self.off_roots[1]] for p in ps]
+        if len(counted) != len(set(counted)):
+            raise ValueError("a parameter is used on two branches of one stage: its W cannot be "
+                             "split from I here (use the full backward B)")
+        self.leaf, self.caught = leaf, {}
+
+    def catch(self):
+        """Hooks that keep the gradient arriving at each split point while I runs (remove them after)."""
+        def keep(node, grads):
+            self.caught[node] = grads
+
+        return [n.register_prehook(partial(keep, n)) for n in self.splits]
+
+    def caught_bytes(self) -> int:
+        """Bytes of the gradients caught at the split points (distinct storages)."""
+        return sum({g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+                    for grads in self.caught.values() for g in grads if g is not None}.values())
+
+    def run(self) -> None:
+        """W: every branch from its split point, gradients accumulated into the parameters' ``.grad``."""
+        off, params = self.off_roots
+        if off:
+            torch.autograd.backward([get_gradient_edge(t) for t, _ in off],
+                                    [torch.ones_like(t) if g is None else g for t, g in off],
+                                    inputs=[self.leaf[p] for p in params], retain_graph=True)
+        for node, params in self.splits.items():
+            grads = self.caught.get(node, ())
+            edges = [(GradientEdge(node, k), g) for k, g in enumerate(grads) if g is not None]
+            if edges:
+                torch.autograd.backward([e for e, _ in edges], [g for _, g in edges],
+                                        inputs=[self.leaf[p] for p in params], retain_graph=True)
+        self.caught.clear()
+
+
+def backward_input(w: RankState, a: Action) -> None:
+    """I: the gradient of micro-batch ``a.mb``'s input to chunk ``a.chunk``, posted back; what
+    its W needs is kept (`WeightPass`) and counted as held until W."""
+    kept, roots, recomputed = backward_roots(w, a)
+    params = [p for p in w.stages[a.chunk].parameters() if p.requires_grad]
+    kept.weights = WeightPass(roots, kept.x, params)
+    if not w.ends(a.chunk)[0]:
+        hooks = kept.weights.catch()
+        try:
+            (dx,) = torch.autograd.grad([t for t, _ in roots], [kept.x], [g for _, g in roots],
+                                        retain_graph=True, allow_unused=True)
+        finally:
+            for h in hooks:
+                h.remove()
+        w.mail.post("B", a.mb, a.chunk, dx if dx is not None else torch.zeros_like(kept.x))
+    w.store.keep((a.mb, a.chunk), kept, recomputed + kept.weights.caught_bytes())  # until W
+
+
+def backward_weight(w: RankState, a: Action) -> None:
+    """W: the weights' gradients of micro-batch ``a.mb`` on chunk ``a.chunk``; what its F and I
+    kept is freed."""
+    kept = w.store.get((a.mb, a.chunk))
+    kept.weights.run()
+    kept.weights = None  # the graph, which its split points kept alive, goes with it
+    w.store.drop((a.mb, a.chunk))
+
+
+COMPUTE = {"I": backward_input, "W": backward_weight}  # the executor's handlers (registered by the package)

@@ -1,0 +1,245 @@
+"""Zero-bubble pipeline schedules: the backward split into I and W, and W put where 1F1B idles.
+
+Qi, Wan, Huang and Lin (2024), "Zero Bubble Pipeline Parallelism" (ICLR 2024),
+observe that only half of a backward is on the pipeline's critical path: I, the
+gradient of the stage's input, which the previous stage waits for; W, the
+weights' gradients, can run any time before the optimizer step. Run I at once,
+keep W for later, and the idle time at the end of 1F1B fills with W's
+(`reference.pipeline_parallel.split_backward` runs them). Built here as plain
+data, reached through `build_schedule` like the others, checked by the same
+deadlock checker:
+
+* ``zb-h1`` (the paper's ZB-H1, "handcrafted 1"): 1F1B's order with each B split
+  into I then W, rank r putting off its first r W's (W of micro-batch i comes
+  after I of micro-batch i + r, and in the cool-down one W after each I, the
+  rest at the end). A rank holds at most p micro-batches from F to W, 1F1B's
+  peak on rank 0 (rank r now holds min(p, m) instead of p - r). The bubble
+  shrinks from (p - 1)(F + B) to (p - 1)(F + I - W): with F = I = W it is a third
+  of 1F1B's.
+* ``zb-v`` (the paper's ZB-V, section 6; torch's ``ScheduleZBVZeroBubble``): two
+  chunks per rank placed in a V: rank r holds model stages r and 2p - 1 - r, so
+  the last rank turns a micro-batch round from stage p - 1 to stage p itself
+  (a message to itself) and the first rank holds both the first and the last
+  stage (the loss, and the tied embedding's two ends, in one process). Rank r
+  runs 2(p - r) - 1 forwards of its first chunk, then r pairs (F of chunk 1,
+  F of chunk 0), then p - r times F, I, W of chunk 1; in the steady state F, I, W
+  of chunk 0 then of chunk 1; in the cool-down r pairs of I (chunk 0, chunk 1),
+  then p - r times I and W of chunk 0, then the W's left, chunk 1's first. With
+  F = I = W a rank idles only (p - 1) I / 2 in all, half of ZB-H1's, for the fill
+  at the start and the drain at the end; it holds at most 2p chunk micro-batches
+  (p whole-stage micro-batches, 1F1B's peak), fewer when m < 2p - 1.
+
+DualPipeV (DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024: DualPipe; torch's
+``ScheduleDualPipeV`` runs it on the V of ZB-V) overlaps a forward of one chunk
+with a backward of the other inside one step; it is not built here: `build_schedule`
+refuses it by name.
+
+The bubble (`zero_bubble_formula`), with F, I and W the times of a whole stage's
+forward, input-gradient and weight-gradient halves (B = I + W; a chunk of ZB-V takes
+half of each), messages free and sends not waited for, is the idle time per rank
+over the makespan, idle / (m (F + B) + idle), with
+
+    zb-h1   idle = (p - 1) (F + max(I - W, 0))       for m >= p and W <= F
+    zb-v    idle = (p - 1) max(I - W, I / 2)         for m >= 2p - 1 and W, F <= I
+
+(outside these ranges the timeline is simulated, not given in closed form)
+
+against 1F1B's (p - 1)(F + B). `Schedule.bubble_fraction(t_f, t_b, t_w)` measures
+it on the simulated timeline, and the test holds the two equal. With F = I = W at
+p = 4, m = 8: 1F1B idles 27.3 %, interleaved (v = 2) 15.8 %, zb-h1 11.1 %, zb-v
+5.9 % (3.0 % at m = 16).
+
+The memory (`Schedule.peak_in_flight`, micro-batches from F to W, per chunk):
+zb-h1 holds min(p, m) on every rank (1F1B: min(p - r, m) on rank r), zb-v
+min(2p, m + r + 1, 2m) chunk-micro-batches on rank r, each half a stage: at most p
+whole stages, 1F1B's rank 0. Between its I and its W a micro-batch holds, beside what
+its F stored, the gradients caught at the split points
+(`reference.pipeline_parallel.costs.held_bytes_formula`: 11 b T C floats a block);
+`peak_bytes` walks a rank's actions with both and gives the peak the
+executor measures, exactly.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from reference.pipeline_parallel.actions import Action
+from reference.pipeline_parallel.async_messages import AsyncMailbox
+from reference.pipeline_parallel.schedules import Schedule
+
+__all__ = ["ZeroBubbleSchedule", "VSchedule", "build_zb_h1", "build_zb_v", "zero_bubble_formula",
+           "peak_bytes", "BUILDERS", "ZB_KINDS"]
+
+ZB_KINDS = ("zb-h1", "zb-v")
+
+
+class ZeroBubbleSchedule(Schedule):
+    """A schedule whose sends the executor posts and waits for only at the end (`AsyncMailbox`),
+    not strict: a rank goes on to its W's while its activation or gradient travels. With sends
+    that waited for their receivers, a W between a send and the receive that pairs with it
+    would hold up the neighbour (ZB-H1 would idle as 1F1B does), and ZB-V's two chunks, which
+    send to the same neighbour in both directions, would deadlock. The deadlock check (and the
+    ideal timeline) then let only a receive wait, for its send."""
+
+    strict = False
+    mailbox = AsyncMailbox
+
+
+class VSchedule(ZeroBubbleSchedule):
+    """Two chunks per rank in a V: rank r holds model stages r and 2 pp - 1 - r."""
+
+    def stage(self, rank: int, chunk: int) -> int:
+        return rank if chunk == 0 else 2 * self.pp - 1 - rank
+
+    def rank_of(self, stage: int) -> int:
+        return stage if stage < self.pp else 2 * self.pp - 1 - stage
+
+
+def _message(s: Schedule, rank: int, op: str, mb: int, c: int):
+    """The message compute action (op, mb, c) on ``rank`` sends: (peer, the peer's RECV), or None."""
+    st = s.stage(rank, c)
+    to = st + 1 if op == "F" else st - 1 if op in ("I", "B") else None
+    if to is None or not 0 <= to < s.n_stages:
+        return None
+    peer = s.rank_of(to)
+    chunk = next(k for k in range(s.virtual) if s.stage(peer, k) == to)
+    return peer, Action("RECV_F" if op == "F" else "RECV_B", mb, chunk, rank)
+
+
+def _with_messages(s: Schedule, orders: dict) -> dict:
+    """Every rank's compute ``orders`` (op, mb, chunk) with their messages.
+
+    Each send goes right after the action that produced it, each receive right before
+    the action that needs it (after any W, which sends and waits for nothing: W's fill
+    the wait), together with every message sent before it on the same channel and not
+    yet received: between two ranks messages arrive in the order they are sent, which
+    ZB-V's two chunks do not keep by themselves. Consecutive messages form one step."""
+    channel = {}  # (sender, receiver) -> the receiver's RECV actions, in the order sent
+    for r, order in orders.items():
+        for op, mb, c in order:
+            sent = _message(s, r, op, mb, c)
+            if sent is not None:
+                channel.setdefault((r, sent[0]), []).append(sent[1])
+    out = {}
+    for r, order in orders.items():
+        taken, actions = {q: 0 for q in range(s.pp)}, []  # messages received so far, from each rank
+        for op, mb, c in order:
+            want = ("RECV_F" if op == "F" else "RECV_B", mb, c)
+            for q in range(s.pp):
+                recvs = channel.get((q, r), [])
+                k = next((i + 1 for i, a in enumerate(recvs) if a[:3] == want and op != "W"), 0)
+                actions += recvs[taken[q]:k]
+                taken[q] = max(taken[q], k)
+            sent = _message(s, r, op, mb, c)
+            actions += [Action(op, mb, c)] + ([Action("SEND_F" if op == "F" else "SEND_B", mb, c, sent[0])]
+                                               if sent else [])
+        out[r] = actions
+    return out
+
+
+def _zb_h1_order(pp: int, m: int, rank: int) -> list[tuple]:
+    """ZB-H1 on one rank: 1F1B with B split into I, W, and the first ``rank`` W's put off."""
+    warmup = min(pp - rank - 1, m)
+    order = [("F", i, 0) for i in range(warmup)]
+    waiting = []  # micro-batches whose I has run and W has not
+    for i in range(m):
+        if warmup + i < m:
+            order.append(("F", warmup + i, 0))
+        order.append(("I", i, 0))
+        waiting.append(i)
+        # steady state: hold at most pp micro-batches from F to W; cool-down: one W per I
+        if len(waiting) > rank or warmup + i >= m:
+            order.append(("W", waiting.pop(0), 0))
+    return order + [("W", i, 0) for i in waiting]
+
+
+def _zb_v_order(pp: int, m: int, rank: int) -> list[tuple]:
+    """ZB-V on one rank, as the paper's section 6 lays it out for m >= 2 pp - 1; with fewer
+    micro-batches the same order with the missing micro-batches' actions left out."""
+    n = max(m, 2 * pp - 1)
+    count = {(op, c): 0 for op in "FIW" for c in (0, 1)}
+    order = []
+
+    def do(op, c):
+        order.append((op, count[(op, c)], c))
+        count[(op, c)] += 1
+
+    for _ in range(2 * (pp - rank) - 1):   # warm-up: the first chunk fills the V's left arm
+        do("F", 0)
+    for _ in range(rank):
+        do("F", 1), do("F", 0)
+    for _ in range(pp - rank):             # the turn: chunk 1 starts backward at once
+        do("F", 1), do("I", 1), do("W", 1)
+    while count[("F", 1)] < n:              # steady state
+        if count[("F", 0)] < n:
+            do("F", 0)
+        do("I", 0), do("W", 0), do("F", 1), do("I", 1), do("W", 1)
+    for _ in range(rank):                   # cool-down: the input gradients first
+        do("I", 0), do("I", 1)
+    for _ in range(pp - rank):
+        do("I", 0), do("W", 0)
+    order += [("W", i, 1) for i in range(count[("W", 1)], n)]
+    order += [("W", i, 0) for i in range(count[("W", 0)], n)]
+    return [x for x in order if x[1] < m]
+
+
+def _check(kind: str, pp: int, m: int, virtual: int, want: int) -> None:
+    """Positive counts, and ``want`` chunks per rank."""
+    for name, value in (("pp", pp), ("m", m), ("virtual", virtual)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r} (kind={kind!r})")
+    if virtual != want:
+        raise ValueError(f"{kind!r} runs {want} chunk{'s' if want > 1 else ''} per rank: virtual must "
+                         f"be {want}, got {virtual} (pp={pp}, m={m})")
+
+
+def build_zb_h1(pp: int, m: int, virtual: int = 1) -> ZeroBubbleSchedule:
+    """ZB-H1 for ``pp`` ranks and ``m`` micro-batches (one chunk per rank); not yet validated."""
+    _check("zb-h1", pp, m, virtual, 1)
+    layout = ZeroBubbleSchedule(pp, m, {r: [] for r in range(pp)}, 1, "zb-h1")  # empty: where stages live
+    orders = {r: _zb_h1_order(pp, m, r) for r in range(pp)}
+    return ZeroBubbleSchedule(pp, m, _with_messages(layout, orders), 1, "zb-h1")
+
+
+def build_zb_v(pp: int, m: int, virtual: int = 2) -> VSchedule:
+    """ZB-V for ``pp`` ranks and ``m`` micro-batches (two chunks per rank, in a V); not yet validated."""
+    _check("zb-v", pp, m, virtual, 2)
+    layout = VSchedule(pp, m, {r: [] for r in range(pp)}, 2, "zb-v")  # empty: where stages live
+    orders = {r: _zb_v_order(pp, m, r) for r in range(pp)}
+    return VSchedule(pp, m, _with_messages(layout, orders), 2, "zb-v")
+
+
+def _refuse_dualpipev(pp: int, m: int, virtual: int = 2):
+    """DualPipeV by name, refused with the reason."""
+    raise ValueError("'dualpipev' (DeepSeek's DualPipe on a V, torch's ScheduleDualPipeV) is not "
+                     "built in this course; use 'zb-v', the same V without its overlapped steps")
+
+
+BUILDERS = {"zb-h1": build_zb_h1, "zb-v": build_zb_v, "dualpipev": _refuse_dualpipev}
+
+
+def zero_bubble_formula(kind: str, pp: int, m: int, t_f: float = 1.0, t_b: float = 2.0,
+                        t_w: Optional[float] = None) -> float:
+    """The bubble fraction of ``kind`` ("zb-h1", "zb-v") in closed form, F = ``t_f``,
+    B = ``t_b``, W = ``t_w`` (t_b / 2 unless given), I = B - W; see the module's docstring."""
+    t_w = t_b / 2 if t_w is None else t_w
+    t_i = t_b - t_w
+    if kind == "zb-h1" and m >= pp and t_w <= t_f:
+        idle = (pp - 1) * (t_f + max(t_i - t_w, 0.0))
+    elif kind == "zb-v" and m >= 2 * pp - 1 and max(t_w, t_f) <= t_i:
+        idle = (pp - 1) * max(t_i - t_w, t_i / 2)
+    else:
+        raise ValueError(f"no closed form for {kind!r} with pp={pp}, m={m}, W={t_w}, I={t_i} (zb-h1 "
+                         f"needs m >= pp and W <= F; zb-v m >= 2 pp - 1 and W, F <= I): simulate it")
+    return idle / (m * (t_f + t_b) + idle)
+
+
+def peak_bytes(schedule: Schedule, rank: int, stored: Sequence[int], held: Sequence[int]) -> int:
+    """The most activation bytes ``rank`` holds at once running ``schedule``, when each F of its
+    chunk c stores ``stored[c]`` bytes, each I holds ``held[c]`` more, and a B, or a W, frees
+    them: the count the executor measures (`PipelineResult.peak_activation_bytes`)."""
+    now = peak = 0
+    for a in schedule.actions(rank):
+        now += {"F": stored[a.chunk], "I": held[a.chunk], "W": -stored[a.chunk] - held[a.chunk],
+                "B": -stored[a.chunk]}.get(a.op, 0)
+        peak = max(peak, now)
+    return peak

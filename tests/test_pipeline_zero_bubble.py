@@ -1,0 +1,451 @@
+"""Zero-bubble pipelines: the backward split into I and W, ZB-H1 and ZB-V, against one process.
+
+* The schedules as data (no process): complete, free of deadlock, each F, I and W once;
+  their simulated bubble equals `zero_bubble_formula` over pipelines, micro-batches and
+  costs (F, B = I + W, W), with the values the module's docstring quotes; the micro-batches
+  each rank holds from F to W; the checker's rules for I and W; ZB-V's V.
+* The split backward in one process: I gives the input's gradient and no weight gradient,
+  W then gives the weights' gradients, both bit for bit those of the full backward, and W
+  runs nothing on the input's path (a counting function there runs once).
+* Equal to one process (`reference.train.single.accumulated_step` over the same m chunks):
+  ZB-H1 and ZB-V alone on 2 and 4 ranks, m = 1, 4, 8, with recomputation, an untied model
+  with frozen parameters and an embedding stage; and composed through
+  `ParallelConfig(schedule=...)` with dp, ZeRO-1, tp with SP, recomputation and experts.
+* Memory, measured: the activation bytes each rank holds at its peak equal `peak_bytes`
+  of the schedule with `stored_bytes_formula` per F and `held_bytes_formula` per I.
+"""
+import functools
+
+import pytest
+import torch
+
+from reference.data import synthetic_batch
+from reference.model import GPT, GPTConfig
+from reference.pipeline_parallel import (Action, Schedule, ScheduleError, VSchedule, bubble_formula,
+                                         build_schedule, held_bytes_formula, peak_bytes,
+                                         stored_bytes_formula, zero_bubble_formula)
+from reference.runtime import launch
+from reference.tolerance import adamw_weights, exact, gradient, loss
+
+A = Action
+CFG = dict(n_layer=8, n_head=2, n_embd=16, block_size=8, vocab_size=64)
+B, T, STEPS, LR = 8, 8, 3, 1e-3
+FROZEN = ("wpe.weight", "h.1.ln_1.weight", "h.6.ffn.c_fc.bias")
+V = {"zb-h1": 1, "zb-v": 2}
+
+
+# ---------------------------------------------------------------------------
+# The schedules as data
+# ---------------------------------------------------------------------------
+def test_the_letters_are_torchs():
+    from torch.distributed.pipelining.schedules import _ComputationType as torch_ops
+
+    from reference.pipeline_parallel.actions import COMPUTE
+
+    assert COMPUTE == ("F", "B", "I", "W")
+    assert tuple(op.value for op in (torch_ops.FORWARD, torch_ops.FULL_BACKWARD, torch_ops.BACKWARD_INPUT,
+                                     torch_ops.BACKWARD_WEIGHT)) == COMPUTE
+
+
+@pytest.mark.parametrize("kind", ["zb-h1", "zb-v"])
+def test_every_zero_bubble_schedule_is_complete(kind):
+    for pp in range(1, 6):
+        for m in range(1, 10):
+            s = build_schedule(kind, pp, m, V[kind])  # validated on the way out
+            last = s.n_stages - 1
+            for r in range(pp):
+                acts = s.actions(r)
+                for op in ("F", "I", "W"):
+                    assert sorted((a.mb, a.chunk) for a in acts if a.op == op) == \
+                        [(i, c) for i in range(m) for c in range(V[kind])]
+                assert not any(a.op == "B" for a in acts)
+                stages = [s.stage(r, c) for c in range(V[kind])]
+                assert sum(a.op == "SEND_F" for a in acts) == m * sum(st < last for st in stages)
+                assert sum(a.op == "SEND_B" for a in acts) == m * sum(st > 0 for st in stages)
+
+
+def test_the_bubble_equals_the_formula():
+    """F, B = I + W and W as in `zero_bubble_formula`'s ranges; messages free."""
+    costs = [(1.0, 2.0, 1.0), (1.0, 2.0, 0.5), (1.0, 3.0, 1.0), (2.0, 4.0, 2.0), (1.0, 2.0, 0.8)]
+    checked = 0
+    for kind in ("zb-h1", "zb-v"):
+        for pp in (2, 3, 4):
+            for m in (pp, 2 * pp - 1, 2 * pp, 3 * pp + 1):
+                s = build_schedule(kind, pp, m, V[kind])
+                for t_f, t_b, t_w in costs:
+                    try:
+                        want = zero_bubble_formula(kind, pp, m, t_f, t_b, t_w)
+                    except ValueError:
+                        continue
+                    assert s.bubble_fraction(t_f, t_b, t_w) == pytest.approx(want, abs=1e-12), \
+                        (kind, pp, m, t_f, t_b, t_w)
+                    checked += 1
+    assert checked > 80
+    # the numbers quoted: F = I = W at p = 4, m = 8 (m = 16)
+    f1b, inter = build_schedule("1f1b", 4, 8), build_schedule("interleaved", 4, 8, 2)
+    zbh1, zbv = build_schedule("zb-h1", 4, 8), build_schedule("zb-v", 4, 8, 2)
+    assert [round(s.bubble_fraction(1, 2, 1), 3) for s in (f1b, inter, zbh1, zbv)] == \
+        [0.273, 0.158, 0.111, 0.059]
+    assert build_schedule("zb-v", 4, 16, 2).bubble_fraction(1, 2, 1) == pytest.approx(1 / 33)
+    assert zbh1.bubble_fraction() == pytest.approx(bubble_formula("1f1b", 4, 8) * 11 / 27)
+    with pytest.raises(ValueError, match="no closed form"):
+        zero_bubble_formula("zb-v", 4, 6)
+
+
+def test_micro_batches_held_from_f_to_w():
+    from reference.parallel.config import ParallelConfig
+    from reference.parallel.estimate_memory import in_flight
+
+    for pp in (1, 2, 3, 4):
+        for m in range(1, 12):
+            h1, v = build_schedule("zb-h1", pp, m), build_schedule("zb-v", pp, m, 2)
+            for r in range(pp):
+                assert h1.peak_in_flight(r) == min(pp, m)  # 1F1B's rank 0, on every rank
+                assert v.peak_in_flight(r) == min(2 * pp, m + r + 1, 2 * m)  # chunks: half a stage
+                if pp > 1:
+                    conf = ParallelConfig(pp=pp, microbatches=m, schedule="zb-v", virtual_stages=2)
+                    assert in_flight(conf, m, r)[2] * 2 == v.peak_in_flight(r)
+                    assert in_flight(conf.with_(schedule="zb-h1", virtual_stages=1), m, r)[2] == \
+                        h1.peak_in_flight(r)
+
+
+def test_the_checker_knows_i_and_w():
+    r0 = [A("F", 0), A("SEND_F", 0, 0, 1), A("RECV_B", 0, 0, 1), A("I", 0), A("W", 0)]
+    r1 = [A("RECV_F", 0, 0, 0), A("F", 0), A("I", 0), A("SEND_B", 0, 0, 0), A("W", 0)]
+    Schedule(2, 1, {0: r0, 1: r1}).validate()
+    with pytest.raises(ScheduleError, match="W0 comes before I0"):
+        Schedule(2, 1, {0: r0[:3] + [r0[4], r0[3]], 1: r1}).validate()
+    with pytest.raises(ScheduleError, match="rank 1 never runs W0"):
+        Schedule(2, 1, {0: r0, 1: r1[:-1]}).validate()
+    with pytest.raises(ScheduleError, match="runs B0 .* and also its halves"):
+        Schedule(2, 1, {0: r0, 1: r1 + [A("B", 0)]}).validate()
+    with pytest.raises(ScheduleError, match="SEND_B0->0 comes before I0"):
+        Schedule(2, 1, {0: r0, 1: [r1[0], r1[1], r1[3], r1[2], r1[4]]}).validate()
+    # the ideal timeline: I and W each half of B unless told
+    tl = Schedule(2, 1, {0: r0, 1: r1}).simulate(1.0, 2.0, 0.5)
+    assert [(str(e.action), e.start, e.end) for e in tl[1] if e.action.op in "FIW"] == \
+        [("F0", 1.0, 2.0), ("I0", 2.0, 3.5), ("W0", 3.5, 4.0)]
+
+
+def test_zb_v_places_two_chunks_in_a_v():
+    from reference.pipeline_parallel import local_stages
+
+    s = build_schedule("zb-v", 4, 8, 2)
+    assert isinstance(s, VSchedule) and not s.strict
+    assert [[s.stage(r, c) for c in (0, 1)] for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [s.rank_of(st) for st in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert local_stages(list("abcdefgh"), 4, 1, s) == ["b", "g"]
+    # the turn of the V: the last rank sends stage 3's output to its own stage 4, and back
+    assert A("SEND_F", 0, 0, 3) in s.actions(3) and A("RECV_F", 0, 1, 3) in s.actions(3)
+    assert A("SEND_B", 0, 1, 3) in s.actions(3)
+    assert not any(a.peer == r for r in range(3) for a in s.actions(r))
+
+
+def test_refusals_say_why():
+    from reference.parallel.config import ParallelConfig
+
+    with pytest.raises(ValueError, match="'zb-v' runs 2 chunks per rank: virtual must be 2"):
+        build_schedule("zb-v", 2, 4)
+    with pytest.raises(ValueError, match="virtual must be 1"):
+        build_schedule("zb-h1", 2, 4, 2)
+    with pytest.raises(ValueError, match="'dualpipev'.* is not built"):
+        build_schedule("dualpipev", 2, 4, 2)
+    with pytest.raises(ValueError, match="expected one of .*zb-h1, zb-v"):
+        build_schedule("zb", 2, 4)
+
+    def problems(**kw):
+        config = ParallelConfig(**kw)
+        return " ".join(config.problems(config.world_size, None, None, None))
+
+    assert "needs pp >= 2 and virtual_stages=2" in problems(pp=2, microbatches=4, schedule="zb-v")
+    assert "never reaches" in problems(pp=4, microbatches=2, schedule="zb-h1")
+    assert "composed ZeRO-3" in problems(dp=2, pp=2, zero_stage=3, microbatches=4, schedule="zb-h1")
+    assert problems(pp=2, microbatches=4, schedule="zb-v", virtual_stages=2) == ""
+
+
+def test_the_estimate_knows_the_zero_bubble_schedules():
+    from reference.parallel.config import ParallelConfig
+    from reference.parallel.estimate import estimate, idle_share
+
+    model = GPTConfig.tiny(**CFG)
+    bubbles = {}
+    for kind, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)):
+        config = ParallelConfig(pp=4, microbatches=8, schedule=kind, virtual_stages=v)
+        bubbles[kind] = estimate(model, config, micro_batch=1, global_batch=8).bubble
+        if kind.startswith("zb"):  # the simulated timeline's, F = I = W
+            share = build_schedule(kind, 4, 8, v).bubble_fraction(1, 2, 1)
+            assert bubbles[kind] == pytest.approx(share)
+            assert idle_share(config, 8) == pytest.approx(share / (1 - share))
+    assert [round(bubbles[k], 3) for k in ("1f1b", "interleaved", "zb-h1", "zb-v")] == \
+        [0.273, 0.158, 0.111, 0.059]
+    # below ZB-V's closed form (m < 2p - 1) the estimate simulates the schedule
+    small = ParallelConfig(pp=4, microbatches=4, schedule="zb-v", virtual_stages=2)
+    assert estimate(model, small, micro_batch=2, global_batch=8).bubble == \
+        pytest.approx(build_schedule("zb-v", 4, 4, 2).bubble_fraction())
+
+
+# ---------------------------------------------------------------------------
+# The split backward in one process
+# ---------------------------------------------------------------------------
+class _Counted(torch.autograd.Function):
+    """Identity whose backward counts its calls (a stand-in for TP's f, whose backward all-reduces)."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _Counted.calls += 1
+        return grad
+
+
+def _split_and_full(build, x_of, roots_of):
+    """(grads after I, grads after W, grads of the full backward), each {name: grad}, x's as "x"."""
+    from reference.pipeline_parallel.split_backward import WeightPass
+
+    runs = []
+    for split in (True, False):
+        torch.manual_seed(0)
+        module = build()
+        x = x_of()
+        roots = roots_of(module, x)
+        params = [p for p in module.parameters() if p.requires_grad]
+        if split:
+            wp = WeightPass(roots, x, params)
+            hooks = wp.catch()
+            grads = [g for _, g in roots]
+            (dx,) = torch.autograd.grad([t for t, _ in roots], [x], grads, retain_graph=True) \
+                if x.requires_grad else (None,)
+            for h in hooks:
+                h.remove()
+            after_i = {n: p.grad for n, p in module.named_parameters()}
+            calls = _Counted.calls
+            wp.run()
+            assert _Counted.calls == calls, "W ran a node on the input's path"
+            runs.append((after_i, dx, {n: p.grad for n, p in module.named_parameters()}))
+        else:
+            torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
+            runs.append((None, x.grad, {n: p.grad for n, p in module.named_parameters()}))
+    return runs
+
+
+def test_i_then_w_is_the_full_backward_bit_for_bit():
+    def build():
+        return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.LayerNorm(8),
+                                   torch.nn.Linear(8, 5))
+
+    def roots(module, x):
+        h = module[2](module[1](module[0](x)))
+        out = module[3](_Counted.apply(h))
+        return [(out, torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))]
+
+    (after_i, dx, split), (_, dx_full, full) = _split_and_full(
+        build, lambda: torch.randn(4, 6, generator=torch.Generator().manual_seed(2)).requires_grad_(), roots)
+    assert all(g is None for g in after_i.values())  # I computes no weight gradient
+    exact().assert_close(dx, dx_full, "the input's gradient")
+    assert set(split) == set(full) and all(g is not None for g in split.values())
+    for name in full:
+        exact().assert_close(split[name], full[name], name)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_gpt_stage_splits_its_backward(stage):
+    """The first stage (token ids in: I has nothing to compute) and the last (its loss)."""
+    model_cfg = GPTConfig.tiny(**CFG)
+    x_ids, y = synthetic_batch(2, T, CFG["vocab_size"], seed=5)
+
+    def build():
+        from reference.pipeline_parallel import split_stages
+        return split_stages(GPT.from_config_seed(model_cfg, 0), 2)[stage]
+
+    def x_of():
+        if stage == 0:
+            return x_ids
+        return torch.randn(2, T, CFG["n_embd"], generator=torch.Generator().manual_seed(3)).requires_grad_()
+
+    def roots(module, x):
+        out, _ = module(x)
+        if stage == 1:
+            return [(module.loss(out, y), None)]
+        return [(out, torch.randn(out.shape, generator=torch.Generator().manual_seed(4)))]
+
+    (_, dx, split), (_, dx_full, full) = _split_and_full(build, x_of, roots)
+    if stage == 1:
+        exact().assert_close(dx, dx_full, "the input's gradient")
+    assert set(split) == set(full)
+    for name in full:
+        exact().assert_close(split[name], full[name], name)
+
+
+def test_held_bytes_formula_counts_the_split_points():
+    from reference.pipeline_parallel import split_stages
+    from reference.pipeline_parallel.split_backward import WeightPass
+
+    config = GPTConfig.tiny(**CFG)
+    stages = split_stages(GPT.from_config_seed(config, 0), 4)
+    x = torch.randn(2, T, CFG["n_embd"]).requires_grad_()
+    _, y = synthetic_batch(2, T, CFG["vocab_size"], seed=5)
+    for st in stages[1:]:
+        out, _ = st(x)
+        roots = [(st.loss(out, y), None)] if st.spec.head else [(out, torch.ones_like(out))]
+        wp = WeightPass(roots, x, list(st.parameters()))
+        hooks = wp.catch()
+        torch.autograd.grad([t for t, _ in roots], [x], [g for _, g in roots], retain_graph=True)
+        for h in hooks:
+            h.remove()
+        assert wp.caught_bytes() == held_bytes_formula(config, 2, st.spec), st.spec
+
+
+# ---------------------------------------------------------------------------
+# Equal to one process, and the memory, on 2 and 4 ranks
+# ---------------------------------------------------------------------------
+def _model(tied, frozen):
+    model = GPT.from_config_seed(GPTConfig.tiny(tie_weights=tied, **CFG), seed=0)
+    for name, p in model.named_parameters():
+        if frozen and name in FROZEN:
+            p.requires_grad_(False)
+    return model
+
+
+def _optimizer(params):
+    """AdamW over the distinct parameters (under ZB-V rank 0 holds both ends of the tied embedding)."""
+    params = list({id(p): p for p in params if p.requires_grad}.values())
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+
+
+def _cases(pp):
+    """(key, kind, m, stage args, model args, checkpoint)."""
+    cases = [((kind, m), kind, m, {}, dict(tied=True, frozen=False), False)
+             for kind in ("zb-h1", "zb-v") for m in (1, 4, 8)]
+    cases.append((("recompute", "zb-h1"), "zb-h1", 4, {}, dict(tied=True, frozen=False), True))
+    cases.append((("variant", "zb-v"), "zb-v", 4, dict(balance="params", embedding_stage=True),
+                  dict(tied=False, frozen=True), [True, False]))
+    return cases
+
+
+def _train(mesh, tied_group, case):
+    from reference.pipeline_parallel import local_stages, run_pipeline, split_stages
+
+    _, kind, m, split_args, model_args, ckpt = case
+    schedule = build_schedule(kind, mesh.pp, m, V[kind])
+    stages = local_stages(split_stages(_model(**model_args), mesh.pp, V[kind], **split_args),
+                          mesh.pp, mesh.pp_rank, schedule)
+    opt = _optimizer([p for s in stages for p in s.parameters()])
+    losses, grads, peaks = [], None, []
+    for step in range(STEPS):
+        x, y = synthetic_batch(B, T, CFG["vocab_size"], seed=1, step=step)
+        opt.zero_grad(set_to_none=True)
+        result = run_pipeline(schedule, stages, x, y, group=mesh.pp_group, tied_group=tied_group,
+                              checkpoint=ckpt)
+        losses.append(result.loss)
+        peaks.append(result.peak_activation_bytes)
+        if step == 0:
+            grads = {n: p.grad.clone() for s in stages for n, p in s.named_parameters()
+                     if p.grad is not None}
+        opt.step()
+    return dict(losses=losses, grads=grads, peaks=peaks, specs=[s.spec for s in stages],
+                params={n: p.detach().clone() for s in stages for n, p in s.named_parameters()})
+
+
+def _body(pp):
+    import torch.distributed as dist
+
+    from reference.mesh import Mesh
+    from reference.pipeline_parallel import build_embedding_group
+
+    mesh = Mesh(pp=pp).build_groups()
+    tied_group = build_embedding_group(mesh)
+    out = {case[0]: _train(mesh, tied_group, case) for case in _cases(pp)}
+    dist.barrier()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _run(pp):
+    return launch(_body, pp, pp, timeout=240, quiet=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_process(tied, frozen, m):
+    """`accumulated_step` over the m micro-batches: losses, first-step gradients, final weights."""
+    from reference.train.single import accumulate_gradients, accumulated_step
+
+    model = _model(tied, frozen)
+    opt = _optimizer(model.parameters())
+    losses, grads = [], None
+    for step in range(STEPS):
+        x, y = synthetic_batch(B, T, CFG["vocab_size"], seed=1, step=step)
+        if step == 0:  # the first step's gradients, before `accumulated_step` zeroes them
+            accumulate_gradients(model, x, y, chunks=m)
+            grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)
+                     if p.grad is not None}
+        losses.append(accumulated_step(model, opt, x, y, chunks=m)[0])
+    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return losses, grads, params
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_zero_bubble_trains_like_one_process(pp):
+    results = _run(pp)
+    for key, kind, m, _, model_args, _ in _cases(pp):
+        ref_losses, ref_grads, ref_params = _one_process(model_args["tied"], model_args["frozen"], m)
+        covered = set()
+        for rank, out in enumerate(results):
+            got, where = out[key], f"pp={pp} rank {rank} {key}"
+            schedule = build_schedule(kind, pp, m, V[kind])
+            if schedule.rank_of(schedule.n_stages - 1) == rank:  # ZB-V: the loss is on rank 0
+                loss().assert_losses([float(x) for x in got["losses"]], ref_losses, where)
+            else:
+                assert got["losses"] == [None] * STEPS, where
+            assert set(got["grads"]) == {n for n in got["params"] if n in ref_grads}, where
+            for name, g in got["grads"].items():  # m micro-batches, and the tied embedding's copy
+                gradient(m + 1).assert_close(g, ref_grads[name], f"{where} grad {name}")
+            adamw_weights(STEPS, LR).assert_weights(
+                got["params"], {n: ref_params[n] for n in got["params"]}, f"{where} after {STEPS} steps")
+            covered |= set(got["params"])
+        assert covered == set(ref_params), f"{key}: not covered {set(ref_params) - covered}"
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_the_peak_of_held_bytes_equals_the_formula(pp):
+    """Measured per rank: F stores `stored_bytes_formula`, I holds `held_bytes_formula` more,
+    W frees both; the peak is `peak_bytes` of the schedule, exactly (m = 8, no recompute)."""
+    config = GPTConfig.tiny(**CFG)
+    for kind in ("zb-h1", "zb-v"):
+        schedule = build_schedule(kind, pp, 8, V[kind])
+        for rank, out in enumerate(_run(pp)):
+            got = out[(kind, 8)]
+            stored = [sum(stored_bytes_formula(config, B // 8, spec).values()) for spec in got["specs"]]
+            held = [held_bytes_formula(config, B // 8, spec) for spec in got["specs"]]
+            want = peak_bytes(schedule, rank, stored, held)
+            assert got["peaks"] == [want] * STEPS, (kind, pp, rank)
+            # held longer than 1F1B's B would: at least min(p, m) micro-batches' stored bytes
+            assert want >= min(pp, 8) * min(stored) * (1 if kind == "zb-h1" else 1)
+
+
+# ---------------------------------------------------------------------------
+# Composed through ParallelConfig(schedule=...)
+# ---------------------------------------------------------------------------
+COMPOSED = [  # (config keywords, clip, moe), on 4 ranks
+    (dict(dp=2, pp=2, zero_stage=1, schedule="zb-v", virtual_stages=2, microbatches=4), True, False),
+    (dict(tp=2, pp=2, sequence_parallel=True, schedule="zb-h1", microbatches=2,
+          activation_checkpointing=True), False, False),
+    (dict(tp=2, pp=2, sequence_parallel=True, schedule="zb-v", virtual_stages=2, microbatches=2,
+          activation_checkpointing=True), False, True),
+]
+
+
+def test_composed_with_dp_zero1_tp_sp_recompute_and_experts_equals_one_process():
+    from sweep import SweepCase
+    from sweep_run import compare, run_cases, single_process
+
+    from reference.parallel.config import ParallelConfig
+
+    cases = [SweepCase(ParallelConfig(**kw), clip=clip, moe=moe) for kw, clip, moe in COMPOSED]
+    assert all(not c.problems() for c in cases)
+    ranks = launch(run_cases, 4, cases, timeout=300, quiet=True)
+    rows = [compare(case, ranks[0][i], single_process(case)) for i, case in enumerate(cases)]
+    assert all(row["ok"] for row in rows), [row for row in rows if not row["ok"]]
