@@ -9,7 +9,7 @@ same experts form the expert-data-parallel group). Inside dp, `zero_stage` shard
 training state (0 = plain data parallelism, 1 = optimizer state, 2 = and gradients,
 3 = and parameters). The pipeline runs `microbatches` micro-batches per step with
 `schedule` ("gpipe", "1f1b", "interleaved" with `virtual_stages` chunks per rank, or the
-zero-bubble "zb-h1" and "zb-v", the latter with virtual_stages=2 placed in a V; see
+zero-bubble "zb-h1", "zb-v" and "dualpipev", the last two with virtual_stages=2 placed in a V; see
 `reference.pipeline_parallel.zero_bubble`); with
 pp = 1 the micro-batches are gradient accumulation and always run F0 B0 F1 B1 ..., one
 micro-batch's activations alive at a time.
@@ -54,9 +54,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Optional, Union
 
-__all__ = ["ParallelConfig", "SCHEDULES", "PRECISIONS", "CP_KINDS"]
+__all__ = ["ParallelConfig", "SCHEDULES", "V_SHAPED", "PRECISIONS", "CP_KINDS"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
+V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank in a V: rank r holds stages r and 2 pp - 1 - r
 PRECISIONS = ("fp32", "bf16", "fp16")
 CP_KINDS = ("ring", "ulysses")  # reference.context_parallel.KINDS
 
@@ -232,7 +233,7 @@ class ParallelConfig:
             out.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.precision not in PRECISIONS:
             out.append(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.virtual_stages > 1 and self.schedule not in ("interleaved", "zb-v"):
+        if self.virtual_stages > 1 and self.schedule not in ("interleaved",) + V_SHAPED:
             out.append(f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (or "
                        f"'zb-v' with 2), got {self.schedule!r}")
         out += self._zero_bubble_problems()
@@ -251,13 +252,16 @@ class ParallelConfig:
     def _zero_bubble_problems(self) -> list[str]:
         """The zero-bubble schedules (backward split into I and W) against pp, chunks and ZeRO."""
         out = []
-        if self.schedule == "zb-v" and (self.pp < 2 or self.virtual_stages != 2):
-            out.append(f"schedule='zb-v' places two chunks per rank in a V: it needs pp >= 2 and "
-                       f"virtual_stages=2, got pp={self.pp}, virtual_stages={self.virtual_stages}")
+        if self.schedule in V_SHAPED and (self.pp < 2 or self.virtual_stages != 2):
+            out.append(f"schedule={self.schedule!r} places two chunks per rank in a V: it needs pp >= 2 "
+                       f"and virtual_stages=2, got pp={self.pp}, virtual_stages={self.virtual_stages}")
+        if self.schedule == "dualpipev" and self.microbatches < 2 * self.pp:
+            out.append(f"DualPipeV pairs a forward of each chunk with a backward of the other: it needs "
+                       f"microbatches >= 2 pp = {2 * self.pp} stages, got {self.microbatches}")
         if self.schedule == "zb-h1" and 1 < self.pp and self.microbatches < self.pp:
             out.append(f"ZB-H1 with microbatches={self.microbatches} < pp={self.pp} never reaches "
                        f"1F1B's steady state, whose idle end its W's fill; use microbatches >= pp")
-        if self.schedule in ("zb-h1", "zb-v") and self.zero_stage == 3 and self.dp * self.cp > 1:
+        if self.schedule in ("zb-h1",) + V_SHAPED and self.zero_stage == 3 and self.dp * self.cp > 1:
             out.append(f"schedule={self.schedule!r} splits each backward into I and W, and composed "
                        f"ZeRO-3 gathers and reduce-scatters around a whole backward B: use zero_stage "
                        f"<= 1 or schedule='1f1b'")

@@ -261,7 +261,7 @@ def idle_share(c: ParallelConfig, m: int) -> float:
     """The pipeline's idle time over its busy time: (p - 1) / (v m) for GPipe, 1F1B and
     interleaved 1F1B; for the zero-bubble schedules their closed form with F = I = W (Qi et
     al.'s assumption; `zero_bubble_formula`): (p - 1) / (3 m) for ZB-H1, (p - 1) / (6 m) for
-    ZB-V from m >= 2p - 1 (below it, their simulated timeline)."""
+    ZB-V from m >= 2p - 1 and DualPipeV (below it, their simulated timeline)."""
     if c.pp == 1:
         return 0.0
     if c.schedule in ZB_KINDS:

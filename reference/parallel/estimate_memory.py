@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, Optional
 
+from reference.parallel.config import V_SHAPED
+
 __all__ = ["Tensor", "Tensors", "stage_specs", "rank_specs", "stage_tensors", "block_params", "stage_params",
            "activation_bytes_per_block", "mlp_activation_bytes", "moe_activation_bytes", "in_flight",
            "zero3_phases"]
@@ -129,9 +131,9 @@ def _block(c: int, d_ff: int, tp: int, bias: bool, unit: str, n_experts: Optiona
 
 def rank_specs(model, config, rank: int) -> tuple:
     """The stages pipeline ``rank`` holds: r, r + pp, ... (interleaved), or r and 2 pp - 1 - r
-    (ZB-V's V)."""
+    (the V of ZB-V and DualPipeV)."""
     specs, p = stage_specs(model, config), config.pp
-    return (specs[rank], specs[2 * p - 1 - rank]) if config.schedule == "zb-v" else specs[rank::p]
+    return (specs[rank], specs[2 * p - 1 - rank]) if config.schedule in V_SHAPED else specs[rank::p]
 
 
 def stage_specs(model, config) -> tuple:
@@ -244,13 +246,14 @@ def in_flight(config, m: int, rank: int) -> tuple[float, float, float]:
     min(m v, 2 (p - r - 1) + (v - 1) p + 1) chunk-micro-batches, each 1 / v of the stage
     (Megatron's warm-up, and the course's schedule; an upper bound when m < p). The zero-bubble
     schedules hold a micro-batch from F to W: ZB-H1 min(p, m) on every rank (min(p - r, m) at
-    its first backward), ZB-V min(2p, m + r + 1, 2m) chunk-micro-batches, each half a stage
-    (`reference.pipeline_parallel.zero_bubble`; the gradients an I holds for its W aside)."""
+    its first backward), ZB-V min(2p, m + r + 1, 2m) chunk-micro-batches, each half a stage,
+    DualPipeV min(2p + 1, 2m) (`reference.pipeline_parallel.zero_bubble`; the gradients an I
+    holds for its W aside)."""
     p, v = config.pp, config.virtual_stages
     if config.schedule == "zb-h1" and p > 1:
         return min(p - rank, m), min(p, m), min(p, m)
-    if config.schedule == "zb-v" and p > 1:
-        peak = min(2 * p, m + rank + 1, 2 * m) / 2
+    if config.schedule in V_SHAPED and p > 1:
+        peak = (min(2 * p, m + rank + 1, 2 * m) if config.schedule == "zb-v" else min(2 * p + 1, 2 * m)) / 2
         return peak, peak, peak
     if v > 1:
         peak = min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1) / v

@@ -9,8 +9,9 @@
 pp dividing the layers (equal stages), m = global_batch / (dp micro_batch) micro-batches of
 `micro_batch` sequences, ZeRO 0-3, with and without sequence parallelism, with and without
 full activation recomputation, with each pipeline schedule of ``schedules`` (1F1B by default;
-the zero-bubble "zb-h1" and "zb-v" idle less for the activations they hold longer); composed
-ZeRO-3 (with tp, pp, ep or recomputation) gathering its stage once a step and, where `ParallelConfig` has the option, resharding after every
+the zero-bubble "zb-h1", "zb-v" and "dualpipev" idle less for the activations they hold
+longer); composed ZeRO-3 (with tp, pp, ep or recomputation) gathering its stage once a step
+and, where `ParallelConfig` has the option, resharding after every
 forward (FSDP2's ``reshard_after_forward``: 3 m transfers, shards and one block whole); with
 ``n_experts`` every expert-parallel degree ep that divides dp and the experts. It keeps only
 what `ParallelConfig.validate` accepts for the model, the batch and ``n_experts`` (so no
@@ -39,7 +40,7 @@ import ipywidgets as widgets
 
 from reference.memory import human_bytes
 from reference.model import GPTConfig
-from reference.parallel.config import ParallelConfig
+from reference.parallel.config import V_SHAPED, ParallelConfig
 from reference.parallel.estimate import Hardware, estimate, link_of, step_time
 
 __all__ = ["MODELS", "feasible_configs", "ConfigExplorer", "config_explorer"]
@@ -95,7 +96,7 @@ def feasible_configs(model: GPTConfig, n_gpus: int, gpus_per_node: int = 8,
                 base = ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero, microbatches=m,
                                       sequence_parallel=sp, activation_checkpointing=ckpt,
                                       precision="bf16", schedule=sched,
-                                      virtual_stages=2 if sched == "zb-v" else 1)
+                                      virtual_stages=2 if sched in V_SHAPED else 1)
                 for config in _reshard_options(base):
                     if config.problems(n_gpus, model, batch, n_experts):
                         continue  # only what `ParallelConfig.validate` accepts
@@ -128,7 +129,8 @@ def _table(rows: list[dict], limit: int) -> str:
         c, t = r["config"], r["time"]
         zero = f"{c.zero_stage}{' reshard' if getattr(c, 'reshard_after_forward', False) else ''}"
         values = (c.dp, c.tp, c.pp, c.schedule if c.pp > 1 else "", c.ep, zero,
-                  "yes" if c.sequence_parallel else "no", c.microbatches, "full" if c.activation_checkpointing else "none",
+                  "yes" if c.sequence_parallel else "no", c.microbatches,
+                  "full" if c.activation_checkpointing else "none",
                   human_bytes(r["memory"]), f"{r['step_time']:.2f}", f"{t['compute']:.2f}",
                   f"{t['tp'] + t['pp'] + t['dp']:.2f}", f"{r['bubble']:.1%} ({t['bubble']:.2f} s)",
                   human_bytes(r["cross_node"]), human_bytes(r["inside"]))
@@ -141,7 +143,7 @@ class ConfigExplorer(widgets.VBox):
     first (``n_experts``: None for the dense model, else an MoE layer in every block)."""
 
     EXPERTS = [("dense", 0), ("8 experts", 8), ("64 experts", 64)]
-    SCHEDULES = [("1F1B", ("1f1b",)), ("1F1B or zero-bubble", ("1f1b", "zb-h1", "zb-v"))]
+    SCHEDULES = [("1F1B", ("1f1b",)), ("1F1B or zero-bubble", ("1f1b", "zb-h1", "zb-v", "dualpipev"))]
 
     def __init__(self, model: str = "GPT-3 175B", n_gpus: int = 1024, device_gb: int = 80,
                  global_batch: int = 1536, limit: int = 8, n_experts: Optional[int] = None,

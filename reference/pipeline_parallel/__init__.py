@@ -10,7 +10,7 @@ plain data, checked before it runs, drawn, and run by one executor:
     from reference.pipeline_parallel import (build_schedule, split_stages,
                                              local_stages, run_pipeline)
     schedule = build_schedule("1f1b", pp=4, m=8)         # validated: complete, no deadlock
-    # or "zb-h1", or build_schedule("zb-v", 4, 8, virtual=2): the backward split into I and W
+    # or "zb-h1", or build_schedule("zb-v", 4, 8, virtual=2) ("dualpipev"): B split into I and W
     schedule.actions(0)       # rank 0: [F0, SEND_F0->1, F1, SEND_F1->1, ...]
     schedule.bubble_fraction(), schedule.peak_in_flight(0), schedule.plot()
 
@@ -31,9 +31,9 @@ Where each part lives:
   `bubble_formula`;
 * `reference.pipeline_parallel.zero_bubble`: the zero-bubble schedules, ZB-H1 and
   ZB-V (Qi et al., 2024), whose backward is split into I (the input's gradient)
-  and W (the weights'), W put where 1F1B idles; ZB-V's two chunks per rank in a V
-  (`VSchedule`); their bubble (`zero_bubble_formula`) and the peak of held bytes
-  (`peak_bytes`). DualPipeV is refused by name;
+  and W (the weights'), W put where 1F1B idles, and DualPipeV (DeepSeek-V3's
+  DualPipe on the V); two chunks per rank in a V (`VSchedule`); their bubble
+  (`zero_bubble_formula`) and the peak of held bytes (`peak_bytes`);
 * `reference.pipeline_parallel.check`: `validate` (completeness, message matching,
   deadlock), the ideal timeline `simulate`, and `bubble_of` any timeline;
 * `reference.pipeline_parallel.stage`: `plan_stages` / `split_stages` (by layers or by

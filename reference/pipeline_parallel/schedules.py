@@ -34,7 +34,7 @@ The schedules (the order of F and B; the communication follows from it):
   (all m when m < p). The bubble shrinks to (p - 1) / (v m + p - 1) when m is
   a multiple of p, for v times more messages.
 
-The zero-bubble schedules (ZB-H1, ZB-V), which split B into I and W, are built in
+The zero-bubble schedules (ZB-H1, ZB-V, DualPipeV), which split B into I and W, are built in
 `reference.pipeline_parallel.zero_bubble` and reached through the same
 `build_schedule` (the package registers them in `BUILDERS`). The checker
 (`Schedule.validate`) and the simulated timeline live in
@@ -227,8 +227,8 @@ class Schedule:
 
 def build_schedule(kind: str, pp: int, m: int, virtual: int = 1) -> Schedule:
     """The ``kind`` schedule ("naive", "gpipe", "1f1b", "interleaved", or one of `BUILDERS`:
-    "zb-h1", "zb-v") for ``pp`` ranks and ``m`` micro-batches, ``virtual`` chunks per rank
-    (interleaved, and zb-v's 2); validated."""
+    "zb-h1", "zb-v", "dualpipev") for ``pp`` ranks and ``m`` micro-batches, ``virtual`` chunks
+    per rank (interleaved, and the V's 2); validated."""
     if kind in BUILDERS:
         return BUILDERS[kind](pp, m, virtual).validate()
     _check_args(kind, pp, m, virtual)

@@ -28,35 +28,39 @@ deadlock checker:
   F = I = W a rank idles only (p - 1) I / 2 in all, half of ZB-H1's, for the fill
   at the start and the drain at the end; it holds at most 2p chunk micro-batches
   (p whole-stage micro-batches, 1F1B's peak), fewer when m < 2p - 1.
-
-DualPipeV (DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024: DualPipe; torch's
-``ScheduleDualPipeV`` runs it on the V of ZB-V) overlaps a forward of one chunk
-with a backward of the other inside one step; it is not built here: `build_schedule`
-refuses it by name.
+* ``dualpipev`` (DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024: DualPipe; its
+  V-shaped half, DualPipeV, as torch's ``ScheduleDualPipeV`` lays it out): the same V,
+  m >= 2p. After its warm-up each rank runs pairs, the forward of one chunk with the
+  whole backward B of the other, alternating the two chunks; the last backwards split
+  into I and W from the middle on. DeepSeek overlaps the two halves of a pair (one's
+  computation under the other's all-to-all of experts); here, as in torch's runtime
+  without an overlap callback, they run one after the other, so its ideal timeline has
+  ZB-V's bubble (at F = I = W) and holds one chunk micro-batch more (2p + 1).
 
 The bubble (`zero_bubble_formula`), with F, I and W the times of a whole stage's
 forward, input-gradient and weight-gradient halves (B = I + W; a chunk of ZB-V takes
 half of each), messages free and sends not waited for, is the idle time per rank
 over the makespan, idle / (m (F + B) + idle), with
 
-    zb-h1   idle = (p - 1) (F + max(I - W, 0))       for m >= p and W <= F
-    zb-v    idle = (p - 1) max(I - W, I / 2)         for m >= 2p - 1 and W, F <= I
+    zb-h1      idle = (p - 1) (F + max(I - W, 0))    for m >= p and W <= F
+    zb-v       idle = (p - 1) max(I - W, I / 2)      for m >= 2p - 1 and W, F <= I
+    dualpipev  idle = (p - 1) I / 2                  for m >= 2p and F = I = W
 
 (outside these ranges the timeline is simulated, not given in closed form)
 
 against 1F1B's (p - 1)(F + B). `Schedule.bubble_fraction(t_f, t_b, t_w)` measures
 it on the simulated timeline, and the test holds the two equal. With F = I = W at
-p = 4, m = 8: 1F1B idles 27.3 %, interleaved (v = 2) 15.8 %, zb-h1 11.1 %, zb-v
-5.9 % (3.0 % at m = 16).
+p = 4, m = 8: 1F1B idles 27.3 %, interleaved (v = 2) 15.8 %, zb-h1 11.1 %, zb-v and
+dualpipev 5.9 % (3.0 % at m = 16).
 
 The memory (`Schedule.peak_in_flight`, micro-batches from F to W, per chunk):
 zb-h1 holds min(p, m) on every rank (1F1B: min(p - r, m) on rank r), zb-v
 min(2p, m + r + 1, 2m) chunk-micro-batches on rank r, each half a stage: at most p
-whole stages, 1F1B's rank 0. Between its I and its W a micro-batch holds, beside what
-its F stored, the gradients caught at the split points
-(`reference.pipeline_parallel.costs.held_bytes_formula`: 11 b T C floats a block);
-`peak_bytes` walks a rank's actions with both and gives the peak the
-executor measures, exactly.
+whole stages, 1F1B's rank 0; dualpipev 2p + 1 chunk-micro-batches. Between its I and
+its W a micro-batch holds, beside what its F stored, the gradients caught at the split
+points (`reference.pipeline_parallel.costs.held_bytes_formula`: 11 b T C floats a
+block); `peak_bytes` walks a rank's actions with both and gives the peak the executor
+measures, exactly.
 """
 from __future__ import annotations
 
@@ -66,10 +70,10 @@ from reference.pipeline_parallel.actions import Action
 from reference.pipeline_parallel.async_messages import AsyncMailbox
 from reference.pipeline_parallel.schedules import Schedule
 
-__all__ = ["ZeroBubbleSchedule", "VSchedule", "build_zb_h1", "build_zb_v", "zero_bubble_formula",
-           "peak_bytes", "BUILDERS", "ZB_KINDS"]
+__all__ = ["ZeroBubbleSchedule", "VSchedule", "build_zb_h1", "build_zb_v", "build_dualpipev",
+           "zero_bubble_formula", "peak_bytes", "BUILDERS", "ZB_KINDS"]
 
-ZB_KINDS = ("zb-h1", "zb-v")
+ZB_KINDS = ("zb-h1", "zb-v", "dualpipev")
 
 
 class ZeroBubbleSchedule(Schedule):
@@ -182,6 +186,49 @@ def _zb_v_order(pp: int, m: int, rank: int) -> list[tuple]:
     return [x for x in order if x[1] < m]
 
 
+def _dualpipev_order(pp: int, m: int, rank: int) -> list[tuple]:
+    """DualPipeV on one rank, in the order torch's ``ScheduleDualPipeV`` lays it out (after
+    DeepSeek's open DualPipe): the pairs (F of one chunk, B of the other) that DualPipe
+    overlaps run one after the other here; the last backwards split into I and W from the
+    middle on, their W's run last."""
+    count: dict = {}  # (op, chunk) -> the next micro-batch; a whole B counts as an I
+    order, waiting = [], []  # waiting: (micro-batch, chunk) whose I has run and W has not
+
+    def do(op, c):
+        key = ("I" if op == "B" else op, c)
+        mb = count[key] = count.get(key, -1) + 1
+        order.append((op, mb, c))
+        if op == "I":
+            waiting.append((mb, c))
+
+    def w():  # the oldest W waiting, if any
+        if waiting:
+            mb, c = waiting.pop(0)
+            order.append(("W", mb, c))
+
+    for _ in range(2 * (pp - rank - 1)):   # warm-up: chunk 0 ahead
+        do("F", 0)
+    for _ in range(rank + 1):
+        do("F", 0), do("F", 1)
+    for _ in range(pp - rank - 1):         # chunk 1 turns back: I, a W, F
+        do("I", 1), w(), do("F", 1)
+    for _ in range(m - 2 * pp + rank + 1):  # the main part: F of each chunk beside B of the other
+        do("F", 0), do("B", 1), do("F", 1), do("B", 0)
+    for _ in range(pp - rank - 1):
+        do("B", 1), do("F", 1), do("B", 0)
+    split = False  # the last backwards: whole, then in halves from the middle on
+    for i in range(rank + 1):
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
+        do("I" if split else "B", 1)
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+        do("I" if split else "B", 0)
+    for _ in range(pp - rank - 1):
+        w(), do("I" if split else "B", 0)
+    for _ in range(rank + 1):
+        w()
+    return order
+
+
 def _check(kind: str, pp: int, m: int, virtual: int, want: int) -> None:
     """Positive counts, and ``want`` chunks per rank."""
     for name, value in (("pp", pp), ("m", m), ("virtual", virtual)):
@@ -208,18 +255,25 @@ def build_zb_v(pp: int, m: int, virtual: int = 2) -> VSchedule:
     return VSchedule(pp, m, _with_messages(layout, orders), 2, "zb-v")
 
 
-def _refuse_dualpipev(pp: int, m: int, virtual: int = 2):
-    """DualPipeV by name, refused with the reason."""
-    raise ValueError("'dualpipev' (DeepSeek's DualPipe on a V, torch's ScheduleDualPipeV) is not "
-                     "built in this course; use 'zb-v', the same V without its overlapped steps")
+def build_dualpipev(pp: int, m: int, virtual: int = 2) -> VSchedule:
+    """DualPipeV for ``pp`` ranks and ``m >= 2 pp`` micro-batches (two chunks per rank, in a V);
+    not yet validated."""
+    _check("dualpipev", pp, m, virtual, 2)
+    if m < 2 * pp:
+        raise ValueError(f"'dualpipev' needs at least as many micro-batches as stages: m={m} < "
+                         f"2 pp = {2 * pp} (its steady state pairs a forward of each chunk with a "
+                         f"backward of the other)")
+    layout = VSchedule(pp, m, {r: [] for r in range(pp)}, 2, "dualpipev")  # empty: where stages live
+    orders = {r: _dualpipev_order(pp, m, r) for r in range(pp)}
+    return VSchedule(pp, m, _with_messages(layout, orders), 2, "dualpipev")
 
 
-BUILDERS = {"zb-h1": build_zb_h1, "zb-v": build_zb_v, "dualpipev": _refuse_dualpipev}
+BUILDERS = {"zb-h1": build_zb_h1, "zb-v": build_zb_v, "dualpipev": build_dualpipev}
 
 
 def zero_bubble_formula(kind: str, pp: int, m: int, t_f: float = 1.0, t_b: float = 2.0,
                         t_w: Optional[float] = None) -> float:
-    """The bubble fraction of ``kind`` ("zb-h1", "zb-v") in closed form, F = ``t_f``,
+    """The bubble fraction of ``kind`` ("zb-h1", "zb-v", "dualpipev") in closed form, F = ``t_f``,
     B = ``t_b``, W = ``t_w`` (t_b / 2 unless given), I = B - W; see the module's docstring."""
     t_w = t_b / 2 if t_w is None else t_w
     t_i = t_b - t_w
@@ -227,9 +281,12 @@ def zero_bubble_formula(kind: str, pp: int, m: int, t_f: float = 1.0, t_b: float
         idle = (pp - 1) * (t_f + max(t_i - t_w, 0.0))
     elif kind == "zb-v" and m >= 2 * pp - 1 and max(t_w, t_f) <= t_i:
         idle = (pp - 1) * max(t_i - t_w, t_i / 2)
+    elif kind == "dualpipev" and m >= 2 * pp and t_f == t_i == t_w:
+        idle = (pp - 1) * t_i / 2
     else:
         raise ValueError(f"no closed form for {kind!r} with pp={pp}, m={m}, W={t_w}, I={t_i} (zb-h1 "
-                         f"needs m >= pp and W <= F; zb-v m >= 2 pp - 1 and W, F <= I): simulate it")
+                         f"needs m >= pp and W <= F; zb-v m >= 2 pp - 1 and W, F <= I; dualpipev "
+                         f"m >= 2 pp and F = I = W): simulate it")
     return idle / (m * (t_f + t_b) + idle)
 
 
