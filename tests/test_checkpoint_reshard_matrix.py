@@ -21,10 +21,13 @@ in the trainer's two groups (matrices decayed, biases and LayerNorm gains not), 
 optimizer and per-parameter ZeRO-3 keep as two groups, ZeRO-1 as one inner group, and an
 embedding stage's ranks as one; a WarmupDecayLR schedule whose lr moves every step; clipping.
 Each layout (FSDP by blocks left out: it refuses weight decay) trains two steps, saves and
-trains two more; every layout loads the checkpoints of the two layouts after it in the list
-(the last wrapping to the first) and trains the same two steps: the learning rates equal the
-uninterrupted run's exactly, the losses within `tolerance.loss()`. 6 dense layouts and the
-embedding stage (pp 4), 4 with experts: 22 ordered pairs, each layout saving and loading twice.
+trains two more; every layout loads each checkpoint and trains the same two steps: the
+learning rates equal the uninterrupted run's exactly, the losses within `tolerance.loss()`.
+6 dense layouts and the embedding stage (pp 4), 4 with experts: 65 ordered pairs.
+
+One load serves both: each of those loads saves the checkpoint again untouched before it
+trains, and that copy is the byte-for-byte comparison's; the plain matrix loads only the pairs
+with FSDP by blocks (13 of its 49 dense pairs; every expert pair is in the weight-decay one).
 """
 from __future__ import annotations
 
@@ -132,8 +135,8 @@ def _save(jobs, decayed=()):
 
 def _load_and_save(jobs, decayed=()):
     """Each (family, config, source folder, target folder): load, save again untouched.
-    Each of ``decayed`` (family, config, source folder): load with the schedule, train steps
-    3 and 4; returns their (losses, lrs). An error names the pair (the launch stops every rank
+    Each of ``decayed`` the same with the schedule, then train steps 3 and 4; returns their
+    (losses, lrs). An error names the pair (the launch stops every rank
     at the first one: a rank that went on alone would hang its peers)."""
     from reference.train.checkpoint import load_checkpoint, save_checkpoint
 
@@ -142,10 +145,11 @@ def _load_and_save(jobs, decayed=()):
         load_checkpoint(source, pm, opt)
         save_checkpoint(target, 2, pm, opt)
     out = []
-    for family, config, source in decayed:
+    for family, config, source, target in decayed:
         pm, opt, sched = _build_decayed(config, family)
         try:
             load_checkpoint(source, pm, opt, scheduler=sched)
+            save_checkpoint(target, 2, pm, opt, scheduler=sched)
             out.append(_continue(pm, opt, sched, _data(4)[2:]))
         except Exception as err:
             raise RuntimeError(f"{source.name} loaded into {config}: {type(err).__name__}: {err}") from err
@@ -171,12 +175,11 @@ def _flat(tree, prefix=""):
         yield prefix, tree
 
 
-def _wd_sources(family, j):
-    """The checkpoints layout j loads in the weight-decay matrix: its two successors in the list
-    (so every layout saves twice and loads twice, ZeRO-1's one group and the embedding stage's
-    one beside two loaded by two layouts and loading two): 2 n ordered pairs, not n²."""
-    n = len(DECAYED[family])
-    return sorted({(j + 1) % n, (j + 2) % n} - {j})
+def _loaded_with_weight_decay(family, i, j) -> bool:
+    """Whether the plain pair (i, j) is loaded in the weight-decay matrix instead (whose load
+    saves again untouched for the byte-for-byte comparison): both layouts take weight decay."""
+    configs = FAMILIES[family]
+    return not (configs[i].zero3_by_blocks or configs[j].zero3_by_blocks)
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +192,7 @@ def folders(tmp_path_factory):
     decayed = [(f, i, c) for f, cs in DECAYED.items() for i, c in enumerate(cs)]
     saved = {(f, i): root / f"{f}{i}" for f, i, _ in layouts}
     saved_wd = {(f, i): root / f"wd_{f}{i}" for f, i, _ in decayed}
+    saved.update({("wd_" + f, i): folder for (f, i), folder in saved_wd.items()})
     resaved, want, got = {}, {}, {}
     worlds = sorted({c.world_size for _, _, c in layouts + decayed})
     for world in worlds:
@@ -203,26 +207,41 @@ def folders(tmp_path_factory):
             if c.world_size != world:
                 continue
             for i in range(len(FAMILIES[f])):
+                if _loaded_with_weight_decay(f, i, j):
+                    continue
                 resaved[f, i, j] = root / f"{f}{i}_into_{j}"
                 jobs.append((f, c, saved[f, i], resaved[f, i, j]))
-        pairs = [(f, i, j) for f, j, c in decayed if c.world_size == world for i in _wd_sources(f, j)]
-        wd_jobs = [(f, DECAYED[f][j], saved_wd[f, i]) for f, i, j in pairs]
+        pairs = [(f, i, j) for f, j, c in decayed if c.world_size == world
+                 for i in range(len(DECAYED[f]))]
+        wd_jobs = []
+        for f, i, j in pairs:
+            resaved["wd_" + f, i, j] = root / f"wd_{f}{i}_into_{j}"
+            wd_jobs.append((f, DECAYED[f][j], saved_wd[f, i], resaved["wd_" + f, i, j]))
         out = launch(_load_and_save, world, jobs, wd_jobs, timeout=300)[0]
         got.update(zip(pairs, out))
     return saved, resaved, want, got
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(FAMILIES) + ["wd_" + f for f in DECAYED])
 def test_every_layout_loads_every_other_byte_for_byte(folders, family):
+    """Saved from layout i, loaded into j, saved again: every stored tensor equal. The plain
+    checkpoints between FSDP by blocks and any layout, the weight-decay ones ("wd_") between
+    all the others (the same pairs, their groups and schedule stored too)."""
     saved, resaved, _, _ = folders
-    configs = FAMILIES[family]
+    configs = DECAYED[family[3:]] if family.startswith("wd_") else FAMILIES[family]
+    pairs = [(i, j) for i in range(len(configs)) for j in range(len(configs)) if (family, i, j) in resaved]
+    if family in FAMILIES:  # the pairs not loaded here are loaded in the weight-decay matrix
+        others = [(i, j) for i in range(len(configs)) for j in range(len(configs)) if (i, j) not in pairs]
+        assert all(configs[i] in DECAYED[family] and configs[j] in DECAYED[family] for i, j in others)
+    else:
+        assert len(pairs) == len(configs) ** 2
     originals = {i: dict(_flat(_read(saved[family, i]))) for i in range(len(configs))}
     first = originals[0]
     assert any(k.startswith("optim/") and k.endswith("exp_avg_sq") for k in first), sorted(first)[:8]
     for i, want in originals.items():
         assert set(want) == set(first), f"{configs[i]} saved other keys than {configs[0]}"
     bad = []
-    for i, j in ((i, j) for i in range(len(configs)) for j in range(len(configs))):
+    for i, j in pairs:
         got = dict(_flat(_read(resaved[family, i, j])))
         want = originals[i]
         if set(got) != set(want):
@@ -238,16 +257,14 @@ def test_every_layout_loads_every_other_byte_for_byte(folders, family):
 
 @pytest.mark.parametrize("family", list(DECAYED))
 def test_weight_decay_and_schedule_continue_in_every_layout(folders, family):
-    """A checkpoint with the trainer's weight-decay groups and schedule, loaded into other
-    layouts (`_wd_sources`: two groups, ZeRO-1's one, an embedding stage's one beside two), continues as the
+    """A checkpoint with the trainer's weight-decay groups and schedule, loaded into every
+    layout (two groups, ZeRO-1's one, an embedding stage's one beside two), continues as the
     run that never stopped: the same learning rates, bit for bit, and losses within
     `tolerance.loss()` (the same sums added in another order)."""
     _, _, want, got = folders
     configs, tol = DECAYED[family], loss_tolerance()
     bad = []
-    pairs = [(i, j) for j in range(len(configs)) for i in _wd_sources(family, j)]
-    assert {i for i, _ in pairs} == set(range(len(configs))), "every layout's checkpoint is loaded"
-    for i, j in pairs:
+    for i, j in ((i, j) for i in range(len(configs)) for j in range(len(configs))):
         result, (losses, lrs) = got[family, i, j], want[family, i]
         pair = f"{configs[i]} -> {configs[j]}"
         if result[1] != lrs:
@@ -256,4 +273,4 @@ def test_weight_decay_and_schedule_continue_in_every_layout(folders, family):
             tol.assert_losses(result[0], losses, pair)
         except AssertionError as err:
             bad.append(str(err))
-    assert not bad, f"{len(bad)} of {len(pairs)} pairs:\n" + "\n".join(bad)
+    assert not bad, f"{len(bad)} of {len(configs) ** 2} pairs:\n" + "\n".join(bad)
