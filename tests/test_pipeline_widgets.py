@@ -69,7 +69,8 @@ def test_a_combination_that_cannot_run_is_reported_not_raised():
 
 
 def test_bad_arguments_name_the_value():
-    with pytest.raises(ValueError, match="kind must be one of naive, gpipe, 1f1b, interleaved, got 'zb'"):
+    with pytest.raises(ValueError, match="kind must be one of naive, gpipe, 1f1b, interleaved, zb-h1, zb-v, "
+                                         "dualpipev, got 'zb'"):
         schedule_explorer(kind="zb")
     with pytest.raises(ValueError, match=f"pp must be an int from 1 to {MAX_PP}, got 9"):
         schedule_explorer(pp=9)
@@ -77,6 +78,22 @@ def test_bad_arguments_name_the_value():
         schedule_explorer(m=0)
     with pytest.raises(ValueError, match="virtual must be an int from 2 to 4, got 1"):
         schedule_explorer(virtual=1)
+
+
+def test_the_zero_bubble_schedules_draw_their_i_and_w():
+    """F, I and W of every micro-batch and chunk as boxes; the bubble against its closed form, or
+    the timeline's where there is none (ZB-V below m = 2p - 1); DualPipeV's m >= 2p refused."""
+    for kind, v in (("zb-h1", 1), ("zb-v", 2)):
+        ex = schedule_explorer(kind=kind, pp=4, m=8)
+        assert ex.settings == (kind, 4, 8, v) and ex.virtual.disabled
+        assert len(_boxes(ex.figure)) == 3 * 4 * 8 * v
+        assert f"= {ex.bubble:.1%})" in ex.summary.value and "(p-1)/(" in ex.summary.value
+    ex = schedule_explorer(kind="zb-v", pp=4, m=3)
+    assert "none in closed form here" in ex.summary.value
+    ex.kind.value = "dualpipev"
+    assert "needs at least as many micro-batches as stages" in ex.error
+    ex.m.value = 8
+    assert ex.error is None and "held at the peak, rank 0 to 3: 9, 9, 9, 9" in ex.summary.value
 
 
 @pytest.mark.parametrize("pp, m, v", [(2, 2, 2), (2, 4, 3), (4, 4, 2), (4, 8, 2), (4, 8, 4)])

@@ -25,6 +25,7 @@ from typing import Optional
 import ipywidgets as widgets
 
 from reference.pipeline_parallel.schedules import KINDS, Schedule, bubble_formula, build_schedule
+from reference.pipeline_parallel.zero_bubble import ZB_KINDS, zero_bubble_formula
 
 __all__ = ["ScheduleExplorer", "schedule_explorer", "MAX_PP", "MAX_M", "MAX_VIRTUAL"]
 
@@ -33,7 +34,10 @@ MAX_PP, MAX_M, MAX_VIRTUAL = 8, 16, 4
 
 
 def _formula_text(kind: str, pp: int, m: int) -> str:
-    """The textbook bubble of a schedule, as `bubble_formula` computes it."""
+    """The textbook bubble of a schedule, as `bubble_formula` computes it (zero-bubble ones:
+    `zero_bubble_formula` with F = I = W, idle over idle plus busy)."""
+    if kind in ZB_KINDS:
+        return "(p-1)/(3m+p-1)" if kind == "zb-h1" else "(p-1)/(6m+p-1)"
     if kind == "naive":
         return "(p-1)/p"
     if kind != "interleaved":
@@ -59,13 +63,13 @@ class ScheduleExplorer(widgets.VBox):
     """
 
     def __init__(self, kind: str = "1f1b", pp: int = 4, m: int = 8, virtual: int = 2):
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if kind not in KINDS + ZB_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS + ZB_KINDS)}, got {kind!r}")
         _check("pp", pp, 1, MAX_PP)
         _check("m", m, 1, MAX_M)
         _check("virtual", virtual, 2, MAX_VIRTUAL)  # only the interleaved schedule reads it
         style = dict(description_width="150px")
-        self.kind = widgets.ToggleButtons(options=list(KINDS), value=kind, description="schedule",
+        self.kind = widgets.ToggleButtons(options=list(KINDS + ZB_KINDS), value=kind, description="schedule",
                                           style=style)
         self.pp = widgets.IntSlider(value=pp, min=1, max=MAX_PP, description="pipeline ranks pp",
                                     continuous_update=False, style=style)
@@ -90,9 +94,11 @@ class ScheduleExplorer(widgets.VBox):
 
     @property
     def settings(self) -> tuple[str, int, int, int]:
-        """(kind, pp, m, virtual) as `build_schedule` takes them: virtual = 1 unless interleaved."""
+        """(kind, pp, m, virtual) as `build_schedule` takes them: virtual = 1 unless interleaved
+        (the slider's), or 2 for the V of zb-v and dualpipev."""
         kind = self.kind.value
-        return kind, self.pp.value, self.m.value, self.virtual.value if kind == "interleaved" else 1
+        v = {"interleaved": self.virtual.value, "zb-v": 2, "dualpipev": 2}.get(kind, 1)
+        return kind, self.pp.value, self.m.value, v
 
     def update(self):
         """Rebuild the schedule for the controls' current values, redraw, return the figure
@@ -109,13 +115,17 @@ class ScheduleExplorer(widgets.VBox):
             return None
         self.schedule, self.error = schedule, None
         self.bubble = schedule.bubble_fraction()
-        formula = bubble_formula(kind, pp, m, v)
+        text = _formula_text(kind, pp, m)
+        try:  # the zero-bubble ones with F = I = W (the timeline's t_b = 2 t_f, W half of B)
+            formula = zero_bubble_formula(kind, pp, m) if kind in ZB_KINDS else bubble_formula(kind, pp, m, v)
+        except ValueError:  # outside the closed form's range: the timeline is the measure
+            formula, text = self.bubble, "none in closed form here: the timeline's"
         held = ", ".join(str(schedule.peak_in_flight(r)) for r in range(pp))
         messages = sum(a.is_comm for r in range(pp) for a in schedule.actions(r)) // 2
         self.summary.value = (
             f"<b>{kind}</b>, pp = {pp}, m = {m}" + (f", v = {v}" if v > 1 else "")
             + f": bubble <b>{self.bubble:.1%}</b> of the time "
-            f"(formula {_formula_text(kind, pp, m)} = {formula:.1%}); "
+            f"(formula {text} = {formula:.1%}); "
             f"micro-batches held at the peak, rank 0 to {pp - 1}: {held}; "
             f"{messages} point-to-point messages")
         self.figure = schedule.plot()
