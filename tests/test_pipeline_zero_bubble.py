@@ -476,3 +476,22 @@ def test_composed_with_dp_zero1_tp_sp_recompute_and_experts_equals_one_process()
     ranks = launch(run_cases, 4, cases, timeout=300, quiet=True)
     rows = [compare(case, ranks[0][i], single_process(case)) for i, case in enumerate(cases)]
     assert all(row["ok"] for row in rows), [row for row in rows if not row["ok"]]
+
+
+def test_the_configuration_explorer_tries_the_zero_bubble_schedules():
+    """Same layout, less bubble: 1F1B > ZB-H1 > ZB-V = DualPipeV; with them the fastest row of
+    GPT-3 1.3B on 64 GPUs is a zero-bubble one, and its table names the schedule."""
+    from reference.parallel.explorer import MODELS, ConfigExplorer, feasible_configs
+
+    kinds = ("1f1b", "zb-h1", "zb-v", "dualpipev")
+    rows = feasible_configs(MODELS["GPT-3 1.3B"], 64, device_bytes=80e9, global_batch=512, schedules=kinds)
+    by_layout = {}
+    for r in rows:
+        c = r["config"]
+        by_layout.setdefault((c.dp, c.tp, c.pp, c.zero_stage, c.sequence_parallel,
+                              c.activation_checkpointing), {})[c.schedule] = r["bubble"]
+    full = [b for b in by_layout.values() if set(b) == set(kinds)]
+    assert full and all(b["1f1b"] > b["zb-h1"] > b["zb-v"] == b["dualpipev"] > 0 for b in full)
+    assert rows[0]["config"].schedule in kinds[1:]
+    explorer = ConfigExplorer(model="GPT-3 1.3B", n_gpus=64, global_batch=512, schedules=kinds)
+    assert "<th>schedule</th>" in explorer.html and "<td>zb-v</td>" in explorer.html
