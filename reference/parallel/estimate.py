@@ -54,9 +54,10 @@ reduce-scatter under the last micro-batch's backward, ZeRO-2's under each backwa
 prefetched gathers under each micro-batch) and only what outlasts it is exposed; the
 parameters' all-gather after the optimizer step is exposed; the bubble idles (pp - 1) / (v m)
 of the busy time (compute + tp + pp), the zero-bubble schedules less (`idle_share`: ZB-H1
-(pp - 1) / (3 m), ZB-V (pp - 1) / (6 m) with F = I = W). A link is NVLink when its group fits in one node
-(Megatron's order, tp innermost, then dp, then pp), else the GPU's share of the node's NICs;
-latency (alpha) is left out.
+(pp - 1) / (3 m), ZB-V (pp - 1) / (6 m) with F = I = W), for more memory: a micro-batch is
+held from its F to its W, and from its I on with what W needs (`held_for_w`, `split_held`).
+A link is NVLink when its group fits in one node (Megatron's order, tp innermost, then dp,
+then pp), else the GPU's share of the node's NICs; latency (alpha) is left out.
 
 The course's tests check these formulas against the tiny model's measured parameters, bytes
 and peaks (`tests/test_parallel_estimate.py`, `tests/test_composed_peak.py`).
@@ -69,10 +70,10 @@ from typing import Optional
 from reference.comms.links import GPUS_PER_NODE, NIC, NICS_PER_NODE, NVLINK, Link
 from reference.memory import MemoryBytes, Precision, human_bytes, model_state_bytes
 from reference.parallel.config import ParallelConfig
-from reference.parallel.estimate_memory import (activation_bytes_per_block, block_params, in_flight,
-                                                mlp_activation_bytes, moe_activation_bytes,
-                                                rank_specs, stage_params, stage_specs, stage_tensors,
-                                                zero3_phases)
+from reference.parallel.estimate_memory import (activation_bytes_per_block, block_params,
+                                                held_bytes_per_block, in_flight, mlp_activation_bytes,
+                                                moe_activation_bytes, rank_specs, split_held, stage_params,
+                                                stage_specs, stage_tensors, zero3_phases)
 from reference.parallel.estimate_traffic import dp_transfers, tp_bytes
 from reference.pipeline_parallel import ZB_KINDS, build_schedule, zero_bubble_formula
 from reference.profile import training_flops
@@ -242,7 +243,8 @@ def estimate(model, config: ParallelConfig, **workload) -> Estimate:
     c, m = w.config, w.m
     t, p, v = c.tp, c.pp, c.virtual_stages
     a1, work, first, later, peak = activations(w)
-    states, phases, held = model_states(w, a1, first, later, work, peak * a1)
+    acts = max(f * a1 + i * held_for_w(w) for f, i in split_held(c, m, w.stage))  # peak * a1 unless split
+    states, phases, held = model_states(w, a1, first, later, work, acts)
     # a middle stage sends an activation on and a gradient back per micro-batch; with pp = 2
     # each end sends one of the two (sequence-split under SP)
     per_gpu = {"tp": tp_bytes(w) if t > 1 else 0.0,
@@ -253,7 +255,7 @@ def estimate(model, config: ParallelConfig, **workload) -> Estimate:
     flops, forward = training_flops_per_gpu(w)
     tensors = w.tensors
     idle = idle_share(c, m)
-    return Estimate(c, tensors.sizes()[0], states, peak * a1, idle / (1 + idle), per_gpu, m,
+    return Estimate(c, tensors.sizes()[0], states, acts, idle / (1 + idle), per_gpu, m,
                     flops, forward, transfers, held, phases, w.stage, tensors.of(True).sizes()[0])
 
 
@@ -271,6 +273,27 @@ def idle_share(c: ParallelConfig, m: int) -> float:
             share = build_schedule(c.schedule, c.pp, m, c.virtual_stages).bubble_fraction()
         return share / (1 - share)
     return (c.pp - 1) / (c.virtual_stages * m)
+
+
+def held_for_w(w: Workload) -> float:
+    """What one micro-batch holds on the rank from its I to its W under a zero-bubble schedule,
+    beside what its F stored (`split_held` says how many at the peak): the gradients caught at
+    the split points (`held_bytes_per_block`; an MoE block counted as a dense one, the head its
+    LayerNorm and its logits' gradient; none on the first stage, whose input is token ids: its
+    I computes nothing), and, with full recomputation, the forward run again in I, kept for W."""
+    model, c = w.model, w.config
+    s, b, h, t = w.seq_len, w.micro_batch, model.n_embd, c.tp
+    after_first = sum(len(spec.layers) for spec in rank_specs(model, c, w.stage) if spec.stage > 0)
+    caught = after_first * held_bytes_per_block(s, b, h, t, c.sequence_parallel, w.act_bytes, model.d_ff)
+    if w.holds("head") and c.n_stages > 1:
+        ln = t if c.sequence_parallel and t > 1 else 1
+        caught += w.act_bytes * s * b * (h / ln + (-(-model.vocab_size // t)))
+    if w.recompute != "full":
+        return caught
+    return caught + len(w.blocks) * (activation_bytes_per_block(
+        s, b, h, model.n_head, t, c.sequence_parallel, "none", act_bytes=w.act_bytes, d_ff=model.d_ff,
+        attention=w.attention) - activation_bytes_per_block(
+        s, b, h, model.n_head, t, c.sequence_parallel, "full", act_bytes=w.act_bytes))
 
 
 def activations(w: Workload) -> tuple:

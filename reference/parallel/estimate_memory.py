@@ -47,9 +47,9 @@ from typing import Iterable, Optional
 
 from reference.parallel.config import V_SHAPED
 
-__all__ = ["Tensor", "Tensors", "stage_specs", "rank_specs", "stage_tensors", "block_params", "stage_params",
-           "activation_bytes_per_block", "mlp_activation_bytes", "moe_activation_bytes", "in_flight",
-           "zero3_phases"]
+__all__ = ["Tensor", "Tensors", "stage_specs", "rank_specs", "stage_tensors", "held_bytes_per_block",
+           "split_held", "block_params", "stage_params", "activation_bytes_per_block", "mlp_activation_bytes",
+           "moe_activation_bytes", "in_flight", "zero3_phases"]
 
 
 @dataclass(frozen=True)
@@ -261,6 +261,34 @@ def in_flight(config, m: int, rank: int) -> tuple[float, float, float]:
     first = m if config.schedule == "gpipe" and p > 1 else min(p - rank, m)
     later = first - 1 if first == m else first
     return first, later, first
+
+
+def held_bytes_per_block(s: int, b: int, h: int, tp: int = 1, sequence_parallel: bool = False,
+                         act_bytes: int = 2, d_ff: Optional[int] = None) -> float:
+    """What a zero-bubble schedule's I holds for its W, per dense block and micro-batch, beside
+    the stored activations: the gradients caught where a branch leaves for the parameters
+    (`reference.pipeline_parallel.split_backward`), one per LayerNorm (s b h, split by SP) and
+    one per linear layer's output: q k v and fc split by tp (3 h and d_ff), the two row-parallel
+    outputs whole (h each). 11 s b h at tp = 1 (`held_bytes_formula`)."""
+    t, ln = tp, (tp if sequence_parallel and tp > 1 else 1)
+    return act_bytes * s * b * (2 * h / ln + (3 * h + (d_ff or 4 * h)) / t + 2 * h)
+
+
+def split_held(config, m: int, rank: int) -> tuple:
+    """The zero-bubble schedules' candidates for their peak on pipeline ``rank``: pairs (micro-
+    batches held from F to W, of which past their I), in whole-stage units; the peak is the
+    largest of F-bytes x the first + I-bytes x the second (which one depends on their ratio).
+    Read off the schedules' action lists for m >= 2p (the test walks them): ZB-H1 (p, r + 1);
+    ZB-V (p, 1/2) or (p + r, 2r + 1) / 2 chunks; DualPipeV (p + 1/2, 0), (p, 1/2) or, from
+    rank 1, (p / 2, (r + 1) / 2). Other schedules: (`in_flight`'s peak, 0)."""
+    p = config.pp
+    if config.schedule == "zb-h1" and p > 1:
+        return ((min(p, m), min(rank + 1, m)),)
+    if config.schedule == "zb-v" and p > 1:
+        return ((p, 0.5),) + (((p + rank) / 2, rank + 0.5),) * (rank > 0)
+    if config.schedule == "dualpipev" and p > 1:
+        return ((p + 0.5, 0), (p, 0.5)) + ((p / 2, (rank + 1) / 2),) * (rank > 0)
+    return ((in_flight(config, m, rank)[2], 0),)
 
 
 def zero3_phases(sets, precision, a1: float, first: float, later: float, work: float,
