@@ -17,10 +17,11 @@ from reference.viz import CATEGORICAL, NotebookFigure, lighten
 
 __all__ = ["plot_step", "plot_bubble_against_m", "plot_memory_breakdown"]
 
-_KIND_COLOURS = {"F": CATEGORICAL[1], "B": CATEGORICAL[0], "SEND": (0.45,) * 3, "RECV": (0.7,) * 3,
-                 "reduce": CATEGORICAL[6], "optimizer": CATEGORICAL[4]}
-_KIND_NAMES = {"F": "forward", "B": "backward", "SEND": "send", "RECV": "receive",
-               "reduce": "gradient reduction (tp, dp)", "optimizer": "optimizer step"}
+_KIND_COLOURS = {"F": CATEGORICAL[1], "B": CATEGORICAL[0], "I": CATEGORICAL[0], "W": CATEGORICAL[2],
+                 "SEND": (0.45,) * 3, "RECV": (0.7,) * 3, "reduce": CATEGORICAL[6], "optimizer": CATEGORICAL[4]}
+_KIND_NAMES = {"F": "forward", "B": "backward", "I": "input gradient (I)", "W": "weight gradients (W)",
+               "SEND": "send", "RECV": "receive", "reduce": "gradient reduction (tp, dp)",
+               "optimizer": "optimizer step"}
 
 
 def plot_step(traces: Sequence[Sequence], mesh=None, title: Optional[str] = None):
@@ -38,7 +39,7 @@ def plot_step(traces: Sequence[Sequence], mesh=None, title: Optional[str] = None
             ax.add_patch(Rectangle((e.start, y), max(e.end - e.start, span * 1e-3), h,
                                    facecolor=colour if not thin else lighten(colour, 0.1),
                                    edgecolor="black" if not thin else "none", lw=0.4))
-            if e.kind in ("F", "B") and (e.end - e.start) / span > 0.03:
+            if e.kind in ("F", "B", "I", "W") and (e.end - e.start) / span > 0.03:
                 ax.text((e.start + e.end) / 2, r + 0.5, e.label.split(".")[0], ha="center",
                         va="center", fontsize=7)
     labels = []
