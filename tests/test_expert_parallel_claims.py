@@ -8,6 +8,7 @@
   replicated parameters and X of experts, measured on a GPT at ep = 2 and 4,
   and the experts' gradients and AdamW state are split the same way;
 * each expert is as large as the dense model's MLP;
+* the expert-parallel batch sends rank 1 far more rows than rank 0, within its slots;
 * the pictures of `reference.expert_parallel.viz_extra`.
 
 The exact 1/8 at 8 ranks is `test_eight_ranks_hold_an_eighth_of_the_experts`
@@ -74,6 +75,22 @@ def test_capacity_is_a_trade_off_fixed_shapes_compute_empty_slots_dropless_compu
     assert fixed == sorted(fixed) and all(rows[f][0] > rows[f][1] for f in (0.5, 1.0, 1.25, 2.0))
     assert rows[None][2] > rows[2.0][2]                                 # the busiest expert grows uncapped
     assert (rows[1.0][0], rows[1.0][1]) == (128, 58)                    # the notebook's printed row at f = 1
+
+
+def test_the_skewed_ep_batch_sends_rank_1_far_more_rows_within_its_slots():
+    """Notebook 05's expert-parallel batch (8 sequences of 16, the capacity section's offset,
+    capacity factor 1): rank 1's experts (2 and 3 of 8 on 4 ranks) receive the most rows, at
+    least twice rank 0's, and no rank more than its experts' slots. Groups are sequences, so
+    the rows a rank receives are the kept assignments of its experts over the whole batch."""
+    offset = 1.5 * torch.randn(C, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 16, C, generator=g) + offset
+    moe = make_moe(capacity_factor=1.0)
+    moe(x)
+    s = moe.last_stats
+    received = s.kept_per_expert.view(4, E // 4).sum(dim=1)
+    assert int(received.argmax()) == 1 and received[1] >= 2 * received[0]
+    assert (received <= (E // 4) * s.capacity * 8).all()
 
 
 def test_switch_renormalised_weight_gives_the_gate_no_gradient():

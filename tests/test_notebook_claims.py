@@ -227,8 +227,8 @@ def test_stage_costs_equal_their_formulas_and_the_balances_differ():
     assert min(memory_ratio, key=memory_ratio.get) in ("embedding and head alone", "balanced by parameters")
     assert [c.spec for c in costs["balanced by parameters"]] == [c.spec for c in costs["embedding and head alone"]]
     head = costs["head alone"][-1]
-    logits = VOCAB_CFG.block_size * VOCAB_CFG.vocab_size * 4
-    assert head.stored_bytes == max(c.stored_bytes for c in costs["head alone"]) and head.stored_bytes > logits
+    logprobs = VOCAB_CFG.block_size * VOCAB_CFG.vocab_size * 4
+    assert head.stored_bytes == max(c.stored_bytes for c in costs["head alone"]) and head.stored_bytes > logprobs
 
 
 # ---------------------------------------------------------------------------

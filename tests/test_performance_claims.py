@@ -172,6 +172,7 @@ def test_the_two_link_model_uses_the_links_the_notebook_names():
     assert "from reference.comms.links import GPUS_PER_NODE, NIC, NVLINK" in code
     assert "intra_bandwidth=NVLINK.bandwidth, inter_bandwidth=NIC.bandwidth" in code   # placement too
     assert "_Figure" not in code and "_CATEGORICAL" not in code                       # plot_* functions only
+    assert "GB/s per GPU each way" in code and "GB/s per NIC each way" in code       # one direction's speed
     text = _sources("markdown")
     assert "NCCL_ALGO=\"allreduce:tree,ring\"" in text and "since NCCL 2.24" in text
 

@@ -152,3 +152,11 @@ def test_dense_block_memory_parameters_and_flops():
     # The six weight GEMMs: 2 x 12 C^2 per token forward, twice that backward
     # (the attention products are not counted by FlopCounterMode on CPU).
     assert counter.get_total_flops() == 72 * C * C * B * T
+    # The counter sees no flops in the CPU's fused attention kernel, and 4 B T^2 C in the same
+    # two products written out: the count above is the weight products alone.
+    q = torch.randn(B, CFG.n_head, T, C // CFG.n_head)
+    with FlopCounterMode(display=False) as fused:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    with FlopCounterMode(display=False) as written:
+        (q @ q.transpose(-2, -1)).softmax(dim=-1) @ q
+    assert fused.get_total_flops() == 0 and written.get_total_flops() == 4 * B * T * T * C
