@@ -48,13 +48,23 @@ def small_config(tmp_path):
     return path
 
 
-def test_standalone_equals_two_torchrun_nodes(small_config, tmp_path):
+@pytest.fixture(scope="module")
+def standalone(tmp_path_factory):
+    """SMALL's run on 4 gloo ranks started by the trainer: (config, its log, the run), shared by
+    the tests that compare with it."""
+    folder = tmp_path_factory.mktemp("standalone")
+    config, log = folder / "small.json", folder / "standalone.jsonl"
+    config.write_text(json.dumps(SMALL))
+    run = _trainer("--config", config, "--world-size", 4, "--log-file", log)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return config, log, run
+
+
+def test_standalone_equals_two_torchrun_nodes(standalone, tmp_path):
     """The same config: 4 gloo ranks started by the trainer, then two torchrun processes on
     127.0.0.1 acting as two nodes of 2 ranks each (c10d rendezvous on a free port). The
     losses are the same computation on the same ranks in the same order: equal to the bit."""
-    standalone = tmp_path / "standalone.jsonl"
-    run = _trainer("--config", small_config, "--world-size", 4, "--log-file", standalone)
-    assert run.returncode == 0, run.stderr[-3000:]
+    small_config, standalone, run = standalone
     assert "sample:" in run.stdout
 
     port, nodes = _free_port(), tmp_path / "nodes.jsonl"
@@ -84,9 +94,8 @@ def test_check_explains_the_article_configuration():
     assert "pipeline engine refuses ZeRO-2 and 3" in text
 
 
-def test_parity_and_plot_of_a_run(small_config, tmp_path):
-    log = tmp_path / "run.jsonl"
-    assert _trainer("--config", small_config, "--world-size", 4, "--log-file", log).returncode == 0
+def test_parity_and_plot_of_a_run(standalone, tmp_path):
+    small_config, log, _ = standalone
     parity = _trainer("parity", log, "--config", small_config, "--world-size", 4)
     assert parity.returncode == 0 and "largest relative loss difference" in parity.stdout, parity.stderr
     plot = _trainer("plot", log, "--out", tmp_path / "run.png")
@@ -115,19 +124,19 @@ def test_bad_input_is_one_clear_line(args, expected, small_config, tmp_path):
     assert "Traceback" not in run.stderr
 
 
-def test_resume_continues_the_run_exactly(small_config, tmp_path):
-    """3 steps and a checkpoint, then --resume to step 6: steps 4-6 equal those of an
-    uninterrupted 6-step run to the bit (weights, AdamW moments, random states and the data
+def test_resume_continues_the_run_exactly(standalone, tmp_path):
+    """2 steps and a checkpoint, then --resume to step 4: steps 3-4 equal those of the
+    uninterrupted 4-step run to the bit (weights, AdamW moments, random states and the data
     position all come back)."""
-    whole, parts, ckpt = tmp_path / "whole.jsonl", tmp_path / "parts.jsonl", tmp_path / "ckpt"
+    small_config, whole, _ = standalone
+    parts, ckpt = tmp_path / "parts.jsonl", tmp_path / "ckpt"
     args = ["--config", small_config, "--world-size", 4]
-    assert _trainer(*args, "--steps", 6, "--log-file", whole).returncode == 0
-    first = _trainer(*args, "--steps", 3, "--log-file", parts, "--checkpoint-dir", ckpt)
+    first = _trainer(*args, "--steps", 2, "--log-file", parts, "--checkpoint-dir", ckpt)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert (ckpt / "step_000003").is_dir()
-    second = _trainer(*args, "--steps", 6, "--log-file", parts, "--checkpoint-dir", ckpt, "--resume")
+    assert (ckpt / "step_000002").is_dir()
+    second = _trainer(*args, "--steps", 4, "--log-file", parts, "--checkpoint-dir", ckpt, "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
-    assert _losses(parts) == _losses(whole) and len(_losses(whole)) == 6
+    assert _losses(parts) == _losses(whole) and len(_losses(whole)) == SMALL["steps"] == 4
 
 
 def _config(tmp_path, name, **changes) -> Path:
