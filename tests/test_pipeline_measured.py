@@ -150,7 +150,7 @@ def _bubble_body(pp, kinds):
     mesh = Mesh(pp=pp).build_groups()
     x, y = synthetic_batch(B, T, CFG["vocab_size"], seed=3)
     traces = {}
-    for kind in kinds:
+    for kind in kinds[:1] + kinds:  # a first run unmeasured: connections and the handshake of sizes
         for m in BUBBLE_MS:
             model = GPT.from_config_seed(GPTConfig.tiny(**CFG), 0)
             stages = [DelayedStage(s, T_F, T_B)
@@ -160,21 +160,37 @@ def _bubble_body(pp, kinds):
     return traces
 
 
+def _lateness(traces) -> float:
+    """The mean time an F or B took beyond the stage's fixed time, over every rank: the sleep's
+    overshoot (the OS wakes a sleeping process late), the tiny model's compute, Python."""
+    cost = {"F": T_F, "B": T_B}
+    over = [e.end - e.start - cost[e.action.op] for trace in traces for e in trace
+            if e.action.op in cost]
+    return sum(over) / len(over)
+
+
 @functools.lru_cache(maxsize=None)
 def _bubbles(pp=2):
+    """{(kind, m): (measured bubble, mean lateness of an action)}."""
     results = launch(_bubble_body, pp, pp, ("gpipe", "1f1b"), timeout=120, quiet=True)
-    return {key: bubble_of([results[r][key] for r in range(pp)]) for key in results[0]}
+    return {key: (bubble_of([results[r][key] for r in range(pp)]),
+                  _lateness([results[r][key] for r in range(pp)])) for key in results[0]}
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 def test_measured_bubble_follows_the_formula(kind):
+    """Every action takes its fixed time plus a lateness e >= 0, every hand-off a wake-up about
+    as late: the idle share strays from the formula's by at most 2 e / T_F (the argument of
+    `bench/zero_bubble_vs_pytorch.py`'s `idle_margin`), e measured in the same run; below it by
+    no more than the clock's granularity (0.02). A margin too wide to tell m = 1 from m = 8
+    (a machine busy with other work) skips and says so."""
     pp = 2
-    measured = {m: _bubbles(pp)[kind, m] for m in BUBBLE_MS}
+    measured = {m: _bubbles(pp)[kind, m][0] for m in BUBBLE_MS}
+    margin = {m: 2 * _bubbles(pp)[kind, m][1] / T_F for m in BUBBLE_MS}
     formula = {m: bubble_formula(kind, pp, m) for m in BUBBLE_MS}
-    # Messages, Python and the tiny real compute only ever add idle time, so the
-    # measurement sits at or a little above the formula (noise allowance 0.02
-    # below; 0.15 above for a loaded machine's late wake-ups).
+    if margin[8] >= formula[1] - formula[8]:
+        pytest.skip(f"{kind}: margins {margin} (the machine is busy) cannot tell m = 1 from m = 8")
     for m in BUBBLE_MS:
-        assert formula[m] - 0.02 <= measured[m] <= formula[m] + 0.15, (m, measured, formula)
+        assert formula[m] - 0.02 <= measured[m] <= formula[m] + margin[m], (m, measured, formula, margin)
     # more micro-batches, smaller bubble: the formula's 0.5 -> 0.11, measured in one run
     assert measured[8] < 0.6 * measured[1], measured
