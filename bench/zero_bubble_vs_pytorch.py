@@ -103,6 +103,7 @@ from reference.data import synthetic_batch
 from reference.model import GPT, GPTConfig, lm_loss
 from reference.pipeline_parallel import TraceEvent, build_schedule
 from reference.pipeline_parallel.actions import Action
+from reference.pipeline_parallel.costs import idle_margin, lateness
 from reference.runtime import launch
 from reference.tolerance import gradient
 
@@ -308,28 +309,6 @@ def simulated(kind: str, pp: int, m: int, v: int, tau: float) -> list:
     """The course's ideal timeline at the same costs: its idle share per rank."""
     tl = build_schedule(kind, pp, m, v).simulate(tau, 2 * tau, tau)
     return idle_by_rank([[e for e in rank if not e.action.is_comm] for rank in tl])
-
-
-def lateness(timeline, cost: dict) -> float:
-    """The mean time an action took beyond its injected cost, over every action of every rank:
-    the sleep's own overshoot (the OS wakes a sleeping process late), the tiny model's
-    compute, and the runtime's code around the action."""
-    over = [e.end - e.start - cost[e.action.op] for rank in timeline for e in rank]
-    return sum(over) / len(over)
-
-
-def idle_margin(late: float, cost: dict) -> float:
-    """How far a measured idle share may stray from the simulated one, as a share of the span.
-
-    Every action takes its cost plus a lateness e >= 0, and every hand-off to the next action
-    (the next on its rank, or a message's receiver) a wake-up h >= 0. The real timeline keeps
-    each rank's order, so its span S' is at least the ideal S and exceeds it by the e + h along
-    the critical path, a chain of at most S / c actions (c the smallest cost: the chain tiles
-    the ideal span without gaps); busy time grows by the e's. So the idle share moves by at
-    most (e + h) / c either way. A blocked receive wakes as late as a sleep does (both are the
-    OS waking a process), so h is taken as e: margin = 2 e / c, with e the run's mean
-    lateness per action."""
-    return 2 * late / min(cost.values())
 
 
 def summarise(results, row, pp, m, tau):

@@ -18,6 +18,7 @@ import pytest
 from reference.data import synthetic_batch
 from reference.model import GPT, GPTConfig
 from reference.pipeline_parallel import bubble_formula, bubble_of, build_schedule
+from reference.pipeline_parallel.costs import idle_margin, lateness
 from reference.runtime import launch
 
 CFG = dict(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=64)
@@ -160,33 +161,25 @@ def _bubble_body(pp, kinds):
     return traces
 
 
-def _lateness(traces) -> float:
-    """The mean time an F or B took beyond the stage's fixed time, over every rank: the sleep's
-    overshoot (the OS wakes a sleeping process late), the tiny model's compute, Python."""
-    cost = {"F": T_F, "B": T_B}
-    over = [e.end - e.start - cost[e.action.op] for trace in traces for e in trace
-            if e.action.op in cost]
-    return sum(over) / len(over)
-
-
 @functools.lru_cache(maxsize=None)
 def _bubbles(pp=2):
     """{(kind, m): (measured bubble, mean lateness of an action)}."""
     results = launch(_bubble_body, pp, pp, ("gpipe", "1f1b"), timeout=120, quiet=True)
     return {key: (bubble_of([results[r][key] for r in range(pp)]),
-                  _lateness([results[r][key] for r in range(pp)])) for key in results[0]}
+                  lateness([results[r][key] for r in range(pp)], {"F": T_F, "B": T_B}))
+            for key in results[0]}
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 def test_measured_bubble_follows_the_formula(kind):
     """Every action takes its fixed time plus a lateness e >= 0, every hand-off a wake-up about
-    as late: the idle share strays from the formula's by at most 2 e / T_F (the argument of
-    `bench/zero_bubble_vs_pytorch.py`'s `idle_margin`), e measured in the same run; below it by
+    as late: the idle share strays from the formula's by at most 2 e / T_F (`costs.idle_margin`
+    says why), e measured in the same run; below it by
     no more than the clock's granularity (0.02). A margin too wide to tell m = 1 from m = 8
     (a machine busy with other work) skips and says so."""
     pp = 2
     measured = {m: _bubbles(pp)[kind, m][0] for m in BUBBLE_MS}
-    margin = {m: 2 * _bubbles(pp)[kind, m][1] / T_F for m in BUBBLE_MS}
+    margin = {m: idle_margin(_bubbles(pp)[kind, m][1], {"F": T_F, "B": T_B}) for m in BUBBLE_MS}
     formula = {m: bubble_formula(kind, pp, m) for m in BUBBLE_MS}
     if margin[8] >= formula[1] - formula[8]:
         pytest.skip(f"{kind}: margins {margin} (the machine is busy) cannot tell m = 1 from m = 8")

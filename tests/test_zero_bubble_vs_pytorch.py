@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from reference.pipeline_parallel import build_schedule
+from reference.pipeline_parallel.costs import idle_margin, lateness
 from reference.runtime import launch
 from reference.tolerance import gradient
 
@@ -99,8 +100,8 @@ def test_idle_shares_agree_with_the_simulated_bubble(kind):
     for side in ("ours", "torch"):
         steps = [[g["timelines"][side][s] for g in got] for s in range(TIMED[kind])]
         assert all(rank for timeline in steps for rank in timeline), (kind, side)
-        timeline = min(steps, key=lambda tl: bench.lateness(tl, cost))
-        margin = bench.idle_margin(bench.lateness(timeline, cost), cost)
+        timeline = min(steps, key=lambda tl: lateness(tl, cost))
+        margin = idle_margin(lateness(timeline, cost), cost)
         if margin >= f1b - max(want):  # the machine's other work made the timeline meaningless
             pytest.skip(f"{kind} {side}: a margin of {margin:.1%} (mean lateness of an action over its "
                         f"{min(cost.values()) * 1e3:g} ms: the machine is busy) cannot tell the simulated "

@@ -29,6 +29,9 @@ the logits it keeps for the loss's backward.
   (`reference.pipeline_parallel.split_backward`): 11 S a block, S + b T V * 4 the head.
 * `stage_flops_formula(config, micro_batch, spec)`: the weight GEMMs, 72 C^2 per
   token and block, 6 C V per token for the head, nothing for the embedding.
+* `lateness(timeline, cost)` and `idle_margin(late, cost)`: when stages take fixed times
+  (`DelayedStage`, or sleeps around each action), how late a run's actions were, and how far
+  that lets its measured idle share stray from the ideal timeline's.
 """
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from reference.model import GPTConfig, lm_loss
 from reference.pipeline_parallel.stage import StageSpec
 
-__all__ = ["StageCost", "stage_costs", "stored_bytes_formula", "held_bytes_formula", "stage_flops_formula"]
+__all__ = ["StageCost", "stage_costs", "stored_bytes_formula", "held_bytes_formula", "stage_flops_formula",
+           "lateness", "idle_margin"]
 
 
 @dataclass(frozen=True)
@@ -134,3 +138,26 @@ def stage_flops_formula(config: GPTConfig, micro_batch: int, spec: StageSpec) ->
     """Forward + backward flops of the stage's weight GEMMs for one micro-batch: what `stage_costs` counts."""
     tokens, C = micro_batch * config.block_size, config.n_embd
     return tokens * (72 * C * C * len(spec.layers) + (6 * C * config.vocab_size if spec.head else 0))
+
+
+def lateness(timeline, cost: dict) -> float:
+    """The mean time an action took beyond its injected cost (``cost``: seconds per op, the
+    actions it names), over every such action of every rank's events: the sleep's own
+    overshoot (the OS wakes a sleeping process late), a tiny model's compute, and the
+    runtime's code around the action."""
+    over = [e.end - e.start - cost[e.action.op] for rank in timeline for e in rank if e.action.op in cost]
+    return sum(over) / len(over)
+
+
+def idle_margin(late: float, cost: dict) -> float:
+    """How far a measured idle share may stray from the simulated one, as a share of the span.
+
+    Every action takes its cost plus a lateness e >= 0, and every hand-off to the next action
+    (the next on its rank, or a message's receiver) a wake-up h >= 0. The real timeline keeps
+    each rank's order, so its span S' is at least the ideal S and exceeds it by the e + h along
+    the critical path, a chain of at most S / c actions (c the smallest cost: the chain tiles
+    the ideal span without gaps); busy time grows by the e's. So the idle share moves by at
+    most (e + h) / c either way. A blocked receive wakes as late as a sleep does (both are the
+    OS waking a process), so h is taken as e: margin = 2 e / c, with e the run's mean
+    lateness per action."""
+    return 2 * late / min(cost.values())
