@@ -19,7 +19,8 @@ one step without costs (its gradients), and, for ZB-V and DualPipeV, two steps w
   smallest cost, a ratio measured in the same run. Of the two steps, each side's less late
   one is taken: the machine's other work can hold a rank up for tens of milliseconds now
   and then. The margin must leave 1F1B's bubble on the same pipeline outside, or the
-  comparison could not tell the schedules apart: where it does not (a machine busy with other
+  comparison could not tell the schedules apart (PyTorch's DualPipeV, which sends later by
+  design, is held between the simulated bubble and 1F1B's: `LATER_SENDS`): where it does not (a machine busy with other
   work, as beside another test worker), the test skips and says so rather than compare.
 
 A PyTorch schedule other than ZB-V that raises on every rank is skipped with its error.
@@ -44,6 +45,12 @@ _spec.loader.exec_module(bench)
 PP, M, TAU = 2, 4, 0.16  # a whole stage's F = I = W = 160 ms: a chunk's 80 ms under the V
 ROWS = {kind: (name, v, kind) for name, v, kind in bench.ROWS if kind in ("zb-h1", "zb-v", "dualpipev")}
 TIMED = {"zb-v": 2, "dualpipev": 2}  # steps with the costs, per side
+# PyTorch's DualPipeV sends both results of a paired forward and backward after both have run
+# (its `pipeline_order_with_comms`), so a forward's output leaves one action later than the
+# simulation (and the course) sends it: its idle share sits above the simulated one by that
+# structure (about 4 points here), not by noise. It is held between the simulated bubble and
+# 1F1B's instead.
+LATER_SENDS = {("dualpipev", "torch")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,5 +115,9 @@ def test_idle_shares_agree_with_the_simulated_bubble(kind):
                         f"idle {want} from 1F1B's {f1b:.1%}; run it alone to measure")
         measured = bench.idle_by_rank(timeline)
         for rank, (m_r, w_r) in enumerate(zip(measured, want)):
+            if (kind, side) in LATER_SENDS:  # above the simulated bubble, never below; under 1F1B's
+                assert w_r - margin <= m_r < f1b, (
+                    f"{kind} {side} rank {rank}: idle {m_r:.1%}, simulated {w_r:.1%}, 1F1B {f1b:.1%}")
+                continue
             assert abs(m_r - w_r) <= margin, (
                 f"{kind} {side} rank {rank}: idle {m_r:.1%}, simulated {w_r:.1%}, margin {margin:.1%}")
