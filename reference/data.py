@@ -164,6 +164,40 @@ def synthetic_batch(
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+PAD = 0  # the NUL byte: what a padded position's input holds (its target is -100)
+
+
+def padded_documents(
+    data: torch.Tensor,
+    batch_size: int,
+    block_size: int,
+    step: int,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch number ``step`` of variable-length documents, one per row, each padded to
+    ``block_size``: x, y int64 (batch_size, block_size).
+
+    Row b is a document of L_b + 1 consecutive tokens of ``data`` (L_b drawn uniformly from
+    1 .. block_size, its offset at random): x[b, :L_b] its first L_b tokens and y[b, :L_b]
+    its last L_b, then x holds `PAD` and y holds -100, the target that counts for nothing
+    (`reference.loss.IGNORE_INDEX`). Rows count different numbers of tokens, as a real
+    batch of padded documents or masked prompts does. Depends only on ``(seed, step)``."""
+    if data.dim() != 1 or len(data) <= block_size:
+        raise ValueError(f"data must be 1-D with more than block_size={block_size} tokens, "
+                         f"got shape {tuple(data.shape)}")
+    if batch_size <= 0 or block_size <= 0:
+        raise ValueError(f"batch_size={batch_size} and block_size={block_size} must be positive")
+    rng = _rng(seed, step)
+    lengths = rng.integers(1, block_size + 1, size=batch_size)  # (B,): counted tokens per row
+    offsets = rng.integers(0, len(data) - block_size, size=batch_size)
+    x = torch.full((batch_size, block_size), PAD, dtype=torch.int64)
+    y = torch.full((batch_size, block_size), -100, dtype=torch.int64)
+    for b, (n, o) in enumerate(zip(lengths.tolist(), offsets.tolist())):
+        x[b, :n] = data[o: o + n]
+        y[b, :n] = data[o + 1: o + n + 1]
+    return x, y
+
+
 def encode(text: str) -> torch.Tensor:
     """UTF-8 bytes of ``text`` as int64 token ids (T,)."""
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)

@@ -185,9 +185,11 @@ def init_weights(module: nn.Module, config: GPTConfig) -> None:
             nn.init.normal_(sub.weight, mean=0.0, std=0.02)
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of (B, T, V) logits against (B, T) targets, mean over the B*T tokens."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of (B, T, V) logits against (B, T) targets: the mean over the counted
+    tokens (targets of -100, such as padding, count for nothing), or with
+    ``reduction="sum"`` their sum (`reference.loss` says which a parallel step needs)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction)
 
 
 FFNFactory = Callable[[GPTConfig, int], nn.Module]
@@ -254,16 +256,20 @@ class GPT(nn.Module):
         """The residual stream after the last block (B, T, C) -> logits (B, T, V)."""
         return self.lm_head(self.ln_f(x))
 
-    def forward(
-        self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Returns (logits (B, T, V), loss): loss = lm_loss + sum of aux losses, or None without targets."""
+    def logits_and_aux(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids (B, T) -> (logits (B, T, V), the sum of the blocks' auxiliary losses, 0-dim)."""
         x = self.embed(idx)  # (B, T, C)
         aux_loss = x.new_zeros(())
         for block in self.h:
             x, block_aux = block(x)
             aux_loss = aux_loss + block_aux
-        logits = self.head(x)  # (B, T, V)
+        return self.head(x), aux_loss  # (B, T, V)
+
+    def forward(
+        self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Returns (logits (B, T, V), loss): loss = lm_loss + sum of aux losses, or None without targets."""
+        logits, aux_loss = self.logits_and_aux(idx)
         self.last_aux_loss = aux_loss.detach()
         if targets is None:
             self.last_lm_loss = None

@@ -38,12 +38,14 @@ FP16_POWER = 12   # the loss scale starts at 2^12: the tiny model's gradients st
 
 
 def batches(steps: int = STEPS):
+    """Padded documents (`reference.data.padded_documents`): every row counts a different
+    number of tokens, so a loss averaged over pieces instead of over counted tokens shows."""
+    from reference.data import padded_documents
     from sweep import BATCH
 
     B, T = BATCH
-    g = torch.Generator().manual_seed(4321)
-    data = torch.randint(0, 256, (steps, B, T + 1), generator=g)
-    return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+    data = torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(4321))
+    return [padded_documents(data, B, T, step, seed=4321) for step in range(steps)]
 
 
 def model_for(case):
@@ -105,7 +107,7 @@ def single_process(case, steps: int = STEPS):
     for idx, tgt in batches(steps):
         loss, skip = accumulated_step(model, opt, idx, tgt, config.dp * config.microbatches,
                                       precision=config.precision, scaler=scaler,
-                                      max_norm=1.0 if case.clip else None)
+                                      max_norm=1.0 if case.clip else None, loss_mean=config.loss_mean)
         losses.append(loss)
         skipped.append(skip)
     return losses, skipped, {k: v.detach().clone() for k, v in model.state_dict().items()}

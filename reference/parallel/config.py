@@ -54,6 +54,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Optional, Union
 
+from reference.loss import LOSS_MEANS
+
 __all__ = ["ParallelConfig", "SCHEDULES", "V_SHAPED", "PRECISIONS", "CP_KINDS"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
@@ -87,6 +89,11 @@ class ParallelConfig:
     # False, as torchtitan
     # picks under a pipeline.
     reshard_after_forward: bool = False
+    # the step's loss (reference.loss): "tokens", the sum over every counted token divided by
+    # the step's count (one process's F.cross_entropy, however padding falls), or
+    # "mean_of_means", each micro-batch's mean averaged over micro-batches and ranks (right only
+    # when every one counts as many tokens)
+    loss_mean: str = "tokens"
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -163,7 +170,8 @@ class ParallelConfig:
                   f"v={self.virtual_stages}" if self.virtual_stages > 1 else "",
                   "ckpt" if self.activation_checkpointing else "",
                   self.precision if self.precision != "fp32" else "",
-                  "emb-stage" if self.embedding_stage else ""]
+                  "emb-stage" if self.embedding_stage else "",
+                  "mean-of-means" if self.loss_mean == "mean_of_means" else ""]
         return " ".join(parts + [e for e in extras if e])
 
     # ------------------------------------------------------------------ checks
@@ -213,6 +221,8 @@ class ParallelConfig:
         out += self._schedule_problems()
         if self.precision not in PRECISIONS:
             out.append(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.loss_mean not in LOSS_MEANS:
+            out.append(f"loss_mean must be one of {', '.join(LOSS_MEANS)}, got {self.loss_mean!r}")
         if cfg is not None:
             out += self._model_problems(cfg)
         if batch is not None:

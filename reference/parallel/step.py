@@ -18,14 +18,22 @@ What happens, in order, on every rank:
    reduction before it: that is what `no_sync` buys DDP), by the run's data-parallel way
    (`pm.data_parallel`, `reference.parallel.data_parallelism`): the sequence-parallel
    gradients summed over tp, then each gradient averaged over its replicas (dp x cp, the
-   ``dp_cp`` group: every cp rank's loss is the mean over its equal share of the tokens;
+   ``dp_cp`` group, whose loss shares carry a factor dp x cp for it, `reference.loss`;
    experts over their expert-data-parallel group), as one all-reduce, or as ZeRO's
    reduce-scatter into shards (ZeRO-1 in the optimizer's `step()`, ZeRO-2 during the
    backward, ZeRO-3 here or per block with ``reshard_after_forward``);
 4. global-norm clipping over whatever this rank holds (`reference.parallel.clip`), when asked;
 5. the optimizer step;
-6. the loss made the global mean on every rank: the last stage's mean over micro-batches,
-   averaged over dp x cp and sent to every pipeline rank.
+6. the loss made the global mean on every rank: the last stage's shares of it summed over
+   micro-batches, averaged over dp x cp and sent to every pipeline rank.
+
+The loss is one process's: the sum of every counted token's loss (targets of -100, such as
+padding, count for nothing) divided by the step's count of counted tokens in the global batch
+(`reference.loss.TokenMean`, counted here once before the backward); each micro-batch on each
+rank backpropagates its sum times dp x cp / count, which the gradient average over dp x cp
+turns into the whole batch's mean. ``ParallelConfig(loss_mean="mean_of_means")`` averages
+each micro-batch's own mean instead, which is one process's only when every piece counts as
+many tokens.
 
 `StepResult.trace` lists what the rank did with start and end times (the pipeline's F, B and
 messages, then the gradient reduction and the optimizer step), for `plot_step`.
@@ -41,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from reference import comms
+from reference.loss import counted_tokens, step_mean
 from reference.model import lm_loss
 from reference.parallel.context import context_parallel_batch
 from reference.pipeline_parallel import run_pipeline
@@ -68,6 +77,7 @@ class StepResult:
     peak_activation_bytes: int = 0
     skipped: bool = False                    # fp16: an inf or NaN somewhere, the step was skipped
     loss_scale: Optional[float] = None       # fp16: the scale this step used
+    tokens: int = 0                          # the step's counted tokens (targets not -100)
 
 
 def local_batch(pm, idx: torch.Tensor, targets: torch.Tensor):
@@ -90,8 +100,8 @@ def _loss_fn(pm):
         return lm_loss
     group, vocab = pm.mesh.group("tp"), pm.model_config.vocab_size
 
-    def loss(logits_shard, targets):  # (B/m, T, V_pad / tp): the vocab stays split
-        return vocab_parallel_cross_entropy(logits_shard, targets, group, vocab)
+    def loss(logits_shard, targets, reduction="mean"):  # (B/m, T, V_pad / tp): the vocab stays split
+        return vocab_parallel_cross_entropy(logits_shard, targets, group, vocab, reduction=reduction)
     return loss
 
 
@@ -116,8 +126,9 @@ class StepRun:
     `pipeline(hook)`, which runs the schedule (`run_pipeline`, a pipeline of one stage when
     pp = 1) with ``hook`` called around each of its actions."""
 
-    def __init__(self, pm, x, y, device, loss_scale: float):
+    def __init__(self, pm, x, y, device, loss_scale: float, loss_mean):
         self.pm, self.x, self.y, self.device, self.loss_scale = pm, x, y, device, loss_scale
+        self.loss_mean = loss_mean  # each micro-batch's share of the step's loss (reference.loss)
         self.trace: list[StepEvent] = []
         self.t0 = time.perf_counter()
 
@@ -146,7 +157,7 @@ class StepRun:
                 group=pm.mesh.group("pp") if pm.mesh.pp > 1 else None,
                 checkpoint=pm.config.activation_checkpointing, tied_group=pm.tied_group,
                 batch_shape=tuple(x.shape), loss_fn=_loss_fn(pm), loss_scale=self.loss_scale,
-                action_hook=hook)
+                loss_mean=self.loss_mean, action_hook=hook)
         for e in result.trace:
             kind = e.action.op if e.action.op in ("F", "B") else e.action.op.split("_")[0]
             self.trace.append(StepEvent(kind, str(e.action), offset + e.start, offset + e.end))
@@ -166,7 +177,8 @@ def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
     scale = scaler.scale if scaler is not None else 1.0
     x, y = local_batch(pm, idx, targets)
     optimizer.zero_grad(set_to_none=True)
-    run = StepRun(pm, x, y, device, scale)
+    mean = step_mean(pm.config.loss_mean, targets, pm.config.microbatches, pm.mesh.dp_cp)
+    run = StepRun(pm, x, y, device, scale, mean)
     loss, peak = dp.forward_backward(pm, run)          # 1-2: the batch through the schedule
     start = run.now()
     dp.reduce_gradients(pm, optimizer)                 # 3: once, after the last backward
@@ -184,7 +196,7 @@ def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
     run.event("optimizer", "skipped" if overflow else "step", start)
     return StepResult(loss=_global_loss(pm, loss, device), grad_norm=norm, trace=run.trace,  # 6
                       peak_activation_bytes=peak, skipped=overflow,
-                      loss_scale=scale if scaler is not None else None)
+                      loss_scale=scale if scaler is not None else None, tokens=counted_tokens(targets))
 
 
 def barrier_all(mesh) -> None:

@@ -5,7 +5,7 @@ rank's steps of the schedule (`Schedule.steps`) and does exactly what they say,
 each kind of action by a part of its own:
 
 * F and B: `reference.pipeline_parallel.forward_backward` (the loss on the last
-  stage, divided by m; activation checkpointing, ``checkpoint=True`` or one flag
+  stage, as the micro-batch's share of the step's loss, `reference.loss`; activation checkpointing, ``checkpoint=True`` or one flag
   per local chunk, in `reference.pipeline_parallel.recompute`);
 * a run of SEND/RECV: one ``batch_isend_irecv`` holding all of them, waited on
   together, metered (`reference.pipeline_parallel.messages`, which sizes what a
@@ -24,6 +24,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from reference.loss import MeanOfMeans, TokenMean
 from reference.pipeline_parallel.accounting import ActivationStore, PipelineResult, Trace
 from reference.pipeline_parallel.forward_backward import RankState, backward, forward
 from reference.pipeline_parallel.messages import Mailbox
@@ -39,7 +40,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
                  inputs: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None,
                  *, group=None, checkpoint: Union[bool, Sequence[bool]] = False, tied_group=None,
                  batch_shape: Optional[tuple] = None, loss_fn: Optional[Callable] = None,
-                 loss_scale: float = 1.0,
+                 loss_scale: float = 1.0, loss_mean: Optional[Union[TokenMean, MeanOfMeans]] = None,
                  action_hook: Optional[Callable[[str, object], None]] = None) -> PipelineResult:
     """Run this rank's part of ``schedule`` on the full batch ``inputs`` (B, T) -> ``targets`` (B, T).
 
@@ -52,10 +53,14 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
     ``loss_fn(logits, targets)``: the last stage's loss; by default the stage's
     own ``loss`` method (`GPTStage.loss`), else `lm_loss`. ``loss_scale`` multiplies
     what backward starts from (fp16's loss scaling; the gradients come out scaled by it).
+    ``loss_mean`` (`reference.loss`) makes each micro-batch's loss its share of the step's:
+    `TokenMean` (its sum over counted tokens over the step's count) or, by default,
+    `MeanOfMeans` (its mean over m, right only when every micro-batch counts as many tokens).
     ``action_hook(when, action)``, if given, is called with "before" and "after" around
     every F and B (composed ZeRO-3 resharding between micro-batches,
     `reference.zero.fsdp_reshard`, gathers and frees parameters there).
-    Returns a `PipelineResult`; its ``loss`` is the mean over the m micro-batches (unscaled).
+    Returns a `PipelineResult`; its ``loss`` is the sum of this rank's micro-batches' shares
+    (unscaled): by default their mean loss.
     """
     schedule.validate()
     if not loss_scale > 0:
@@ -67,7 +72,8 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
     result = PipelineResult(loss=None)
     store = ActivationStore(stages, result, moving=action_hook is not None)
     mb_in, mb_tgt = _micro_batches(inputs, targets, batch_shape, schedule.m, rank, store.device)
-    w = RankState(schedule, stages, rank, mb_in, mb_tgt, flags, schedule.m / loss_scale, loss_fn,
+    w = RankState(schedule, stages, rank, mb_in, mb_tgt, flags, loss_mean or MeanOfMeans(schedule.m),
+                  loss_scale, loss_fn,
                   (schedule.mailbox or Mailbox)(group, rank, store.device), store)
     hook = action_hook or (lambda when, action: None)
     if schedule.pp > 1:
@@ -84,7 +90,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
     w.mail.finish()  # sends a zero-bubble schedule left going
     sync_tied_grads(stages, tied_group)  # nothing without a group
     if w.losses:
-        result.loss = torch.stack(w.losses).mean()
+        result.loss = torch.stack(w.losses).sum()
     return result
 
 

@@ -4,8 +4,10 @@
   received activation elsewhere), run the chunk's stage and keep what B needs; on
   the last stage compute the micro-batch's loss with the stage's own ``loss``
   (`GPTStage.loss`: the vocab-parallel cross-entropy when the head is split over
-  the vocabulary by tensor parallelism), divided by m so the gradients add up to
-  those of the full-batch mean; hand the output on to be sent to the next stage.
+  the vocabulary by tensor parallelism), as the step's share of it (`reference.loss`:
+  the micro-batch's sum over its counted tokens divided by the step's count, or its
+  mean divided by m), so the gradients add up to those of the whole batch's loss;
+  hand the output on to be sent to the next stage.
 * B (`backward`): backward from the received output gradient (or from the loss on
   the last stage), and hand the input's gradient on to be sent back.
 
@@ -16,10 +18,11 @@ from action to action: its micro-batches, its mailbox, what each F keeps.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from reference.loss import MeanOfMeans, TokenMean
 from reference.model import lm_loss
 from reference.pipeline_parallel.accounting import ActivationStore
 from reference.pipeline_parallel.actions import Action
@@ -41,7 +44,8 @@ class RankState:
     inputs: Optional[list]   # micro-batches of token ids (B / m, T), on the first stage
     targets: Optional[list]  # (B / m, T), on the last stage
     checkpoint: list         # one flag per chunk
-    divisor: float           # m / loss_scale: backward starts from (loss + aux) * loss_scale / m
+    loss_mean: Union[TokenMean, MeanOfMeans]  # each micro-batch's share of the step's loss
+    loss_scale: float        # backward starts from (share + aux / m) * loss_scale
     loss_fn: Optional[Callable]
     mail: Mailbox
     store: ActivationStore
@@ -67,14 +71,17 @@ class Kept:
 
 
 def _run_stage(w: RankState, a: Action, x: torch.Tensor):
-    """Forward one micro-batch: (out, aux, scaled loss or None, loss or None)."""
+    """Forward one micro-batch: (out, aux, scaled loss or None, its share of the step's loss or None)."""
     out = w.stages[a.chunk](x)
     out, aux = out if isinstance(out, tuple) else (out, None)
     if not w.ends(a.chunk)[1]:
         return out, aux, None, None
-    loss = (w.loss_fn or getattr(w.stages[a.chunk], "loss", None) or lm_loss)(out, w.targets[a.mb])
-    total = loss if aux is None else loss + aux
-    return out, aux, total / w.divisor, loss  # / m: the mean over micro-batches
+    loss_fn = w.loss_fn or getattr(w.stages[a.chunk], "loss", None) or lm_loss
+    share = w.loss_mean.share(loss_fn, out, w.targets[a.mb])
+    total = share * w.loss_scale
+    if aux is not None:  # the balance loss: each micro-batch's own, averaged over the m
+        total = total + aux * (w.loss_scale / w.schedule.m)
+    return out, aux, total, share
 
 
 def forward(w: RankState, a: Action) -> None:
@@ -119,7 +126,7 @@ def backward_roots(w: RankState, a: Action) -> tuple[Kept, list, int]:
     else:
         roots = [(out, w.mail.take("B", a.mb, a.chunk))]  # from the output's received gradient
         if aux is not None:  # and the stage's share of the aux loss
-            roots.append((aux, torch.full_like(aux, 1.0 / w.divisor)))
+            roots.append((aux, torch.full_like(aux, w.loss_scale / w.schedule.m)))
     return kept, [(t, g) for t, g in roots if t.requires_grad], nbytes
 
 

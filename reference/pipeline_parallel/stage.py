@@ -177,14 +177,15 @@ class GPTStage(nn.Module):
             x = GPT.head(self, x)  # (B, T, V), or this rank's (B, T, V_pad / tp) under TP
         return x, aux
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The head stage's loss: `lm_loss`, or the vocab-parallel cross-entropy when
-        `apply_tensor_parallel` split lm_head over the vocabulary (the logits are then
-        this rank's columns, and a dense loss on them would be wrong)."""
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """The head stage's loss (``reduction`` "mean" or "sum" over the counted tokens):
+        `lm_loss`, or the vocab-parallel cross-entropy when `apply_tensor_parallel` split
+        lm_head over the vocabulary (the logits are then this rank's columns, and a dense
+        loss on them would be wrong)."""
         head = getattr(self, "lm_head", None)
         if isinstance(head, VocabParallelLMHead):
-            return head.loss(logits, targets)
-        return lm_loss(logits, targets)
+            return head.loss(logits, targets, reduction=reduction)
+        return lm_loss(logits, targets, reduction)
 
     def extra_repr(self) -> str:
         return str(self.spec)
@@ -247,7 +248,7 @@ class DelayedStage(nn.Module):
         out, aux = self.stage(x)
         return _Sleep.apply(out, self.forward_s, self.backward_s), aux
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """The wrapped stage's loss (`lm_loss` if it has none)."""
-        return getattr(self.stage, "loss", lm_loss)(logits, targets)
+        return getattr(self.stage, "loss", lm_loss)(logits, targets, reduction)
 

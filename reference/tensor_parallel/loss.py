@@ -173,12 +173,13 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
     left out of the softmax (default: no padding). Targets equal to
     `ignore_index` count for nothing, as in `F.cross_entropy`. ``reduction="mean"``
     gives the mean over the other tokens (as `reference.model.lm_loss`; NaN when
-    every target is ignored), ``"none"`` the loss of every token (0 where ignored).
+    every target is ignored), ``"sum"`` their sum, ``"none"`` the loss of every token
+    (0 where ignored).
     Computed in fp32 and returned in fp32 whatever the logits' dtype; the gradient
     comes back in the logits' dtype. The same value on every rank of the group.
     """
-    if reduction not in ("mean", "none"):
-        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     tp, tp_rank = dist.get_world_size(group), dist.get_rank(group)
     v_local = logits_shard.shape[-1]
     if vocab_size is None:
@@ -197,6 +198,8 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
     losses = losses.view(targets.shape)  # fp32
     if reduction == "none":
         return losses
+    if reduction == "sum":
+        return losses.sum()  # over the counted tokens (an ignored one's loss is 0)
     return losses.sum() / (targets != ignore_index).sum()  # the mean over the counted tokens
 
 
@@ -231,10 +234,11 @@ class VocabParallelLMHead(ColumnParallelLinear):
             record_cut(p, 0, head.tp, head.tp_rank, p.tp_cut.whole, real=vocab)
         return head
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+             reduction: str = "mean") -> torch.Tensor:
         """`vocab_parallel_cross_entropy` of this head's logits (.., V_pad / tp): 0-dim, fp32."""
         return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_size,
-                                            ignore_index=ignore_index)
+                                            reduction=reduction, ignore_index=ignore_index)
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor:
         """(.., V_pad / tp) -> the whole logits (.., V), padding dropped: one all-gather of them."""

@@ -24,10 +24,12 @@ choices where DeepSpeed leaves the reader guessing:
 
 The course's own blocks: `parallelism` {tensor, pipeline, expert, sequence_parallel,
 virtual_stages, schedule, embedding_stage, reshard_after_forward: composed ZeRO-3's FSDP2
-option, false by default where PyTorch's `fully_shard` defaults to None: true but for the root} (dp is what the
+option, false by default where PyTorch's `fully_shard` defaults to None: true but for the root; loss_mean: "tokens", the step's loss as one process has it, the sum over counted tokens
+divided by their count, or "mean_of_means", `reference.loss`} (dp is what the
 world size leaves), `model`
 {preset tiny | small | debug, or sizes, `experts`}, `data` {source stdlib | arithmetic |
-synthetic, seq_len, seed}, `steps`, `seed`, `checkpoint` {dir, every, resume: continue from
+synthetic | documents (variable-length arithmetic documents, each padded to seq_len, the
+padding's targets -100: `reference.data.padded_documents`), seq_len, seed}, `steps`, `seed`, `checkpoint` {dir, every, resume: continue from
 the latest checkpoint when there is one}, `log` {path,
 every, sample_tokens}. The pipeline's micro-batches are DeepSpeed's accumulation steps.
 
@@ -43,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Union
 
+from reference.loss import LOSS_MEANS
 from reference.model import GPTConfig
 from reference.parallel.config import SCHEDULES, ParallelConfig
 from reference.train.deepspeed_blocks import (OFFLOAD_REFUSED, ActivationCheckpointingConfig,
@@ -68,6 +71,7 @@ class ParallelismConfig:
     schedule: str = spec("1f1b", choices=SCHEDULES)
     embedding_stage: bool = False
     reshard_after_forward: bool = False     # FSDP2's option (PyTorch's default None: True but for the root; the course's False)
+    loss_mean: str = spec("tokens", choices=LOSS_MEANS)   # reference.loss: "tokens" or "mean_of_means"
 
 
 @dataclass
@@ -96,7 +100,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = spec("stdlib", choices=("stdlib", "arithmetic", "synthetic"))
+    source: str = spec("stdlib", choices=("stdlib", "arithmetic", "synthetic", "documents"))
     seq_len: Optional[int] = spec(None, min=1)        # None: the model's block_size
     seed: int = spec(0, min=0)
 
@@ -224,7 +228,7 @@ class TrainConfig:
                             schedule=p.schedule, precision=self.precision,
                             activation_checkpointing=self.activation_checkpointing.enabled,
                             embedding_stage=p.embedding_stage,
-                            reshard_after_forward=p.reshard_after_forward)
+                            reshard_after_forward=p.reshard_after_forward, loss_mean=p.loss_mean)
         where = f"{self.path or 'configuration'} at world_size={world_size}"
         try:
             try:

@@ -14,8 +14,8 @@ started by `reference.runtime.launch` on a laptop or by torchrun on one or many 
    and the log keeps its lines up to that step (`prepare_log`);
 4. per step: the global batch number `step` (the same on every rank: the data position is
    the step), `train_step`, the schedule's step; every `cfg.log.every` steps rank 0 appends
-   a JSON line (loss, grad norm, lr, loss scale, tokens/s, bytes sent per group on rank 0,
-   peak memory of every rank) to `cfg.log.path` (an earlier log is renamed, never deleted);
+   a JSON line (loss, the counted tokens it is the mean over, grad norm, lr, loss scale,
+   tokens/s, bytes sent per group on rank 0, peak memory of every rank) to `cfg.log.path` (an earlier log is renamed, never deleted);
    an fp16 step skipped for an overflow does not advance the schedule (DeepSpeed's rule); every `cfg.checkpoint.every` steps and at
    the end, a checkpoint;
 5. at the end, a sample of generated text.
@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 
 from reference import comms
-from reference.data import ByteCorpus, decode, get_batch, synthetic_batch
+from reference.data import ByteCorpus, decode, get_batch, padded_documents, synthetic_batch
 from reference.model import GPT
 from reference.parallel import parallelize, train_step
 from reference.parallel.generate import generate
-from reference.parallel.golden import text_windows
+from reference.parallel.golden import debug_data, text_windows
 from reference.parallel.scaler import DynamicLossScaler
 from reference.runtime import device
 
@@ -58,7 +58,9 @@ def batch_at(source: str, batch: int, seq_len: int, step: int, seed: int, corpus
         return _arithmetic_batch(batch, seq_len, step, seed)
     if source == "synthetic":
         return synthetic_batch(batch, seq_len, seed=seed, step=step)
-    raise ValueError(f"unknown data source {source!r}; expected stdlib, arithmetic or synthetic")
+    if source == "documents":  # the arithmetic text as documents of many lengths, padded
+        return padded_documents(debug_data(), batch, seq_len, step, seed)
+    raise ValueError(f"unknown data source {source!r}; expected stdlib, arithmetic, synthetic or documents")
 
 
 def peak_memory_bytes() -> int:
@@ -143,6 +145,7 @@ def _one_step(cfg, pm, optimizer, scheduler, step: int, corpus, world_size: int)
     if scheduler is not None and not result.skipped:
         scheduler.step()  # DeepSpeed does not step the schedule on an fp16 overflow
     record = dict(step=step + 1, loss=float(result.loss), lr=lr, seconds=round(seconds, 5),
+                  tokens=result.tokens,  # the counted tokens the loss is the mean over
                   tokens_per_s=round(B * T / seconds, 1),
                   grad_norm=None if result.grad_norm is None else float(result.grad_norm),
                   loss_scale=result.loss_scale, skipped=result.skipped)

@@ -39,7 +39,8 @@ def single_process_losses(plan, world_size: int, steps: int | None = None) -> li
                             plan.data_seed, corpus)
         loss, skipped = accumulated_step(model, optimizer, idx, tgt, pconfig.dp * pconfig.microbatches,
                                          precision=pconfig.precision, scaler=scaler,
-                                         max_norm=plan.gradient_clipping or None)
+                                         max_norm=plan.gradient_clipping or None,
+                                         loss_mean=pconfig.loss_mean)
         if scheduler is not None and not skipped:
             scheduler.step()
         losses.append(loss)

@@ -18,6 +18,7 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from reference.data import ByteCorpus, get_batch
+from reference.loss import step_mean
 from reference.model import lm_loss
 
 __all__ = ["make_optimizer", "train_step", "accumulate_gradients", "accumulated_step", "evaluate", "train"]
@@ -96,23 +97,30 @@ def _autocast(precision: str, device_type: str):
 
 
 def accumulate_gradients(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, chunks: int = 1,
-                         *, precision: str = "fp32", loss_scale: float = 1.0) -> float:
+                         *, precision: str = "fp32", loss_scale: float = 1.0,
+                         loss_mean: str = "tokens") -> float:
     """The oracle's forward and backward: the global batch in ``chunks`` equal chunks of rows
-    (a parallel run's dp x micro-batch split), each chunk's loss (the LM loss plus any experts'
-    balance loss) times ``loss_scale / chunks`` backpropagated, gradients adding up in
-    ``.grad``; under autocast for bf16 and fp16. Returns the LM loss, the mean over chunks."""
+    (a parallel run's dp x micro-batch split), gradients adding up in ``.grad``, under
+    autocast for bf16 and fp16. Each chunk backpropagates its share of the batch's loss times
+    ``loss_scale`` (`reference.loss`): with ``loss_mean="tokens"`` its sum over counted tokens
+    divided by the whole batch's count, which adds up to ``F.cross_entropy`` over the whole
+    batch whatever the chunks; with ``"mean_of_means"`` its own mean divided by ``chunks``.
+    Experts' balance loss: each chunk's, divided by ``chunks``. Returns the LM loss."""
+    step = step_mean(loss_mean, targets, chunks, replicas=1)
     total = 0.0
     for x, y in zip(idx.chunk(chunks), targets.chunk(chunks)):
         with _autocast(precision, x.device.type):
-            _, with_aux = model(x, y)
-        (with_aux * loss_scale / chunks).backward()
-        total += float(model.last_lm_loss.float()) / chunks
+            logits, aux = model.logits_and_aux(x)
+            share = step.share(lm_loss, logits, y)
+        ((share + aux / chunks) * loss_scale).backward()
+        total += float(share.detach().float())
     return total
 
 
 def accumulated_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx: torch.Tensor,
                      targets: torch.Tensor, chunks: int = 1, *, precision: str = "fp32",
-                     scaler=None, max_norm: Optional[float] = None) -> tuple[float, bool]:
+                     scaler=None, max_norm: Optional[float] = None,
+                     loss_mean: str = "tokens") -> tuple[float, bool]:
     """One step of the single process every parallel run is compared with: the gradients of
     the global batch accumulated over ``chunks`` (`accumulate_gradients`); with fp16's
     ``scaler`` (`reference.parallel.DynamicLossScaler`) unscaled and a step with an inf or
@@ -120,7 +128,8 @@ def accumulated_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx: to
     (the LM loss, whether the step was skipped)."""
     optimizer.zero_grad(set_to_none=True)
     loss = accumulate_gradients(model, idx, targets, chunks, precision=precision,
-                                loss_scale=scaler.scale if scaler is not None else 1.0)
+                                loss_scale=scaler.scale if scaler is not None else 1.0,
+                                loss_mean=loss_mean)
     if scaler is not None:
         overflow = scaler.unscale_and_check([p.grad for p in model.parameters() if p.grad is not None])
         scaler.update(overflow)
