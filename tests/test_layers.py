@@ -1,6 +1,6 @@
 """The package's layers, read from the source (ast, nothing is imported or executed).
 
-    core           runtime, comms, mesh, model, data, memory, viz, tolerance
+    core           runtime, comms, mesh, model, loss, data, memory, viz, tolerance
     parallelisms   data_parallel < zero < tensor_parallel < pipeline_parallel
                    < expert_parallel < context_parallel (the order they are taught)
     composing      everything that puts them together (train, ...)
@@ -24,7 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-CORE = ("runtime", "comms", "mesh", "model", "data", "memory", "viz", "tolerance")
+CORE = ("runtime", "comms", "mesh", "model", "loss", "data", "memory", "viz", "tolerance")
 PARALLELISMS = ("data_parallel", "zero", "tensor_parallel", "pipeline_parallel",
                 "expert_parallel", "context_parallel")
 COMPOSING = ("train", "parallel", "profile")

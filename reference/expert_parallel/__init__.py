@@ -13,6 +13,9 @@ Where each part lives:
   `ExpertParallelMoE`, which sends each token to the rank holding its expert and
   back; composition with data parallelism (`moe_all_reduce_gradients`: dense
   parameters over dp, experts over the expert-data-parallel group);
+* `reference.expert_parallel.bias_balance`: balancing without an auxiliary loss
+  (DeepSeek-V3): a per-expert bias on the router's choice, moved after each step by
+  the step's loads summed over micro-batches and dp ranks (`update_expert_bias`);
 * `reference.expert_parallel.comms`: the counts exchanged before the all-to-all
   (`reference.comms.functional.all_to_all`, with its backward), and the bytes it moves
   per step;
@@ -25,6 +28,7 @@ Where each part lives:
 With E experts on P ranks each rank stores E / P of the expert weights (the
 1/8 of the article's claim at 8 ranks).
 """
+from reference.expert_parallel.bias_balance import biased_routers, register_bias_update, update_expert_bias
 from reference.expert_parallel.comms import all_to_all_bytes_per_step, exchange_counts
 from reference.expert_parallel.moe import (
     Expert, ExpertParallelMoE, MoE, MoEStats, expert_parameters, moe_all_reduce_gradients,
@@ -39,4 +43,5 @@ __all__ = [
     "expert_parameters", "moe_all_reduce_gradients",
     "Router", "Routing", "DispatchPlan", "expert_capacity", "sort_by_expert", "combine",
     "exchange_counts", "all_to_all_bytes_per_step",
+    "biased_routers", "update_expert_bias", "register_bias_update",
 ]

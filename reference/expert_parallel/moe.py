@@ -87,17 +87,18 @@ class MoELayer(nn.Module):
     def __init__(self, d_model: int, d_ff: int, n_experts: int, k: int = 2,
                  capacity_factor: Optional[float] = 1.25, *, shared_expert: bool = False,
                  normalize_weights: Optional[bool] = None, balance_coef: float = 0.01,
-                 z_coef: float = 0.001, bias: bool = True, n_local_experts: Optional[int] = None):
+                 z_coef: float = 0.001, bias: bool = True, n_local_experts: Optional[int] = None,
+                 bias_update_rate: float = 0.0):
         super().__init__()
         check_routing_args(n_experts, k, capacity_factor)
         # Everything needed to build the same layer again (from_dense uses it).
         self.hparams = dict(d_model=d_model, d_ff=d_ff, n_experts=n_experts, k=k,
                             capacity_factor=capacity_factor, shared_expert=shared_expert,
                             normalize_weights=normalize_weights, balance_coef=balance_coef,
-                            z_coef=z_coef, bias=bias)
+                            z_coef=z_coef, bias=bias, bias_update_rate=bias_update_rate)
         self.d_model, self.n_experts, self.k = d_model, n_experts, k
         self.router = Router(d_model, n_experts, k, capacity_factor, normalize_weights=normalize_weights,
-                             balance_coef=balance_coef, z_coef=z_coef)
+                             balance_coef=balance_coef, z_coef=z_coef, bias_update_rate=bias_update_rate)
         n_local = n_experts if n_local_experts is None else n_local_experts
         self.experts = nn.ModuleList(Expert(d_model, d_ff, bias) for _ in range(n_local))
         # A shared expert sees every token, as in DeepSeekMoE; it is dense (not split by ep).
@@ -137,7 +138,8 @@ class MoE(MoELayer):
 
     ``MoE(d_model, d_ff, n_experts, k=2, capacity_factor=1.25)``; see
     `reference.expert_parallel.router` for routing, capacity (per sequence) and the
-    auxiliary losses (``balance_coef``, ``z_coef``). ``shared_expert=True`` adds
+    auxiliary losses (``balance_coef``, ``z_coef``), and balancing by a bias instead
+    (``bias_update_rate``, `reference.expert_parallel.bias_balance`). ``shared_expert=True`` adds
     one expert that every token goes through. ``normalize_weights`` defaults to
     k > 1 (GShard renormalises top-2; Switch keeps the top-1 probability).
     """
@@ -212,6 +214,9 @@ class ExpertParallelMoE(MoELayer):
         with torch.random.fork_rng(devices=[]):  # the throw-away init must not move the caller's RNG
             layer = cls(**moe.hparams, group=group)
         layer.router.load_state_dict(moe.router.state_dict())
+        if moe.router.expert_bias is not None:  # buffers state_dict leaves out (not checkpointed)
+            layer.router.expert_bias.copy_(moe.router.expert_bias)
+            layer.router.step_tokens_per_expert.copy_(moe.router.step_tokens_per_expert)
         for local, global_id in zip(layer.experts, layer.expert_ids):
             local.load_state_dict(moe.experts[global_id].state_dict())
         if moe.shared_expert is not None:

@@ -43,6 +43,17 @@ decides which, and with what weight:
 
    ``aux_loss = balance_coef * balance_loss + z_coef * z_loss``.
 
+5. **Balancing without an auxiliary loss** (DeepSeek-V3, Wang et al. 2024, "Auxiliary-
+   Loss-Free Load Balancing Strategy for Mixture-of-Experts"): with
+   ``bias_update_rate`` u > 0 the router keeps a per-expert bias b (a buffer, not a
+   parameter) added to the probabilities *for choosing* the top-k only; the combine
+   weights stay the chosen experts' own probabilities, so the bias never enters the
+   gradient. Every forward with autograd on counts the assignments each expert got
+   (before capacity) into ``step_tokens_per_expert``: once per micro-batch, since a
+   recomputed chunk's first forward runs without autograd. After the step
+   (`reference.expert_parallel.bias_balance`) the counts, summed over the step's
+   micro-batches and its data-parallel ranks, move b by u * sign(mean load - load).
+
 `sort_by_expert` lays the kept assignments out expert by expert: the layout
 that both the single-process layer and the all-to-all dispatch use.
 """
@@ -112,17 +123,27 @@ class Router(nn.Module):
     def __init__(self, d_model: int, n_experts: int, k: int = 2,
                  capacity_factor: Optional[float] = 1.25, *,
                  normalize_weights: Optional[bool] = None,
-                 balance_coef: float = 0.01, z_coef: float = 0.001):
+                 balance_coef: float = 0.01, z_coef: float = 0.001, bias_update_rate: float = 0.0):
         super().__init__()
         check_routing_args(n_experts, k, capacity_factor)
+        if not bias_update_rate >= 0:
+            raise ValueError(f"bias_update_rate must be >= 0 (0: no bias), got {bias_update_rate!r}")
         self.n_experts, self.k, self.capacity_factor = n_experts, k, capacity_factor
         self.normalize_weights = k > 1 if normalize_weights is None else bool(normalize_weights)
         self.balance_coef, self.z_coef = float(balance_coef), float(z_coef)
+        self.bias_update_rate = float(bias_update_rate)
         self.gate = nn.Linear(d_model, n_experts, bias=False)
+        if self.bias_update_rate > 0:  # not saved in state_dict: checkpoints do not carry it
+            self.register_buffer("expert_bias", torch.zeros(n_experts), persistent=False)
+            self.register_buffer("step_tokens_per_expert", torch.zeros(n_experts, dtype=torch.int64),
+                                 persistent=False)
+        else:
+            self.expert_bias = self.step_tokens_per_expert = None
 
     def extra_repr(self) -> str:
         return (f"n_experts={self.n_experts}, k={self.k}, capacity_factor={self.capacity_factor}, "
-                f"balance_coef={self.balance_coef}, z_coef={self.z_coef}")
+                f"balance_coef={self.balance_coef}, z_coef={self.z_coef}"
+                + (f", bias_update_rate={self.bias_update_rate}" if self.bias_update_rate else ""))
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x: (G, T, C), one group per row -> the `Routing` of its G * T tokens."""
@@ -132,7 +153,13 @@ class Router(nn.Module):
         # low-precision tie-break would make ranks disagree with the oracle.
         logits = self.gate(x).float()  # (G, T, E)
         probs = logits.softmax(dim=-1)  # (G, T, E)
-        top_probs, expert_idx = probs.topk(k, dim=-1)  # (G, T, k) each, best first
+        if self.expert_bias is None:
+            top_probs, expert_idx = probs.topk(k, dim=-1)  # (G, T, k) each, best first
+        else:  # the bias chooses; the weights are the chosen experts' own probabilities
+            expert_idx = (probs.detach() + self.expert_bias).topk(k, dim=-1).indices  # (G, T, k)
+            top_probs = probs.gather(-1, expert_idx)
+            if torch.is_grad_enabled():  # once per micro-batch (a recompute's first run has no grad)
+                self.step_tokens_per_expert += torch.bincount(expert_idx.reshape(-1), minlength=E)
         if self.normalize_weights:
             weights = top_probs / top_probs.sum(dim=-1, keepdim=True)
         else:

@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from reference.expert_parallel import MoE, expert_parameters, shard_experts
+from reference.expert_parallel import MoE, expert_parameters, register_bias_update, shard_experts
 from reference.expert_parallel.sequence_parallel import sequence_parallel_experts
 from reference.model import GPT
 from reference.parallel.config import ParallelConfig
@@ -147,7 +147,10 @@ class ParallelGPT:
                       [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
                        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}])
             params = [g for g in params if g["params"]]  # torch refuses an empty group
-        return self.data_parallel.make_optimizer(params, optimizer_class, weight_decay, **kwargs)
+        optimizer = self.data_parallel.make_optimizer(params, optimizer_class, weight_decay, **kwargs)
+        # experts balanced by a bias: moved before each step by the step's loads over dp
+        register_bias_update(optimizer, nn.ModuleList(self.stages), self.mesh.group("dp") if self.mesh.dp > 1 else None)
+        return optimizer
 
 
 def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: int = 0) -> ParallelGPT:

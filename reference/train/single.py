@@ -18,6 +18,7 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from reference.data import ByteCorpus, get_batch
+from reference.expert_parallel.bias_balance import update_expert_bias
 from reference.loss import step_mean
 from reference.model import lm_loss
 
@@ -137,6 +138,7 @@ def accumulated_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx: to
             return loss, True
     if max_norm is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    update_expert_bias(model)  # experts balanced by a bias: the step's loads (nothing otherwise)
     optimizer.step()
     return loss, False
 

@@ -1,0 +1,73 @@
+"""Balancing experts without an auxiliary loss: a bias on the router's choice, moved after each step.
+
+DeepSeek-V3 (Liu et al. 2024, "DeepSeek-V3 Technical Report", section 2.1.2; Wang et al.
+2024) balances its experts with no loss term at all. Each router holds a bias b_i per
+expert, added to the scores only to choose the top-k (the combine weights and the gradient
+never see it; `Router` with ``bias_update_rate`` u > 0). After each step every expert's
+load c_i, the assignments it got over the *whole step*, moves its bias against the load:
+
+    b_i <- b_i + u * sign(mean(c) - c_i)
+
+An overloaded expert (c_i above the mean) is chosen a little less next step, an idle one a
+little more; nothing in the loss pulls the router away from the task.
+
+What "the whole step" means under parallelism: every micro-batch's counts add up on the
+rank (the router counts each forward run with autograd: a recomputed chunk counts once),
+and every data-parallel rank routes other tokens, so one all-reduce over the dp group sums
+them, for every MoE layer of the rank at once (one (L, E) tensor), once per step. Tensor-
+parallel ranks route the same tokens (with SP each routes the whole sequence) and pipeline
+stages hold other layers: neither is summed over. Expert parallelism splits the experts,
+not the routers: each router is replicated over dp, ep included.
+
+The update runs as an optimizer step pre-hook (as torchtitan does): `register_bias_update`
+hooks it on the run's optimizer (`ParallelGPT.make_optimizer` does), and the single-process
+oracle calls `update_expert_bias` after its step. A step skipped for an fp16 overflow has no
+optimizer step, so its counts carry into the next one, in the oracle as on the ranks.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from reference import comms
+from reference.expert_parallel.router import Router
+
+__all__ = ["biased_routers", "update_expert_bias", "register_bias_update"]
+
+
+def biased_routers(model: nn.Module) -> list[Router]:
+    """The routers of ``model`` that balance by a bias, in module order."""
+    return [m for m in model.modules() if isinstance(m, Router) and m.expert_bias is not None]
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, group=None) -> Optional[torch.Tensor]:
+    """Move every biased router's bias by u * sign(mean load - load) and zero its counts.
+
+    The loads are the step's counts summed over ``group`` (the data-parallel ranks; None:
+    this process alone). Returns the (L, E) loads used (None without biased routers)."""
+    routers = biased_routers(model)
+    if not routers:
+        return None
+    loads = torch.stack([r.step_tokens_per_expert for r in routers])  # (L, E) int64
+    if group is not None and dist.get_world_size(group) > 1:
+        comms.all_reduce(loads, group=group)  # the step's counts over every dp rank, once
+    for r, load in zip(routers, loads):
+        load = load.to(r.expert_bias.dtype)
+        r.expert_bias += r.bias_update_rate * torch.sign(load.mean() - load)
+        r.step_tokens_per_expert.zero_()
+    return loads
+
+
+def register_bias_update(optimizer: torch.optim.Optimizer, model: nn.Module, group=None):
+    """Run `update_expert_bias(model, group)` before every ``optimizer.step()``; returns the
+    hook's handle, or None when ``model`` has no biased router (nothing is hooked)."""
+    if not biased_routers(model):
+        return None
+
+    def hook(*_):
+        update_expert_bias(model, group)  # (a pre-hook returns None: the step's arguments stay)
+    return optimizer.register_step_pre_hook(hook)
