@@ -65,6 +65,17 @@ Worked example, world 8 = dp4 x tp2 with ep=2 (so edp = 4 // 2 = 2)::
 
 ep > 1 with cp > 1 is refused: a router counts capacity per whole sequence.
 
+HSDP (hybrid sharding, FSDP2's 2D mesh, torchtitan's ``dp_replicate x dp_shard``) splits
+the data-parallel ranks the same way: ``dp_replicate`` blocks of ``dp_shard = dp //
+dp_replicate`` consecutive dp ranks, ``dp_shard`` innermost::
+
+    dp_rank = dp_replicate_rank * dp_shard + dp_shard_rank
+
+ZeRO-3 shards inside a ``dp_shard`` group (a node, when a node holds consecutive dp ranks)
+and all-reduces across the ``dp_replicate`` group (same dp_shard rank: the same rows).
+Those two groups are built when dp_replicate > 1 (`HSDP_DIMS`); with experts or cp > 1
+they are refused (experts have a data-parallel group of their own, ``edp``).
+
 Everything except :meth:`Mesh.build_groups` is pure arithmetic and works without
 any process started. ``build_groups`` is called on every rank after
 ``torch.distributed`` is initialised and makes the real process groups.
@@ -80,6 +91,7 @@ from typing import NamedTuple, Optional
 # must call new_group in the same order); CP_DIMS only when cp > 1.
 DIMS = ("tp", "dp", "pp", "ep", "edp")
 CP_DIMS = ("cp", "dp_cp")
+HSDP_DIMS = ("dp_shard", "dp_replicate")  # only when dp_replicate > 1
 
 # For each dimension, the coordinates that stay fixed inside one of its groups;
 # the group's members differ only in the dimension's own coordinate.
@@ -91,6 +103,8 @@ _FIXED = {
     "edp": ("pp", "cp", "tp", "ep"),
     "cp": ("pp", "dp", "tp"),
     "dp_cp": ("pp", "tp"),  # the ranks holding the same weights: dp x cp of them
+    "dp_shard": ("pp", "cp", "tp", "dp_replicate"),
+    "dp_replicate": ("pp", "cp", "tp", "dp_shard"),
 }
 
 
@@ -123,19 +137,21 @@ class Mesh:
     ep: int = 1
     world_size: Optional[int] = None
     cp: int = 1
+    dp_replicate: int = 1  # HSDP: blocks of dp // dp_replicate ranks that shard, replicated
     # Filled by build_groups on one rank; never compared, printed or pickled.
     _rank: Optional[int] = field(default=None, init=False, repr=False, compare=False)
     _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        degrees = dict(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, cp=self.cp)
+        degrees = dict(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, cp=self.cp,
+                       dp_replicate=self.dp_replicate)
         bad = [k for k, v in degrees.items() if not _is_positive_int(v)]
         if self.world_size is not None and not _is_positive_int(self.world_size):
             bad.append("world_size")
         if bad:
             raise ValueError(f"degrees must be positive integers, got "
                              f"{self._describe(world_size=self.world_size)} (bad: {', '.join(bad)})")
-        self.dp, self.pp, self.tp, self.ep, self.cp = (int(v) for v in degrees.values())
+        self.dp, self.pp, self.tp, self.ep, self.cp, self.dp_replicate = (int(v) for v in degrees.values())
         product = self.dp * self.cp * self.pp * self.tp
         if self.world_size is None:
             self.world_size = product
@@ -149,6 +165,10 @@ class Mesh:
         if self.ep > 1 and self.cp > 1:
             raise ValueError(f"ep={self.ep} with cp={self.cp} is not supported (a router counts capacity "
                              f"per whole sequence); mesh {self._describe(world_size=self.world_size)}")
+        if self.dp % self.dp_replicate or (self.dp_replicate > 1 and (self.ep > 1 or self.cp > 1)):
+            raise ValueError(f"dp_replicate={self.dp_replicate} must divide dp={self.dp}, with ep = cp = 1 "
+                             f"(HSDP splits the dense data-parallel ranks only); mesh "
+                             f"{self._describe(world_size=self.world_size)}")
 
     @classmethod
     def from_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> "Mesh":
@@ -171,7 +191,8 @@ class Mesh:
 
     def __str__(self) -> str:
         cp = f" x cp={self.cp}" if self.cp > 1 else ""
-        return f"Mesh(world={self.world_size}: pp={self.pp} x dp={self.dp}{cp} x tp={self.tp}, ep={self.ep})"
+        hsdp = f" (dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard})" if self.dp_replicate > 1 else ""
+        return f"Mesh(world={self.world_size}: pp={self.pp} x dp={self.dp}{hsdp}{cp} x tp={self.tp}, ep={self.ep})"
 
     __repr__ = __str__
 
@@ -192,6 +213,19 @@ class Mesh:
         return self.dp // self.ep
 
     @property
+    def dp_shard(self) -> int:
+        """HSDP: the ranks that shard each tensor between them, ``dp // dp_replicate``."""
+        return self.dp // self.dp_replicate
+
+    def _coord(self, c: Coords, dim: str) -> int:
+        """A coordinate of ``c``, the HSDP pair derived from its dp coordinate."""
+        if dim == "dp_shard":
+            return c.dp % self.dp_shard
+        if dim == "dp_replicate":
+            return c.dp // self.dp_shard
+        return getattr(c, dim)
+
+    @property
     def dp_cp(self) -> int:
         """Ranks holding the same weights (same pp and tp): ``dp * cp``."""
         return self.dp * self.cp
@@ -202,7 +236,7 @@ class Mesh:
 
     def _check_dim(self, dim: str) -> str:
         if dim not in _FIXED:
-            raise ValueError(f"unknown mesh dimension {dim!r}; expected one of {', '.join(DIMS + CP_DIMS)}")
+            raise ValueError(f"unknown mesh dimension {dim!r}; expected one of {', '.join(DIMS + CP_DIMS + HSDP_DIMS)}")
         return dim
 
     def _check_coord(self, name: str, value, degree: int) -> int:
@@ -249,7 +283,7 @@ class Mesh:
         groups: dict[tuple, list[int]] = {}
         for rank in range(self.world_size):  # increasing, so each group comes out sorted
             c = self.coords(rank)
-            groups.setdefault(tuple(getattr(c, k) for k in fixed), []).append(rank)
+            groups.setdefault(tuple(self._coord(c, k) for k in fixed), []).append(rank)
         return sorted(groups.values())
 
     def group_ranks_of(self, rank: int, dim: str) -> list[int]:
@@ -284,7 +318,7 @@ class Mesh:
 
         rank = dist.get_rank()
         groups = {}
-        for dim in DIMS + (CP_DIMS if self.cp > 1 else ()):
+        for dim in DIMS + (CP_DIMS if self.cp > 1 else ()) + (HSDP_DIMS if self.dp_replicate > 1 else ()):
             for ranks in self.group_ranks(dim):
                 group = dist.new_group(ranks)
                 if rank in ranks:
@@ -303,8 +337,8 @@ class Mesh:
         """This rank's process group of ``dim`` (after :meth:`build_groups`)."""
         self._check_dim(dim)
         self._require_built()
-        if dim not in self._groups:  # "cp" with cp = 1
-            raise ValueError(f"{self} has cp=1: no cp group is built (check mesh.cp > 1 first)")
+        if dim not in self._groups:  # "cp" with cp = 1, HSDP's with dp_replicate = 1
+            raise ValueError(f"{self} builds no {dim} group (cp={self.cp}, dp_replicate={self.dp_replicate})")
         return self._groups[dim]
 
     @property
@@ -325,6 +359,10 @@ class Mesh:
     ep_rank = property(lambda self: self.my_coords.ep, doc="This rank's expert-parallel rank.")
     edp_rank = property(lambda self: self.my_coords.edp, doc="This rank's expert-data-parallel rank.")
     cp_rank = property(lambda self: self.my_coords.cp, doc="This rank's context-parallel rank.")
+    dp_shard_rank = property(lambda self: self._coord(self.my_coords, "dp_shard"),
+                             doc="HSDP: this rank's place in its dp_shard group (the rows it holds).")
+    dp_replicate_rank = property(lambda self: self._coord(self.my_coords, "dp_replicate"),
+                                 doc="HSDP: which replica of the shards this rank's dp_shard group is.")
     tp_group = property(lambda self: self.group("tp"), doc="This rank's tensor-parallel group.")
     dp_group = property(lambda self: self.group("dp"), doc="This rank's data-parallel group.")
     pp_group = property(lambda self: self.group("pp"), doc="This rank's pipeline group.")

@@ -195,8 +195,8 @@ def _counted(p, coords, mesh, dp_shard: bool) -> bool:
         return False  # the other end of the pipeline counts the tied weight
     if not p.tensor_model_parallel and coords.tp != 0:
         return False  # replicated over tp: tp rank 0 counts it
-    if dp_shard:
-        return True   # ZeRO / FSDP: every dp rank holds different numbers
+    if dp_shard:  # ZeRO / FSDP: every dp rank holds different numbers (HSDP: each block the same)
+        return getattr(getattr(p, "zero_rows", None), "replica", 0) == 0
     return (coords.edp if p.expert_parallel else coords.dp) == 0 and coords.cp == 0
 
 

@@ -94,6 +94,9 @@ class ParallelConfig:
     # "mean_of_means", each micro-batch's mean averaged over micro-batches and ranks (right only
     # when every one counts as many tokens)
     loss_mean: str = "tokens"
+    # HSDP (FSDP2's 2D mesh, torchtitan's data_parallel_replicate_degree): ZeRO-3 shards over
+    # dp / dp_replicate ranks and all-reduces across dp_replicate such blocks; 1: over all of dp
+    dp_replicate: int = 1
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -143,17 +146,17 @@ class ParallelConfig:
     def zero3_by_blocks(self) -> bool:
         """Whether ZeRO-3 runs as FSDP by blocks (`reference.zero.FSDP`: each block gathered in
         forward and again in backward): with data-parallel replicas at tp = pp = 1 without
-        recompute, and no expert parallelism. Any other ZeRO-3 shards each parameter
+        recompute, no expert parallelism and no HSDP. Any other ZeRO-3 shards each parameter
         (`reference.zero.ShardedParameters`; with ep > 1 the experts over their
         expert-data-parallel group, `reference.zero.ShardedSets`)."""
         return (self.zero_stage == 3 and self.dp * self.cp > 1 and self.tp == self.pp == 1
-                and self.ep == 1 and not self.activation_checkpointing)
+                and self.ep == 1 and not self.activation_checkpointing and self.dp_replicate == 1)
 
     def mesh(self):
         """The `reference.mesh.Mesh` of these degrees (groups not built yet)."""
         from reference.mesh import Mesh
 
-        return Mesh(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp)
+        return Mesh(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp, dp_replicate=self.dp_replicate)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -171,7 +174,8 @@ class ParallelConfig:
                   "ckpt" if self.activation_checkpointing else "",
                   self.precision if self.precision != "fp32" else "",
                   "emb-stage" if self.embedding_stage else "",
-                  "mean-of-means" if self.loss_mean == "mean_of_means" else ""]
+                  "mean-of-means" if self.loss_mean == "mean_of_means" else "",
+                  f"hsdp={self.dp_replicate}x{self.dp // self.dp_replicate}" if self.dp_replicate > 1 else ""]
         return " ".join(parts + [e for e in extras if e])
 
     # ------------------------------------------------------------------ checks
@@ -221,6 +225,8 @@ class ParallelConfig:
         out += self._schedule_problems()
         if self.precision not in PRECISIONS:
             out.append(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.dp_replicate != 1:
+            out += self._hsdp_problems()
         if self.loss_mean not in LOSS_MEANS:
             out.append(f"loss_mean must be one of {', '.join(LOSS_MEANS)}, got {self.loss_mean!r}")
         if cfg is not None:
@@ -234,6 +240,25 @@ class ParallelConfig:
         if self.cp > 1 or self.cp_kind not in CP_KINDS:
             T = None if batch is None or isinstance(batch, int) else tuple(batch)[1]
             out += self._context_problems(cfg, T, n_experts)
+        return out
+
+    def _hsdp_problems(self) -> list[str]:
+        """HSDP against the data-parallel degree and what it composes with."""
+        r = self.dp_replicate
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1 or self.dp % r:
+            return [f"dp_replicate={r!r} must be a positive int dividing dp={self.dp}"]
+        out = []
+        if self.zero_stage != 3:
+            out.append(f"dp_replicate={r} shards ZeRO-3 inside blocks of dp / dp_replicate = "
+                       f"{self.dp // r} ranks: it needs zero_stage=3, got {self.zero_stage}")
+        if self.ep > 1 or self.cp > 1:
+            out.append(f"dp_replicate={r} with ep={self.ep}, cp={self.cp}: HSDP is built for the dense "
+                       f"data-parallel ranks only (experts shard over their own edp group, cp ranks "
+                       f"share dp's gradient average)")
+        if self.reshard_after_forward:
+            out.append(f"dp_replicate={r} with reshard_after_forward: resharding after forward "
+                       f"reduce-scatters block by block, and its all-reduce across replicas is not "
+                       f"built; use reshard_after_forward=False (gather once per step)")
         return out
 
     def _schedule_problems(self) -> list[str]:

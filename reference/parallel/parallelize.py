@@ -206,6 +206,9 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
                 ShardedParameters([p for p in params if id(p) not in experts], mesh.group("dp")),
                 ShardedParameters([p for p in params if id(p) in experts], mesh.group("edp"),
                                   mean_over=mesh.dp)])
+        elif mesh.dp_replicate > 1:  # HSDP: rows over dp_shard, the shards' mean across replicas
+            sharded = ShardedParameters(params, mesh.group("dp_shard"), mean_over=mesh.dp,
+                                        replicate_group=mesh.group("dp_replicate"))
         else:
             sharded = ShardedParameters(params, mesh.group("dp_cp"))
     return ParallelGPT(stages=mine, tied_group=tied, sharded=sharded, **common,

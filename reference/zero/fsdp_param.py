@@ -124,6 +124,7 @@ class ZeroRows:
     rank: int
     parts: int
     whole: torch.Size
+    replica: int = 0  # HSDP: which copy of these rows (its rank across the replicas); 0 otherwise
 
     @property
     def first_row(self) -> int:
@@ -137,11 +138,16 @@ class ShardedParameters:
     included). Each records where it was cut, ``p.zero_rows`` (`ZeroRows`: this rank's place,
     the group's size and the whole shape), which the gradient clip and the checkpoints read.
     ``mean_over``: what the summed gradient is divided by, the group's size unless given
-    (experts sharded over the expert-data-parallel group divide by dp: see `ShardedSets`)."""
+    (experts sharded over the expert-data-parallel group divide by dp: see `ShardedSets`).
+    ``replicate_group`` (HSDP, FSDP2's 2D mesh): ``group`` is one block of the dp ranks, and
+    every block holds the same shards; after the reduce-scatter inside the block, one
+    all-reduce across the blocks (the same rows on each) sums the other blocks' share, and
+    ``mean_over`` is then all of dp."""
 
-    def __init__(self, params, group, mean_over: int | None = None):
-        self.group = group
+    def __init__(self, params, group, mean_over: int | None = None, replicate_group=None):
+        self.group, self.replicate_group = group, replicate_group
         self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        replica = 0 if replicate_group is None else dist.get_rank(replicate_group)
         self.mean_over = self.n if mean_over is None else mean_over  # the gradient's divisor
         self.params = list({id(p): p for p in params}.values())  # a tied weight once
         self.shapes = [p.shape for p in self.params]               # the whole (TP-local) shapes
@@ -154,7 +160,7 @@ class ShardedParameters:
         for p, shape in zip(self.params, self.shapes):
             with torch.no_grad():
                 p.data = shard_rows(p.data, self.rank, self.n)  # (c, *rest): the full tensor freed
-            p.zero_rows = ZeroRows(self.rank, self.n, shape)    # recorded where it is cut
+            p.zero_rows = ZeroRows(self.rank, self.n, shape, replica)  # recorded where it is cut
 
     # ------------------------------------------------------------------ arithmetic
     def shard_shape(self, i: int) -> torch.Size:
@@ -205,6 +211,8 @@ class ShardedParameters:
         if any(with_grad):
             out, _ = reduce_scatter_grads(self.params, c_shapes, self.n, self.group, self.mean_over,
                                           self.dtype, self.params[0].device)
+            if self.replicate_group is not None:  # HSDP: every block's share of the same rows
+                comms.all_reduce(out, group=self.replicate_group)
         offset = 0
         for i, p in enumerate(self.params):
             c_shape, k = self.shard_shape(i), self.shard_shape(i).numel()
