@@ -105,3 +105,28 @@ def test_hsdp_groups_and_refusals():
         with pytest.raises(ValueError, match=why):
             config.validate(config.world_size, n_experts=4 if config.ep > 1 else None)
     assert not ParallelConfig(dp=4, zero_stage=3, dp_replicate=2).zero3_by_blocks
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=[str(c) for c in CASES])
+def test_the_estimate_counts_hsdp_as_measured(ranks, i):
+    """`estimate`'s model states (1 / dp_shard of each tensor) and its bytes per link equal the
+    measured ones on the first pipeline rank: "dp" (the shard group's all-gather and
+    reduce-scatter) exactly, "dp_replicate" by the ring's 2 (R - 1) / R (its chunks are whole
+    numbers: within 2 R elements)."""
+    from reference.parallel.estimate import estimate, link_of
+    from sweep import BATCH, MODEL_SIZES
+    from reference.model import GPTConfig
+
+    config = CASES[i].config
+    R, (B, T) = config.dp_replicate, BATCH
+    e = estimate(GPTConfig.tiny(**MODEL_SIZES), config, micro_batch=B // (config.dp * config.microbatches),
+                 global_batch=B, seq_len=T)
+    _, held, rows, sent, _ = ranks[0][i]
+    assert e.model_states.params == held.params and e.model_states.optimizer_state == held.optimizer_state
+    gathered, scattered, reduced = sent[0]
+    assert e.bytes_per_step["dp"] == gathered + scattered
+    assert abs(e.bytes_per_step["dp_replicate"] - reduced) <= 2 * 4 * R
+    # shards inside a node of 8 GPUs, replicas across: at dp 8 x tp 2 with R = 2, the shards
+    # of 4 dp ranks x tp 2 fill a node and the all-reduce leaves it
+    big = ParallelConfig(dp=8, tp=2, zero_stage=3, dp_replicate=2)
+    assert (link_of(big, "dp"), link_of(big, "dp_replicate")) == ("intra", "inter")

@@ -74,7 +74,7 @@ from reference.parallel.estimate_memory import (activation_bytes_per_block, bloc
                                                 held_bytes_per_block, in_flight, mlp_activation_bytes,
                                                 moe_activation_bytes, rank_specs, split_held, stage_params,
                                                 stage_specs, stage_tensors, zero3_phases)
-from reference.parallel.estimate_traffic import dp_transfers, tp_bytes
+from reference.parallel.estimate_traffic import dp_transfers, tp_bytes, transfer_link
 from reference.pipeline_parallel import ZB_KINDS, build_schedule, zero_bubble_formula
 from reference.profile import training_flops
 
@@ -251,7 +251,8 @@ def estimate(model, config: ParallelConfig, **workload) -> Estimate:
                "pp": (2 if p > 2 else 1) * m * w.activation / (t if c.sequence_parallel and t > 1 else 1)
                if p > 1 else 0.0}
     transfers = dp_transfers(w)
-    per_gpu["dp"] = sum(nbytes * times for _, nbytes, times, _ in transfers)
+    for kind in ("dp",) + (("dp_replicate",) if c.dp_replicate > 1 else ()):
+        per_gpu[kind] = sum(nbytes * times for what, nbytes, times, _ in transfers if transfer_link(what) == kind)
     flops, forward = training_flops_per_gpu(w)
     tensors = w.tensors
     idle = idle_share(c, m)
@@ -332,7 +333,7 @@ def model_states(w: Workload, a1, first, later, work, acts) -> tuple:
         states = model_state_bytes(tensors.sizes()[0], c.dp, c.zero_stage, precision)
         return states, {"step": states.model_states + acts + work}, 0.0
     d = c.dp
-    sets = [(tensors.of(False), d), (tensors.of(True), d // c.ep)] if c.ep > 1 else [(tensors, d)]
+    sets = [(tensors.of(False), d), (tensors.of(True), d // c.ep)] if c.ep > 1 else [(tensors, d // c.dp_replicate)]
     sets = [(ts, n) for ts, n in sets if ts]
     shard = sum(ts.sizes(n)[1] for ts, n in sets)
     states = MemoryBytes(precision.param * shard, precision.grad * shard, precision.optimizer * shard)
@@ -358,11 +359,14 @@ def training_flops_per_gpu(w: Workload) -> tuple[float, float]:
 
 
 def link_of(config: ParallelConfig, kind: str, hardware: Hardware = Hardware()) -> str:
-    """Whether the ``kind`` group (tp, pp or dp) fits inside one node ("intra") or not ("inter"):
-    Megatron's order puts tp innermost (stride 1), then dp (stride tp), then pp (stride tp dp)."""
-    span = {"tp": config.tp, "dp": config.tp * config.dp,
+    """Whether the ``kind`` group (tp, pp, dp or dp_replicate) fits inside one node ("intra") or
+    not ("inter"): Megatron's order puts tp innermost (stride 1), then dp (stride tp), then pp
+    (stride tp dp). Under HSDP "dp" is the group ZeRO-3 shards over, dp / dp_replicate
+    consecutive dp ranks, and "dp_replicate" the replicas across them (stride tp dp_shard)."""
+    shard = config.dp // config.dp_replicate
+    span = {"tp": config.tp, "dp": config.tp * shard, "dp_replicate": config.tp * config.dp,
             "pp": config.tp * config.dp * config.pp}[kind]
-    size = {"tp": config.tp, "dp": config.dp, "pp": config.pp}[kind]
+    size = {"tp": config.tp, "dp": shard, "dp_replicate": config.dp_replicate, "pp": config.pp}[kind]
     return "intra" if size == 1 or span <= hardware.gpus_per_node else "inter"
 
 
@@ -380,8 +384,8 @@ def step_time(e: Estimate, hardware: Hardware = Hardware()) -> dict:
     per_mb = compute / m
     backward = per_mb - e.forward_flops / m / hardware.peak_flops  # recompute runs in backward
     window = {"backward": backward, "micro-batch": per_mb, "": 0.0}
-    dp = sum(times * max(0.0, seconds(nbytes, "dp") - window[under])
-             for _, nbytes, times, under in e.dp_transfers)
+    dp = sum(times * max(0.0, seconds(nbytes, transfer_link(what)) - window[under])
+             for what, nbytes, times, under in e.dp_transfers)
     tp, pp = seconds(e.bytes_per_step["tp"], "tp"), seconds(e.bytes_per_step["pp"], "pp")
     bubble = (compute + tp + pp) * idle_share(c, m)
     return dict(compute=compute, tp=tp, pp=pp, dp=dp, bubble=bubble,

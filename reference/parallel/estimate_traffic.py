@@ -44,7 +44,13 @@ with the bytes `reference.comms.meter` counts on the tiny model, exactly.
 """
 from __future__ import annotations
 
-__all__ = ["tp_bytes", "dp_transfers"]
+__all__ = ["tp_bytes", "dp_transfers", "transfer_link"]
+
+
+def transfer_link(what: str) -> str:
+    """The group a `dp_transfers` entry crosses: "dp_replicate" (HSDP's all-reduce across the
+    replicas) or "dp" (the group ZeRO shards over; HSDP's dp_shard)."""
+    return "dp_replicate" if what.endswith("over dp_replicate") else "dp"
 
 
 def tp_bytes(w) -> float:
@@ -85,9 +91,15 @@ def dp_transfers(w) -> tuple:
     if d == 1:
         return ()
     once = (d - 1) / d * params * g
-    if w.composed:  # per group: dense rows over dp, experts' over dp / ep
-        sets = [(False, d, "dp"), (True, d // ep, "dp / ep")] if ep > 1 else [(None, d, "dp")]
+    if w.composed:  # per group: dense rows over dp (HSDP: dp_shard), experts' over dp / ep
+        R = config.dp_replicate
+        sets = ([(False, d, "dp"), (True, d // ep, "dp / ep")] if ep > 1 else
+                [(None, d // R, "dp_shard" if R > 1 else "dp")])
         out = []
+        if R > 1:  # HSDP: each shard's gradient all-reduced across the replicas (a ring of R)
+            rows = tensors.sizes(d // R)[1]
+            out.append((f"the gradient shards' all-reduce across {R} replicas, over dp_replicate",
+                        2 * (R - 1) / R * rows * g, 1, "backward"))
         for expert, n, over in sets:
             rows = tensors.of(expert).sizes(n)[1]
             what = "" if expert is None else (" (experts)" if expert else " (dense)")

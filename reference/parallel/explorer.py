@@ -57,13 +57,17 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _reshard_options(config: ParallelConfig) -> tuple:
-    """FSDP2's two choices for composed ZeRO-3 where `ParallelConfig` offers them, else one."""
-    if "reshard_after_forward" not in ParallelConfig.__dataclass_fields__:
+def _zero3_options(config: ParallelConfig, gpus_per_node: int) -> tuple:
+    """Composed ZeRO-3's choices: FSDP2's resharding after forward, and HSDP with the shards
+    inside a node (dp_shard = the dp ranks one node holds beside tp) and replicas across nodes,
+    where the data-parallel ranks span more than a node."""
+    if not (config.zero_stage == 3 and config.dp > 1 and not config.zero3_by_blocks):
         return (config,)
-    if config.zero_stage == 3 and config.dp > 1 and not config.zero3_by_blocks:
-        return (config, config.with_(reshard_after_forward=True))
-    return (config,)
+    out = [config, config.with_(reshard_after_forward=True)]
+    shard = gpus_per_node // config.tp
+    if config.ep == config.cp == 1 and 1 < shard < config.dp and config.dp % shard == 0:
+        out.append(config.with_(dp_replicate=config.dp // shard))
+    return tuple(out)
 
 
 def feasible_configs(model: GPTConfig, n_gpus: int, gpus_per_node: int = 8,
@@ -97,7 +101,7 @@ def feasible_configs(model: GPTConfig, n_gpus: int, gpus_per_node: int = 8,
                                       sequence_parallel=sp, activation_checkpointing=ckpt,
                                       precision="bf16", schedule=sched,
                                       virtual_stages=2 if sched in V_SHAPED else 1)
-                for config in _reshard_options(base):
+                for config in _zero3_options(base, gpus_per_node):
                     if config.problems(n_gpus, model, batch, n_experts):
                         continue  # only what `ParallelConfig.validate` accepts
                     row = _row(model, config, micro_batch, global_batch, n_experts, hardware)
@@ -127,7 +131,8 @@ def _table(rows: list[dict], limit: int) -> str:
     cells = ["<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
     for r in rows[:limit]:
         c, t = r["config"], r["time"]
-        zero = f"{c.zero_stage}{' reshard' if getattr(c, 'reshard_after_forward', False) else ''}"
+        zero = (f"{c.zero_stage}{' reshard' if c.reshard_after_forward else ''}"
+                f"{f' HSDP {c.dp_replicate}x{c.dp // c.dp_replicate}' if c.dp_replicate > 1 else ''}")
         values = (c.dp, c.tp, c.pp, c.schedule if c.pp > 1 else "", c.ep, zero,
                   "yes" if c.sequence_parallel else "no", c.microbatches,
                   "full" if c.activation_checkpointing else "none",

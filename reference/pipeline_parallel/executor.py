@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from reference.loss import MeanOfMeans, TokenMean
+from reference.loss import MeanOfMeans
 from reference.pipeline_parallel.accounting import ActivationStore, PipelineResult, Trace
 from reference.pipeline_parallel.forward_backward import RankState, backward, forward
 from reference.pipeline_parallel.messages import Mailbox
@@ -40,7 +40,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
                  inputs: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None,
                  *, group=None, checkpoint: Union[bool, Sequence[bool]] = False, tied_group=None,
                  batch_shape: Optional[tuple] = None, loss_fn: Optional[Callable] = None,
-                 loss_scale: float = 1.0, loss_mean: Optional[Union[TokenMean, MeanOfMeans]] = None,
+                 loss_scale: float = 1.0, loss_mean=None,
                  action_hook: Optional[Callable[[str, object], None]] = None) -> PipelineResult:
     """Run this rank's part of ``schedule`` on the full batch ``inputs`` (B, T) -> ``targets`` (B, T).
 
@@ -73,8 +73,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
     store = ActivationStore(stages, result, moving=action_hook is not None)
     mb_in, mb_tgt = _micro_batches(inputs, targets, batch_shape, schedule.m, rank, store.device)
     w = RankState(schedule, stages, rank, mb_in, mb_tgt, flags, loss_mean or MeanOfMeans(schedule.m),
-                  loss_scale, loss_fn,
-                  (schedule.mailbox or Mailbox)(group, rank, store.device), store)
+                  loss_scale, loss_fn, (schedule.mailbox or Mailbox)(group, rank, store.device), store)
     hook = action_hook or (lambda when, action: None)
     if schedule.pp > 1:
         dist.barrier(group=group)  # a common start, so the ranks' traces line up
@@ -103,18 +102,15 @@ def _pipeline_rank(schedule: Schedule, stages: Sequence[torch.nn.Module], group)
                            f"(start the ranks with reference.runtime.launch)")
     # pp = 1 without a group: a pipeline of one, whatever else runs in parallel
     alone = not distributed or (pp == 1 and group is None)
-    rank = 0 if alone else dist.get_rank(group)
-    size = 1 if alone else dist.get_world_size(group)
+    rank, size = (0, 1) if alone else (dist.get_rank(group), dist.get_world_size(group))
     if size != pp:
-        world = dist.get_world_size() if distributed else 1
         raise ValueError(f"{schedule!r} is for pp={pp} ranks, but the pipeline group has {size} "
-                         f"(world_size={world})")
+                         f"(world_size={dist.get_world_size() if distributed else 1})")
     if len(stages) != v:
         raise ValueError(f"{schedule!r} runs virtual={v} chunks per rank, got {len(stages)} stages")
-    last_stage = schedule.n_stages - 1
     for c, st in enumerate(stages):
         spec, s = getattr(st, "spec", None), schedule.stage(rank, c)
-        if spec is not None and (spec.stage != s or spec.head != (s == last_stage)):
+        if spec is not None and (spec.stage != s or spec.head != (s == schedule.n_stages - 1)):
             raise ValueError(f"pipeline rank {rank} chunk {c} should run model stage {s} of "
                              f"{schedule.n_stages}, got {spec}")
     return rank

@@ -18,11 +18,10 @@ from action to action: its micro-batches, its mailbox, what each F keeps.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from reference.loss import MeanOfMeans, TokenMean
 from reference.model import lm_loss
 from reference.pipeline_parallel.accounting import ActivationStore
 from reference.pipeline_parallel.actions import Action
@@ -44,7 +43,7 @@ class RankState:
     inputs: Optional[list]   # micro-batches of token ids (B / m, T), on the first stage
     targets: Optional[list]  # (B / m, T), on the last stage
     checkpoint: list         # one flag per chunk
-    loss_mean: Union[TokenMean, MeanOfMeans]  # each micro-batch's share of the step's loss
+    loss_mean: object        # each micro-batch's share of the step's loss (reference.loss)
     loss_scale: float        # backward starts from (share + aux / m) * loss_scale
     loss_fn: Optional[Callable]
     mail: Mailbox
@@ -76,21 +75,17 @@ def _run_stage(w: RankState, a: Action, x: torch.Tensor):
     out, aux = out if isinstance(out, tuple) else (out, None)
     if not w.ends(a.chunk)[1]:
         return out, aux, None, None
-    loss_fn = w.loss_fn or getattr(w.stages[a.chunk], "loss", None) or lm_loss
-    share = w.loss_mean.share(loss_fn, out, w.targets[a.mb])
-    total = share * w.loss_scale
-    if aux is not None:  # the balance loss: each micro-batch's own, averaged over the m
-        total = total + aux * (w.loss_scale / w.schedule.m)
-    return out, aux, total, share
+    share = w.loss_mean.share(w.loss_fn or getattr(w.stages[a.chunk], "loss", None) or lm_loss,
+                              out, w.targets[a.mb])
+    aux_share = 0 if aux is None else aux / w.schedule.m  # the balance loss: each micro-batch's own
+    return out, aux, (share + aux_share) * w.loss_scale, share
 
 
 def forward(w: RankState, a: Action) -> None:
     """F: micro-batch ``a.mb`` through chunk ``a.chunk``; keep what its B needs, post the output."""
     first, last = w.ends(a.chunk)
-    if first:
-        x = w.inputs[a.mb]  # (B / m, T) token ids
-    else:
-        x = w.mail.take("F", a.mb, a.chunk).requires_grad_()  # (B / m, T, C), or (B / m, T / tp, C) under SP
+    # (B / m, T) token ids on the first stage, else (B / m, T, C), or (B / m, T / tp, C) under SP
+    x = w.inputs[a.mb] if first else w.mail.take("F", a.mb, a.chunk).requires_grad_()
     kept = Kept(x)
     with w.store.saving() as saved:
         if w.checkpoint[a.chunk]:
