@@ -73,7 +73,7 @@ NUMERICS_TESTS ?= tests/test_tolerance.py tests/test_parallel_sweep.py tests/tes
 	tests/test_expert_parallel_dist.py tests/test_context_parallel.py tests/test_parallel_cp.py \
 	tests/test_parallel_fp16.py tests/test_adam8bit.py tests/test_optimizer_wrappers.py tests/test_pipeline_tp.py \
 	tests/test_fsdp_composed.py tests/test_fsdp_experts.py tests/test_moe_sequence_parallel.py tests/test_fsdp_reshard.py \
-	tests/test_pipeline_zero_bubble.py \
+	tests/test_pipeline_zero_bubble.py tests/test_loss_mean.py tests/test_bias_balance.py tests/test_hsdp.py \
 	tests/test_notebooks.py::test_notebook_runs_headless_within_budget
 NUMERICS_SETTINGS ?= COURSE_RANK_THREADS=1 \
 	ATEN_CPU_CAPABILITY=default,MKL_CBWR=COMPATIBLE,COURSE_RANK_THREADS=1 \
