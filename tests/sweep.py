@@ -41,7 +41,7 @@ OPTIONS = {
     "ep": (1, 2),
     "zero_stage": (0, 1, 2, 3),
     "sequence_parallel": (False, True),
-    "schedule": ("gpipe", "1f1b", "interleaved"),
+    "schedule": ("gpipe", "1f1b", "interleaved", "zb-v"),
     "virtual_stages": (1, 2),
     "activation_checkpointing": (False, True),
     "precision": ("fp32", "bf16", "fp16"),
@@ -49,6 +49,7 @@ OPTIONS = {
     "embedding_stage": (False, True),
     "clip": (False, True),
     "moe": (False, True),
+    "dp_replicate": (1, 2),
 }
 # The model and batch every case trains: 4 heads and d_ff 128 split over tp and cp, four
 # layers cut into up to four stages, 16 sequences split over dp x microbatches up to 16.
@@ -97,6 +98,8 @@ def effective(values: dict) -> dict:
             out.pop(k)
     if values["dp"] * values["cp"] == 1:
         out.pop("zero_stage")
+    if values["dp"] == 1 or values["zero_stage"] != 3:  # HSDP splits ZeRO-3's dp ranks
+        out.pop("dp_replicate")
     return out
 
 
@@ -118,6 +121,8 @@ def _all_pairs() -> set:
             continue
         values = {k: vals[0] for k, vals in OPTIONS.items()}
         values.update(_ENABLING)
+        for option in (a[0], b[0]):  # what lets each act (HSDP: ZeRO-3)
+            values.update(_ENABLE.get(option, {}))
         values.update({a[0]: a[1], b[0]: b[1]})
         eff = effective(values)
         if a[0] in eff and b[0] in eff:
@@ -135,7 +140,7 @@ def _draw(rng: random.Random, fixed: Optional[dict] = None) -> dict:
     # Draw the options most often refused into their working region half of the time, so
     # that accepted cases come up often enough: ep only with experts, interleaving with v=2.
     if rng.random() < 0.5:
-        values["virtual_stages"] = 2 if values["schedule"] == "interleaved" else 1
+        values["virtual_stages"] = 2 if values["schedule"] in ("interleaved", "zb-v", "dualpipev") else 1
     if values["ep"] > 1 and rng.random() < 0.7:
         values["moe"] = True
     values.update(fixed or {})
@@ -147,7 +152,7 @@ def _key(pair) -> tuple:
     return ((a, str(va)), (b, str(vb)))
 
 
-def covering_set(seed: int = 0, draws: int = 200, max_world: int = 8):
+def covering_set(seed: int = 0, draws: int = 600, max_world: int = 8):
     """(accepted, refused): accepted `SweepCase`s covering every pair of effective values that
     some accepted case can hold, and for each pair none can, (pair, a refused case, reason)."""
     rng = random.Random(seed)
@@ -240,13 +245,15 @@ def _nearest_refusal(accepted, fixed: dict, max_world: int) -> SweepCase:
 
 # What each option needs of the others to act at all (`effective`).
 _ENABLE = {"cp_kind": {"cp": 2}, "sequence_parallel": {"tp": 2}, "schedule": {"pp": 2},
-           "virtual_stages": {"pp": 2}, "embedding_stage": {"pp": 2}}
+           "virtual_stages": {"pp": 2}, "embedding_stage": {"pp": 2},
+           "dp_replicate": {"dp": 2, "zero_stage": 3}}
 
 # How `validate`'s reasons name each option.
 _WORDS = {"moe": ("experts",), "cp_kind": ("cp=", "cp_kind"), "schedule": ("schedule", "1F1B", "interleaved"),
           "sequence_parallel": ("sequence_parallel", "sequence parallel"),
           "clip": ("clip",), "precision": ("fp16", "bf16", "precision"),
-          "dp": ("dp=",), "tp": ("tp=",), "pp": ("pp=",), "cp": ("cp=",), "ep": ("ep=",)}
+          "dp": ("dp=",), "tp": ("tp=",), "pp": ("pp=",), "cp": ("cp=",), "ep": ("ep=",),
+          "dp_replicate": ("dp_replicate",)}
 
 
 def pair_reason(reason: str, a: str, b: str) -> str:
@@ -276,7 +283,7 @@ def full_product(max_world: int = 8):
         values = dict(zip(keys, combo))
         eff = effective(values)
         defaults = dict(cp_kind="ring", sequence_parallel=False, schedule="1f1b",
-                        virtual_stages=1, embedding_stage=False, zero_stage=0)
+                        virtual_stages=1, embedding_stage=False, zero_stage=0, dp_replicate=1)
         values = {k: eff.get(k, defaults.get(k, values[k])) for k in keys}
         case = _case(values)
         if case in seen or case.world_size > max_world:
