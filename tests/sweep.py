@@ -50,13 +50,14 @@ OPTIONS = {
     "clip": (False, True),
     "moe": (False, True),
     "dp_replicate": (1, 2),
+    "bias": (False, True),
 }
 # The model and batch every case trains: 4 heads and d_ff 128 split over tp and cp, four
 # layers cut into up to four stages, 16 sequences split over dp x microbatches up to 16.
 MODEL_SIZES = dict(n_layer=4, block_size=16)   # GPTConfig.tiny(**MODEL_SIZES)
 BATCH = (16, 16)                               # (B, T)
 N_EXPERTS = 4
-_CONFIG_KEYS = [k for k in OPTIONS if k not in ("clip", "moe")]
+_CONFIG_KEYS = [k for k in OPTIONS if k not in ("clip", "moe", "bias")]
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,10 @@ class SweepCase:
     config: ParallelConfig
     clip: bool = False
     moe: bool = False
+    bias: bool = False   # experts balanced by a bias too (`moe_factory(bias_update_rate=...)`)
 
     def __str__(self) -> str:
-        extra = [x for x, on in (("clip", self.clip), ("moe", self.moe)) if on]
+        extra = [x for x, on in (("clip", self.clip), ("moe", self.moe), ("bias", self.bias and self.moe)) if on]
         return " ".join([str(self.config)] + extra)
 
     @property
@@ -75,7 +77,7 @@ class SweepCase:
 
     def values(self) -> dict:
         out = {k: getattr(self.config, k) for k in _CONFIG_KEYS}
-        out.update(clip=self.clip, moe=self.moe)
+        out.update(clip=self.clip, moe=self.moe, bias=self.bias)
         return out
 
     def problems(self) -> list[str]:
@@ -100,6 +102,8 @@ def effective(values: dict) -> dict:
         out.pop("zero_stage")
     if values["dp"] == 1 or values["zero_stage"] != 3:  # HSDP splits ZeRO-3's dp ranks
         out.pop("dp_replicate")
+    if not values["moe"]:
+        out.pop("bias")
     return out
 
 
@@ -132,7 +136,8 @@ def _all_pairs() -> set:
 
 def _case(values: dict) -> SweepCase:
     kw = {k: values[k] for k in _CONFIG_KEYS}
-    return SweepCase(ParallelConfig(**kw), clip=values["clip"], moe=values["moe"])
+    return SweepCase(ParallelConfig(**kw), clip=values["clip"], moe=values["moe"],
+                     bias=values["bias"] and values["moe"])
 
 
 def _draw(rng: random.Random, fixed: Optional[dict] = None) -> dict:
@@ -246,14 +251,14 @@ def _nearest_refusal(accepted, fixed: dict, max_world: int) -> SweepCase:
 # What each option needs of the others to act at all (`effective`).
 _ENABLE = {"cp_kind": {"cp": 2}, "sequence_parallel": {"tp": 2}, "schedule": {"pp": 2},
            "virtual_stages": {"pp": 2}, "embedding_stage": {"pp": 2},
-           "dp_replicate": {"dp": 2, "zero_stage": 3}}
+           "dp_replicate": {"dp": 2, "zero_stage": 3}, "bias": {"moe": True}}
 
 # How `validate`'s reasons name each option.
 _WORDS = {"moe": ("experts",), "cp_kind": ("cp=", "cp_kind"), "schedule": ("schedule", "1F1B", "interleaved"),
           "sequence_parallel": ("sequence_parallel", "sequence parallel"),
           "clip": ("clip",), "precision": ("fp16", "bf16", "precision"),
           "dp": ("dp=",), "tp": ("tp=",), "pp": ("pp=",), "cp": ("cp=",), "ep": ("ep=",),
-          "dp_replicate": ("dp_replicate",)}
+          "dp_replicate": ("dp_replicate",), "bias": ("experts",)}
 
 
 def pair_reason(reason: str, a: str, b: str) -> str:
@@ -283,7 +288,7 @@ def full_product(max_world: int = 8):
         values = dict(zip(keys, combo))
         eff = effective(values)
         defaults = dict(cp_kind="ring", sequence_parallel=False, schedule="1f1b",
-                        virtual_stages=1, embedding_stage=False, zero_stage=0, dp_replicate=1)
+                        virtual_stages=1, embedding_stage=False, zero_stage=0, dp_replicate=1, bias=False)
         values = {k: eff.get(k, defaults.get(k, values[k])) for k in keys}
         case = _case(values)
         if case in seen or case.world_size > max_world:

@@ -35,6 +35,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOLERANCES = {p: dict(loss=loss(dtype), weights=adamw_weights(STEPS, LR, dtype=dtype))
               for p, dtype in DTYPES.items()}
 FP16_POWER = 12   # the loss scale starts at 2^12: the tiny model's gradients stay finite
+BIAS_RATE = 0.05  # a bias-balanced MoE's step: large enough to move the routing in 3 steps
 
 
 def batches(steps: int = STEPS):
@@ -55,8 +56,11 @@ def model_for(case):
 
     torch.manual_seed(0)  # the same initial weights on every rank and in the single process
     cfg = GPTConfig.tiny(**MODEL_SIZES)
-    # capacity 2.0: no token dropped, so routing per chunk is the same everywhere
-    return GPT(cfg, ffn_factory=moe_factory(N_EXPERTS, k=2, capacity_factor=2.0)) if case.moe else GPT(cfg)
+    # capacity 2.0: no token dropped, so routing per chunk is the same everywhere; with `bias`
+    # the experts are balanced by a bias too (DeepSeek-V3), moved after each step
+    rate = BIAS_RATE if case.bias else 0.0
+    return GPT(cfg, ffn_factory=moe_factory(N_EXPERTS, k=2, capacity_factor=2.0, bias_update_rate=rate)) \
+        if case.moe else GPT(cfg)
 
 
 def _scaler():

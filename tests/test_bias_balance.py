@@ -9,20 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference.expert_parallel import MoE, biased_routers, moe_factory, update_expert_bias
-from reference.model import GPT, GPTConfig
+from reference.expert_parallel import MoE, update_expert_bias
 from reference.parallel.config import ParallelConfig
 from reference.runtime import launch
-from sweep import BATCH, MODEL_SIZES, N_EXPERTS, SweepCase
-from sweep_run import LR, EPS, STEPS, batches, compare
-
-RATE = 0.05
+from sweep import BATCH, SweepCase
+from sweep_run import BIAS_RATE as RATE, EPS, LR, STEPS, batches, compare, model_for
 
 
 def _model():
-    torch.manual_seed(0)
-    return GPT(GPTConfig.tiny(**MODEL_SIZES),
-               ffn_factory=moe_factory(N_EXPERTS, k=2, capacity_factor=2.0, bias_update_rate=RATE))
+    return model_for(SweepCase(ParallelConfig(), moe=True, bias=True))  # the sweep's MoE, bias-balanced
 
 
 def _biases(modules) -> dict:
@@ -81,7 +76,7 @@ def test_the_bias_and_the_weights_follow_one_process(configs):
             for step, (got, want) in enumerate(zip(rank[i][1], want_bias)):
                 for name, bias in got.items():  # each rank's routers (a stage holds some)
                     assert torch.equal(bias, want[name]), (config, step, name, bias, want[name])
-        row = compare(SweepCase(config, moe=True), (results[0][i][0], [False] * STEPS, results[0][i][2]),
+        row = compare(SweepCase(config, moe=True, bias=True), (results[0][i][0], [False] * STEPS, results[0][i][2]),
                       (want_losses, [False] * STEPS, want_state))
         assert row["ok"], row["why"]
 
