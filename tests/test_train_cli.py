@@ -101,7 +101,7 @@ def test_parity_and_plot_of_a_run(standalone, tmp_path):
     plot = _trainer("plot", log, "--out", tmp_path / "run.png")
     assert plot.returncode == 0 and (tmp_path / "run.png").stat().st_size > 1000, plot.stderr
     record = json.loads(log.read_text().splitlines()[-1])
-    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "sent_bytes_rank0", "peak_memory_bytes"):
+    for key in ("loss", "tokens", "grad_norm", "lr", "tokens_per_s", "sent_bytes_rank0", "peak_memory_bytes"):
         assert key in record
     assert len(record["peak_memory_bytes"]) == 4 and set(record["sent_bytes_rank0"]) >= {"tp", "dp"}
 

@@ -57,6 +57,20 @@ def test_moe_4d_has_experts_on_top_of_3d():
     assert describe(config, 8).endswith("nothing found")
 
 
+def test_debug_padded_trains_on_padded_documents_with_the_token_mean():
+    from reference.train.loop import batch_at
+
+    config = load_config(CONFIGS / "debug_padded.json", world_size=8)
+    assert config.parallel_config(8) == ParallelConfig.debug_3d()   # loss_mean "tokens", the default
+    assert config.data.source == "documents" and config.parallelism.loss_mean == "tokens"
+    _, targets = batch_at("documents", 8, config.seq_len(), 0, config.data.seed)
+    counted = (targets != -100).sum(1)
+    assert len(set(counted.tolist())) > 1 and int(counted.min()) >= 1  # every row its own count
+    assert describe(config, 8).endswith("nothing found")
+    with pytest.raises(ValueError, match="loss_mean"):
+        load_config(CONFIGS / "debug_padded.json", {"parallelism.loss_mean": "sum"})
+
+
 def test_article_config_is_the_articles_file_and_check_explains_every_key():
     """The article's file exactly (lr 6e-5, no scheduler, fp16 {"enabled": true}, ZeRO-3 with
     the optimizer offloaded, an activation_checkpointing block). On 8 ranks with no
