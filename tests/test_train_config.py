@@ -69,6 +69,8 @@ def test_debug_padded_trains_on_padded_documents_with_the_token_mean():
     assert describe(config, 8).endswith("nothing found")
     with pytest.raises(ValueError, match="loss_mean"):
         load_config(CONFIGS / "debug_padded.json", {"parallelism.loss_mean": "sum"})
+    old = load_config(CONFIGS / "debug_padded.json", {"parallelism.loss_mean": "mean_of_means"})
+    assert "average of their means is not one process's loss" in describe(old, 8)
 
 
 def test_article_config_is_the_articles_file_and_check_explains_every_key():

@@ -75,6 +75,12 @@ def describe(config, world_size: int) -> str:
         B, mb, acc = batch
         tokens = f"; {B * T:,} tokens per step ({B} sequences x {T})" if T else ""
         line("batch", f"train_batch_size {B} = micro-batch {mb} x accumulation {acc} x dp {dp}{tokens}")
+        line("loss", "the mean over the step's counted tokens, as one process (reference.loss)"
+             if p.loss_mean == "tokens" else "each micro-batch's mean, averaged (mean_of_means)")
+        if p.loss_mean == "mean_of_means" and config.data.source == "documents":
+            issues.append("parallelism.loss_mean='mean_of_means' on padded documents: micro-batches "
+                          "and ranks count different numbers of tokens, so the average of their means "
+                          "is not one process's loss; use 'tokens'")
         if pp > 1:
             m, bubble = acc, (pp - 1) / (v * acc + pp - 1)
             line("pipeline", f"{p.schedule} over {m} micro-batches (DeepSpeed's accumulation steps)"
