@@ -84,11 +84,13 @@ def test_padded_documents_count_what_they_say():
         assert (x[b, n:] == PAD).all() and (y[b, :n] != IGNORE_INDEX).all()
 
 
-# The configurations, and experts (their balance loss keeps its own normalisation).
+# dp with micro-batches, tp + SP, cp, pp, experts (their balance loss keeps its own
+# normalisation) and ZeRO-3 by blocks, which runs its micro-batches outside the pipeline.
 TWO = [ParallelConfig(dp=2, microbatches=2), ParallelConfig(pp=2, microbatches=4),
        ParallelConfig(dp=2, ep=2, microbatches=2)]
 FOUR = [ParallelConfig(dp=2, tp=2, sequence_parallel=True),
-        ParallelConfig(dp=2, cp=2, cp_kind="ring")]
+        ParallelConfig(dp=2, cp=2, cp_kind="ring"),
+        ParallelConfig(dp=4, zero_stage=3, microbatches=2)]  # FSDP by blocks runs its own micro-batches
 
 
 @pytest.mark.parametrize("configs", [TWO, FOUR], ids=["2 ranks", "4 ranks"])

@@ -190,11 +190,11 @@ class WholeModelShards(Replicas):
         for x, y in zip(run.x.split(run.x.shape[0] // m), run.y.split(run.y.shape[0] // m)):
             with run.autocast():
                 logits, _ = self.fsdp(x.to(run.device))
-                loss = lm_loss(logits, y.to(run.device))
-            (loss * (run.loss_scale / m)).backward()
-            losses.append(loss.detach().float())
+                share = run.loss_mean.share(lm_loss, logits, y.to(run.device))  # reference.loss
+            (share * run.loss_scale).backward()
+            losses.append(share.detach().float())
         run.event("F", "forward and backward", 0.0)
-        return torch.stack(losses).mean(), 0
+        return torch.stack(losses).sum(), 0
 
     def reduce_gradients(self, pm, optimizer) -> None:
         pass  # each block's gradient was reduce-scattered during the backward
