@@ -65,3 +65,17 @@ def test_unpadded_vocabulary_loses_the_padded_case():
 def test_extra_layers_on_the_first_stages_lose_the_uneven_cases():
     score = _score(PARAMETERS_PER_RANK, ("1 if stage >= pp - extra else 0", "1 if stage < extra else 0"))
     assert 0 < score.points < score.max
+
+
+def test_a_one_call_answer_through_the_course_calculator_scores_zero():
+    """Exercise 2 says to count by hand: stage_params (the calculator the expected answers come
+    from) refuses to run from the student's function, however it is imported."""
+    def parameters_per_rank(model, dp, tp, pp):
+        from reference.model import GPTConfig
+        from reference.parallel.config import ParallelConfig
+        from reference.parallel.estimate import stage_params
+        config = ParallelConfig(dp=dp, tp=tp, pp=pp)
+        mesh = config.mesh()
+        return [stage_params(GPTConfig(**model), config, mesh.coords(r).pp) for r in range(dp * tp * pp)]
+    score = score_exercise(PARAMETERS_PER_RANK, cloudpickle.dumps(parameters_per_rank), seed=1, timeout=60)
+    assert score.points == 0 and "reference implementation" in score.reason, score.reason

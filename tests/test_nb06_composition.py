@@ -46,8 +46,8 @@ def _namespace(*cell_ids, **given) -> dict:
 
 @pytest.fixture(scope="module")
 def cells():
-    ns = _namespace("setup", "my-tp-model", "my-pipeline", "my-reduce", "my-train", "one-process",
-                    "equals-one-process", "my-clip", "my-clip-norm", "my-zero")
+    ns = _namespace("setup", "my-tp-model", "my-embedding-group", "my-pipeline", "my-reduce", "copies-gap",
+                    "my-train", "one-process", "equals-one-process", "my-clip", "my-clip-norm", "my-zero")
     ns["CHUNKS"] = ns["CONFIG"].dp * ns["M_MICRO"]  # set by the cell that first trains
     return ns
 
@@ -63,7 +63,10 @@ def test_composed_step_equals_one_process_and_each_mistake_shows(cells):
     sgd = torch.optim.SGD
 
     def all_runs():
-        out = {"right": my_train(STEPS, MAX_NORM), "right, ZeRO-1": my_train(STEPS, MAX_NORM, True),
+        mesh = cells["Mesh"](**cells["DIMS"]).build_groups()
+        ranks_of = cells["dist"].get_process_group_ranks
+        groups = (ranks_of(cells["my_embedding_group"](mesh)), ranks_of(cells["build_embedding_group"](mesh)))
+        out = {"groups": groups, "right": my_train(STEPS, MAX_NORM), "right, ZeRO-1": my_train(STEPS, MAX_NORM, True),
                "fp16, overflow": my_train(STEPS, MAX_NORM, True, True, overflow_at=0)}
         for name in MISTAKES:
             out[name] = my_train(STEPS, MAX_NORM, "ZeRO" in name, False, (name,))
@@ -72,6 +75,16 @@ def test_composed_step_equals_one_process_and_each_mistake_shows(cells):
 
     ranks = launch(all_runs, 8)
     runs = ranks[0]
+    # the embedding group the student forms: the package's, on every rank (first and last stage)
+    for rank, r in enumerate(ranks):
+        mine, package = r["groups"]
+        assert mine == package == [rank % 4, rank % 4 + 4], (rank, mine, package)
+    # copies that must stay equal: bit for bit in every right run; parted by the two mistakes
+    for name in ("right", "right, ZeRO-1", "fp16, overflow", "loss averaged over pp"):
+        assert runs[name]["copies"] == dict(tied=0.0, ln=0.0), name
+    lr = cells["LR"]
+    assert runs["tied copies drift"]["copies"]["tied"] > lr and runs["tied copies drift"]["copies"]["ln"] == 0.0
+    assert runs["SP not summed over tp"]["copies"]["ln"] > lr / 2
     clip = one_process(STEPS, MAX_NORM)
     divergence, equals_one_process = cells["divergence"], cells["equals_one_process"]
     adamw, norm = tolerance.adamw_weights(STEPS, cells["LR"]), tolerance.gradient(n=8)
@@ -145,7 +158,36 @@ def _markdown(cell_id):
     return " ".join(source(NOTEBOOK, cell_id).split())
 
 
-def test_notebook_keeps_its_exercises_last_and_no_outputs():
+def test_notebook_ends_with_its_exercises_then_the_appendix_and_has_no_outputs():
     nb = json.loads(NOTEBOOK.read_text(encoding="utf-8"))
-    assert "## Exercises" in "".join(nb["cells"][-1]["source"])
+    heads = [c["source"][0].strip() for c in nb["cells"] if c["cell_type"] == "markdown" and c["source"]
+             and c["source"][0].startswith("## ")]
+    assert heads[-3:] == ["## Summary", "## Exercises",
+                          "## Appendix · Going further: ZeRO-3 beside tensor and pipeline parallelism"]
+    ids = [c["id"] for c in nb["cells"]]
+    assert all(i.startswith("fsdp-") for i in ids[ids.index("appendix") + 1:])  # only the measurements
+    assert not any(i.startswith("fsdp-") for i in ids[:ids.index("appendix")])
     assert all(not c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code")
+
+
+def test_no_code_cell_is_over_25_lines_and_each_follows_its_purpose():
+    """Each code cell holds one idea: at most 25 lines, and a markdown cell before it or before
+    the run of code cells it belongs to (a definition and its check)."""
+    nb = json.loads(NOTEBOOK.read_text(encoding="utf-8"))
+    long = {c["id"]: len("".join(c["source"]).splitlines()) for c in nb["cells"]
+            if c["cell_type"] == "code" and len("".join(c["source"]).splitlines()) > 25}
+    assert not long, long
+    run = 0
+    for c in nb["cells"]:
+        run = run + 1 if c["cell_type"] == "code" else 0
+        assert run <= 4, c["id"]
+
+
+def test_the_student_forms_the_embedding_group_and_sees_the_copies_drift():
+    from notebook_cells import source
+    mine = source(NOTEBOOK, "my-embedding-group")
+    assert "dist.new_group" in mine and "build_embedding_group" not in mine
+    assert "my_embedding_group(mesh)" in source(NOTEBOOK, "my-pipeline")
+    assert "build_embedding_group" not in source(NOTEBOOK, "my-pipeline")
+    drift = source(NOTEBOOK, "tied-drift")
+    assert 'mine["copies"] == dict(tied=0.0, ln=0.0)' in drift and 'unsummed["copies"]["tied"] > LR' in drift
