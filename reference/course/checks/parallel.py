@@ -139,7 +139,7 @@ _RECOMPUTE_HINTS = {
     "differs from a run without checkpointing": (
         "the gradients are right without dropout (that case passed) but differ with it: which "
         "elements does the recomputation drop, compared with the forward? Reread "
-        "notebook 06, 'The sixth mistake needs dropout'"),
+        "notebook 06, 'The seventh mistake needs dropout'"),
 }
 
 

@@ -295,7 +295,7 @@ from reference.course.homework.parallel_extra import (  # noqa: E402 - after the
 )
 # The composed exercise: one step's gradients, loss and norm, against one process.
 from reference.course.homework.parallel_step import FINISH_STEP  # noqa: E402
-# The clinic's sixth mistake: a recomputation that draws other dropout masks.
+# The clinic's seventh mistake: a recomputation that draws other dropout masks.
 from reference.course.homework.parallel_recompute import RECOMPUTE  # noqa: E402
 # FSDP inside tensor parallelism: the rows a rank holds.
 from reference.course.homework.parallel_fsdp import FSDP_TP_PIECES  # noqa: E402
