@@ -1,6 +1,12 @@
 """Notebook 06's composed step and its clinic, run from the notebook's own cells, and the
 numbers its prose prints about GPT-3 175B.
 
+* The embedding group the student forms (cell `my-embedding-group`: every rank makes every
+  pipeline's group of its first and last stage) holds the same ranks as the package's
+  `build_embedding_group`; copies that must stay equal (the tied embedding's two, each
+  LayerNorm over tp, `copies-gap`) are equal bit for bit after every right run, and parted
+  beyond an AdamW step (lr) without the embedding group's sum, beyond half of one without
+  the SP sum over tp.
 * The step the student composes (cells `my-tp-model`, `my-pipeline`, `my-reduce`,
   `my-train`, `my-clip`, `my-clip-norm`, `my-zero`) equals one process on 8 ranks within the
   course's bounds (`reference.tolerance`: the losses, every weight and their mean after
@@ -23,6 +29,9 @@ numbers its prose prints about GPT-3 175B.
   (TP 8 x PP 16, fp16 at 20 bytes per parameter, no SP, no recompute): about 52 GiB of
   activations on the first stage, fits 80 GiB (not 80e9 bytes) by about a GiB, bubble 15/207;
   1024 GPUs are 128 nodes.
+* The notebook's shape: no code cell over 25 lines, at most four code cells in a row after a
+  markdown cell; the summary, the exercises, then the appendix going further (the FSDP x TP
+  and FSDP x PP measurements, and nothing else); no outputs.
 """
 import json
 
