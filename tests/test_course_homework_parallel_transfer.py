@@ -211,3 +211,25 @@ def test_the_hints_name_symptoms_not_the_answer():
                "12 C^2", "subtract a", "dp_rank *", "get_rank(", "all_reduce over dp")
     for key, hint in {**_HINTS, **_NORM_HINTS}.items():
         assert not any(a in hint for a in answers), (key, hint)
+
+
+def test_every_section_a_hint_names_is_a_heading_of_its_notebook():
+    """A hint that says "Reread notebook 06, 'X'" (or its appendix 'X') names a heading X that
+    notebook 06 has; notebook 04's likewise."""
+    import json
+    import re
+    from pathlib import Path
+
+    import reference.course.checks.parallel as checks
+
+    root = Path(__file__).resolve().parent.parent
+    text = re.sub(r'"\s*\n\s*f?"', "", Path(checks.__file__).read_text(encoding="utf-8"))  # strings joined
+    named = re.findall(r"notebook (\d\d),\s+(?:appendix )?'([^']+)'", text)
+    assert len(named) >= 7 and ("06", "A.1 FSDP inside tensor parallelism") in named, named
+    for number, title in named:
+        (path,) = (root / "notebooks").glob(f"{number}_*.ipynb")
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        heads = {line.lstrip("#").strip() for c in cells if c["cell_type"] == "markdown"
+                 for line in c["source"] if line.startswith("#")}
+        starts = {"".join(c["source"]).split(":")[0] for c in cells if c["cell_type"] == "markdown"}
+        assert title in heads or title in starts, (number, title)

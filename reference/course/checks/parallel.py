@@ -56,7 +56,7 @@ _HINTS = {
                           "first (each block of the out dimension split over tp), then the "
                           "rank's TP-local rows as FSDP does (padded to dp equal parts); write "
                           "both cuts for the case the message names. Reread notebook 06, "
-                          "'FSDP inside tensor parallelism'"),
+                          "appendix 'A.1 FSDP inside tensor parallelism'"),
     "new rank": ("rows are missing or repeated for that new rank: write each old and new rank's "
                  "rows as a range and compare them, for the case the message names"),
 }
