@@ -200,3 +200,22 @@ def test_the_student_forms_the_embedding_group_and_sees_the_copies_drift():
     assert "build_embedding_group" not in source(NOTEBOOK, "my-pipeline")
     drift = source(NOTEBOOK, "tied-drift")
     assert 'mine["copies"] == dict(tied=0.0, ln=0.0)' in drift and 'unsummed["copies"]["tied"] > LR' in drift
+
+
+def test_the_claims_behind_the_embedding_group_and_the_drift():
+    """Step 3: new_group's documentation requires every process to enter it, in one order (the
+    pinned PyTorch's docstring). Step 4: AdamW's first update moves a weight by lr times its
+    gradient's sign (bias correction makes m / sqrt(v) = g / |g|, up to eps), so two copies
+    whose gradients differ in sign part by 2 lr in one step, and a copy with no gradient (0)
+    stays while the other moves by lr."""
+    doc = " ".join(torch.distributed.new_group.__doc__.split())
+    assert "all processes in the main group" in doc and "even if they are not going to be members" in doc
+    assert "groups should be created in the same order in all processes" in doc
+    assert "documentation requires that **every** process enter it" in _markdown("c08")
+    lr = 3e-3
+    w = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.AdamW([w], lr=lr, weight_decay=0.0)
+    w.grad = torch.tensor([2.0, -0.5, 1e-3, 0.0])
+    opt.step()
+    assert torch.allclose(w.detach(), torch.tensor([-lr, lr, -lr, 0.0]), rtol=1e-4, atol=0)
+    assert "lr times its gradient's sign" in _markdown("c15b") and "`2 LR` apart" in _markdown("c15b")
