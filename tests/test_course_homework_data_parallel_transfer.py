@@ -248,3 +248,65 @@ def test_the_course_answers_the_grader_refuses_answer_the_exercise(spec, world_s
     reasons = [spec.judge(c.inputs, spec.expect(c.inputs), [r[i] for r in per_rank], world_size)
                for i, c in enumerate(cases)]
     assert reasons and all(r == "" for r in reasons), reasons
+
+
+# ------------------------------------------------------------------ each stated rule, broken alone
+
+def _variant(exercise: str, *edits: tuple):
+    """The solution's answer to `exercise` with each (old, new) edit made: one rule broken."""
+    cell = next(c for c in nbformat.read(SOLUTION, 4).cells
+                if c.metadata.get("course", {}).get("exercise") == exercise)
+    source = cell.source
+    for old, new in edits:
+        assert old in source, old
+        source = source.replace(old, new)
+    namespace = {"__name__": "homework_under_test"}
+    exec("import torch\nimport torch.distributed as dist\n" + source, namespace)
+    return namespace[exercise]
+
+
+def _subgroup_only(spec):
+    """Only the cases on the subgroup of ranks 1 .. p - 1: one launch, two cases."""
+    return dataclasses.replace(spec, make_cases=lambda g, w, make=spec.make_cases: [
+        c for c in make(g, w) if "subgroup" in c.name])
+
+
+WORLD_SIZE_NOT_THE_GROUPS = ("dist.get_world_size(group)", "dist.get_world_size()")
+
+
+@pytest.mark.parametrize("exercise, size, edits, words", [
+    # the mean over the group's ranks, not over the world's
+    ("average_gradients", 4, (WORLD_SIZE_NOT_THE_GROUPS,), "subgroup"),
+    ("bucketed_all_reduce", 4, (WORLD_SIZE_NOT_THE_GROUPS,), "subgroup"),
+    ("int8_all_reduce", 3, (WORLD_SIZE_NOT_THE_GROUPS,), "subgroup"),
+    # the all-reduce over the group: without group= it waits for rank 0, which is not in it
+    ("accumulate_gradients", 3, (("dist.all_reduce(flat, group=group)", "dist.all_reduce(flat)"),),
+     "timed out"),
+    # frozen parameters keep grad None
+    ("average_gradients", 2, (("        if p.grad is None:  # frozen: nothing to average, and every rank skips it alike\n"
+                               "            continue",
+                               "        if p.grad is None:\n            p.grad = torch.zeros_like(p)"),),
+     "got a gradient"),
+    # at most the gradients and two more numbers all-reduced
+    ("accumulate_gradients", 2, (("dist.all_reduce(flat, group=group)",
+                                  "dist.all_reduce(flat, group=group)\n"
+                                  "    dist.all_reduce(torch.zeros(3, dtype=flat.dtype), group=group)"),),
+     "the gradients and two numbers"),
+    # grad and residual left unchanged
+    ("int8_all_reduce", 2, (("v = grad + residual", "v = grad.add_(residual)"),), "changed grad or residual"),
+    # the values sent as int8
+    ("int8_all_reduce", 2, (("dist.all_reduce(q, group=group)", "q = q.to(v.dtype)\n"
+                             "    dist.all_reduce(q, group=group)"),), "as int8"),
+])
+def test_each_stated_rule_broken_alone_costs_half_the_exercise(exercise, size, edits, words):
+    """An otherwise right answer that breaks one rule the text states, on a world size that
+    shows it, keeps at most half of the exercise as the grader weighs it (WRONG_KEEPS)."""
+    spec = dataclasses.replace(next(s for s in homework("01_data_parallel") if s.id == exercise),
+                               world_sizes=(size,))
+    if words in ("subgroup", "timed out"):
+        spec = _subgroup_only(spec)
+    fn = _variant(exercise, *edits)
+    score = score_exercise(spec, cloudpickle.dumps(fn), seed=7,
+                           timeout=5 if words == "timed out" else TIMEOUT)
+    assert score.points < score.max and score.weighted() <= score.weight / 2, score.failures
+    assert all(words in f for f in score.failures), score.failures
