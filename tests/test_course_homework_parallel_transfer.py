@@ -37,6 +37,9 @@ def _norm(mistake=""):
             pos += size
         if mistake == "dp rank 0 alone" and d != 0:   # step 5's rule, for averaged gradients
             acc.zero_()
+        if mistake == "one all-reduce over the world":    # the lecture's world was one model
+            dist.all_reduce(acc)
+            return acc.sqrt()
         for g in ("dp", "tp", "pp"):
             dist.all_reduce(acc, group=groups[g])
         return acc.sqrt()
@@ -54,21 +57,26 @@ def _spec(exercise):
     return next(s for s in homework("06_3d_parallel") if s.id == exercise)
 
 
-NORM_MISTAKES = ("dp rank 0 alone", "replicated counted on every tp rank",
-                 "the shard counted as its first tensor", "shard at the buffer's start")
+# each mistake, and the world size whose cases show it
+NORM_MISTAKES = {"dp rank 0 alone": 4, "replicated counted on every tp rank": 4,
+                 "the shard counted as its first tensor": 4, "shard at the buffer's start": 4,
+                 "one all-reduce over the world": 8}
 
 
 def test_global_grad_norm_right_answer_full_marks_and_each_mistake_keeps_at_most_half():
-    """Five cases on 4 and 8 ranks. Each mistake fails some of them (dp rank 0 alone: every
-    case, all have dp > 1; the others: those with tp > 1) and keeps at most half."""
+    """Six cases on 4 and 8 ranks. Each mistake fails some of them (dp rank 0 alone: every
+    case, all have dp > 1; the shard's arithmetic and the replicated tensors: those with
+    tp > 1; one all-reduce over the world: two models side by side in one world) and keeps at
+    most half."""
     spec = _spec("global_grad_norm")
     right = score_exercise(spec, cloudpickle.dumps(_norm()), seed=11, timeout=60)
-    assert right.points == right.max == 5 and right.weighted() == 4, right.failures
-    # Each mistake fails a case on 4 ranks; the grader draws the same cases there (its seed,
-    # the exercise and the world size), so failing them keeps at most half of the whole.
-    four = dataclasses.replace(spec, world_sizes=(4,))
-    for mistake in NORM_MISTAKES:
-        wrong = score_exercise(four, cloudpickle.dumps(_norm(mistake)), seed=11, timeout=60)
+    assert right.points == right.max == 6 and right.weighted() == 4, right.failures
+    # Each mistake is scored on the world size whose cases show it; the grader draws the same
+    # cases there (its seed, the exercise and the world size), so failing one keeps at most
+    # half of the whole exercise.
+    for mistake, world_size in NORM_MISTAKES.items():
+        one = dataclasses.replace(spec, world_sizes=(world_size,))
+        wrong = score_exercise(one, cloudpickle.dumps(_norm(mistake)), seed=11, timeout=60)
         assert wrong.points < wrong.max and wrong.weighted() <= 2, (mistake, wrong.as_dict())
         assert "ratio" in wrong.failures[0], (mistake, wrong.failures)
 
@@ -84,15 +92,18 @@ def test_global_grad_norm_cases_cut_tensors_and_the_truth_is_the_whole_buffer():
             cuts = torch.tensor(c["sizes"]).cumsum(0).tolist()
             S = c["shard"].numel()
             assert any(k * S not in [0] + cuts for k in range(1, c["dp"])), case.name  # a cut inside
-            assert c["dp"] > 1 and len(case.inputs) == c["dp"] * c["tp"] * c["pp"] == ws
-            truth = 0.0                      # every tensor of every stage, split ones per tp rank
-            for r, inp in enumerate(case.inputs):
-                if r % (c["tp"] * c["dp"]) < c["tp"]:   # dp rank 0 of each (stage, tp rank)
-                    buf = torch.cat([case.inputs[r + d * c["tp"]]["shard"].double() for d in range(c["dp"])])
-                    parts = torch.tensor_split(buf, torch.tensor(inp["sizes"]).cumsum(0).tolist())[:-1]
-                    truth += sum(float(p.pow(2).sum()) for p, s in zip(parts, inp["tp_split"])
-                                 if s or r % c["tp"] == 0)
-            assert expect_global_grad_norm(case.inputs)[0] == pytest.approx(math.sqrt(truth), rel=1e-12)
+            n = c["dp"] * c["tp"] * c["pp"]
+            assert c["dp"] > 1 and len(case.inputs) == n * c["copies"] == ws
+            expected = expect_global_grad_norm(case.inputs)
+            for copy in range(c["copies"]):       # each model on its own ranks, its own norm
+                model, truth = case.inputs[copy * n:(copy + 1) * n], 0.0
+                for r, inp in enumerate(model):   # every tensor of every stage, split ones per tp rank
+                    if r % (c["tp"] * c["dp"]) < c["tp"]:   # dp rank 0 of each (stage, tp rank)
+                        buf = torch.cat([model[r + d * c["tp"]]["shard"].double() for d in range(c["dp"])])
+                        parts = torch.tensor_split(buf, torch.tensor(inp["sizes"]).cumsum(0).tolist())[:-1]
+                        truth += sum(float(p.pow(2).sum()) for p, s in zip(parts, inp["tp_split"])
+                                     if s or r % c["tp"] == 0)
+                assert expected[copy * n:(copy + 1) * n] == pytest.approx([math.sqrt(truth)] * n, rel=1e-12)
 
 
 def test_global_grad_norm_may_only_all_reduce_and_not_run_the_course_clip():

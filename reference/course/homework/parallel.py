@@ -19,15 +19,17 @@
   ``tp_split`` whether each is this tp rank's slice or replicated over tp. Each number
   counted once: every dp rank's shard, a slice on every tp rank, a replicated tensor's
   numbers on tp rank 0 only, summed over dp, tp and pp. Only ``all_reduce`` is allowed.
-  Cases on 4 and 8 ranks: dp 2 or 4, with tp, pp or both; float32 and float64 shards;
-  tensors of drawn lengths, split and replicated alternating, so that shards start and end
-  inside tensors and straddle a split and a replicated one; buffers with and without
-  padding. Every rank must return the float64 truth (built from the whole buffers, the dp
-  shards put back together) within `reference.tolerance.gradient(n)`, a sum over the n
-  ranks. Wrong in principle and caught: counting dp rank 0's shard alone (the rule of the
-  unsharded clip, where every dp rank holds the same numbers), counting replicated numbers
-  on every tp rank, deciding a whole shard's count by the tensor it starts in, or placing
-  the shard at the buffer's start; each fails a case and keeps at most half the points.
+  Cases on 4 and 8 ranks: dp 2 or 4, with tp, pp or both, and two dp 2 x tp 2 models side
+  by side in one world of 8 (each model's sums stay in its own groups); float32 and float64
+  shards; tensors of drawn lengths, split and replicated alternating, so that shards start
+  and end inside tensors and straddle a split and a replicated one; buffers with and
+  without padding. Every rank must return its model's float64 truth (built from the whole
+  buffers, the dp shards put back together) within `reference.tolerance.gradient(n)`, a sum
+  over the n ranks. Wrong in principle and caught: counting dp rank 0's shard alone (the
+  rule of the unsharded clip, where every dp rank holds the same numbers), counting
+  replicated numbers on every tp rank, deciding a whole shard's count by the tensor it
+  starts in, placing the shard at the buffer's start, or one all-reduce over the world
+  instead of the model's groups; each fails a case and keeps at most half the points.
 mesh_groups and parameters_per_rank are pure functions: one rank runs each case; nothing
 is communicated. The transfer exercise reshard_plan and the written question
 (step_bytes_3d) are checked in `parallel_extra`; the composed exercise (finish_step: one
@@ -184,19 +186,22 @@ def course_global_grad_norm(shard, sizes, tp_split, groups) -> float:
     return math.sqrt(total.item())
 
 
-def _mesh_groups(dp: int, tp: int, pp: int) -> dict:
-    """This rank's dp, tp and pp groups; every rank creates every group, in one order."""
+def _mesh_groups(dp: int, tp: int, pp: int, copies: int = 1) -> dict:
+    """This rank's dp, tp and pp groups in its copy of the mesh (`copies` meshes side by side,
+    copy c on global ranks c n .. c n + n - 1); every rank creates every group, in one order."""
     mesh, mine = Mesh(dp=dp, tp=tp, pp=pp), {}
-    for dim in ("dp", "tp", "pp"):
-        for ranks in mesh.group_ranks(dim):
-            group = dist.new_group(ranks)
-            if dist.get_rank() in ranks:
-                mine[dim] = group
+    for copy in range(copies):
+        for dim in ("dp", "tp", "pp"):
+            for ranks in mesh.group_ranks(dim):
+                ranks = [copy * mesh.world_size + r for r in ranks]
+                group = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    mine[dim] = group
     return mine
 
 
 def call_global_grad_norm(fn, case: dict) -> dict:
-    groups = _mesh_groups(case["dp"], case["tp"], case["pp"])
+    groups = _mesh_groups(case["dp"], case["tp"], case["pp"], case["copies"])
     shard = case["shard"].clone()
     out = fn(shard, list(case["sizes"]), list(case["tp_split"]), groups)
     if isinstance(out, torch.Tensor) and out.numel() == 1:
@@ -205,8 +210,8 @@ def call_global_grad_norm(fn, case: dict) -> dict:
     return {"norm": value, "type": type(out).__name__, "changed": not torch.equal(shard, case["shard"])}
 
 
-def expect_global_grad_norm(inputs: list) -> list:
-    """The truth from the whole buffers: each (stage, tp rank)'s dp shards put back together."""
+def _model_norm(inputs: list) -> float:
+    """The truth from one model's whole buffers: each (stage, tp rank)'s dp shards joined."""
     c = inputs[0]
     mesh, total = Mesh(dp=c["dp"], tp=c["tp"], pp=c["pp"]), 0.0
     for ranks in mesh.group_ranks("dp"):                       # one buffer per (stage, tp rank)
@@ -215,12 +220,18 @@ def expect_global_grad_norm(inputs: list) -> list:
         for tensor, split in zip(torch.tensor_split(buffer, bounds.tolist())[:-1], inputs[ranks[0]]["tp_split"]):
             if split or tp_rank == 0:
                 total += float(tensor.pow(2).sum())
-    return [math.sqrt(total)] * len(inputs)
+    return math.sqrt(total)
+
+
+def expect_global_grad_norm(inputs: list) -> list:
+    """Each rank: the norm of its own model (a world may hold copies of the mesh side by side)."""
+    n = len(inputs) // inputs[0]["copies"]
+    return [_model_norm(inputs[c * n:(c + 1) * n]) for c in range(inputs[0]["copies"]) for _ in range(n)]
 
 
 def judge_global_grad_norm(inputs, expected, outputs, world_size) -> str:
     c = inputs[0]
-    where = f"dp={c['dp']} tp={c['tp']} pp={c['pp']}"
+    where = f"dp={c['dp']} tp={c['tp']} pp={c['pp']}" + (f", {c['copies']} models" if c["copies"] > 1 else "")
     for rank, (out, want) in enumerate(zip(outputs, expected)):
         if out["norm"] is None:
             return f"rank {rank} returned a {out['type']}, not a number ({where})"
@@ -232,38 +243,49 @@ def judge_global_grad_norm(inputs, expected, outputs, world_size) -> str:
     return ""
 
 
-def make_zero_norm_cases(generator: torch.Generator, world_size: int) -> list[Case]:
+def _model_inputs(generator: torch.Generator, dp: int, tp: int, pp: int, dtype, copies: int) -> list:
+    """One model's inputs in rank order: each (stage, tp rank)'s flat buffer cut into dp shards."""
     def draw(lo, hi):
         return int(torch.randint(lo, hi + 1, (), generator=generator))
 
-    meshes = {4: [(2, 2, 1), (2, 1, 2), (4, 1, 1)], 8: [(2, 2, 2), (4, 2, 1)]}[world_size]
+    mesh = Mesh(dp=dp, tp=tp, pp=pp)
+    per_rank = [None] * mesh.world_size
+    for stage in range(pp):
+        # split and replicated alternate, lengths drawn so shards cut through tensors
+        split = [bool((k + stage) % 2) for k in range(draw(4, 6))]
+        sizes = [draw(3, 17) for _ in split]
+        replicated = {k: torch.randn(n, generator=generator, dtype=torch.float64)
+                      for k, (n, s) in enumerate(zip(sizes, split)) if not s}
+        for t in range(tp):
+            parts = [torch.randn(n, generator=generator, dtype=torch.float64) if s else replicated[k]
+                     for k, (n, s) in enumerate(zip(sizes, split))]
+            shards = torch.cat(parts).to(dtype)
+            S = -(-shards.numel() // dp)
+            shards = torch.cat([shards, shards.new_zeros(dp * S - shards.numel())]).view(dp, S)
+            for d in range(dp):
+                per_rank[mesh.rank_of(pp=stage, dp=d, tp=t)] = {
+                    "dp": dp, "tp": tp, "pp": pp, "copies": copies, "shard": shards[d].clone(),
+                    "sizes": sizes, "tp_split": split}
+    return per_rank
+
+
+def make_zero_norm_cases(generator: torch.Generator, world_size: int) -> list[Case]:
+    # (dp, tp, pp, copies): on 8 ranks, two dp 2 x tp 2 models side by side in one world, whose
+    # sums must stay inside each model's groups
+    meshes = {4: [(2, 2, 1, 1), (2, 1, 2, 1), (4, 1, 1, 1)],
+              8: [(2, 2, 2, 1), (4, 2, 1, 1), (2, 2, 1, 2)]}[world_size]
     cases = []
-    for i, (dp, tp, pp) in enumerate(meshes):
+    for i, (dp, tp, pp, copies) in enumerate(meshes):
         dtype = (torch.float32, torch.float64)[i % 2]
-        mesh, per_rank = Mesh(dp=dp, tp=tp, pp=pp), [None] * world_size
-        for stage in range(pp):
-            # split and replicated alternate, lengths drawn so shards cut through tensors
-            split = [bool((k + stage) % 2) for k in range(draw(4, 6))]
-            sizes = [draw(3, 17) for _ in split]
-            replicated = {k: torch.randn(n, generator=generator, dtype=torch.float64)
-                          for k, (n, s) in enumerate(zip(sizes, split)) if not s}
-            for t in range(tp):
-                parts = [torch.randn(n, generator=generator, dtype=torch.float64) if s else replicated[k]
-                         for k, (n, s) in enumerate(zip(sizes, split))]
-                shards = torch.cat(parts).to(dtype)
-                S = -(-shards.numel() // dp)
-                shards = torch.cat([shards, shards.new_zeros(dp * S - shards.numel())]).view(dp, S)
-                for d in range(dp):
-                    rank = mesh.rank_of(pp=stage, dp=d, tp=t)
-                    per_rank[rank] = {"dp": dp, "tp": tp, "pp": pp, "shard": shards[d].clone(),
-                                      "sizes": sizes, "tp_split": split}
-        cases.append(Case(f"dp={dp} tp={tp} pp={pp} {str(dtype).split('.')[-1]}", per_rank))
+        per_rank = [x for _ in range(copies) for x in _model_inputs(generator, dp, tp, pp, dtype, copies)]
+        name = f"dp={dp} tp={tp} pp={pp}" + (f" x {copies} models" if copies > 1 else "")
+        cases.append(Case(f"{name} {str(dtype).split('.')[-1]}", per_rank))
     return cases
 
 
 def torch_global_grad_norm(case: dict) -> float:
     return course_global_grad_norm(case["shard"], case["sizes"], case["tp_split"],
-                                   _mesh_groups(case["dp"], case["tp"], case["pp"]))
+                                   _mesh_groups(case["dp"], case["tp"], case["pp"], case["copies"]))
 
 
 MESH_GROUPS = ExerciseSpec(
