@@ -4,6 +4,7 @@ the usual mistakes lose the cases they should, with the reason they should.
 The solution notebook's answer cells and the mistakes written here are scored directly
 with `score_exercise` (no notebook run), as a notebook's functions travel: not importable,
 so pickled by value."""
+import dataclasses
 import math
 from pathlib import Path
 
@@ -21,8 +22,10 @@ from reference.course.homework.scoring import score_exercise
 
 TIMEOUT = 60  # s per launch (about 1 s needed); only a hanging answer would wait
 # 5 cases (float32 (1,), (7,), (3, 5); float64 (6,); int64 (2, 3)) per world size: the
-# tree on 4 and 6 ranks, recursive doubling on 3 and 6.
+# tree on 4 and 6 ranks, recursive doubling on 3 and 6; on 6 ranks 2 more, float32 (7,) and
+# int64 (2, 3) on the subgroup of ranks 1 .. 5.
 CASES_PER_SIZE = 5
+SUBGROUP_CASES = 2
 
 ANSWERS = r'''
 import math
@@ -35,13 +38,13 @@ def star_all_reduce(tensor, group=None):  # right sums, but rank 0 talks to ever
     if rank == 0:
         incoming = torch.empty_like(tensor)
         for src in range(1, p):
-            dist.recv(incoming, src=src)
+            dist.recv(incoming, group=group, group_src=src)
             tensor += incoming
         for dst in range(1, p):
-            dist.send(tensor, dst=dst)
+            dist.send(tensor, group=group, group_dst=dst)
     else:
-        dist.send(tensor, dst=0)
-        dist.recv(tensor, src=0)
+        dist.send(tensor, group=group, group_dst=0)
+        dist.recv(tensor, group=group, group_src=0)
     return tensor
 
 
@@ -52,48 +55,48 @@ def reduce_only(tensor, group=None):  # up the tree, never back down
     incoming = torch.empty_like(tensor)
     for k in range(span.bit_length() - 1):
         if rank + (1 << k) < p:
-            dist.recv(incoming, src=rank + (1 << k))
+            dist.recv(incoming, group=group, group_src=rank + (1 << k))
             tensor += incoming
     if rank:
-        dist.send(tensor, dst=rank - low)
+        dist.send(tensor, group=group, group_dst=rank - low)
     return tensor
 
 
-def _doubling(tensor, fold_back=True, extra_peer=None):
-    p, rank = dist.get_world_size(), dist.get_rank()
+def _doubling(tensor, group, fold_back=True, extra_peer=None):
+    p, rank = dist.get_world_size(group), dist.get_rank(group)
     core = 1 << (p.bit_length() - 1)
     extra_peer = extra_peer or (lambda r: r - core)
     flat, incoming = tensor.view(-1), torch.empty_like(tensor.view(-1))
     helped = [r for r in range(core, p)]
     if rank >= core:
-        dist.send(flat, dst=extra_peer(rank))
+        dist.send(flat, group=group, group_dst=extra_peer(rank))
         if fold_back:
-            dist.recv(flat, src=extra_peer(rank))
+            dist.recv(flat, group=group, group_src=extra_peer(rank))
         return tensor
     mine = [r for r in helped if extra_peer(r) == rank]
     for r in mine:
-        dist.recv(incoming, src=r)
+        dist.recv(incoming, group=group, group_src=r)
         flat.add_(incoming)
     d = 1
     while d < core:
-        req = dist.isend(flat, dst=rank ^ d)
-        dist.recv(incoming, src=rank ^ d)
+        req = dist.isend(flat, group=group, group_dst=rank ^ d)
+        dist.recv(incoming, group=group, group_src=rank ^ d)
         req.wait()
         flat.add_(incoming)
         d *= 2
     if fold_back:
         for r in mine:
-            dist.send(flat, dst=r)
+            dist.send(flat, group=group, group_dst=r)
     return tensor
 
 
 def forgets_the_extras(tensor, group=None):  # they hand their tensor in, never get the sum
-    return _doubling(tensor, fold_back=False)
+    return _doubling(tensor, group, fold_back=False)
 
 
 def folds_onto_the_last(tensor, group=None):  # extra p' + j -> p' - 1 - j: the wrong partner
-    core = 1 << (dist.get_world_size().bit_length() - 1)
-    return _doubling(tensor, extra_peer=lambda r: core - 1 - (r - core))
+    core = 1 << (dist.get_world_size(group).bit_length() - 1)
+    return _doubling(tensor, group, extra_peer=lambda r: core - 1 - (r - core))
 
 
 def forgets_the_ring_fraction(world_size, alpha, beta):  # the ring's bytes taken as 2 n
@@ -142,7 +145,7 @@ def test_the_message_tables_are_the_algorithms():
 
 def test_tree_solution_scores_full_marks():
     score = _score(TREE, _solution()["tree_all_reduce"])
-    assert score.points == score.max == 2 * CASES_PER_SIZE, score.failures
+    assert score.points == score.max == 2 * CASES_PER_SIZE + SUBGROUP_CASES, score.failures
 
 
 def test_tree_a_star_has_the_right_sums_and_loses_every_case():
@@ -160,7 +163,7 @@ def test_tree_without_the_way_down_loses_every_case():
 
 def test_doubling_solution_scores_full_marks():
     score = _score(DOUBLING, _solution()["recursive_doubling_all_reduce"])
-    assert score.points == score.max == 2 * CASES_PER_SIZE, score.failures
+    assert score.points == score.max == 2 * CASES_PER_SIZE + SUBGROUP_CASES, score.failures
 
 
 @pytest.mark.parametrize("name, reason", [
@@ -230,7 +233,8 @@ def _unrefused(spec, fn, world_size):
         with exercise_rules(spec.id, spec.forbidden) as traffic:
             for case in cases:
                 traffic.clear()
-                out = spec.call(fn, case.inputs[dist.get_rank()].clone())
+                mine = case.inputs[dist.get_rank()]  # a tensor, or a subgroup case's dict
+                out = spec.call(fn, mine.clone() if isinstance(mine, torch.Tensor) else mine)
                 out["sends"] = [[p, n] for p, n in traffic.sends]
                 out["recvs"] = [[p, n] for p, n in traffic.recvs]
                 outputs.append(out)
@@ -247,3 +251,75 @@ def test_the_course_answers_the_grader_refuses_answer_the_exercise(spec, world_s
     from reference.course.homework.refuse import resolve
     reasons = _unrefused(spec, resolve(spec.banned[0]), world_size)
     assert reasons and all(r == "" for r in reasons), reasons
+
+
+# ----------------------------------------------------------------- each stated rule, broken alone
+
+def _variant(exercise: str, *edits: tuple) -> object:
+    """The solution's answer to `exercise` with each (old, new) edit made: one rule broken."""
+    cell = next(c for c in nbformat.read(SOLUTION, 4).cells
+                if c.metadata.get("course", {}).get("exercise") == exercise)
+    source = cell.source
+    for old, new in edits:
+        assert old in source, old
+        source = source.replace(old, new)
+    namespace = {"__name__": "homework_under_test"}
+    exec("import math\nimport torch\nimport torch.distributed as dist\n" + source, namespace)
+    return namespace[exercise]
+
+
+GROUP_RANKS_AS_GLOBAL = (("group_dst=", "dst="), ("group_src=", "src="))
+
+
+@pytest.mark.parametrize("exercise, sizes, edits, words", [
+    # peers named by group rank but passed as global ranks: right on the whole world only
+    ("ring_all_reduce", (4,), GROUP_RANKS_AS_GLOBAL, "subgroup"),
+    ("ring_all_gather", (4,), GROUP_RANKS_AS_GLOBAL, "subgroup"),
+    ("tree_all_reduce", (6,), GROUP_RANKS_AS_GLOBAL, "subgroup"),
+    ("recursive_doubling_all_reduce", (6,), GROUP_RANKS_AS_GLOBAL, "subgroup"),
+    # in place, and returning its argument
+    ("ring_all_reduce", (3,), (("chunks = tensor.view(-1)", "tensor = tensor.clone()\n    chunks = tensor.view(-1)"),),
+     "the input tensor was not changed"),
+    ("ring_all_reduce", (3,), (("    return tensor\n", "    return tensor.clone()\n"),),
+     "returned a tensor other than its argument"),
+    # no more data than the ring sends: each chunk sent with its neighbour's
+    ("ring_all_reduce", (3,), (("exchange(chunks[(rank - step) % p], incoming)",
+                                "exchange(chunks[(rank - step) % p], incoming)\n"
+                                "        exchange(chunks[(rank - step) % p], torch.empty_like(incoming))"),),
+     "the ring needs at most"),
+    # all-gather: a new tensor, the input left alone, blocks in rank order
+    ("ring_all_gather", (3,), (("gathered[rank].copy_(tensor)", "gathered[rank].copy_(tensor)\n    tensor.zero_()"),),
+     "changed its input tensor"),
+    ("ring_all_gather", (3,), (("return gathered.flatten(0, 1)", "return gathered.roll(1, 0).flatten(0, 1)"),),
+     "wrong values in the block"),
+    # the tree: whole tensors only; the same bits everywhere (each rank sums on its own)
+    ("tree_all_reduce", (4,), (("dist.send(flat, group=group, group_dst=parent)",
+                                "dist.send(flat, group=group, group_dst=parent)\n"
+                                "        dist.send(flat[:1], group=group, group_dst=parent)"),
+                               ("flat.add_(incoming)", "flat.add_(incoming)\n"
+                                "        dist.recv(incoming[:1], group=group, group_src=child)")),
+     "every message of the binomial tree is the whole tensor"),
+    # doubling: an extra rank gets back the sum of the others and adds its own tensor again:
+    # (s - x) + x, the right sum to rounding, but not the bits the core ranks hold
+    ("recursive_doubling_all_reduce", (6,), (
+        ("        dist.recv(flat, group=group, group_src=rank - core)",
+         "        others = torch.empty_like(flat)\n"
+         "        dist.recv(others, group=group, group_src=rank - core)\n"
+         "        flat.add_(others)"),
+        ("        flat.add_(incoming)\n    distance = 1",
+         "        flat.add_(incoming)\n        extra = incoming.clone()\n    distance = 1"),
+        ("dist.send(flat, group=group, group_dst=rank + core)",
+         "dist.send(flat - extra, group=group, group_dst=rank + core)")),
+     "different bits"),
+])
+def test_each_stated_rule_broken_alone_costs_half_the_exercise(exercise, sizes, edits, words):
+    """An otherwise right answer that breaks one rule the text states, on world sizes that show
+    it, keeps at most half of the exercise as the grader weighs it (WRONG_KEEPS)."""
+    spec = dataclasses.replace(next(s for s in homework("00_collectives") if s.id == exercise),
+                               world_sizes=sizes)
+    if words == "subgroup":  # only the subgroup cases: a rank that raises reruns each case alone
+        spec = dataclasses.replace(spec, make_cases=lambda g, w, make=spec.make_cases: [
+            c for c in make(g, w) if "subgroup" in c.name])
+    score = _score(spec, _variant(exercise, *edits))
+    assert score.points < score.max and score.weighted() <= score.weight / 2, score.failures
+    assert any(words in f for f in score.failures), score.failures

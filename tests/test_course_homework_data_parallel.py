@@ -95,7 +95,7 @@ def zero1_optimizer(params, optimizer_class, group=None, **optimizer_kwargs):
     def step():
         grads = flat([p.grad for p in params])
         if WHOLE:  # plain data parallelism: all-reduce, every rank updates everything
-            dist.all_reduce(grads, op=OP)
+            dist.all_reduce(grads, op=OP, group=group)
             shard.grad = grads / n
             inner.step()
             full = shard.detach()

@@ -21,7 +21,8 @@ SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "01_data_paral
 # accumulate_gradients: 5 cases (equal micro-batches; uneven sizes; different sample counts;
 # a rank with none; float64 with a frozen layer) on 2 and 3 ranks.
 # int8_all_reduce: 6 cases (float32 (1,), (7,), (3, 5); float64 (6,); zeros; one rank
-# 100 times smaller) on 2 and 3 ranks.
+# 100 times smaller) on 2 and 3 ranks. On 3 ranks each has 2 more on the subgroup of ranks 1, 2
+# (different sample counts and a rank with none; float32 (7,) and one rank 100 times smaller).
 
 MISTAKES = r'''
 import torch
@@ -39,11 +40,11 @@ def mean_of_rank_means(module, micro_batches, group=None):
         if p.requires_grad:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-            p.grad /= dist.get_world_size()
+            dist.all_reduce(p.grad, group=group)
+            p.grad /= dist.get_world_size(group)
     total = torch.tensor([loss_sum], dtype=torch.float64)
-    dist.all_reduce(total)
-    return total.item() / dist.get_world_size()
+    dist.all_reduce(total, group=group)
+    return total.item() / dist.get_world_size(group)
 
 
 def one_backward_for_all(module, micro_batches, group=None):
@@ -58,7 +59,7 @@ def one_backward_for_all(module, micro_batches, group=None):
         loss_sum, count = loss.item(), x.shape[0]
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                       for p in params] + [torch.tensor([loss_sum, count], dtype=params[0].dtype)])
-    dist.all_reduce(flat)
+    dist.all_reduce(flat, group=group)
     offset = 0
     for p in params:
         p.grad = (flat[offset:offset + p.numel()] / flat[-1]).view_as(p).clone()
@@ -73,11 +74,11 @@ def syncs_every_micro_batch(module, micro_batches, group=None):
     for x, y in micro_batches:
         loss = ((module(x) - y) ** 2).mean(dim=-1).sum()
         loss.backward()
-        dist.all_reduce(torch.ones(1))  # "are we all here?": not needed, and too early
+        dist.all_reduce(torch.ones(1), group=group)  # "are we all here?": not needed, and too early
         loss_sum, count = loss_sum + loss.item(), count + x.shape[0]
     flat = torch.cat([p.grad.reshape(-1) for p in params]
                      + [torch.tensor([loss_sum, count], dtype=params[0].dtype)])
-    dist.all_reduce(flat)
+    dist.all_reduce(flat, group=group)
     offset = 0
     for p in params:
         p.grad = (flat[offset:offset + p.numel()] / flat[-1]).view_as(p).clone()
@@ -85,30 +86,30 @@ def syncs_every_micro_batch(module, micro_batches, group=None):
     return (flat[-2] / flat[-1]).item()
 
 
-def _int8(grad, residual, feedback=True, shared_scale=True, levels=None, payload=torch.int8):
-    p = dist.get_world_size()
+def _int8(grad, residual, group, feedback=True, shared_scale=True, levels=None, payload=torch.int8):
+    p = dist.get_world_size(group)
     levels = levels or 127 // p
     v = grad + residual if feedback else grad.clone()
     top = v.abs().max().reshape(1)
     if shared_scale:
-        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     scale = top[0] / levels if top[0] > 0 else torch.ones((), dtype=v.dtype)
     q = torch.round(v / scale).to(payload)
     sent = q.to(v.dtype) * scale
-    dist.all_reduce(q)
+    dist.all_reduce(q, group=group)
     return q.to(v.dtype) * scale / p, v - sent
 
 
 def no_feedback(grad, residual, group=None):  # the residual is returned, never added back
-    return _int8(grad, residual, feedback=False)
+    return _int8(grad, residual, group, feedback=False)
 
 
 def own_scale(grad, residual, group=None):  # each rank its own max: the sum mixes scales
-    return _int8(grad, residual, shared_scale=False)
+    return _int8(grad, residual, group, shared_scale=False)
 
 
 def float_payload(grad, residual, group=None):  # right numbers, but 4 or 8 bytes per value
-    return _int8(grad, residual, payload=grad.dtype)
+    return _int8(grad, residual, group, payload=grad.dtype)
 
 
 def forgets_no_sync(n_params, world_size, bytes_per_element, accumulation_steps, no_sync):
@@ -144,7 +145,8 @@ def test_homework_01_has_its_warm_up_buckets_two_transfers_and_a_question():
 def test_the_cases_hold_what_the_exercise_promises():
     import torch
     for ws in (2, 3):
-        cases = {c.name: c.inputs for c in ACCUMULATE.make_cases(torch.Generator().manual_seed(1), ws)}
+        cases = {c.name: c.inputs for c in ACCUMULATE.make_cases(torch.Generator().manual_seed(1), ws)
+                 if "subgroup" not in c.name}
         counts = {name: [sum(len(x) for x, _ in rank["batches"][0]) for rank in per_rank]
                   for name, per_rank in cases.items()}
         assert len(set(counts["equal micro-batches"])) == 1
@@ -156,7 +158,7 @@ def test_the_cases_hold_what_the_exercise_promises():
 
 def test_accumulate_solution_scores_full_marks():
     score = _score(ACCUMULATE, _solution()["accumulate_gradients"])
-    assert score.points == score.max == 10, score.failures
+    assert score.points == score.max == 12, score.failures  # 2 of them on the subgroup 1, 2
 
 
 def test_accumulate_mean_of_means_is_right_only_for_equal_micro_batches():
@@ -182,7 +184,7 @@ def test_accumulate_communicating_before_the_last_backward_is_seen():
 
 def test_int8_solution_scores_full_marks():
     score = _score(INT8, _solution()["int8_all_reduce"])
-    assert score.points == score.max == 12, score.failures
+    assert score.points == score.max == 14, score.failures  # 2 of them on the subgroup 1, 2
 
 
 @pytest.mark.parametrize("name, points, reason", [
@@ -246,3 +248,65 @@ def test_the_course_answers_the_grader_refuses_answer_the_exercise(spec, world_s
     reasons = [spec.judge(c.inputs, spec.expect(c.inputs), [r[i] for r in per_rank], world_size)
                for i, c in enumerate(cases)]
     assert reasons and all(r == "" for r in reasons), reasons
+
+
+# ------------------------------------------------------------------ each stated rule, broken alone
+
+def _variant(exercise: str, *edits: tuple):
+    """The solution's answer to `exercise` with each (old, new) edit made: one rule broken."""
+    cell = next(c for c in nbformat.read(SOLUTION, 4).cells
+                if c.metadata.get("course", {}).get("exercise") == exercise)
+    source = cell.source
+    for old, new in edits:
+        assert old in source, old
+        source = source.replace(old, new)
+    namespace = {"__name__": "homework_under_test"}
+    exec("import torch\nimport torch.distributed as dist\n" + source, namespace)
+    return namespace[exercise]
+
+
+def _subgroup_only(spec):
+    """Only the cases on the subgroup of ranks 1 .. p - 1: one launch, two cases."""
+    return dataclasses.replace(spec, make_cases=lambda g, w, make=spec.make_cases: [
+        c for c in make(g, w) if "subgroup" in c.name])
+
+
+WORLD_SIZE_NOT_THE_GROUPS = ("dist.get_world_size(group)", "dist.get_world_size()")
+
+
+@pytest.mark.parametrize("exercise, size, edits, words", [
+    # the mean over the group's ranks, not over the world's
+    ("average_gradients", 4, (WORLD_SIZE_NOT_THE_GROUPS,), "subgroup"),
+    ("bucketed_all_reduce", 4, (WORLD_SIZE_NOT_THE_GROUPS,), "subgroup"),
+    ("int8_all_reduce", 3, (WORLD_SIZE_NOT_THE_GROUPS,), "subgroup"),
+    # the all-reduce over the group: without group= it waits for rank 0, which is not in it
+    ("accumulate_gradients", 3, (("dist.all_reduce(flat, group=group)", "dist.all_reduce(flat)"),),
+     "timed out"),
+    # frozen parameters keep grad None
+    ("average_gradients", 2, (("        if p.grad is None:  # frozen: nothing to average, and every rank skips it alike\n"
+                               "            continue",
+                               "        if p.grad is None:\n            p.grad = torch.zeros_like(p)"),),
+     "got a gradient"),
+    # at most the gradients and two more numbers all-reduced
+    ("accumulate_gradients", 2, (("dist.all_reduce(flat, group=group)",
+                                  "dist.all_reduce(flat, group=group)\n"
+                                  "    dist.all_reduce(torch.zeros(3, dtype=flat.dtype), group=group)"),),
+     "the gradients and two numbers"),
+    # grad and residual left unchanged
+    ("int8_all_reduce", 2, (("v = grad + residual", "v = grad.add_(residual)"),), "changed grad or residual"),
+    # the values sent as int8
+    ("int8_all_reduce", 2, (("dist.all_reduce(q, group=group)", "q = q.to(v.dtype)\n"
+                             "    dist.all_reduce(q, group=group)"),), "as int8"),
+])
+def test_each_stated_rule_broken_alone_costs_half_the_exercise(exercise, size, edits, words):
+    """An otherwise right answer that breaks one rule the text states, on a world size that
+    shows it, keeps at most half of the exercise as the grader weighs it (WRONG_KEEPS)."""
+    spec = dataclasses.replace(next(s for s in homework("01_data_parallel") if s.id == exercise),
+                               world_sizes=(size,))
+    if words in ("subgroup", "timed out"):
+        spec = _subgroup_only(spec)
+    fn = _variant(exercise, *edits)
+    score = score_exercise(spec, cloudpickle.dumps(fn), seed=7,
+                           timeout=5 if words == "timed out" else TIMEOUT)
+    assert score.points < score.max and score.weighted() <= score.weight / 2, score.failures
+    assert all(words in f for f in score.failures), score.failures

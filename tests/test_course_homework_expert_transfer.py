@@ -79,7 +79,8 @@ def test_the_course_answers_pass_the_hidden_judges():
 
 def test_dedup_solution_scores_full_marks():
     score = _score(DISPATCH_COMBINE_DEDUP, _function("dispatch_combine_dedup"))
-    assert score.points == score.max == 12, score.failures  # 6 cases on 2 and on 3 ranks
+    # 6 cases on 2 and on 3 ranks, and on 3 two of them again on the subgroup of ranks 1, 2
+    assert score.points == score.max == 14, score.failures
 
 
 def test_one_row_per_assignment_is_over_the_traffic():
@@ -132,7 +133,8 @@ def test_the_expected_loss_is_one_for_uniform_routing_and_its_gradient_is_e_f_ov
 
 def test_global_balance_solution_scores_full_marks():
     score = _score(GLOBAL_BALANCE_LOSS, _function("global_balance_loss"))
-    assert score.points == score.max == 10, score.failures  # 5 cases on 2 and on 3 ranks
+    # 5 cases on 2 and on 3 ranks, and on 3 two of them again on the subgroup of ranks 1, 2
+    assert score.points == score.max == 12, score.failures
 
 
 LOCAL_MEAN = '''
@@ -223,3 +225,54 @@ def test_visible_checks_print_pass_and_fail(capsys):
     assert "PASS global_balance_loss" in out
     assert "FAIL global_balance_loss" in out and "hint: all-reduce a detached copy" in out
     assert "FAIL dedup_all_to_all_bytes" in out and "not a number" in out
+
+
+# ------------------------------------------------------------------ each stated rule, broken alone
+
+def _subgroup_only(spec):
+    """Only the cases on the subgroup of ranks 1 .. p - 1: one launch, two cases."""
+    return dataclasses.replace(spec, make_cases=lambda g, w, make=spec.make_cases: [
+        c for c in make(g, w) if "subgroup" in c.name])
+
+
+WORLD_RANK = ("dist.get_rank(group)", "dist.get_rank()")
+
+
+@pytest.mark.parametrize("exercise, size, edits, words", [
+    # experts live on group ranks: the world's rank runs them where they do not live
+    ("dispatch_combine", 4, (WORLD_RANK,), "subgroup"),
+    ("dispatch_combine_dedup", 3, (WORLD_RANK,), "subgroup"),
+    # the counts over the group: without group= the all-reduce waits for rank 0, not in it
+    ("global_balance_loss", 3, (("dist.all_reduce(totals, group=group)", "dist.all_reduce(totals)"),),
+     "timed out"),
+    # each assignment's row once, by its expert's rank
+    ("dispatch_combine", 2, (("        out = expert_fn(",
+                              "        expert_fn(rank * E_l + l, torch.cat([blocks[i] for i in mine]))\n"
+                              "        out = expert_fn("),), "processed"),
+    # differentiable: the tokens' and the weights' gradients
+    ("dispatch_combine", 2, (("returned * row_weights", "returned * row_weights.detach()"),),
+     "no gradient reached the weights"),
+    # the result in the tokens' dtype
+    ("dispatch_combine_dedup", 2, (("return tokens.new_zeros(tokens.shape).index_add_(0, pair_token, back)",
+                                    "return torch.zeros(tokens.shape).index_add_(0, pair_token, back.float())"),),
+     "tokens' dtype"),
+    # the loss's gradient for this rank's rows
+    ("global_balance_loss", 2, (("return E * (f * (mine + others) / n_tokens).sum()",
+                                 "return E * (f * totals[E:2 * E] / n_tokens).sum()"),), "no gradient"),
+    # the loss in probs' dtype
+    ("global_balance_loss", 2, (("mine = probs.sum(dim=0)", "mine = probs.float().sum(dim=0)"),
+                                ("minlength=E).to(probs.dtype)", "minlength=E).float()"),
+                                ("probs.new_tensor([probs.shape[0]])", "mine.new_tensor([probs.shape[0]])")),
+     "the dtype of probs"),
+])
+def test_each_stated_rule_broken_alone_costs_half_the_exercise(exercise, size, edits, words):
+    """An otherwise right answer that breaks one rule the text states, on a world size that
+    shows it, keeps at most half of the exercise as the grader weighs it (WRONG_KEEPS)."""
+    spec = dataclasses.replace(next(s for s in homework("05_expert_parallel") if s.id == exercise),
+                               world_sizes=(size,))
+    if words in ("subgroup", "timed out"):
+        spec = _subgroup_only(spec)
+    score = score_exercise(spec, cloudpickle.dumps(_function(exercise, *edits)), seed=5,
+                           timeout=5 if words == "timed out" else TIMEOUT)
+    assert score.points < score.max and score.weighted() <= score.weight / 2, score.failures
+    assert all(words in f for f in score.failures), score.failures

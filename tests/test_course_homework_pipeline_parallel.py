@@ -89,12 +89,19 @@ def _student(name):
 
 
 def _score(spec, name, **changes):
-    return score_exercise(dataclasses.replace(spec, **changes), _student(name), seed=7,
+    """The score as the grader weighs it: the homework's spec (its WRONG_KEEPS)."""
+    graded = next(s for s in HOMEWORK["04_pipeline_parallel"] if s.id == spec.id)
+    return score_exercise(dataclasses.replace(graded, **changes), _student(name), seed=7,
                           timeout=CHECK_TIMEOUT)
 
 
+def _loses_half(score) -> bool:
+    """Each rule the text states, broken alone, costs at least half the exercise."""
+    return score.points < score.max and score.weighted() <= score.weight / 2
+
+
 def test_registered():
-    assert HOMEWORK["04_pipeline_parallel"][:2] == (hw.GPIPE, hw.ONE_F_ONE_B)
+    assert [s.id for s in HOMEWORK["04_pipeline_parallel"][:2]] == [hw.GPIPE.id, hw.ONE_F_ONE_B.id]
 
 
 @pytest.mark.parametrize("pp", [1, 2, 3, 4, 5])
@@ -129,27 +136,33 @@ def test_gpipe_checks_order_messages_and_bubble():
     wrong_order = _score(hw.GPIPE, "one_f_one_b")
     assert 0 < wrong_order.points < wrong_order.max
     assert all("GPipe runs the forwards" in f for f in wrong_order.failures)
+    assert _loses_half(wrong_order)
     # Valid and in GPipe's order, but a middle rank waits for all activations first.
     early = _score(hw.GPIPE, "receives_first")
     assert 0 < early.points < early.max and all("bubble" in f for f in early.failures)
+    assert _loses_half(early)
     missing = _score(hw.GPIPE, "no_send_b")
     assert missing.points == 1  # only the pipeline of one stage sends nothing
     assert "invalid schedule: rank 1 never runs SEND_B0" in missing.reason
+    assert _loses_half(missing)
 
 
 def test_one_f_one_b_checks_memory_bubble_deadlock_and_the_builtin():
     on_two = dict(world_sizes=(2,))  # the judge is the same on 4 ranks; one launch is enough
     gpipe = _score(hw.ONE_F_ONE_B, "gpipe", **on_two)
     assert gpipe.points == 1 and "holds the activations of 2 micro-batches" in gpipe.reason
+    assert _loses_half(gpipe)
     too_many = _score(hw.ONE_F_ONE_B, "one_too_many", **on_two)
     assert too_many.points == 1  # m = 1: nothing to warm up with
     assert all("1F1B holds at most pp - rank" in f for f in too_many.failures)
+    assert _loses_half(too_many)
     too_few = _score(hw.ONE_F_ONE_B, "one_too_few")  # on 2 and 4 ranks: the whole exercise
     assert too_few.points == 2 and all("bubble" in f for f in too_few.failures)  # m = 1 only
-    assert too_few.weighted() <= too_few.weight / 2  # one warm-up short loses over half
+    assert _loses_half(too_few)  # one warm-up short loses over half
     deadlock = _score(hw.ONE_F_ONE_B, "sends_last", **on_two)
     assert deadlock.points == 0 and all("invalid schedule: deadlock" in f
                                         for f in deadlock.failures)
+    assert _loses_half(deadlock)
     builtin = _score(hw.ONE_F_ONE_B, "course")
     assert builtin.points == 0 and "build_schedule is not allowed" in builtin.reason
 

@@ -43,6 +43,8 @@ def _function(exercise: str, *edits):
 
 
 def _score(spec, fn, seed=3, **changes):
+    """The score as the grader weighs it: the homework's spec (its WRONG_KEEPS)."""
+    spec = next((s for s in homework("04_pipeline_parallel") if s.id == spec.id), spec)
     return score_exercise(dataclasses.replace(spec, **changes), cloudpickle.dumps(fn), seed=seed,
                           timeout=TIMEOUT)
 
@@ -95,6 +97,7 @@ def test_interleaved_mistakes_lose_their_cases(edits, points, reason):
     score = _score(INTERLEAVED_ACTIONS, _function("interleaved_actions", *edits), **ONE_RANK)
     assert score.max == 7 and score.points == points, score.failures
     assert reason in score.reason, score.reason
+    assert score.weighted() <= score.weight / 2  # each stated rule, broken alone: half lost
 
 
 def test_interleaved_may_not_build_the_course_schedule():
@@ -178,6 +181,7 @@ def test_balance_mistakes_lose_their_cases(edits, lost, reason):
     score = _score(BALANCE_STAGES, _function("balance_stages", *edits))
     assert score.max - score.points == lost, score.failures
     assert all(reason in f for f in score.failures), score.failures
+    assert score.weighted() <= score.weight / 2  # each stated rule, broken alone: half lost
 
 
 def test_balance_may_not_use_the_course_search():

@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 
 def clip(grad_shard, numel, max_norm, norm_type=2.0, group=None, padding=False, local=False,
-         inf_by_sum=False, out_of_place=False):
-    rank = dist.get_rank(group)
+         inf_by_sum=False, out_of_place=False, world_rank=False):
+    rank = dist.get_rank() if world_rank else dist.get_rank(group)
     n_real = grad_shard.numel() if padding else max(0, min(grad_shard.numel(), numel - rank * grad_shard.numel()))
     real = grad_shard[:n_real]
     g = real.detach().double()
@@ -129,6 +129,37 @@ def schedule_never_frees_early(n_units, max_whole):
     return schedule(n_units, max_whole, free_late=True)
 
 
+def schedule_backward_in_forward_order(n_units, max_whole):
+    """Backward run 0 .. n-1, as forward was: the gradients need n-1 .. 0."""
+    actions = schedule(n_units, max_whole)
+    backward = [a for a in actions if a[0] == "backward"]
+    order = iter(sorted(backward, key=lambda a: a[1]))
+    return [next(order) if a[0] == "backward" else a for a in actions]
+
+
+def schedule_reduces_twice(n_units, max_whole):
+    return schedule(n_units, max_whole) + [("reduce_scatter", 0)]
+
+
+def schedule_keeps_the_last_whole(n_units, max_whole):
+    """Forgets to free what is still whole after the last backward."""
+    actions = schedule(n_units, max_whole)
+    while actions and actions[-1][0] == "free":
+        actions.pop()
+    return actions
+
+
+def schedule_frees_after_each_forward(n_units, max_whole):
+    """Frees every unit right after its forward, and never gathers the last one again."""
+    actions = []
+    for op, unit in schedule(n_units, max_whole):
+        actions.append((op, unit))
+        if (op, unit) == ("forward", n_units - 1):
+            actions.append(("free", unit))
+    last = max(i for i, a in enumerate(actions) if a == ("free", n_units - 1))
+    return actions[:last] + actions[last + 1:]  # its last free would free it twice
+
+
 def max_params(memory_bytes, n, stage, k):
     if stage == 0:
         return memory_bytes // (4 + k)
@@ -162,6 +193,37 @@ def zero1_right(params, optimizer_class, group=None, **kwargs):
             p.copy_(full[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
     return step, inner
+
+
+def zero1_world_rank(params, optimizer_class, group=None, **kwargs):
+    """The world's rank where the group's is meant (modulo the group's size, to stay a shard
+    index): right on the whole world only."""
+    params = list(params)
+    n, rank = dist.get_world_size(group), dist.get_rank() % dist.get_world_size(group)
+    numel = sum(p.numel() for p in params)
+    size = -(-numel // n)
+    flat = lambda ts: torch.cat([t.reshape(-1) for t in ts] + [ts[0].new_zeros(n * size - numel)])
+    shard = torch.nn.Parameter(flat([p.detach() for p in params])[rank * size:(rank + 1) * size].clone())
+    inner = optimizer_class([shard], **kwargs)
+
+    @torch.no_grad()
+    def step():
+        shard.grad = torch.empty_like(shard)
+        dist.reduce_scatter_tensor(shard.grad, flat([p.grad for p in params]), op=dist.ReduceOp.AVG,
+                                   group=group)
+        inner.step()
+        full = torch.empty(n * size)
+        dist.all_gather_into_tensor(full, shard.detach().clone(), group=group)
+        offset = 0
+        for p in params:
+            p.copy_(full[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+    return step, inner
+
+
+def clip_world_rank(grad_shard, numel, max_norm, norm_type=2.0, group=None):
+    """The world's rank where the group's is meant: on a subgroup, another shard's numbers."""
+    return clip(grad_shard, numel, max_norm, norm_type, group, world_rank=True)
 
 
 def zero1_course(params, optimizer_class, group=None, **kwargs):
@@ -199,18 +261,20 @@ def test_homework_02_has_its_warm_up_two_transfers_and_a_question():
 
 def test_clip_right_answer_scores_full_marks():
     score = _score(CLIP, "clip_right")
-    assert score.points == score.max == 10, score.failures  # 5 cases on 2 and on 3 ranks
+    # 5 cases on 2 and on 3 ranks, and on 3 two of them again on the subgroup of ranks 1, 2
+    assert score.points == score.max == 12, score.failures
 
 
 @pytest.mark.parametrize("name, lost, reason", [
-    # Every case but "max_norm not reached" (Psi divides by N there) has padding.
-    ("clip_counts_padding", 4, "the padding was counted"),
+    # Every case but "max_norm not reached" (Psi divides by N there) has padding; the two on
+    # the subgroup (Psi not divisible; one number) too.
+    ("clip_counts_padding", 6, "the padding was counted"),
     # Each rank clips by its own shard's norm: wrong everywhere.
-    ("clip_local_norm", 5, "norm"),
+    ("clip_local_norm", 7, "norm"),
     # The inf-norm is a max: a sum of squares is the 2-norm.
     ("clip_inf_by_sum", 1, "norm"),
     # The scaled copy is thrown away: wrong wherever the clip acts (all but one case).
-    ("clip_not_in_place", 4, "left unchanged"),
+    ("clip_not_in_place", 6, "left unchanged"),
 ])
 def test_clip_mistakes_lose_their_cases(name, lost, reason):
     score = _score(CLIP, name, world_sizes=(3,))
@@ -315,3 +379,44 @@ def test_visible_checks_print_pass_and_fail(capsys):
     assert "FAIL clip_sharded_grad_norm_" in out and "numel" in out
     assert "PASS fsdp_schedule" in out and "FAIL fsdp_schedule" in out
     assert "FAIL zero_max_params" in out and "whole number" in out
+
+
+# ------------------------------------------------------------------ each stated rule, broken alone
+
+def _subgroup_only(spec):
+    """Only the cases on the subgroup of ranks 1 .. p - 1: one launch, two cases."""
+    return dataclasses.replace(spec, make_cases=lambda g, w, make=spec.make_cases: [
+        c for c in make(g, w) if "subgroup" in c.name])
+
+
+@pytest.mark.parametrize("exercise, name, sizes, words", [
+    # ranks within the group: the world's rank takes another rank's shard there
+    ("zero1_optimizer", "zero1_world_rank", (4,), "subgroup"),
+    ("clip_sharded_grad_norm_", "clip_world_rank", (3,), "subgroup"),
+    # clipping: the real numbers only, the norm of every shard, the inf-norm a max, in place
+    ("clip_sharded_grad_norm_", "clip_counts_padding", (2,), "the padding was counted"),
+    ("clip_sharded_grad_norm_", "clip_local_norm", (2,), "norm"),
+    ("clip_sharded_grad_norm_", "clip_inf_by_sum", (2,), "norm"),
+    ("clip_sharded_grad_norm_", "clip_not_in_place", (2,), "left unchanged"),
+    # the schedule's rules, one by one (simulate): the computations in order; a unit whole
+    # when it computes; at most max_whole whole; prefetch; each gradient reduce-scattered once,
+    # right after its backward; no more gathers than needed; nothing whole at the end
+    ("fsdp_schedule", "schedule_backward_in_forward_order", (1,), "the next computation is"),
+    ("fsdp_schedule", "schedule_frees_after_each_forward", (1,), "is not whole"),
+    ("fsdp_schedule", "schedule_never_frees_early", (1,), "units whole at once"),
+    ("fsdp_schedule", "schedule_no_prefetch", (1,), "prefetch"),
+    ("fsdp_schedule", "schedule_reduces_at_the_end", (1,), "not reduce-scattered yet"),
+    ("fsdp_schedule", "schedule_reduces_twice", (1,), "reduce-scatter once per unit"),
+    ("fsdp_schedule", "schedule_regathers_last", (1,), "gathers where"),
+    ("fsdp_schedule", "schedule_keeps_the_last_whole", (1,), "still whole at the end"),
+])
+def test_each_stated_rule_broken_alone_costs_half_the_exercise(exercise, name, sizes, words):
+    """An otherwise right answer that breaks one rule the text states keeps at most half of
+    the exercise as the grader weighs it (WRONG_KEEPS)."""
+    spec = dataclasses.replace(next(s for s in homework("02_zero_fsdp") if s.id == exercise),
+                               world_sizes=sizes)
+    if words == "subgroup":
+        spec = _subgroup_only(spec)
+    score = score_exercise(spec, _student(name), seed=11, timeout=TIMEOUT)
+    assert score.points < score.max and score.weighted() <= score.weight / 2, score.failures
+    assert all(words in f for f in score.failures), score.failures

@@ -1,6 +1,12 @@
 """Notebook 06's composed step and its clinic, run from the notebook's own cells, and the
 numbers its prose prints about GPT-3 175B.
 
+* The embedding group the student forms (cell `my-embedding-group`: every rank makes every
+  pipeline's group of its first and last stage) holds the same ranks as the package's
+  `build_embedding_group`; copies that must stay equal (the tied embedding's two, each
+  LayerNorm over tp, `copies-gap`) are equal bit for bit after every right run, and parted
+  beyond an AdamW step (lr) without the embedding group's sum, beyond half of one without
+  the SP sum over tp.
 * The step the student composes (cells `my-tp-model`, `my-pipeline`, `my-reduce`,
   `my-train`, `my-clip`, `my-clip-norm`, `my-zero`) equals one process on 8 ranks within the
   course's bounds (`reference.tolerance`: the losses, every weight and their mean after
@@ -23,6 +29,9 @@ numbers its prose prints about GPT-3 175B.
   (TP 8 x PP 16, fp16 at 20 bytes per parameter, no SP, no recompute): about 52 GiB of
   activations on the first stage, fits 80 GiB (not 80e9 bytes) by about a GiB, bubble 15/207;
   1024 GPUs are 128 nodes.
+* The notebook's shape: no code cell over 25 lines, at most four code cells in a row after a
+  markdown cell; the summary, the exercises, then the appendix going further (the FSDP x TP
+  and FSDP x PP measurements, and nothing else); no outputs.
 """
 import json
 
@@ -46,8 +55,8 @@ def _namespace(*cell_ids, **given) -> dict:
 
 @pytest.fixture(scope="module")
 def cells():
-    ns = _namespace("setup", "my-tp-model", "my-pipeline", "my-reduce", "my-train", "one-process",
-                    "equals-one-process", "my-clip", "my-clip-norm", "my-zero")
+    ns = _namespace("setup", "my-tp-model", "my-embedding-group", "my-pipeline", "my-reduce", "copies-gap",
+                    "my-train", "one-process", "equals-one-process", "my-clip", "my-clip-norm", "my-zero")
     ns["CHUNKS"] = ns["CONFIG"].dp * ns["M_MICRO"]  # set by the cell that first trains
     return ns
 
@@ -63,7 +72,10 @@ def test_composed_step_equals_one_process_and_each_mistake_shows(cells):
     sgd = torch.optim.SGD
 
     def all_runs():
-        out = {"right": my_train(STEPS, MAX_NORM), "right, ZeRO-1": my_train(STEPS, MAX_NORM, True),
+        mesh = cells["Mesh"](**cells["DIMS"]).build_groups()
+        ranks_of = cells["dist"].get_process_group_ranks
+        groups = (ranks_of(cells["my_embedding_group"](mesh)), ranks_of(cells["build_embedding_group"](mesh)))
+        out = {"groups": groups, "right": my_train(STEPS, MAX_NORM), "right, ZeRO-1": my_train(STEPS, MAX_NORM, True),
                "fp16, overflow": my_train(STEPS, MAX_NORM, True, True, overflow_at=0)}
         for name in MISTAKES:
             out[name] = my_train(STEPS, MAX_NORM, "ZeRO" in name, False, (name,))
@@ -72,6 +84,16 @@ def test_composed_step_equals_one_process_and_each_mistake_shows(cells):
 
     ranks = launch(all_runs, 8)
     runs = ranks[0]
+    # the embedding group the student forms: the package's, on every rank (first and last stage)
+    for rank, r in enumerate(ranks):
+        mine, package = r["groups"]
+        assert mine == package == [rank % 4, rank % 4 + 4], (rank, mine, package)
+    # copies that must stay equal: bit for bit in every right run; parted by the two mistakes
+    for name in ("right", "right, ZeRO-1", "fp16, overflow", "loss averaged over pp"):
+        assert runs[name]["copies"] == dict(tied=0.0, ln=0.0), name
+    lr = cells["LR"]
+    assert runs["tied copies drift"]["copies"]["tied"] > lr and runs["tied copies drift"]["copies"]["ln"] == 0.0
+    assert runs["SP not summed over tp"]["copies"]["ln"] > lr / 2
     clip = one_process(STEPS, MAX_NORM)
     divergence, equals_one_process = cells["divergence"], cells["equals_one_process"]
     adamw, norm = tolerance.adamw_weights(STEPS, cells["LR"]), tolerance.gradient(n=8)
@@ -145,7 +167,55 @@ def _markdown(cell_id):
     return " ".join(source(NOTEBOOK, cell_id).split())
 
 
-def test_notebook_keeps_its_exercises_last_and_no_outputs():
+def test_notebook_ends_with_its_exercises_then_the_appendix_and_has_no_outputs():
     nb = json.loads(NOTEBOOK.read_text(encoding="utf-8"))
-    assert "## Exercises" in "".join(nb["cells"][-1]["source"])
+    heads = [c["source"][0].strip() for c in nb["cells"] if c["cell_type"] == "markdown" and c["source"]
+             and c["source"][0].startswith("## ")]
+    assert heads[-3:] == ["## Summary", "## Exercises",
+                          "## Appendix · Going further: ZeRO-3 beside tensor and pipeline parallelism"]
+    ids = [c["id"] for c in nb["cells"]]
+    assert all(i.startswith("fsdp-") for i in ids[ids.index("appendix") + 1:])  # only the measurements
+    assert not any(i.startswith("fsdp-") for i in ids[:ids.index("appendix")])
     assert all(not c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code")
+
+
+def test_no_code_cell_is_over_25_lines_and_each_follows_its_purpose():
+    """Each code cell holds one idea: at most 25 lines, and a markdown cell before it or before
+    the run of code cells it belongs to (a definition and its check)."""
+    nb = json.loads(NOTEBOOK.read_text(encoding="utf-8"))
+    long = {c["id"]: len("".join(c["source"]).splitlines()) for c in nb["cells"]
+            if c["cell_type"] == "code" and len("".join(c["source"]).splitlines()) > 25}
+    assert not long, long
+    run = 0
+    for c in nb["cells"]:
+        run = run + 1 if c["cell_type"] == "code" else 0
+        assert run <= 4, c["id"]
+
+
+def test_the_student_forms_the_embedding_group_and_sees_the_copies_drift():
+    from notebook_cells import source
+    mine = source(NOTEBOOK, "my-embedding-group")
+    assert "dist.new_group" in mine and "build_embedding_group" not in mine
+    assert "my_embedding_group(mesh)" in source(NOTEBOOK, "my-pipeline")
+    assert "build_embedding_group" not in source(NOTEBOOK, "my-pipeline")
+    drift = source(NOTEBOOK, "tied-drift")
+    assert 'mine["copies"] == dict(tied=0.0, ln=0.0)' in drift and 'unsummed["copies"]["tied"] > LR' in drift
+
+
+def test_the_claims_behind_the_embedding_group_and_the_drift():
+    """Step 3: new_group's documentation requires every process to enter it, in one order (the
+    pinned PyTorch's docstring). Step 4: AdamW's first update moves a weight by lr times its
+    gradient's sign (bias correction makes m / sqrt(v) = g / |g|, up to eps), so two copies
+    whose gradients differ in sign part by 2 lr in one step, and a copy with no gradient (0)
+    stays while the other moves by lr."""
+    doc = " ".join(torch.distributed.new_group.__doc__.split())
+    assert "all processes in the main group" in doc and "even if they are not going to be members" in doc
+    assert "groups should be created in the same order in all processes" in doc
+    assert "documentation requires that **every** process enter it" in _markdown("c08")
+    lr = 3e-3
+    w = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.AdamW([w], lr=lr, weight_decay=0.0)
+    w.grad = torch.tensor([2.0, -0.5, 1e-3, 0.0])
+    opt.step()
+    assert torch.allclose(w.detach(), torch.tensor([-lr, lr, -lr, 0.0]), rtol=1e-4, atol=0)
+    assert "lr times its gradient's sign" in _markdown("c15b") and "`2 LR` apart" in _markdown("c15b")

@@ -1,7 +1,7 @@
-"""Notebook 06's section "ZeRO-3 with a pipeline: gather once, or reshard between micro-batches",
-run from the notebook's own cells.
+"""Notebook 06's appendix section "A.2 ZeRO-3 with a pipeline: gather once, or reshard between
+micro-batches", run from the notebook's own cells.
 
-One 4-rank launch (cell `fsdp-pp-run`, dp 2 x pp 2, 1F1B over m = 4, the tiny GPT with 8
+One 4-rank launch (cell `fsdp-pp-launch`, dp 2 x pp 2, 1F1B over m = 4, the tiny GPT with 8
 blocks) trains a step with `reshard_after_forward` False and True; the cell asserts its bytes,
 calls and held peaks against the formulas it prints. This file checks the prose's claims again:
 
@@ -20,7 +20,9 @@ import pytest
 from notebook_cells import NB06, run_cells
 from notebook_cells import cells as nb_cells
 
-SECTION = ["fsdp-pp-intro", "fsdp-pp-run", "fsdp-pp-picture", "fsdp-pp-read"]
+SECTION = ["fsdp-pp-intro", "fsdp-pp-run", "fsdp-pp-step-md", "fsdp-pp-step", "fsdp-pp-formulas-md",
+           "fsdp-pp-formulas", "fsdp-pp-launch-md", "fsdp-pp-launch", "fsdp-pp-print", "fsdp-pp-picture-md",
+           "fsdp-pp-picture", "fsdp-pp-picture-held", "fsdp-pp-read"]
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,7 +30,8 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def ns():
     # each cell asserts its own claims
-    return run_cells(NB06, "setup", "fsdp-pp-run", "fsdp-pp-picture", name="nb06_fsdp_pp_cells")
+    return run_cells(NB06, "setup", "fsdp-pp-run", "fsdp-pp-step", "fsdp-pp-formulas", "fsdp-pp-launch",
+                     "fsdp-pp-print", "fsdp-pp-picture", "fsdp-pp-picture-held", name="nb06_fsdp_pp_cells")
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +41,14 @@ def more(ns):
     return ns["launch"](lambda: (run(2), run(4, shallow)), 4)
 
 
-def test_the_section_sits_after_fsdp_tp_and_before_the_summary_without_outputs():
+def test_the_section_ends_the_appendix_after_fsdp_tp_without_outputs():
     cells = nb_cells(NB06)
     ids = [c.get("id") for c in cells]
     start = ids.index(SECTION[0])
-    assert ids[start - 1] == "fsdp-tp-checkpoint" and ids[start:start + len(SECTION)] == SECTION
-    assert "".join(cells[start + len(SECTION)]["source"]).startswith("## Summary")
+    assert ids[start - 1] == "fsdp-tp-reload" and ids[start:start + len(SECTION)] == SECTION
+    assert start + len(SECTION) == len(cells)                      # the notebook's last section
     assert "".join(cells[start]["source"]).startswith(
-        "## ZeRO-3 with a pipeline: gather once, or reshard between micro-batches")
+        "### A.2 ZeRO-3 with a pipeline: gather once, or reshard between micro-batches")
     assert all(not c.get("outputs") and c.get("execution_count") is None
                for c in cells[start:start + len(SECTION)] if c["cell_type"] == "code")
     prose = "".join(cells[start]["source"])

@@ -1,6 +1,7 @@
-"""Notebook 06's section "FSDP inside tensor parallelism", run from the notebook's own cells.
+"""Notebook 06's appendix section "A.1 FSDP inside tensor parallelism", run from the notebook's
+own cells.
 
-One 4-rank launch (cell `fsdp-tp-run`, dp 2 x tp 2) builds the composed GPT with ZeRO 0 to
+One 4-rank launch (cell `fsdp-tp-launch`, dp 2 x tp 2) builds the composed GPT with ZeRO 0 to
 3, takes a step with each, saves the ZeRO-3 run's checkpoint and loads it as dp 4 x tp 1.
 The cells after it assert their own claims; this file checks them again against numbers
 worked out here from the tiny model's shape (C = 32, 4 C = 128 rows of `c_fc.weight`):
@@ -21,8 +22,9 @@ from notebook_cells import NB06, run_cells
 from reference import tolerance
 from notebook_cells import cells as nb_cells
 
-SECTION = ["fsdp-tp-intro", "fsdp-tp-run", "fsdp-tp-picture", "fsdp-tp-mem-md", "fsdp-tp-memory",
-           "fsdp-tp-checkpoint"]
+SECTION = ["fsdp-tp-intro", "fsdp-tp-built", "fsdp-tp-run", "fsdp-tp-run-md", "fsdp-tp-launch",
+           "fsdp-tp-rows-md", "fsdp-tp-rows", "fsdp-tp-picture-md", "fsdp-tp-picture", "fsdp-tp-mem-md",
+           "fsdp-tp-memory", "fsdp-tp-ckpt-md", "fsdp-tp-checkpoint", "fsdp-tp-reload-md", "fsdp-tp-reload"]
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,20 +32,33 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def ns():
     # each cell asserts its own claims
-    return run_cells(NB06, "setup", "fsdp-tp-run", "fsdp-tp-picture", "fsdp-tp-memory",
-                     "fsdp-tp-checkpoint", name="nb06_fsdp_tp_cells")
+    return run_cells(NB06, "setup", "fsdp-tp-run", "fsdp-tp-launch", "fsdp-tp-rows", "fsdp-tp-picture",
+                     "fsdp-tp-memory", "fsdp-tp-checkpoint", "fsdp-tp-reload", name="nb06_fsdp_tp_cells")
 
 
-def test_the_section_sits_before_the_summary_without_outputs():
+def test_the_section_opens_the_appendix_after_the_exercises_without_outputs():
     cells = nb_cells(NB06)
     ids = [c.get("id") for c in cells]
     start = ids.index(SECTION[0])
     assert ids[start:start + len(SECTION)] == SECTION
-    # next: ZeRO-3 with a pipeline (tests/test_nb06_fsdp_pp.py), then the summary
-    assert "".join(cells[start + len(SECTION)]["source"]).startswith("## ZeRO-3 with a pipeline")
-    assert "".join(cells[start]["source"]).startswith("## FSDP inside tensor parallelism")
+    # after the exercises, in the appendix marked as going further; then A.2 (test_nb06_fsdp_pp.py)
+    assert ids.index("exercises") < ids.index("appendix") == start - 1
+    assert "".join(cells[start - 1]["source"]).startswith("## Appendix · Going further")
+    assert "".join(cells[start + len(SECTION)]["source"]).startswith("### A.2 ZeRO-3 with a pipeline")
+    assert "".join(cells[start]["source"]).startswith("### A.1 FSDP inside tensor parallelism")
     assert all(not c.get("outputs") and c.get("execution_count") is None
                for c in cells[start:start + len(SECTION)] if c["cell_type"] == "code")
+
+
+def test_the_text_says_what_per_tensor_sharding_buys_not_that_flat_buffers_cannot_fit():
+    """Flat-buffer sharding fits beside TP (step 6's ZeRO-1 shards such a buffer and equals one
+    process, asserted by its cell); the intro says so and names what per-tensor sharding buys."""
+    from notebook_cells import source
+    prose = " ".join(source(NB06, "fsdp-tp-intro").split())
+    assert "does not fit" not in prose
+    assert "fits beside tensor parallelism too" in prose and "step 6's ZeRO-1" in prose
+    assert "slice of named tensors" in prose and "padded on its own" in prose
+    assert "ZeroOptimizer(params(stages)" in source(NB06, "my-train")  # the flat buffer beside tp
 
 
 def test_each_rank_holds_its_dp_half_of_its_tp_rows(ns):

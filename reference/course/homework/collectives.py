@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from reference.course.homework.scoring import WARM_UP, Case, ExerciseSpec
+from reference.course.homework.subgroup import on_subgroup
 from reference.tolerance import Tolerance, gradient
 
 __all__ = ["ALL_REDUCE", "ALL_GATHER", "TREE", "DOUBLING", "CROSSOVER", "EXERCISES", "make_cases",
@@ -131,8 +132,9 @@ def judge_sum(inputs: list, expected: list, outputs: list, world_size: int) -> s
             return f"rank {rank}: the input tensor was not changed (the sum must be written in place)"
         if error := _mismatch(got, want, world_size):
             return f"rank {rank}: wrong sum ({error})"
-        if not out["same"] and not torch.equal(out["returned"], got):
-            return f"rank {rank} returned a tensor other than its reduced input"
+        if not out["same"]:
+            return (f"rank {rank} returned a tensor other than its argument (the all-reduce "
+                    f"returns `tensor` itself, the sum written into it)")
     return ""
 
 
@@ -182,38 +184,46 @@ def judge_all_gather(inputs: list, expected: list, outputs: list, world_size: in
     return ring_pattern(outputs, world_size, (world_size - 1) * inputs[0].numel())
 
 
-ALL_REDUCE = ExerciseSpec(
+# On 4 ranks, two cases more on the subgroup of ranks 1, 2, 3: float32 (7,) and int64 (2, 3).
+SUBGROUP_PICK = (2, 5)
+ALL_REDUCE = on_subgroup(ExerciseSpec(
     id="ring_all_reduce", title="ring all-reduce from send/recv", difficulty="★☆☆ warm-up",
     weight=WARM_UP,
     world_sizes=(2, 3, 4), make_cases=make_cases, call=call_all_reduce,
     expect=expect_all_reduce, judge=judge_all_reduce, reference=torch_all_reduce,
-    banned=("reference.comms.ring.ring_all_reduce", "reference.comms"))
-ALL_GATHER = ExerciseSpec(
+    banned=("reference.comms.ring.ring_all_reduce", "reference.comms")), (4,), SUBGROUP_PICK)
+ALL_GATHER = on_subgroup(ExerciseSpec(
     id="ring_all_gather", title="ring all-gather from send/recv", difficulty="★☆☆ easy",
     world_sizes=(2, 3, 4), make_cases=make_cases, call=call_all_gather,
     expect=expect_all_gather, judge=judge_all_gather, reference=torch_all_gather,
-    banned=("reference.course.homework.collectives.course_ring_all_gather", "reference.comms"))
+    banned=("reference.course.homework.collectives.course_ring_all_gather", "reference.comms")),
+    (4,), SUBGROUP_PICK)
 
 # The transfers (collectives_extra): the same contract as ring_all_reduce, other algorithms.
 from reference.course.homework.collectives_extra import (  # noqa: E402 - after what it extends
     CROSSOVER, algorithm_judge, doubling_messages, make_extra_cases, tree_messages,
 )
 
-TREE = ExerciseSpec(
+# On 6 ranks, two cases more on the subgroup of ranks 1 .. 5 (a tree of 5; doubling on a core
+# of 4 and one extra rank): float32 (7,) and int64 (2, 3).
+TREE = on_subgroup(ExerciseSpec(
     id="tree_all_reduce", title="binomial-tree all-reduce from send/recv", difficulty="★★☆ medium",
     world_sizes=(4, 6), make_cases=make_extra_cases, call=call_all_reduce,
     expect=expect_all_reduce, judge=algorithm_judge(tree_messages, "the binomial tree", judge_sum),
     reference=torch_all_reduce,
-    banned=("reference.comms.algorithms.tree_all_reduce", "reference.comms"))
-DOUBLING = ExerciseSpec(
+    banned=("reference.comms.algorithms.tree_all_reduce", "reference.comms")), (6,), (1, 4))
+DOUBLING = on_subgroup(ExerciseSpec(
     id="recursive_doubling_all_reduce", title="recursive-doubling all-reduce on any number of ranks",
     difficulty="★★★ hard", world_sizes=(3, 6), make_cases=make_extra_cases,
     call=call_all_reduce, expect=expect_all_reduce,
     judge=algorithm_judge(doubling_messages, "recursive doubling", judge_sum),
     reference=torch_all_reduce,
     banned=("reference.course.homework.collectives_extra.course_recursive_doubling_all_reduce",
-            "reference.comms"))
+            "reference.comms")), (6,), (1, 4))
 HOMEWORK_ID = "00_collectives"
 # The warm-up (all-gather), the ring the lecture built, two algorithms it did not (a tree;
 # recursive doubling with the extra ranks folded in) and the written question.
+# An answer failing any case keeps at most half: a rule broken alone shows only in the
+# cases that can show it.
+WRONG_KEEPS = 0.5
 EXERCISES = (ALL_REDUCE, ALL_GATHER, TREE, DOUBLING, CROSSOVER)

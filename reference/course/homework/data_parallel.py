@@ -40,6 +40,7 @@ from reference.course.homework.data_parallel_cases import (
 )
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.scoring import WARM_UP, Case, ExerciseSpec
+from reference.course.homework.subgroup import on_subgroup
 from reference.tolerance import gradient
 
 __all__ = ["AVERAGE_GRADIENTS", "BUCKETED", "ACCUMULATE", "INT8", "DDP_BYTES", "EXERCISES",
@@ -219,22 +220,23 @@ def course_bucketed_all_reduce(module, bucket_bytes, accumulation_steps=1, group
     return finish
 
 
-AVERAGE_GRADIENTS = ExerciseSpec(
+AVERAGE_GRADIENTS = on_subgroup(ExerciseSpec(
     id="average_gradients", title="average the gradients after backward", difficulty="★☆☆ warm-up",
     weight=WARM_UP,
     world_sizes=(2, 4), make_cases=make_average_cases, call=call_average,
     expect=expect_grads, judge=judge_average,
     reference=naive_all_reduce_gradients,  # the course's own answer, same contract
     forbidden=tuple(c for c in COLLECTIVES if c != "all_reduce"),
-    banned=("reference.data_parallel.ddp.naive_all_reduce_gradients", "reference.data_parallel"))
-BUCKETED = ExerciseSpec(
+    banned=("reference.data_parallel.ddp.naive_all_reduce_gradients", "reference.data_parallel")),
+    (4,), (0, 1))
+BUCKETED = on_subgroup(ExerciseSpec(
     id="bucketed_all_reduce", title="bucketed all-reduce from gradient hooks, under accumulation",
     difficulty="★★★ hard", world_sizes=(2, 4), make_cases=make_bucket_cases, call=call_bucketed,
     expect=expect_grads, judge=judge_bucketed,
     reference=None,  # no built-in has this contract (reference.data_parallel.DDP wraps the module)
     forbidden=tuple(c for c in COLLECTIVES if c != "all_reduce"),
     banned=("reference.course.homework.data_parallel.course_bucketed_all_reduce",
-            "reference.data_parallel"))
+            "reference.data_parallel")), (4,), (1, 4))
 
 # The transfers and the written question (data_parallel_extra).
 from reference.course.homework.data_parallel_extra import (  # noqa: E402 - after what it uses
@@ -243,22 +245,25 @@ from reference.course.homework.data_parallel_extra import (  # noqa: E402 - afte
     make_int8_cases,
 )
 
-ACCUMULATE = ExerciseSpec(
+ACCUMULATE = on_subgroup(ExerciseSpec(
     id="accumulate_gradients", title="gradient accumulation over ranks with different sample counts",
     difficulty="★★☆ medium", world_sizes=(2, 3), make_cases=make_accumulate_cases,
     call=call_accumulate, expect=expect_accumulate, judge=judge_accumulate,
     reference=course_accumulate_gradients,
     forbidden=tuple(c for c in COLLECTIVES if c != "all_reduce"),
     banned=("reference.course.homework.data_parallel_extra.course_accumulate_gradients",
-            "reference.data_parallel"))
-INT8 = ExerciseSpec(
+            "reference.data_parallel")), (3,), (2, 3))
+INT8 = on_subgroup(ExerciseSpec(
     id="int8_all_reduce", title="int8 gradient all-reduce with error feedback",
     difficulty="★★★ hard", world_sizes=(2, 3), make_cases=make_int8_cases, call=call_int8,
     expect=expect_int8, judge=judge_int8, reference=course_int8_all_reduce,
     forbidden=tuple(c for c in COLLECTIVES if c != "all_reduce"),
     banned=("reference.course.homework.data_parallel_extra.course_int8_all_reduce",
-            "reference.data_parallel.compression", "reference.zero.adam8bit"))
+            "reference.data_parallel.compression", "reference.zero.adam8bit")), (3,), (1, 5))
 HOMEWORK_ID = "01_data_parallel"
 # The warm-up, the lecture's buckets built by hand, two transfers (accumulation over unequal
 # ranks; compression with error feedback) and the written question.
+# An answer failing any case keeps at most half: a rule broken alone shows only in the
+# cases that can show it.
+WRONG_KEEPS = 0.5
 EXERCISES = (AVERAGE_GRADIENTS, BUCKETED, ACCUMULATE, INT8, DDP_BYTES)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.scoring import Case, ExerciseSpec
+from reference.course.homework.subgroup import on_subgroup
 from reference.tolerance import forward, loss as loss_tolerance
 
 __all__ = ["GLOBAL_BALANCE_LOSS", "course_global_balance_loss", "global_loss_and_grads"]
@@ -135,11 +136,11 @@ def reference_global_balance(case: dict) -> torch.Tensor:
     return course_global_balance_loss(case["probs"], case["expert_idx"])
 
 
-GLOBAL_BALANCE_LOSS = ExerciseSpec(
+GLOBAL_BALANCE_LOSS = on_subgroup(ExerciseSpec(
     id="global_balance_loss", title="The load-balancing loss of the global batch",
     difficulty="★★☆ medium", world_sizes=(2, 3), make_cases=make_global_balance_cases,
     call=call_global_balance, expect=expect_global_balance, judge=judge_global_balance,
     reference=reference_global_balance,
     forbidden=tuple(c for c in COLLECTIVES if c != "all_reduce"),
     banned=("reference.course.homework.expert_balance.course_global_balance_loss",
-            "reference.expert_parallel.router.Router"))
+            "reference.expert_parallel.router.Router")), (3,), (1, 2))

@@ -38,6 +38,7 @@ from reference.course.homework.expert_traffic import (
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.questions import question
 from reference.course.homework.scoring import Case, ExerciseSpec
+from reference.course.homework.subgroup import on_subgroup
 
 __all__ = ["DISPATCH_COMBINE_DEDUP", "DEDUP_ALL_TO_ALL_BYTES", "course_dispatch_combine",
            "course_dispatch_combine_dedup", "dedup_all_to_all_bytes_formula", "pairs_of"]
@@ -209,7 +210,7 @@ def dedup_all_to_all_bytes_formula(tokens, d_model, k, ep, ranks_per_token, byte
     return 2 * (tokens * ranks_per_token * (ep - 1) // ep) * d_model * bytes_per_element
 
 
-DISPATCH_COMBINE_DEDUP = ExerciseSpec(
+DISPATCH_COMBINE_DEDUP = on_subgroup(ExerciseSpec(
     id="dispatch_combine_dedup", title="dispatch and combine, each token sent once per rank",
     difficulty="★★★ hard", world_sizes=(2, 3), make_cases=make_dedup_cases, call=call_dedup,
     expect=expect_dedup, judge=judge_dedup, reference=reference_dedup,
@@ -219,7 +220,7 @@ DISPATCH_COMBINE_DEDUP = ExerciseSpec(
             "reference.expert_parallel.comms", "reference.comms.functional.all_to_all",
             "reference.expert_parallel.moe",
             "reference.expert_parallel.router.sort_by_expert",
-            "reference.expert_parallel.router.combine"))
+            "reference.expert_parallel.router.combine")), (3,), (1, 4))
 DEDUP_ALL_TO_ALL_BYTES = question(
     "dedup_all_to_all_bytes", "The bytes of a deduplicated all-to-all",
     dedup_all_to_all_bytes_formula,

@@ -41,6 +41,7 @@ from reference.course.homework.expert_traffic import (  # noqa: F401 (re-exporte
 )
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.scoring import WARM_UP, Case, ExerciseSpec
+from reference.course.homework.subgroup import on_subgroup
 from reference.expert_parallel.router import Router
 
 __all__ = ["TOP_K_ROUTING", "DISPATCH_COMBINE", "EXERCISES", "reference_routing", "expert_fn_value",
@@ -316,7 +317,7 @@ TOP_K_ROUTING = ExerciseSpec(
     expect=expect_routing, judge=judge_routing, reference=reference_routing_call,
     banned=("reference.course.homework.expert_parallel.reference_routing",
             "reference.expert_parallel.router"))
-DISPATCH_COMBINE = ExerciseSpec(
+DISPATCH_COMBINE = on_subgroup(ExerciseSpec(
     id="dispatch_combine", title="dispatch and combine with all-to-all", difficulty="★★★ hard",
     bonus=True,
     world_sizes=(2, 4), make_cases=make_dispatch_cases, call=call_dispatch_combine_backward,
@@ -327,7 +328,7 @@ DISPATCH_COMBINE = ExerciseSpec(
             "reference.expert_parallel.comms", "reference.comms.functional.all_to_all",
             "reference.expert_parallel.moe",
             "reference.expert_parallel.router.sort_by_expert",
-            "reference.expert_parallel.router.combine"))
+            "reference.expert_parallel.router.combine")), (4,), (0, 3))
 HOMEWORK_ID = "05_expert_parallel"
 # The warm-up (routing), the lecture's dispatch written by hand, two transfers to what the
 # lecture did not build (deduplicated dispatch; the balance loss over the global batch)
@@ -337,5 +338,8 @@ from reference.course.homework.expert_dedup import (  # noqa: E402 - after the s
     DEDUP_ALL_TO_ALL_BYTES, DISPATCH_COMBINE_DEDUP,
 )
 
+# An answer failing any case keeps at most half: a rule broken alone shows only in the
+# cases that can show it.
+WRONG_KEEPS = 0.5
 EXERCISES = (TOP_K_ROUTING, DISPATCH_COMBINE, DISPATCH_COMBINE_DEDUP, GLOBAL_BALANCE_LOSS,
              DEDUP_ALL_TO_ALL_BYTES)

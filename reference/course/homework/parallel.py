@@ -12,8 +12,26 @@
   expected values come from `reference.parallel.estimate.stage_params`, which the course's
   tests check against the parameters of real `parallelize` runs. Cases: tied and untied,
   a vocabulary tp does not divide, layers pp does not divide, pp = 1 and tp = 1.
-Both are pure functions: one rank runs each case; nothing is communicated.
-The transfer exercises (global_grad_norm, reshard_plan) and the written question
+* ``global_grad_norm(shard, sizes, tp_split, groups)``: the gradient norm of the whole model
+  on a dp x tp x pp mesh under ZeRO-1, from each rank's shard of its flat gradient buffer
+  (the rank's tensors end to end, zero-padded to a multiple of dp, dp rank d holding numbers
+  [d S, (d + 1) S) after the reduce-scatter); ``sizes`` the tensors' lengths in buffer order,
+  ``tp_split`` whether each is this tp rank's slice or replicated over tp. Each number
+  counted once: every dp rank's shard, a slice on every tp rank, a replicated tensor's
+  numbers on tp rank 0 only, summed over dp, tp and pp. Only ``all_reduce`` is allowed.
+  Cases on 4 and 8 ranks: dp 2 or 4, with tp, pp or both, and two dp 2 x tp 2 models side
+  by side in one world of 8 (each model's sums stay in its own groups); float32 and float64
+  shards; tensors of drawn lengths, split and replicated alternating, so that shards start
+  and end inside tensors and straddle a split and a replicated one; buffers with and
+  without padding. Every rank must return its model's float64 truth (built from the whole
+  buffers, the dp shards put back together) within `reference.tolerance.gradient(n)`, a sum
+  over the n ranks. Wrong in principle and caught: counting dp rank 0's shard alone (the
+  rule of the unsharded clip, where every dp rank holds the same numbers), counting
+  replicated numbers on every tp rank, deciding a whole shard's count by the tensor it
+  starts in, placing the shard at the buffer's start, or one all-reduce over the world
+  instead of the model's groups; each fails a case and keeps at most half the points.
+mesh_groups and parameters_per_rank are pure functions: one rank runs each case; nothing
+is communicated. The transfer exercise reshard_plan and the written question
 (step_bytes_3d) are checked in `parallel_extra`; the composed exercise (finish_step: one
 step's gradients, loss and norm of a dp x tp x pp run, against one process) in
 `parallel_step`; activation checkpointing by hand (recompute: the input and the random
@@ -22,15 +40,21 @@ state kept, the same dropout masks drawn again in backward, against fn called di
 """
 from __future__ import annotations
 
-import torch
+import math
 
+import torch
+import torch.distributed as dist
+
+from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.scoring import Case, ExerciseSpec
 from reference.mesh import Mesh
+from reference.tolerance import gradient
 from reference.model import GPTConfig
 from reference.parallel.config import ParallelConfig
 from reference.parallel.estimate import stage_params
 
-__all__ = ["MESH_GROUPS", "PARAMETERS_PER_RANK", "EXERCISES", "DIMS"]
+__all__ = ["MESH_GROUPS", "PARAMETERS_PER_RANK", "GLOBAL_GRAD_NORM", "EXERCISES", "DIMS",
+           "course_global_grad_norm"]
 
 DIMS = ("tp", "dp", "pp", "ep", "edp")
 
@@ -144,6 +168,126 @@ def course_parameters(model: dict, dp: int, tp: int, pp: int) -> list:
     return expect_parameters([dict(model=model, dp=dp, tp=tp, pp=pp)])[0]
 
 
+# ------------------------------------------------------------------ global_grad_norm (ZeRO-1)
+
+def course_global_grad_norm(shard, sizes, tp_split, groups) -> float:
+    """The course's answer: the squares of this shard's numbers that this rank counts (a slice
+    on every tp rank, a replicated tensor on tp rank 0), summed over dp, tp and pp."""
+    n, start = shard.numel(), dist.get_rank(groups["dp"]) * shard.numel()
+    first_tp = dist.get_rank(groups["tp"]) == 0
+    total, offset = torch.zeros((), dtype=torch.float64), 0
+    for size, split in zip(sizes, tp_split):
+        lo, hi = max(offset, start), min(offset + size, start + n)   # the tensor's part in the shard
+        if lo < hi and (split or first_tp):
+            total += shard[lo - start:hi - start].double().pow(2).sum()
+        offset += size
+    for dim in ("dp", "tp", "pp"):
+        dist.all_reduce(total, group=groups[dim])
+    return math.sqrt(total.item())
+
+
+def _mesh_groups(dp: int, tp: int, pp: int, copies: int = 1) -> dict:
+    """This rank's dp, tp and pp groups in its copy of the mesh (`copies` meshes side by side,
+    copy c on global ranks c n .. c n + n - 1); every rank creates every group, in one order."""
+    mesh, mine = Mesh(dp=dp, tp=tp, pp=pp), {}
+    for copy in range(copies):
+        for dim in ("dp", "tp", "pp"):
+            for ranks in mesh.group_ranks(dim):
+                ranks = [copy * mesh.world_size + r for r in ranks]
+                group = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    mine[dim] = group
+    return mine
+
+
+def call_global_grad_norm(fn, case: dict) -> dict:
+    groups = _mesh_groups(case["dp"], case["tp"], case["pp"], case["copies"])
+    shard = case["shard"].clone()
+    out = fn(shard, list(case["sizes"]), list(case["tp_split"]), groups)
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        out = out.item()
+    value = float(out) if isinstance(out, (int, float)) and not isinstance(out, bool) else None
+    return {"norm": value, "type": type(out).__name__, "changed": not torch.equal(shard, case["shard"])}
+
+
+def _model_norm(inputs: list) -> float:
+    """The truth from one model's whole buffers: each (stage, tp rank)'s dp shards joined."""
+    c = inputs[0]
+    mesh, total = Mesh(dp=c["dp"], tp=c["tp"], pp=c["pp"]), 0.0
+    for ranks in mesh.group_ranks("dp"):                       # one buffer per (stage, tp rank)
+        buffer = torch.cat([inputs[r]["shard"].double() for r in ranks])   # dp order: the buffer
+        tp_rank, bounds = mesh.coords(ranks[0]).tp, torch.tensor(inputs[ranks[0]]["sizes"]).cumsum(0)
+        for tensor, split in zip(torch.tensor_split(buffer, bounds.tolist())[:-1], inputs[ranks[0]]["tp_split"]):
+            if split or tp_rank == 0:
+                total += float(tensor.pow(2).sum())
+    return math.sqrt(total)
+
+
+def expect_global_grad_norm(inputs: list) -> list:
+    """Each rank: the norm of its own model (a world may hold copies of the mesh side by side)."""
+    n = len(inputs) // inputs[0]["copies"]
+    return [_model_norm(inputs[c * n:(c + 1) * n]) for c in range(inputs[0]["copies"]) for _ in range(n)]
+
+
+def judge_global_grad_norm(inputs, expected, outputs, world_size) -> str:
+    c = inputs[0]
+    where = f"dp={c['dp']} tp={c['tp']} pp={c['pp']}" + (f", {c['copies']} models" if c["copies"] > 1 else "")
+    for rank, (out, want) in enumerate(zip(outputs, expected)):
+        if out["norm"] is None:
+            return f"rank {rank} returned a {out['type']}, not a number ({where})"
+        if out["changed"]:
+            return f"rank {rank} changed its shard (the norm only reads it)"
+        if not gradient(world_size).allows(out["norm"] - want, want):
+            return (f"rank {rank}: norm {out['norm']:.6g}, the model's is {want:.6g} ({where}; "
+                    f"ratio {out['norm'] / want:.4g})")
+    return ""
+
+
+def _model_inputs(generator: torch.Generator, dp: int, tp: int, pp: int, dtype, copies: int) -> list:
+    """One model's inputs in rank order: each (stage, tp rank)'s flat buffer cut into dp shards."""
+    def draw(lo, hi):
+        return int(torch.randint(lo, hi + 1, (), generator=generator))
+
+    mesh = Mesh(dp=dp, tp=tp, pp=pp)
+    per_rank = [None] * mesh.world_size
+    for stage in range(pp):
+        # split and replicated alternate, lengths drawn so shards cut through tensors
+        split = [bool((k + stage) % 2) for k in range(draw(4, 6))]
+        sizes = [draw(3, 17) for _ in split]
+        replicated = {k: torch.randn(n, generator=generator, dtype=torch.float64)
+                      for k, (n, s) in enumerate(zip(sizes, split)) if not s}
+        for t in range(tp):
+            parts = [torch.randn(n, generator=generator, dtype=torch.float64) if s else replicated[k]
+                     for k, (n, s) in enumerate(zip(sizes, split))]
+            shards = torch.cat(parts).to(dtype)
+            S = -(-shards.numel() // dp)
+            shards = torch.cat([shards, shards.new_zeros(dp * S - shards.numel())]).view(dp, S)
+            for d in range(dp):
+                per_rank[mesh.rank_of(pp=stage, dp=d, tp=t)] = {
+                    "dp": dp, "tp": tp, "pp": pp, "copies": copies, "shard": shards[d].clone(),
+                    "sizes": sizes, "tp_split": split}
+    return per_rank
+
+
+def make_zero_norm_cases(generator: torch.Generator, world_size: int) -> list[Case]:
+    # (dp, tp, pp, copies): on 8 ranks, two dp 2 x tp 2 models side by side in one world, whose
+    # sums must stay inside each model's groups
+    meshes = {4: [(2, 2, 1, 1), (2, 1, 2, 1), (4, 1, 1, 1)],
+              8: [(2, 2, 2, 1), (4, 2, 1, 1), (2, 2, 1, 2)]}[world_size]
+    cases = []
+    for i, (dp, tp, pp, copies) in enumerate(meshes):
+        dtype = (torch.float32, torch.float64)[i % 2]
+        per_rank = [x for _ in range(copies) for x in _model_inputs(generator, dp, tp, pp, dtype, copies)]
+        name = f"dp={dp} tp={tp} pp={pp}" + (f" x {copies} models" if copies > 1 else "")
+        cases.append(Case(f"{name} {str(dtype).split('.')[-1]}", per_rank))
+    return cases
+
+
+def torch_global_grad_norm(case: dict) -> float:
+    return course_global_grad_norm(case["shard"], case["sizes"], case["tp_split"],
+                                   _mesh_groups(case["dp"], case["tp"], case["pp"], case["copies"]))
+
+
 MESH_GROUPS = ExerciseSpec(
     id="mesh_groups", title="The process groups of a 3D (4D) mesh", difficulty="★★☆ medium",
     world_sizes=(1,), make_cases=make_mesh_cases, call=call_mesh_groups,
@@ -156,15 +300,24 @@ PARAMETERS_PER_RANK = ExerciseSpec(
     reference=course_parameters,
     banned=("reference.course.homework.parallel.course_parameters", "reference.parallel.estimate",
             "reference.parallel.estimate_memory", "reference.parallel.explorer"))
+GLOBAL_GRAD_NORM = ExerciseSpec(
+    id="global_grad_norm", title="The gradient norm over ZeRO-1's shards of a dp x tp x pp model",
+    difficulty="★★☆ medium", world_sizes=(4, 8), make_cases=make_zero_norm_cases,
+    call=call_global_grad_norm, expect=expect_global_grad_norm, judge=judge_global_grad_norm,
+    reference=torch_global_grad_norm,
+    forbidden=tuple(c for c in COLLECTIVES if c != "all_reduce"),
+    banned=("reference.course.homework.parallel.course_global_grad_norm", "reference.parallel.clip",
+            "reference.zero.shard"))
 HOMEWORK_ID = "06_3d_parallel"
-# The warm-up, a transfer of the lecture's counting, two transfers to what it did not
-# show (clipping, resharding; parallel_extra) and the written question.
+# The lecture's mesh and counting by hand (mesh_groups, parameters_per_rank), step 6's norm
+# over ZeRO-1's shards from the buffer's arithmetic (global_grad_norm, above), a transfer to
+# resharding and the written question (parallel_extra).
 from reference.course.homework.parallel_extra import (  # noqa: E402 - after the specs it extends
-    GLOBAL_GRAD_NORM, RESHARD_PLAN, STEP_BYTES_3D,
+    RESHARD_PLAN, STEP_BYTES_3D,
 )
 # The composed exercise: one step's gradients, loss and norm, against one process.
 from reference.course.homework.parallel_step import FINISH_STEP  # noqa: E402
-# The clinic's sixth mistake: a recomputation that draws other dropout masks.
+# The clinic's seventh mistake: a recomputation that draws other dropout masks.
 from reference.course.homework.parallel_recompute import RECOMPUTE  # noqa: E402
 # FSDP inside tensor parallelism: the rows a rank holds.
 from reference.course.homework.parallel_fsdp import FSDP_TP_PIECES  # noqa: E402

@@ -306,4 +306,7 @@ MFU = question(
 HOMEWORK_ID = "07_performance"
 from reference.course.homework.performance_powersgd import POWERSGD  # noqa: E402 - after the specs
 
+# An answer failing any case keeps at most half: a rule broken alone shows only in the
+# cases that can show it.
+WRONG_KEEPS = 0.5
 EXERCISES = (STEP_BREAKDOWN, DIAGNOSE, POWERSGD, MFU)

@@ -205,4 +205,7 @@ from reference.course.homework.pipeline_interleaved import (  # noqa: E402 - aft
     INTERLEAVED_ACTIONS, INTERLEAVED_PEAK_BYTES,
 )
 
+# An answer failing any case keeps at most half: a rule broken alone shows only in the
+# cases that can show it.
+WRONG_KEEPS = 0.5
 EXERCISES = (GPIPE, ONE_F_ONE_B, INTERLEAVED_ACTIONS, BALANCE_STAGES, INTERLEAVED_PEAK_BYTES)

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from reference.course.homework.data_parallel import BATCH, build_mlp, collectives_allowed, full_batch_loss, model_case
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.scoring import WARM_UP, Case, ExerciseSpec
+from reference.course.homework.subgroup import on_subgroup
 from reference.tolerance import Tolerance, adamw_weights, gradient, sgd_weights
 
 __all__ = ["ZERO1", "EXERCISES", "OPTIMIZERS", "weights_tolerance", "course_zero1_optimizer"]
@@ -223,16 +224,19 @@ def judge(inputs, expected, outputs, world_size) -> str:
     return ""
 
 
-ZERO1 = ExerciseSpec(
+ZERO1 = on_subgroup(ExerciseSpec(
     id="zero1_optimizer", title="a ZeRO-1 optimizer step", difficulty="★☆☆ warm-up",
     weight=WARM_UP,
     world_sizes=(2, 4), make_cases=make_cases, call=call, expect=expect, judge=judge,
     reference=None,  # the course's version, reference.zero.ZeroOptimizer, is a class
     forbidden=tuple(c for c in COLLECTIVES if c not in ALLOWED),
     banned=("reference.course.homework.zero.course_zero1_optimizer", "reference.zero.optimizer",
-            "reference.zero.reducer", "reference.zero.shard"))
+            "reference.zero.reducer", "reference.zero.shard")), (4,), (0, 3))
 HOMEWORK_ID = "02_zero_fsdp"
 # The warm-up, two transfers to what the lecture did not build (zero_extra) and the question.
 from reference.course.homework.zero_extra import CLIP, FSDP_SCHEDULE, ZERO_MAX_PARAMS  # noqa: E402
 
+# An answer failing any case keeps at most half: a rule broken alone shows only in the
+# cases that can show it.
+WRONG_KEEPS = 0.5
 EXERCISES = (ZERO1, CLIP, FSDP_SCHEDULE, ZERO_MAX_PARAMS)

@@ -38,6 +38,7 @@ from reference.course.homework.data_parallel import collectives_allowed
 from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.questions import question
 from reference.course.homework.scoring import Case, ExerciseSpec
+from reference.course.homework.subgroup import on_subgroup
 from reference.memory import Precision, model_state_bytes
 from reference.tolerance import forward, gradient
 
@@ -102,8 +103,7 @@ def call_clip(fn, case: dict) -> dict:
     shard = case["shard"].clone()
     log = []
     with collectives_allowed(("allreduce",), lambda name, numel, *_: log.append(numel)):
-        out = fn(shard, case["numel"], case["max_norm"], norm_type=case["norm_type"],
-                 group=dist.group.WORLD)
+        out = fn(shard, case["numel"], case["max_norm"], norm_type=case["norm_type"])
     if isinstance(out, torch.Tensor) and out.numel() == 1:
         out = out.item()
     norm = float(out) if isinstance(out, (int, float)) and not isinstance(out, bool) else None
@@ -292,13 +292,13 @@ def fits(psi: int, memory_bytes: int, n: int, stage: int, k: int) -> bool:
     return model_state_bytes(psi, n, stage, Precision(2, 2, k)).model_states <= memory_bytes
 
 
-CLIP = ExerciseSpec(
+CLIP = on_subgroup(ExerciseSpec(
     id="clip_sharded_grad_norm_", title="Gradient clipping under ZeRO: one norm over the shards",
     difficulty="★★☆ medium", world_sizes=(2, 3), make_cases=make_clip_cases, call=call_clip,
     expect=expect_clip, judge=judge_clip, reference=torch_clip,
     forbidden=tuple(c for c in COLLECTIVES if c != "all_reduce"),
     banned=("reference.course.homework.zero_extra.course_clip_sharded_grad_norm_",
-            "reference.parallel.clip"))
+            "reference.parallel.clip")), (3,), (0, 4))
 FSDP_SCHEDULE = ExerciseSpec(
     id="fsdp_schedule", title="ZeRO-3 with prefetch, as a schedule of actions",
     difficulty="★★★ hard", world_sizes=(1,), make_cases=make_schedule_cases, call=call_schedule,
