@@ -338,7 +338,9 @@ class Mesh:
         self._check_dim(dim)
         self._require_built()
         if dim not in self._groups:  # "cp" with cp = 1, HSDP's with dp_replicate = 1
-            raise ValueError(f"{self} builds no {dim} group (cp={self.cp}, dp_replicate={self.dp_replicate})")
+            why = "cp=1: no cp group is built (check mesh.cp > 1 first)" if dim == "cp" else (
+                f"dp_replicate=1: no {dim} group is built (HSDP's groups exist when dp_replicate > 1)")
+            raise ValueError(f"{self} has {why}")
         return self._groups[dim]
 
     @property

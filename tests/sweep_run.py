@@ -26,7 +26,7 @@ import torch
 
 from reference.tolerance import adamw_weights, loss
 
-__all__ = ["STEPS", "LR", "EPS", "TOLERANCES", "batches", "run_cases", "single_process",
+__all__ = ["STEPS", "LR", "EPS", "TOLERANCES", "batches", "full_batches", "run_cases", "single_process",
            "compare", "model_for"]
 
 STEPS, LR, EPS = 3, 1e-3, 1e-6
@@ -36,6 +36,16 @@ TOLERANCES = {p: dict(loss=loss(dtype), weights=adamw_weights(STEPS, LR, dtype=d
               for p, dtype in DTYPES.items()}
 FP16_POWER = 12   # the loss scale starts at 2^12: the tiny model's gradients stay finite
 BIAS_RATE = 0.05  # a bias-balanced MoE's step: large enough to move the routing in 3 steps
+
+
+def full_batches(steps: int = STEPS):
+    """Random tokens, every target counted: for measurements that assume balanced routing
+    (padding's identical rows all go to the same experts)."""
+    from sweep import BATCH
+
+    B, T = BATCH
+    data = torch.randint(0, 256, (steps, B, T + 1), generator=torch.Generator().manual_seed(4321))
+    return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
 
 
 def batches(steps: int = STEPS):

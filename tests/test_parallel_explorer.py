@@ -50,11 +50,17 @@ def test_a_pipeline_wins_when_its_bubble_is_small_and_dp_traffic_dominates():
     reduction runs on NVLink and hides: there pp = 1 wins."""
     rows = feasible_configs(MODELS["GPT-3 1.3B"], 64, device_bytes=80e9, global_batch=512)
     best = rows[0]
-    flat = next(r for r in rows if r["config"].pp == 1)
+    flat = next(r for r in rows if r["config"].pp == 1 and r["config"].dp_replicate == 1)
     assert best["config"].pp > 1 and best["bubble"] < 0.1
     assert flat["bubble"] == 0 and flat["step_time"] > best["step_time"]
     assert flat["time"]["dp"] > best["time"]["bubble"] + best["time"]["pp"] + best["time"]["dp"]
     assert rows.index(flat) > 0
+
+    # HSDP keeps ZeRO-3's gathers inside a node: its flat rows expose less dp time than plain ZeRO-3's
+    hsdp = next(r for r in rows if r["config"].pp == 1 and r["config"].dp_replicate > 1)
+    plain = next(r for r in rows if r["config"].with_(dp_replicate=1) == hsdp["config"].with_(dp_replicate=1)
+                 and r["config"].dp_replicate == 1)
+    assert hsdp["time"]["dp"] < plain["time"]["dp"] and hsdp["cross_node"] < plain["cross_node"]
 
     one_node = feasible_configs(MODELS["GPT-3 1.3B"], 8, device_bytes=80e9, global_batch=512)
     assert one_node[0]["config"].pp == 1 and one_node[0]["time"]["dp"] == 0

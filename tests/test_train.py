@@ -113,7 +113,7 @@ def test_oracle_imports_no_distributed_course_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = set(eval(out.stdout))
     assert loaded == {"reference", "reference.model", "reference.data", "reference.train",
-                      "reference.train.single"}, loaded
+                      "reference.train.single", "reference.loss"}, loaded
 
 
 # ------------------------------------------------------------ clipping in a parallel run

@@ -20,8 +20,8 @@ stages hold other layers: neither is summed over. Expert parallelism splits the 
 not the routers: each router is replicated over dp, ep included.
 
 The update runs as an optimizer step pre-hook (as torchtitan does): `register_bias_update`
-hooks it on the run's optimizer (`ParallelGPT.make_optimizer` does), and the single-process
-oracle calls `update_expert_bias` after its step. A step skipped for an fp16 overflow has no
+hooks it on the run's optimizer (`ParallelGPT.make_optimizer` does); the single-process oracle
+moves each router's bias by its own counts (`Router.move_bias`, the rule's one place). A step skipped for an fp16 overflow has no
 optimizer step, so its counts carry into the next one, in the oracle as on the ranks.
 """
 from __future__ import annotations
@@ -56,9 +56,7 @@ def update_expert_bias(model: nn.Module, group=None) -> Optional[torch.Tensor]:
     if group is not None and dist.get_world_size(group) > 1:
         comms.all_reduce(loads, group=group)  # the step's counts over every dp rank, once
     for r, load in zip(routers, loads):
-        load = load.to(r.expert_bias.dtype)
-        r.expert_bias += r.bias_update_rate * torch.sign(load.mean() - load)
-        r.step_tokens_per_expert.zero_()
+        r.move_bias(load)
     return loads
 
 

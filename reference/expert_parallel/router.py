@@ -140,6 +140,14 @@ class Router(nn.Module):
         else:
             self.expert_bias = self.step_tokens_per_expert = None
 
+    @torch.no_grad()
+    def move_bias(self, load: torch.Tensor) -> None:
+        """DeepSeek-V3's update from the step's ``load`` (E,), the assignments each expert got
+        over the whole step: b <- b + u * sign(mean load - load); the counts start again at 0."""
+        load = load.to(self.expert_bias.dtype)
+        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        self.step_tokens_per_expert.zero_()
+
     def extra_repr(self) -> str:
         return (f"n_experts={self.n_experts}, k={self.k}, capacity_factor={self.capacity_factor}, "
                 f"balance_coef={self.balance_coef}, z_coef={self.z_coef}"

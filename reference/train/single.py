@@ -18,7 +18,6 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from reference.data import ByteCorpus, get_batch
-from reference.expert_parallel.bias_balance import update_expert_bias
 from reference.loss import step_mean
 from reference.model import lm_loss
 
@@ -138,7 +137,8 @@ def accumulated_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx: to
             return loss, True
     if max_norm is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    update_expert_bias(model)  # experts balanced by a bias: the step's loads (nothing otherwise)
+    for router in (m for m in model.modules() if getattr(m, "expert_bias", None) is not None):
+        router.move_bias(router.step_tokens_per_expert)  # experts balanced by a bias: the step's loads
     optimizer.step()
     return loss, False
 
