@@ -221,18 +221,20 @@ def test_visible_checks_print_pass_and_fail(capsys):
         "return E * (f * totals[E:2 * E] / n_tokens).sum()")), world_sizes=(2,))
     check_dedup_all_to_all_bytes(lambda **kw: "a lot")
     out = capsys.readouterr().out
-    assert "FAIL dispatch_combine_dedup" in out and "hint: send a token once to each rank" in out
+    assert "FAIL dispatch_combine_dedup" in out
+    assert "hint: more rows were sent than one per (token, rank) pair" in out
     assert "PASS global_balance_loss" in out
-    assert "FAIL global_balance_loss" in out and "hint: all-reduce a detached copy" in out
+    assert "FAIL global_balance_loss" in out and "hint: the loss has no gradient" in out
     assert "FAIL dedup_all_to_all_bytes" in out and "not a number" in out
 
 
 # ------------------------------------------------------------------ each stated rule, broken alone
 
 def _subgroup_only(spec):
-    """Only the cases on the subgroup of ranks 1 .. p - 1: one launch, two cases."""
+    """One case on the subgroup of ranks 1 .. p - 1: one launch (a rank that raises in a launch
+    of several cases makes the grader run each again alone)."""
     return dataclasses.replace(spec, make_cases=lambda g, w, make=spec.make_cases: [
-        c for c in make(g, w) if "subgroup" in c.name])
+        c for c in make(g, w) if "subgroup" in c.name][:1])
 
 
 WORLD_RANK = ("dist.get_rank(group)", "dist.get_rank()")

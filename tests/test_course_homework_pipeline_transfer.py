@@ -231,7 +231,7 @@ def test_visible_checks_print_pass_and_fail(capsys):
     check_balance_stages(_function("balance_stages", (FITS, "return True")))
     check_interleaved_peak_bytes(lambda **kw: 1.5)
     out = capsys.readouterr().out
-    assert "FAIL interleaved_actions" in out and "hint: warm up with min((v - 1) g" in out
+    assert "FAIL interleaved_actions" in out and "hint: a rank holds more (micro-batch, chunk) pairs" in out
     assert "PASS balance_stages" in out
     assert "FAIL balance_stages" in out and "hint: under 1F1B stage r keeps" in out
     assert "FAIL interleaved_peak_bytes" in out and "whole number" in out

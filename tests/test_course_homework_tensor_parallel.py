@@ -186,7 +186,7 @@ def test_the_right_answers_score_full_marks():
 ])
 def test_mlp_mistakes_lose_every_point_on_two_ranks(name, reason):
     score = _score(MLP, name, world_sizes=(2,))
-    assert score.points == 0 and score.max == 4
+    assert score.points == 0 and score.max == 4 and score.weighted() == 0
     assert all(reason in line for line in score.failures), score.failures
 
 

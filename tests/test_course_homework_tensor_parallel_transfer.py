@@ -220,6 +220,7 @@ def _student(name):
 
 
 def _score(spec, name, world_sizes=None, seed=11):
+    spec = {s.id: s for s in homework("03_tensor_parallel")}[spec.id]  # as graded: WRONG_KEEPS
     if world_sizes:
         spec = dataclasses.replace(spec, world_sizes=world_sizes)
     return score_exercise(spec, cloudpickle.dumps(_student(name)), seed=seed, timeout=TIMEOUT)
@@ -256,6 +257,7 @@ def test_sequence_parallel_mistakes_lose_their_cases(name, lost, reason):
     score = _score(SEQUENCE_PARALLEL, name, world_sizes=(2,))
     assert score.max - score.points == lost, score.failures
     assert all(reason in line for line in score.failures), score.failures
+    assert score.weighted() <= score.weight / 2  # each stated rule, broken alone: half lost
 
 
 @pytest.mark.parametrize("name", ["sp_course", "sp_package_operators"])
@@ -287,6 +289,7 @@ def test_dropout_mistakes_lose_their_cases(name, lost, reason):
     score = _score(TP_DROPOUT, name, world_sizes=(2,))
     assert score.max - score.points == lost, score.failures
     assert all(reason in line for line in score.failures), score.failures
+    assert score.weighted() <= score.weight / 2  # each stated rule, broken alone: half lost
 
 
 def test_dropout_refuses_the_course_rng():

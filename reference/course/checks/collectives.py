@@ -41,26 +41,34 @@ VISIBLE_CASES = (("float32", (6,)), ("float32", (5,)), ("float32", (3, 5)), ("in
 
 _HINTS = {
     "not implemented": NOT_IMPLEMENTED,
-    "not allowed": "use only dist.send/recv or dist.isend/irecv (batch_isend_irecv works too)",
-    "timed out": ("every send needs a matching recv on the peer: post the send with "
-                  "dist.isend, then recv, then wait on the send, so no two ranks wait for each other"),
-    "not a ring": "send only to (rank + 1) % world_size and receive only from (rank - 1) % world_size",
-    "the ring needs at most": "send one chunk per step, not the whole tensor",
-    "wrong sum": ("after reduce-scatter each rank owns one fully summed chunk; check which chunk "
-                  "you send and which you add to at each step"),
-    "wrong values": "block r of the result must hold rank r's tensor",
-    "not changed": "write the result into the tensor you were given (chunks of tensor.view(-1))",
-    "not the binomial tree": ("rank r's parent is r - (r & -r) (its lowest set bit cleared), its "
-                              "children r + 2^k for each 2^k below that bit (every k for rank 0) "
-                              "with r + 2^k < p: add the children's tensors, send the sum to the "
-                              "parent, receive the total back and pass it to each child"),
-    "not recursive doubling": ("with p' the largest power of two <= p: rank r >= p' sends its tensor "
-                               "to r - p' and later receives the sum from it; ranks below p' add "
-                               "that in, then swap with rank ^ d for d = 1, 2, ..., p'/2"),
-    "every message of": "send the whole tensor in every message, not chunks of it",
-    "different bits": ("every rank must end with the same numbers: pass the finished sum on "
-                       "instead of adding the same terms again in another order"),
-    "returned": "check the return value against the contract in the exercise text",
+    "not allowed": ("a collective was called: the exercise builds one from dist.send/recv or "
+                    "isend/irecv alone (reread the hints under exercise 1)"),
+    "timed out": ("some rank waited for a message never sent: two neighbours each in a blocking "
+                  "send? Reread exercise 1's hint on posting a send and a receive together"),
+    "not a ring": ("a message went to or came from a rank other than the neighbours: reread the "
+                   "ring's rule in 'What you will practise' (rank i talks to (i + 1) % p and "
+                   "(i - 1) % p only)"),
+    "the ring needs at most": ("more data left a rank than the ring sends: reread exercise 1's "
+                               "count (2(p - 1) chunks, one per step)"),
+    "wrong sum": ("some chunks hold a wrong sum: reread exercise 1's table of which chunk is sent "
+                  "and which is added at step s"),
+    "wrong values": ("a block of the result holds another rank's tensor: reread exercise 2's "
+                     "contract (block r is rank r's tensor)"),
+    "not changed": ("the tensor passed in still holds its own values: reread exercise 1's "
+                    "contract (the sum is written in place) and its hint on views"),
+    "other than its argument": ("a new tensor came back: reread exercise 1's contract (it "
+                                "returns `tensor`)"),
+    "not the binomial tree": ("the messages are not the tree's edges: reread exercise 3's parent "
+                              "and children (a rank's lowest set bit) and the 6-rank example"),
+    "not recursive doubling": ("the messages are not doubling's partners: reread exercise 4's "
+                               "three steps (the extra ranks p' + j fold into rank j)"),
+    "every message of": ("a message carried part of the tensor: reread 'Every message is the "
+                         "whole tensor' in exercises 3 and 4"),
+    "different bits": ("ranks ended with sums that differ in the last bits: reread the end of "
+                       "exercises 3 and 4 (why every rank holds the same bits)"),
+    "not in the group": ("a message went to a rank outside the group: reread exercise 1's hint "
+                         "on group_dst=/group_src= (ranks within `group`)"),
+    "returned": "the return value is not what the contract says: reread the exercise's contract",
 }
 
 

@@ -31,53 +31,65 @@ __all__ = ["check_average_gradients", "check_bucketed_all_reduce", "check_accumu
 
 _HINTS = {
     "not implemented": NOT_IMPLEMENTED,
-    "not allowed": "use dist.all_reduce only (the other collectives are switched off)",
-    "timed out": ("every rank must issue the same all-reduces in the same order: launch "
-                  "buckets strictly in bucket order"),
-    "sum over ranks": "all_reduce sums; the full-batch gradient is the mean: divide by the world size",
-    "not the full-batch gradient": ("after finish() every p.grad must hold the mean over ranks: "
-                                    "copy the reduced flat bucket back into each p.grad"),
-    "got a gradient": "frozen parameters (requires_grad False) get no bucket and keep grad None",
-    "is None after": "write the averaged gradient into p.grad (p.grad.copy_(...))",
-    "all-reduce sizes": ("walk the trainable parameters in reverse order; start a new bucket when "
-                         "the next gradient would make the bucket exceed bucket_bytes; one "
-                         "all-reduce of one flat tensor per bucket"),
+    "not allowed": ("a collective other than dist.all_reduce was called: reread 'How it is "
+                    "graded' (the others are switched off)"),
+    "timed out": ("some rank waited in an all-reduce no other rank made: reread exercise 2's "
+                  "'Launch buckets in bucket order only'"),
+    "sum over ranks": ("the gradients are the world size times too large: reread exercise 1 "
+                       "(all_reduce gives the sum, the text asks for the mean)"),
+    "not the full-batch gradient": ("after finish() a p.grad is not the mean over the ranks: "
+                                    "reread exercise 2's 'finish()' bullet"),
+    "got a gradient": ("a frozen parameter ended with a gradient: reread exercise 1 and "
+                       "exercise 2's 'Buckets' (frozen parameters are left alone)"),
+    "is None after": "a trainable p.grad is None afterwards: reread exercise 1's contract",
+    "all-reduce sizes": ("the all-reduces do not match the buckets: reread exercise 2's "
+                         "'Buckets' (reverse order, the cap in bytes, one all-reduce each)"),
     "not inside the step's last backward": ("the all-reduces came after backward, in finish(): "
-                                            "reread the lecture's hooks"),
+                                            "reread exercise 2's 'Hooks' and the lecture's "
+                                            "hooks"),
     "did not yet hold every micro-batch": ("a bucket went out in one of the first K - 1 backward "
-                                           "passes: its hooks fire in every backward; when is a "
-                                           "gradient complete?"),
-    "only once every gradient": "launch a bucket from the hook of its last gradient, not at the end",
-    "returned": "check the return value against the contract in the exercise text",
+                                           "passes: reread exercise 2's 'Hooks' (a hook fires in "
+                                           "every backward)"),
+    "only once every gradient": ("the first all-reduce waited for the whole backward: reread "
+                                 "exercise 2's last paragraph (overlap)"),
+    "returned": "the return value is not what the contract says: reread the exercise's contract",
 }
 
 _ACCUMULATE_HINTS = {
     "not implemented": NOT_IMPLEMENTED,
-    "not allowed": "use dist.all_reduce only (the other collectives are switched off)",
-    "timed out": ("every rank must make the same all-reduces, whatever its number of "
-                  "micro-batches: communicate only after the loop"),
-    "backward passes for": "run one forward and one backward per micro-batch; p.grad adds them up",
-    "before the last micro-batch": "accumulate locally; all-reduce once, after the last backward",
-    "the gradients and two numbers": ("pack the gradients, the loss sum and the sample count into "
-                                      "one flat tensor: one all-reduce"),
-    "returned loss": "the step's loss: the per-sample losses of every rank summed, over their count",
-    "not the full-batch gradient": ("weigh each rank by its samples: all-reduce sums (of per-sample "
-                                    "losses' gradients, and of samples), then divide"),
-    "got a gradient": "frozen parameters (requires_grad False) keep grad None",
-    "is None after": "a rank with no micro-batch still joins the all-reduce, with zeros",
-    "returned": "check the return value against the contract in the exercise text",
+    "not allowed": ("a collective other than dist.all_reduce was called: reread exercise 3's "
+                    "third bullet"),
+    "timed out": ("some rank waited in an all-reduce another rank never made: reread exercise "
+                  "3's third bullet (communicate only after the last backward, on every rank)"),
+    "backward passes for": ("the number of backward passes is not one per micro-batch: reread "
+                            "exercise 3's third bullet"),
+    "before the last micro-batch": ("an all-reduce came before the last backward: reread "
+                                    "exercise 3's third bullet"),
+    "the gradients and two numbers": ("more was all-reduced than the gradients and two numbers: "
+                                      "reread exercise 3's third bullet and its hint"),
+    "returned loss": ("the loss differs from the mean over every sample of every rank: reread "
+                      "exercise 3's second bullet"),
+    "not the full-batch gradient": ("the gradient is not the large-batch one (ranks weighed "
+                                    "alike?): reread exercise 3's opening paragraph and its hint"),
+    "got a gradient": "a frozen parameter ended with a gradient: reread exercise 3's last bullet",
+    "is None after": ("a trainable p.grad is None on some rank (one without micro-batches?): "
+                      "reread exercise 3's last bullet"),
+    "returned": "the return value is not what the contract says: reread exercise 3's last bullet",
 }
 
 _INT8_HINTS = {
     "not implemented": NOT_IMPLEMENTED,
-    "not allowed": "use dist.all_reduce only (op=dist.ReduceOp.MAX for the largest |v|)",
-    "quantized values as int8": ("all-reduce q as a torch.int8 tensor, and besides it only the "
-                                 "one-number max"),
-    "changed grad or residual": "v = grad + residual makes a new tensor: leave the arguments as they are",
-    "wrong mean": ("one scale on every rank (the max over ranks of |v|, over 127 // p); the mean is "
-                   "sum(q) * scale / p"),
-    "wrong residual": "the residual is what this rank wanted to send minus what it sent: v - q * scale",
-    "not (mean, residual)": "return a tuple (mean, new_residual) of two tensors",
+    "not allowed": ("a collective other than dist.all_reduce was called: reread exercise 4's "
+                    "steps 2 and 3"),
+    "quantized values as int8": ("the all-reduces did not carry the values as a torch.int8 "
+                                 "tensor and one more number: reread exercise 4's steps 2 and 3"),
+    "changed grad or residual": ("grad or residual changed in place: reread exercise 4's step 4 "
+                                 "(new tensors)"),
+    "wrong mean": ("the mean is off: reread exercise 4's steps 2-4 (one scale for every rank, "
+                   "L = 127 // p)"),
+    "wrong residual": ("the residual is off: reread exercise 4's step 4 (what this rank wanted "
+                       "to send minus what it sent)"),
+    "not (mean, residual)": "the return value is not a pair of tensors: reread exercise 4's step 4",
 }
 
 

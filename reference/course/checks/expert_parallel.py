@@ -30,49 +30,62 @@ __all__ = ["check_top_k_routing", "check_dispatch_combine", "check_dispatch_comb
 
 _HINTS = {
     "not implemented": NOT_IMPLEMENTED,
-    "not allowed": "the only collective allowed here is dist.all_to_all_single",
-    "timed out": ("every rank must call all_to_all_single the same number of times, with "
-                  "splits that match: rank r's input_split_sizes[d] is rank d's "
-                  "output_split_sizes[r]"),
-    "most probable first": "probs.topk(k, dim=-1) gives the k largest, largest first",
-    "dropped assignments changed": "leave the weights alone; `kept` marks the drops",
-    "weights": "softmax over all E logits first, then pick the top k (and renormalise when k > 1)",
-    "capacity is": "an expert takes at most `capacity` assignments; the rest are dropped",
-    "kept=": ("order the assignments choice-major, (T, k) -> (k * T,), and count each "
-              "expert's assignments so far with a cumulative sum over a one-hot matrix"),
-    "ran on rank": "expert e lives on rank e // experts_per_rank: only that rank may call expert_fn(e, ...)",
-    "processed": "send each kept assignment's row once, to its expert's rank; skip the -1 entries",
-    "point-to-point": "dispatch and combine with dist.all_to_all_single (uneven splits)",
-    "wrong output": ("the combine all-to-all returns rows in the order you sent them; scatter them "
-                     "back to their tokens (index_add_) times their weights"),
-    "through all_to_all_single": "send each row only to the rank that holds its expert",
-    "no gradient reached": ("all_to_all_single has no backward of its own: wrap it in an "
-                            "autograd Function (reread the exercise's 'Differentiable')"),
-    "wrong gradient of the": ("the values are right, the gradients not: where must the gradient "
-                              "of a received row go, and in which order?"),
-    "in backward, more than": "backward retraces the rows' way back, nothing more",
-    "returned": "check the return value against the contract in the exercise text",
+    "not allowed": ("a collective other than dist.all_to_all_single was called: reread exercise "
+                    "2's steps"),
+    "timed out": ("some rank waited in an all-to-all whose splits did not match its peers': "
+                  "reread exercise 2's steps 2 and 3 (rank r's input split d is rank d's "
+                  "output split r)"),
+    "most probable first": ("the chosen experts or their order differ: reread exercise 1's "
+                            "`expert_idx` bullet"),
+    "dropped assignments changed": ("the weights of dropped assignments changed: reread exercise "
+                                    "1's `kept` bullet (it alone marks the drops)"),
+    "weights": ("the weights differ (Switch for k = 1, GShard for k > 1): reread exercise 1's "
+                "`weights` bullet"),
+    "capacity is": "an expert kept more than its capacity: reread exercise 1's `kept` bullet",
+    "kept=": ("the wrong assignments got the slots: reread exercise 1's order of the slots "
+              "(every first choice in position order, then every second choice)"),
+    "ran on rank": ("an expert ran on a rank that does not hold it: reread exercise 2's "
+                    "`expert_fn` bullet (expert e lives on group rank e // experts_per_rank)"),
+    "processed": ("an expert saw more or fewer rows than its kept assignments: reread exercise "
+                  "2's `expert_idx` and `expert_fn` bullets"),
+    "point-to-point": "send/recv were used: reread exercise 2's steps (all_to_all_single only)",
+    "wrong output": ("a token's row differs from the weighted sum of its experts: reread "
+                     "exercise 2's steps 5 and 6"),
+    "through all_to_all_single": ("more elements went through the all-to-alls than the rows "
+                                  "need: reread exercise 2's step 3"),
+    "no gradient reached": ("no gradient reached the tokens or the weights: reread exercise 2's "
+                            "'Differentiable'"),
+    "wrong gradient of the": ("the values are right, the gradients not: reread exercise 2's "
+                              "'Differentiable' (where must a received row's gradient go?)"),
+    "in backward, more than": ("backward sent more than the forward: reread exercise 2's "
+                               "'Differentiable'"),
+    "not in the group": ("a message went outside the group: reread exercise 2's `expert_fn` "
+                         "bullet (ranks within the group)"),
+    "returned": "the return value is not what the contract says: reread the exercise's contract",
 }
 # Looked up before the dispatch hints (the first key found in a reason picks the hint).
 _DEDUP_HINTS = {
-    "(token, rank) pair": ("send a token once to each rank holding one or more of its kept "
-                           "experts, with those experts' ids and weights; sum their outputs "
-                           "there and send one row back"),
-    "tokens' dtype": "return the tokens' dtype: cast the weights to the rows' dtype",
+    "(token, rank) pair": ("more rows were sent than one per (token, rank) pair: reread exercise "
+                           "3's first two bullets and its step 1"),
+    "tokens' dtype": ("the result is not in the tokens' dtype: reread exercise 3's third "
+                      "bullet"),
 }
 _BALANCE_HINTS = {
     "not implemented": NOT_IMPLEMENTED,
-    "not allowed": "the only collective allowed here is dist.all_reduce",
-    "0-dim tensor": "return E * (f * P).sum(), a 0-dim tensor",
-    "the dtype of probs": "compute in probs.dtype (bincount gives int64: convert it)",
-    "global batch's": ("all-reduce the assignments per expert, the probability sums per expert "
-                       "and the number of tokens, then divide: a mean of the ranks' own losses "
-                       "is another number"),
-    "no gradient": ("all-reduce a detached copy of the sums, and put this rank's own sum back "
-                    "into the graph: total - mine.detach() + mine"),
-    "gradient with respect to probs": ("this rank's rows get E * f_i / N_total: f carries no "
-                                       "gradient, and nothing is multiplied by the world size"),
-    "timed out": "every rank must call all_reduce the same number of times, with the same shape",
+    "not allowed": ("a collective other than dist.all_reduce was called: reread exercise 4's "
+                    "last bullet"),
+    "0-dim tensor": "the return value is not a 0-dim tensor: reread exercise 4's return bullet",
+    "the dtype of probs": ("the loss is not in probs' dtype: reread exercise 4's return "
+                           "bullet"),
+    "global batch's": ("the loss differs from the global batch's (a mean of the ranks' own "
+                       "losses is another number): reread exercise 4's formula, f and P over "
+                       "all ranks' tokens"),
+    "no gradient": ("the loss has no gradient with respect to this rank's probs: reread "
+                    "exercise 4's gradient bullet (which sum stays in the graph?)"),
+    "gradient with respect to probs": ("the gradient differs from one process's: reread "
+                                       "exercise 4's gradient bullet (E f_i / N_total)"),
+    "timed out": ("some rank waited in an all-reduce the others did not make: reread exercise "
+                  "4's last bullet (every rank, with group=group)"),
 }
 
 

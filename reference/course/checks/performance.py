@@ -21,35 +21,37 @@ __all__ = ["check_step_breakdown", "check_diagnose", "check_powersgd_all_reduce"
 
 _HINTS = {
     "not implemented": NOT_IMPLEMENTED,
-    "not a dict": "return {'compute': ..., 'communication': ..., 'hidden': ..., 'idle': ...} in seconds",
-    "no number under": "every one of the four keys holds a number of seconds",
-    "compute:": ("merge the compute intervals before adding their lengths (an operator inside "
-                 "another counts once), and cut them to the step"),
-    "communication:": ("merge every kind's intervals together, cut them to the step, and count "
-                       "only the parts where nothing computes"),
-    "hidden:": "hidden is the length of the communication intervals that lie under compute",
-    "idle:": "idle is the step's length minus compute minus (exposed) communication",
-    "not (problem, fix)": "return a pair: ('straggler', 3), ('healthy', None), ...",
-    "planted problem is 'straggler'": ("one rank computing far longer makes every other rank wait "
-                                       "inside its collectives: compare the ranks' compute first"),
-    "planted problem is 'bubble'": ("with pp > 1, compute the 1F1B bubble (p - 1) / (m + p - 1) "
-                                    "before the communication share: the stages wait in recv"),
-    "planted problem is 'latency'": ("communication share over 30 % with small all-reduces: compare "
-                                     "the bytes per call with the size where a ring's latency and bandwidth terms are equal"),
-    "planted problem is 'bandwidth'": ("communication share over 30 % with large all-reduces: the "
-                                       "bytes per call are above the size where a ring's two terms are equal"),
-    "planted problem is 'healthy'": "the share is the mean over ranks of communication / step",
-    "straggler: fix": "the fix of a straggler is its rank: the one that computes longest",
-    "bubble: fix": "the smallest m with (p - 1) / (m + p - 1) <= target_bubble",
-    "latency: fix": ("a ring all-reduce of S bytes costs 2(N-1) alpha + 2(N-1)/N S beta, beta in "
-                     "seconds per byte as in notebook 00 (not a bandwidth): find S where the two "
-                     "terms are equal"),
-    "not allowed": "only dist.all_reduce is allowed: P first, then Q",
-    "all-reduced": "all-reduce P (n x r) and Q (m x r), never the whole gradient",
-    "wrong approx": "approx = P^ new_q^T, with P^ from the all-reduced P and new_q the mean Q",
-    "wrong new_q": "new_q = (sum over ranks of M^T P^) / N, where M = grad + error",
-    "wrong new_error": "new_error = M - approx with this rank's own M = grad + error",
-    "must be tensors": "return three tensors: (approx, new_q, new_error)",
+    "not a dict": "the return value is not the dict of four numbers: reread exercise 1's contract",
+    "no number under": "a key holds no number of seconds: reread exercise 1's contract",
+    "compute:": ("compute is off (operators inside others counted twice, or past the step's "
+                 "ends?): merge the compute intervals as exercise 1's worked example does"),
+    "communication:": ("exposed communication is off: reread exercise 1's definitions (every "
+                       "kind together, cut to the step, outside compute)"),
+    "hidden:": "hidden is off: reread exercise 1's definition (communication under compute)",
+    "idle:": "idle is off: reread exercise 1's definition (what the step's other parts leave)",
+    "not (problem, fix)": "the return value is not a (problem, fix) pair: reread exercise 2's table",
+    "planted problem is 'straggler'": ("a straggler was taken for something else: its waiting "
+                                       "looks like communication; compare the ranks' compute "
+                                       "first (reread exercise 2's table)"),
+    "planted problem is 'bubble'": ("a bubble was taken for something else: its stages wait in recv, "
+                                    "which looks like communication; reread exercise 2's table"),
+    "planted problem is 'latency'": ("a latency problem was taken for something else: reread "
+                                     "exercise 2's latency row and notebook 00's alpha-beta model"),
+    "planted problem is 'bandwidth'": ("a bandwidth problem was taken for something else: reread "
+                                       "exercise 2's bandwidth row"),
+    "planted problem is 'healthy'": ("a healthy step was taken for a problem: reread exercise "
+                                     "2's table (the communication share is a mean over ranks)"),
+    "straggler: fix": "the straggler's rank is wrong: reread exercise 2's straggler row",
+    "bubble: fix": "the micro-batch count is wrong: reread exercise 2's bubble row",
+    "latency: fix": ("the crossover size is wrong: reread exercise 2's latency row (beta in "
+                     "seconds per byte, as in notebook 00)"),
+    "not allowed": "a collective other than dist.all_reduce was called: reread exercise 3's steps",
+    "all-reduced": ("more was all-reduced than P and Q, never the whole gradient: reread "
+                    "exercise 3's steps"),
+    "wrong approx": "approx differs: reread exercise 3's steps (which P, which Q)",
+    "wrong new_q": "new_q differs: reread exercise 3's steps (the mean over ranks)",
+    "wrong new_error": "new_error differs: reread exercise 3's steps (what the approximation missed)",
+    "must be tensors": "the return value is not three tensors: reread exercise 3's contract",
 }
 
 

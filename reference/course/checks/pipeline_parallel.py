@@ -47,66 +47,63 @@ __all__ = ["check_gpipe_actions", "check_one_f_one_b_actions", "check_interleave
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
-_MESSAGES = ("every F needs RECV_F before it (not on rank 0) and SEND_F after it (not on the "
-             "last rank); every B needs RECV_B before it (not on the last rank) and SEND_B "
-             "after it (not on rank 0)")
+_MESSAGES = ("a message is missing, extra or out of its place: reread exercise 1's four rules "
+             "for add_messages (which ranks receive and send around F and around B)")
 _HINTS = {
     "not implemented": "replace the `raise NotImplementedError` lines with your code",
-    "not allowed": "build the list from Action(...) yourself; build_schedule is for comparing",
-    "not an Action": "return a list of Action(op, mb, peer=...) or tuples (op, mb, chunk, peer)",
-    "not a list of actions": "return a list of Action(op, mb, peer=...) or tuples (op, mb, chunk, peer)",
+    "not allowed": ("build_schedule was called inside your function: reread the exercise's "
+                    "last line (it is for comparing, outside)"),
+    "not an Action": "an item is not an Action: reread exercise 1 (Action(op, mb, peer=...))",
+    "not a list of actions": "the return value is not a list of actions: reread exercise 1",
     "never runs": _MESSAGES,
     "which it needs": _MESSAGES,
-    "repeats": "each action appears exactly once in a rank's list",
-    "lives on rank": "activations go to rank + 1 (SEND_F, RECV_B), gradients to rank - 1",
-    "talk to": "rank 0 receives no activation and the last rank sends none (nor a gradient back)",
-    "takes no peer": "F and B are computed locally: Action('F', mb) has no peer",
-    "arrive in the order": "two neighbours must list the messages between them in the same "
-                           "micro-batch order",
+    "repeats": "an action appears twice in a rank's list: reread exercise 1's order",
+    "lives on rank": ("a message names the wrong peer: reread exercise 1's rules (activations "
+                      "travel to rank + 1, gradients to rank - 1)"),
+    "talk to": "the first or last rank sends or receives too much: reread exercise 1's exceptions",
+    "takes no peer": "a computation names a peer: reread exercise 1 (F and B are local)",
+    "arrive in the order": ("two neighbours list the messages between them in different orders: "
+                            "reread exercise 1's 'just before / just after'"),
     "matching": _MESSAGES,
-    "deadlock": ("receive just before the F or B that needs the message, send just after the "
-                 "one that produced it, so no rank waits for a message its neighbour has not "
-                 "posted yet"),
-    "GPipe runs": "first the m forwards F0, F1, ..., then the m backwards",
-    "holds the activations": ("warm up with min(pp - rank - 1, m) forwards, then alternate one "
-                              "forward and one backward, then run the remaining backwards"),
-    "bubble": ("post each receive right before the F or B that needs it and each send right "
-               "after the one that produced it; 1F1B warms up with min(pp - rank - 1, m) "
-               "forwards, no fewer"),
-    "timed out": "the ranks ran lists that do not match: is your function the same on every rank?",
+    "deadlock": ("two ranks each wait for the other's message: reread exercise 1's 'Why just "
+                 "before and just after'"),
+    "GPipe runs": "the computations are not GPipe's order: reread exercise 1's first paragraph",
+    "holds the activations": ("a rank holds more micro-batches than 1F1B's pp - rank: reread "
+                              "exercise 2's warm-up, steady state and cool-down"),
+    "bubble": ("the simulated timeline idles more than the schedule's bubble: reread exercise "
+               "1's 'Why just before and just after' and exercise 2's warm-up count"),
+    "timed out": ("the ranks ran lists that do not match: is your function the same on every "
+                  "rank? Reread exercise 2's last paragraph"),
 }
 
 
 # Looked up before the 1F1B hints (the first key found in a reason picks the hint).
 _INTERLEAVED_HINTS = {
-    "(micro-batch, chunk) pairs": ("warm up with min((v - 1) g + 2 (pp - 1 - rank), v m) "
-                                   "forwards (g = min(pp, m)), then pair each forward with a "
-                                   "backward"),
-    "interleaved 1F1B's": ("warm up with exactly (v - 1) g + 2 (pp - 1 - rank) forwards (at most "
-                           "v m), and post every message in the step right after the group "
-                           "that produced it"),
-    "which it needs": ("each action needs what comes before it: RECV_F before F, F before "
-                       "SEND_F and B, RECV_B before B, B before SEND_B; and a backward needs its "
-                       "forward: warm up with (v - 1) g + 2 (pp - 1 - rank) forwards"),
-    "deadlock": ("in the steady state run a forward and a backward back to back, then one step "
-                 "with both sends and the next pair's receives: neighbours exchange activations "
-                 "and gradients of different chunks in both directions at once"),
-    "lives on rank": ("chunk c of rank r is stage c * pp + r: the next stage lives on rank "
-                      "(r + 1) % pp, the previous one on (r - 1) % pp"),
-    "talk to": ("only stage 0 (rank 0, chunk 0) receives no activation and only the last stage "
-                "(rank pp - 1, chunk v - 1) sends none"),
+    "(micro-batch, chunk) pairs": ("a rank holds more (micro-batch, chunk) pairs than this order "
+                                   "needs: reread exercise 3's warm-up count, w = min((v - 1) g "
+                                   "+ 2 (pp - 1 - rank), v m)"),
+    "interleaved 1F1B's": ("the simulated bubble is larger than interleaved 1F1B's: reread "
+                           "exercise 3's warm-up count and its groups and steps"),
+    "which it needs": ("an action comes before what it needs (a backward before its forward?): "
+                       "reread exercise 3's order and its warm-up count"),
+    "deadlock": ("two neighbours each wait in a send for the other: reread exercise 3's "
+                 "paragraph on groups and steps"),
+    "lives on rank": ("a message names the wrong peer or chunk: reread exercise 3's layout "
+                      "(chunk c of rank r is stage c * pp + r)"),
+    "talk to": ("the first or last stage sends or receives too much: reread exercise 3's last "
+                "rule on stage 0 and stage pp * v - 1"),
 }
 _BALANCE_HINTS = {
     "not implemented": "replace the `raise NotImplementedError` lines with your code",
-    "not a list of stage sizes": "return a list of pp ints (units per stage), or None",
-    "non-empty stages": "pp positive ints that add up to len(times), in pipeline order",
+    "not a list of stage sizes": ("the return value is not a list of pp stage sizes or None: "
+                                  "reread exercise 4's last bullet"),
+    "non-empty stages": "the stages are not pp contiguous, non-empty ones: reread exercise 4's second bullet",
     "micro-batches of activations": ("under 1F1B stage r keeps min(pp - r, m) micro-batches in "
-                                     "flight: its weights plus that many times its activations "
-                                     "must fit"),
-    "returned None": "some cut fits: try every cut (or every stage size) before giving up",
-    "slowest": ("among the cuts that fit, keep the one whose slowest stage is fastest: try "
-                "them all, or build it stage by stage (best time for the first i units in j "
-                "stages)"),
+                                     "flight, and a stage's memory went over the budget: reread "
+                                     "exercise 4's second bullet"),
+    "returned None": "None came back although some cut fits: reread exercise 4's last bullet",
+    "slowest": ("a cut that fits has a faster slowest stage: reread exercise 4's last bullet "
+                "and the note on trying every cut"),
 }
 
 

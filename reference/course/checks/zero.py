@@ -27,46 +27,57 @@ __all__ = ["check_zero1_optimizer", "check_clip_sharded_grad_norm_", "check_fsdp
 
 _HINTS = {
     "not implemented": NOT_IMPLEMENTED,
-    "not allowed": "use reduce-scatter (or all-reduce) and all-gather only",
-    "timed out": "every rank must call the same collectives, with tensors of the same size",
-    "returned": "return (step, inner): a function of no argument and the inner optimizer",
-    "inner optimizer is": "build the inner optimizer with optimizer_class(..., **optimizer_kwargs)",
-    "holds tensors": ("give the inner optimizer one 1-D leaf tensor of S numbers, this rank's "
-                      "slice [rank*S, (rank+1)*S) of the padded flat parameters"),
-    "state tensors": "the inner optimizer must see only the shard, never the full parameters",
-    "differs from one process": ("average the gradients (divide the sum by N), give the shard's "
-                                 "slice to shard.grad, step, then all-gather into every parameter"),
+    "not allowed": ("a collective other than reduce-scatter, all-reduce or all-gather was called: "
+                    "reread exercise 1's step()"),
+    "timed out": ("some rank waited in a collective the others did not make, or made with "
+                  "another size: reread exercise 1's 'Layout' (every shard S numbers)"),
+    "returned": "the return value is not (step, inner): reread exercise 1's contract",
+    "inner optimizer is": ("the inner optimizer is not of the class passed in: reread exercise "
+                           "1's 'inner' bullet"),
+    "holds tensors": ("the inner optimizer holds other tensors than one shard of S numbers: "
+                      "reread exercise 1's 'Layout' and 'inner' bullets"),
+    "state tensors": ("the optimizer state covers more than the shard: reread exercise 1's "
+                      "'inner' bullet"),
+    "summed instead of averaged": ("the shard's gradient is N times the mean: reread exercise "
+                                   "1's step() (op=dist.ReduceOp.AVG)"),
+    "slice of the mean gradient": ("the shard's gradient is not this rank's slice of the mean: "
+                                   "reread exercise 1's 'Layout' and step()"),
+    "differs from one process": ("the parameters after the steps differ from one process's: "
+                                 "reread exercise 1's step(), its three stages in order"),
 }
 
 _CLIP_HINTS = {
     "not implemented": NOT_IMPLEMENTED,
-    "not allowed": "only dist.all_reduce is allowed: one call, of one number",
-    "timed out": "every rank must call all_reduce, even a rank whose shard is all padding",
-    "padding was counted": ("flat position rank * S + i is real only when it is < numel: count "
-                            "the first max(0, min(S, numel - rank * S)) numbers of your shard"),
-    "one shard only": ("add the ranks' parts with one all-reduce: the sum of squares for the "
-                       "2-norm (then the square root), the max (ReduceOp.MAX) for the inf-norm"),
-    "not scaled": "multiply the real numbers in place by min(1, max_norm / (norm + 1e-6))",
-    "shape or dtype": "scale grad_shard in place (grad_shard[:k].mul_(coef)), do not replace it",
-    "numbers;": "one all-reduce of a single number (a 0-dim tensor), whatever the norm type",
-    "norm": ("2-norm: sqrt of the all-reduced sum of squares; inf-norm: the all-reduced MAX of "
-             "|g|; sum in float32 or float64, never in bfloat16"),
+    "not allowed": "a collective other than dist.all_reduce was called: reread exercise 2's last bullet",
+    "timed out": ("some rank did not join the all-reduce (one whose shard is all padding?): "
+                  "reread exercise 2's hints"),
+    "padding was counted": ("the norm counts the padding: reread exercise 2's first bullet "
+                            "(flat position rS + i is real only below numel)"),
+    "one shard only": ("the norm is one shard's: reread exercise 2's opening paragraph and its "
+                       "hints (the ranks' parts add up)"),
+    "not scaled": ("the real numbers are not scaled as clip_grad_norm_ scales them: reread "
+                   "exercise 2's fourth bullet"),
+    "shape or dtype": ("grad_shard changed its shape or dtype: reread exercise 2's fourth "
+                       "bullet (in place)"),
+    "numbers;": ("the all-reduces carried more than one number: reread exercise 2's last "
+                 "bullet"),
+    "norm": ("the norm differs from the whole gradient's: reread exercise 2's norm_type bullet "
+             "and the accumulation rule"),
 }
 
 _SCHEDULE_HINTS = {
     "not implemented": NOT_IMPLEMENTED,
-    "not a list": "return a list of (op, unit) pairs, op in gather/forward/backward/free/reduce_scatter",
-    "not an action": "op is one of gather, forward, backward, free, reduce_scatter; unit in 0..n-1",
-    "next computation": "forwards 0, 1, ..., n-1, then backwards n-1, ..., 0, each once",
-    "prefetch": ("before each computation, the units of the next max_whole - 1 distinct "
-                 "computations must already be whole: gather them ahead"),
-    "units whole at once": "free a unit as soon as it is not among the next max_whole needed",
-    "not whole": "gather a unit before it computes, and free only a unit that is whole",
-    "already whole": "a unit that is whole is not gathered again: keep it until it is not needed",
-    "reduce-scatter": "reduce-scatter a unit's gradient once, right after its backward",
-    "gathers where": ("a unit needed again within the next max_whole computations stays whole: "
-                      "the last forward units are still whole when backward starts"),
-    "still whole": "free every unit at the end",
+    "not a list": "the return value is not a list of (op, unit) pairs: reread exercise 3's table",
+    "not an action": "an action is not one of the table's: reread exercise 3's table",
+    "next computation": "the computations run out of order: reread exercise 3's rule 1",
+    "prefetch": "a unit needed soon was not whole yet: reread exercise 3's rule 4",
+    "units whole at once": "too many units were whole at once: reread exercise 3's rule 3",
+    "not whole": ("a unit computed or was freed while not whole: reread exercise 3's rule 2"),
+    "already whole": "a whole unit was gathered again: reread exercise 3's rule 2",
+    "reduce-scatter": "a gradient was reduce-scattered late, early or twice: reread exercise 3's rule 5",
+    "gathers where": ("more gathers than needed: reread exercise 3's rule 6 and the plans "
+                      "drawn after the exercise"),
+    "still whole": "units are still whole at the end: reread exercise 3's rule 6",
 }
 
 
