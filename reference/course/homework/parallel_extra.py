@@ -1,16 +1,5 @@
 """Hidden checks of homework 06's transfer exercises and its written question.
 
-* ``global_grad_norm(grads, tp_split, tp_group, pp_group)``: the gradient norm of the
-  whole model on a tp x pp mesh, each number counted once. A rank holds its stage's
-  gradients; a tensor with ``tp_split[i]`` True is this tp rank's own slice, one with
-  False is replicated (the same numbers on every tp rank of the stage). Only
-  ``all_reduce`` is allowed. Cases on 2, 3 and 4 ranks: tp only, pp only, tp x pp,
-  stages with different numbers of tensors, slices of uneven sizes, float32 and
-  float64. Every rank must return the same norm, relative to the float64 truth within
-  `reference.tolerance.gradient(n)`, a sum over the n ranks (float32 sums of squares in
-  another order differ by a few ulps, and the float64 cases are held to the same bound;
-  counting the replicated tensors tp times, or forgetting the pp reduction, is off by far
-  more: each case holds replicated and split tensors of comparable size).
 * ``reshard_plan(n_rows, old_tp, new_tp)``: loading a checkpoint saved with one TP
   degree into another. Rows are split as ``torch.tensor_split`` splits them (the first
   ``n_rows % tp`` shards one row longer). For each new rank, the list of
@@ -28,122 +17,12 @@
 """
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.distributed as dist
 
-from reference.course.homework.guard import COLLECTIVES
 from reference.course.homework.questions import question
 from reference.course.homework.scoring import Case, ExerciseSpec
-from reference.tolerance import gradient
 
-__all__ = ["GLOBAL_GRAD_NORM", "RESHARD_PLAN", "STEP_BYTES_3D", "course_global_grad_norm",
-           "course_reshard_plan", "step_bytes_3d_formula"]
-
-# ------------------------------------------------------------------ global_grad_norm
-
-
-def course_global_grad_norm(grads, tp_split, tp_group, pp_group) -> float:
-    """The course's answer: sum g^2 of what this rank counts, all-reduce over tp, then pp."""
-    first_tp = dist.get_rank(tp_group) == 0
-    total = torch.zeros((), dtype=torch.float64)
-    for g, split in zip(grads, tp_split):
-        if split or first_tp:
-            total += g.double().pow(2).sum()
-    dist.all_reduce(total, group=tp_group)
-    dist.all_reduce(total, group=pp_group)
-    return math.sqrt(total.item())
-
-
-def _groups(tp: int, pp: int):
-    """(this rank's tp group, its pp group); every rank creates every group, in one order."""
-    rank, mine = dist.get_rank(), {}
-    for stage in range(pp):
-        ranks = [stage * tp + t for t in range(tp)]
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine["tp"] = group
-    for t in range(tp):
-        ranks = [stage * tp + t for stage in range(pp)]
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine["pp"] = group
-    return mine["tp"], mine["pp"]
-
-
-def call_global_grad_norm(fn, case: dict) -> dict:
-    tp_group, pp_group = _groups(case["tp"], case["pp"])
-    grads = [g.clone() for g in case["grads"]]
-    out = fn(grads, list(case["tp_split"]), tp_group, pp_group)
-    if isinstance(out, torch.Tensor) and out.numel() == 1:
-        out = out.item()
-    value = float(out) if isinstance(out, (int, float)) and not isinstance(out, bool) else None
-    return {"norm": value, "type": type(out).__name__,
-            "changed": any(not torch.equal(a, b) for a, b in zip(grads, case["grads"]))}
-
-
-def expect_global_grad_norm(inputs: list) -> list:
-    tp = inputs[0]["tp"]
-    total = 0.0
-    for rank, case in enumerate(inputs):
-        for g, split in zip(case["grads"], case["tp_split"]):
-            if split or rank % tp == 0:
-                total += float(g.double().pow(2).sum())
-    return [math.sqrt(total)] * len(inputs)
-
-
-def judge_global_grad_norm(inputs, expected, outputs, world_size) -> str:
-    case = inputs[0]
-    where = f"tp={case['tp']} pp={case['pp']}"
-    for rank, (out, want) in enumerate(zip(outputs, expected)):
-        if out["norm"] is None:
-            return f"rank {rank} returned a {out['type']}, not a number ({where})"
-        if out["changed"]:
-            return f"rank {rank} changed its gradients (the norm only reads them)"
-        if not gradient(world_size).allows(out["norm"] - want, want):
-            return (f"rank {rank}: norm {out['norm']:.6g}, the model's is {want:.6g} ({where}; "
-                    f"ratio {out['norm'] / want:.4g})")
-    return ""
-
-
-def _rand(generator, shape, dtype):
-    return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
-
-
-def make_norm_cases(generator: torch.Generator, world_size: int) -> list[Case]:
-    def draw(lo, hi):
-        return int(torch.randint(lo, hi + 1, (), generator=generator))
-
-    meshes = [(tp, world_size // tp) for tp in (world_size, 1) if world_size % tp == 0]
-    if world_size == 4:
-        meshes.append((2, 2))
-    cases = []
-    for tp, pp in meshes:
-        for dtype in (torch.float32, torch.float64):
-            per_rank = [None] * world_size
-            for stage in range(pp):
-                n = draw(2, 4)
-                split = [True, False] + [bool(draw(0, 1)) for _ in range(n - 2)]
-                stage_grads = [[] for _ in range(tp)]
-                for s in split:
-                    if s:   # each tp rank its own slice, of uneven lengths
-                        for t in range(tp):
-                            stage_grads[t].append(_rand(generator, (draw(3, 9), 4), dtype))
-                    else:   # the same numbers on every tp rank of the stage
-                        g = _rand(generator, (draw(10, 30),), dtype)
-                        for t in range(tp):
-                            stage_grads[t].append(g.clone())
-                for t in range(tp):
-                    per_rank[stage * tp + t] = {"tp": tp, "pp": pp, "grads": stage_grads[t],
-                                                "tp_split": split}
-            cases.append(Case(f"tp={tp} pp={pp} {str(dtype).split('.')[-1]}", per_rank))
-    return cases
-
-
-def torch_global_grad_norm(case: dict) -> float:
-    return course_global_grad_norm(case["grads"], case["tp_split"], *_groups(case["tp"], case["pp"]))
-
+__all__ = ["RESHARD_PLAN", "STEP_BYTES_3D", "course_reshard_plan", "step_bytes_3d_formula"]
 
 # ------------------------------------------------------------------ reshard_plan
 
@@ -231,14 +110,6 @@ def step_bytes_3d_formula(n_params, n_layer, b, s, h, microbatches, dp, tp, pp, 
     return (tp_sent + pp_sent + dp_sent) * bytes_per_element
 
 
-GLOBAL_GRAD_NORM = ExerciseSpec(
-    id="global_grad_norm", title="The gradient norm of a tp x pp model, each number once",
-    difficulty="★★☆ medium", world_sizes=(2, 3, 4), make_cases=make_norm_cases,
-    call=call_global_grad_norm, expect=expect_global_grad_norm, judge=judge_global_grad_norm,
-    reference=torch_global_grad_norm,
-    forbidden=tuple(c for c in COLLECTIVES if c != "all_reduce"),
-    banned=("reference.course.homework.parallel_extra.course_global_grad_norm",
-            "reference.parallel.clip"))
 RESHARD_PLAN = ExerciseSpec(
     id="reshard_plan", title="Loading a TP checkpoint into another TP degree",
     difficulty="★★☆ medium", world_sizes=(1,), make_cases=make_reshard_cases,

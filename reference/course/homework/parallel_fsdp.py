@@ -14,7 +14,7 @@ composed with tensor parallelism, as `parallelize` lays them out:
 The answer is the list of (start, stop) ranges of the WHOLE weight's rows, in the order the
 rank's shard holds them, each range as long as possible (adjacent rows merged), padding rows
 left out (a rank that holds only padding returns []). This is what a sharded checkpoint
-writes for the rank (notebook 06, "FSDP inside tensor parallelism"). Graded exactly. Cases:
+writes for the rank (notebook 06, appendix "A.1 FSDP inside tensor parallelism"). Graded exactly. Cases:
 chunks 1 and 3, tp 1, 2 and 4, dp 1, 2, 3 and 4, local rows dp does not divide (the last dp
 ranks hold padding, one holds nothing), every (tp_rank, dp_rank) of each mesh. One process;
 no collective.

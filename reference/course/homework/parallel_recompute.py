@@ -7,7 +7,7 @@ again under grad and backpropagates through it, so that the gradients of ``x`` a
 weights ``fn`` closes over are those of running ``fn`` directly. ``fn`` is a function of one
 tensor (a GPT block, ``lambda t: block(t)[0]``, or an MLP of weight tensors) that draws its
 dropout masks from the default CPU generator; ``x`` requires grad. It is notebook 06's
-sixth clinic mistake turned into an exercise: a recomputation that draws other masks
+seventh clinic mistake turned into an exercise: a recomputation that draws other masks
 computes the gradient of another network than the one whose output was sent on.
 
 One process runs every case (world size 1; every collective is refused). The grader seeds
