@@ -43,6 +43,7 @@ def _function(exercise: str, *edits):
 
 
 def _score(spec, fn, seed=5, **changes):
+    spec = next((s for s in homework("05_expert_parallel") if s.id == spec.id), spec)  # as graded
     return score_exercise(dataclasses.replace(spec, **changes), cloudpickle.dumps(fn), seed=seed,
                           timeout=TIMEOUT)
 
@@ -105,6 +106,7 @@ def test_dedup_mistakes_lose_their_cases(edits, reason, lost):
                    world_sizes=(2,))
     assert score.max - score.points == lost, score.failures
     assert all(reason in f for f in score.failures), score.failures
+    assert score.weighted() <= score.weight / 2  # each stated rule, broken alone: half lost
 
 
 def test_dedup_may_use_only_all_to_all_single():
@@ -178,6 +180,7 @@ def test_a_mean_of_the_ranks_losses_is_another_number():
 def test_global_balance_mistakes_lose_their_cases(edits, reason):
     score = _score(GLOBAL_BALANCE_LOSS, _function("global_balance_loss", *edits), world_sizes=(2,))
     assert score.points < score.max and all(reason in f for f in score.failures), score.failures
+    assert score.weighted() <= score.weight / 2  # each stated rule, broken alone: half lost
     if reason == "the dtype of probs":
         assert score.max - score.points == 1  # only the float64 case
 
@@ -254,18 +257,7 @@ WORLD_RANK = ("dist.get_rank(group)", "dist.get_rank()")
     # differentiable: the tokens' and the weights' gradients
     ("dispatch_combine", 2, (("returned * row_weights", "returned * row_weights.detach()"),),
      "no gradient reached the weights"),
-    # the result in the tokens' dtype
-    ("dispatch_combine_dedup", 2, (("return tokens.new_zeros(tokens.shape).index_add_(0, pair_token, back)",
-                                    "return torch.zeros(tokens.shape).index_add_(0, pair_token, back.float())"),),
-     "tokens' dtype"),
-    # the loss's gradient for this rank's rows
-    ("global_balance_loss", 2, (("return E * (f * (mine + others) / n_tokens).sum()",
-                                 "return E * (f * totals[E:2 * E] / n_tokens).sum()"),), "no gradient"),
-    # the loss in probs' dtype
-    ("global_balance_loss", 2, (("mine = probs.sum(dim=0)", "mine = probs.float().sum(dim=0)"),
-                                ("minlength=E).to(probs.dtype)", "minlength=E).float()"),
-                                ("probs.new_tensor([probs.shape[0]])", "mine.new_tensor([probs.shape[0]])")),
-     "the dtype of probs"),
+    # (the dtype, the weights, the loss's gradient and dtype: the mistake tests above)
 ])
 def test_each_stated_rule_broken_alone_costs_half_the_exercise(exercise, size, edits, words):
     """An otherwise right answer that breaks one rule the text states, on a world size that
@@ -275,6 +267,6 @@ def test_each_stated_rule_broken_alone_costs_half_the_exercise(exercise, size, e
     if words in ("subgroup", "timed out"):
         spec = _subgroup_only(spec)
     score = score_exercise(spec, cloudpickle.dumps(_function(exercise, *edits)), seed=5,
-                           timeout=5 if words == "timed out" else TIMEOUT)
+                           timeout=3 if words == "timed out" else TIMEOUT)
     assert score.points < score.max and score.weighted() <= score.weight / 2, score.failures
     assert all(words in f for f in score.failures), score.failures
