@@ -28,7 +28,7 @@ from reference.course.checks.questions import Worked, check_question
 from reference.course.homework.collectives import ALL_GATHER, ALL_REDUCE, CROSSOVER, DOUBLING, TREE
 from reference.course.homework.guard import exercise_rules
 from reference.course.homework.refuse import refusal_for
-from reference.course.checks.runner import NOT_IMPLEMENTED, _traffic, describe_launch_failure, run_visible
+from reference.course.checks.runner import NOT_IMPLEMENTED, describe_launch_failure, run_visible, traffic_rows
 from reference.course.homework.scoring import ExerciseSpec
 from reference.runtime import RankError, launch
 
@@ -91,7 +91,7 @@ def _rank_check(spec: ExerciseSpec, fn_bytes: bytes, cases) -> dict:
         for name, tensor in inputs.items():
             traffic.clear()
             out = refusal.run(spec.call, fn, tensor.clone())
-            out["sends"], out["recvs"] = _traffic(traffic.sends), _traffic(traffic.recvs)
+            out["sends"], out["recvs"] = traffic_rows(traffic.sends), traffic_rows(traffic.recvs)
             outputs[name] = out
     return {"inputs": inputs, "expected": expected, "outputs": outputs}
 

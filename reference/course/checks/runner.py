@@ -34,7 +34,7 @@ from reference.course.homework.scoring import Case, ExerciseSpec, one_line
 from reference.course.homework.subgroup import MEMBERS
 from reference.runtime import RankError, RankTimeoutError, launch
 
-__all__ = ["VISIBLE_SEED", "NOT_IMPLEMENTED", "REFUSED", "hint_for", "describe_launch_failure",
+__all__ = ["VISIBLE_SEED", "NOT_IMPLEMENTED", "REFUSED", "hint_for", "describe_launch_failure", "traffic_rows",
            "run_cases", "report", "run_visible"]
 
 VISIBLE_SEED = 2024  # public; the grader draws its cases from a seed of its own
@@ -67,7 +67,8 @@ def describe_launch_failure(err: RankError, world_size: int, timeout: float,
             + (f"\n{where}" if where else ""))
 
 
-def _traffic(log) -> list:
+def traffic_rows(log) -> list:
+    """A rank's recorded point-to-point messages as [[peer (-1: unknown), numbers], ...]."""
     return [[-1 if peer is None else int(peer), int(n)] for peer, n in log]
 
 
@@ -82,7 +83,7 @@ def _rank_outputs(spec: ExerciseSpec, fn_bytes: bytes, inputs: dict, record_traf
             traffic.clear()
             out = refusal.run(spec.call, fn, per_rank[rank])
             if record_traffic:
-                out["sends"], out["recvs"] = _traffic(traffic.sends), _traffic(traffic.recvs)
+                out["sends"], out["recvs"] = traffic_rows(traffic.sends), traffic_rows(traffic.recvs)
             outputs[name] = out
     return outputs
 
