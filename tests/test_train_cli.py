@@ -98,6 +98,13 @@ def test_parity_and_plot_of_a_run(standalone, tmp_path):
     small_config, log, _ = standalone
     parity = _trainer("parity", log, "--config", small_config, "--world-size", 4)
     assert parity.returncode == 0 and "largest relative loss difference" in parity.stdout, parity.stderr
+    # a step-2 loss 1e-3 off (a reduction gone wrong shows there): refused
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    lines[1]["loss"] *= 1.001
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    refused = _trainer("parity", wrong, "--config", small_config, "--world-size", 4)
+    assert refused.returncode == 1 and "over the first 2 steps" in refused.stdout, refused.stdout
     plot = _trainer("plot", log, "--out", tmp_path / "run.png")
     assert plot.returncode == 0 and (tmp_path / "run.png").stat().st_size > 1000, plot.stderr
     record = json.loads(log.read_text().splitlines()[-1])

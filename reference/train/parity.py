@@ -3,18 +3,27 @@
 One process trains the configuration's model from the same seed on the same global batches
 with the same optimizer, schedule and clipping, accumulating gradients over the dp x
 micro-batch chunks the parallel run splits each batch into, and the largest difference from
-the logged losses is printed and held to the course's loss tolerance in the run's precision,
-`reference.tolerance.loss(dtype)` (fp32: rtol 1e-5, the order of the additions is all that
-differs; bf16 and fp16 against one process in the same precision: rtol 1e-3).
+the logged losses is printed. The first `HELD` steps are held to the course's loss tolerance
+in the run's precision, `reference.tolerance.loss(dtype)` (fp32: rtol 1e-5, the order of the
+additions is all that differs; bf16 and fp16 against one process in the same precision: rtol
+1e-3): step 1's loss is the same weights' and step 2's follows one update, where a wrong
+gradient reduction already shows while AdamW's first step (lr times the gradient's sign)
+moves a weight differently only where its gradient is a rounding away from 0. Later steps
+are printed, not held: each AdamW step can turn a last-bit difference into up to 2 lr of a
+weight (`reference.tolerance.adamw_weights`), and the losses drift apart by more than a
+loss's rounding (2e-4 relative after 30 steps of `configs/debug_3d.json` at lr 3e-3) with
+nothing wrong; the sweep and the parity tests compare the weights instead.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from reference.model import GPT
 from reference.tolerance import Tolerance, loss
 
-__all__ = ["single_process_losses", "compare", "tolerance"]
+__all__ = ["single_process_losses", "compare", "tolerance", "HELD"]
 
 
 def single_process_losses(plan, world_size: int, steps: int | None = None) -> list[float]:
@@ -47,10 +56,15 @@ def single_process_losses(plan, world_size: int, steps: int | None = None) -> li
     return losses
 
 
-def compare(logged: list[dict], reference: list[float]) -> float:
-    """Largest relative difference between the logged losses and one process's."""
+HELD = 2  # the steps held to the loss tolerance (the module's docstring says why)
+
+
+def compare(logged: list[dict], reference: list[float], steps: Optional[int] = None) -> float:
+    """Largest relative difference between the logged losses and one process's, over the
+    first ``steps`` steps (all by default)."""
     by_step = {r["step"]: r["loss"] for r in logged}
-    diffs = [abs(by_step[s + 1] - ref) / abs(ref) for s, ref in enumerate(reference) if s + 1 in by_step]
+    diffs = [abs(by_step[s + 1] - ref) / abs(ref) for s, ref in enumerate(reference[:steps])
+             if s + 1 in by_step]
     if not diffs:
         raise ValueError("the log and the single-process run share no step")
     return max(diffs)
