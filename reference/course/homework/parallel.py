@@ -11,7 +11,8 @@
   tp rank, the positions on the first stage, the tied embedding's copy on the last). The
   expected values come from `reference.parallel.estimate.stage_params`, which the course's
   tests check against the parameters of real `parallelize` runs. Cases: tied and untied,
-  a vocabulary tp does not divide, layers pp does not divide, pp = 1 and tp = 1.
+  a vocabulary tp does not divide, layers pp does not divide, pp = 1 untied and tied (one
+  stage: the tied head is the embedding itself, not a second copy), and tp = 1.
 * ``global_grad_norm(shard, sizes, tp_split, groups)``: the gradient norm of the whole model
   on a dp x tp x pp mesh under ZeRO-1, from each rank's shard of its flat gradient buffer
   (the rank's tensors end to end, zero-padded to a multiple of dp, dp rank d holding numbers
@@ -160,7 +161,9 @@ def make_parameter_cases(generator, world_size) -> list:
              ("untied, vocab tp does not divide", model(False, 4 * draw(20, 40) + 1, 2), 2, 4, 1),
              ("layers pp does not divide", model(True, 50, 2 * draw(2, 3) + 1), 1, 2, 2),
              ("pp 3, tied, dp 2", model(True, 96, draw(3, 7), n_embd=24, n_head=6), 2, 3, 3),
-             ("one stage, tp 1", model(False, 40, 2), 4, 1, 1)]
+             ("one stage, tp 1", model(False, 40, 2), 4, 1, 1),
+             # tied on one stage: the head is the embedding itself, counted once
+             ("tied, one stage, tp 2", model(True, 48, 2), 1, 2, 1)]
     return [Case(name, [dict(model=m, dp=dp, tp=tp, pp=pp)] * world_size) for name, m, dp, tp, pp in specs]
 
 
