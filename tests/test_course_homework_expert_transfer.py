@@ -4,7 +4,8 @@ answers (the first name each exercise bans) are right.
 
 Every wrong answer is the solution's function with one change (or the lecture-level
 answer of exercise 2), scored directly with `score_exercise`
-(tests/test_course_homework.py grades the whole notebooks).
+(tests/test_course_homework.py grades the whole notebooks). The third transfer, the bias
+balancing of `balanced_step`, has its own file: tests/test_course_homework_expert_bias.py.
 """
 from __future__ import annotations
 
@@ -48,10 +49,10 @@ def _score(spec, fn, seed=5, **changes):
                           timeout=TIMEOUT)
 
 
-def test_homework_05_has_its_warm_up_two_transfers_and_a_question():
+def test_homework_05_has_its_warm_up_three_transfers_and_a_question():
     ids = [s.id for s in homework("05_expert_parallel")]
     assert ids == ["top_k_routing", "dispatch_combine", "dispatch_combine_dedup",
-                   "global_balance_loss", "dedup_all_to_all_bytes"]
+                   "global_balance_loss", "dedup_all_to_all_bytes", "balanced_step"]
 
 
 # ------------------------------------------------------------------ the course's answers

@@ -24,7 +24,8 @@ below holds only its homework's hints and words, one per homework notebook:
 * `pipeline_parallel` (04): GPipe, 1F1B and interleaved 1F1B as action lists, stages
   balanced by time within a memory budget, a graded number;
 * `expert_parallel` (05): top-k routing with capacity, dispatch and combine, the
-  deduplicated dispatch, the balance loss over every rank, a graded number;
+  deduplicated dispatch, the balance loss over every rank, a graded number, the bias that
+  balances without a loss (DeepSeek-V3) moved by a step's whole load;
 * `parallel` (06): the groups of a 3D mesh, the parameters each rank of a 3D run holds,
   the global gradient norm on a tp x pp mesh, a resharding plan, a graded number;
 * `performance` (07): a step's time from its trace, planted problems diagnosed, PowerSGD's
@@ -42,8 +43,8 @@ from reference.course.checks.data_parallel import (
     check_ddp_bytes_per_step, check_int8_all_reduce,
 )
 from reference.course.checks.expert_parallel import (
-    check_dedup_all_to_all_bytes, check_dispatch_combine, check_dispatch_combine_dedup,
-    check_global_balance_loss, check_top_k_routing,
+    check_balanced_step, check_dedup_all_to_all_bytes, check_dispatch_combine,
+    check_dispatch_combine_dedup, check_global_balance_loss, check_top_k_routing,
 )
 from reference.course.checks.parallel import (
     check_global_grad_norm, check_mesh_groups, check_parameters_per_rank, check_reshard_plan,
@@ -82,7 +83,7 @@ __all__ = [
     "check_gpipe_actions", "check_one_f_one_b_actions", "check_interleaved_actions",
     "check_balance_stages", "check_interleaved_peak_bytes",
     "check_top_k_routing", "check_dispatch_combine", "check_dispatch_combine_dedup",
-    "check_global_balance_loss", "check_dedup_all_to_all_bytes",
+    "check_global_balance_loss", "check_dedup_all_to_all_bytes", "check_balanced_step",
     "check_mesh_groups", "check_parameters_per_rank", "check_global_grad_norm",
     "check_reshard_plan", "check_step_bytes_3d", "check_question",
     "check_step_breakdown", "check_diagnose", "check_powersgd_all_reduce", "check_mfu",

@@ -5,6 +5,7 @@
     check_dispatch_combine_dedup(dispatch_combine_dedup)   # on 2 and 3 ranks, bytes too
     check_global_balance_loss(global_balance_loss)         # on 2 and 3 ranks, gradient too
     check_dedup_all_to_all_bytes(dedup_all_to_all_bytes)   # the text's worked values, then the kind
+    check_balanced_step(balanced_step)                     # the text's worked example, then 2 and 3 ranks
 
 Each check builds cases of the same kinds as the hidden checks, from a fixed public
 seed (the grader uses its own, private one), runs your function in fresh ranks
@@ -12,21 +13,27 @@ started by `reference.runtime.launch` under the same rules (collectives switched
 off, except `all_to_all_single` for the dispatch), and compares with the course's
 router (`reference.expert_parallel.router.Router`) or with the single-process weighted sum of
 the experts' outputs (the deduplicated dispatch also with the elements it may send), or
-with the balance loss, and its gradient, of one process holding every rank's tokens. A wrong answer, an exception or a hang is printed, never
+with the balance loss, and its gradient, of one process holding every rank's tokens, or with
+the course's biased `Router` routing every rank's micro-batches in one process (after the
+text's worked example, whose numbers are asserted). A wrong answer, an exception or a hang is printed, never
 raised, so the rest of the notebook keeps running. While grading, `skip=True` is
 passed and the check does nothing.
 """
 from __future__ import annotations
 
+import torch
+
 from reference.course.checks.questions import Worked, check_question
 from reference.course.checks.runner import NOT_IMPLEMENTED, public_cases, run_cases, run_visible
 from reference.course.homework.expert_balance import GLOBAL_BALANCE_LOSS
+from reference.course.homework.expert_bias import BALANCED_STEP
 from reference.course.homework.expert_dedup import DEDUP_ALL_TO_ALL_BYTES, DISPATCH_COMBINE_DEDUP
 from reference.course.homework.expert_parallel import DISPATCH_COMBINE, TOP_K_ROUTING
-from reference.course.homework.scoring import ExerciseSpec
+from reference.course.homework.scoring import Case, ExerciseSpec
 
 __all__ = ["check_top_k_routing", "check_dispatch_combine", "check_dispatch_combine_dedup",
-           "check_global_balance_loss", "check_dedup_all_to_all_bytes", "run_case_check"]
+           "check_global_balance_loss", "check_dedup_all_to_all_bytes", "check_balanced_step",
+           "run_case_check", "WORKED_BALANCED_STEP", "WORKED_NEW_BIAS"]
 
 _HINTS = {
     "not implemented": NOT_IMPLEMENTED,
@@ -88,16 +95,52 @@ _BALANCE_HINTS = {
                   "4's last bullet (every rank, with group=group)"),
 }
 
+_BIAS_HINTS = {
+    "not implemented": NOT_IMPLEMENTED,
+    "not allowed": ("a collective other than dist.all_reduce was called: reread exercise 6's "
+                    "last rule"),
+    "items; expected the tuple": "the return value is not (expert_idx, weights, new_bias): reread exercise 6's rules",
+    "micro-batches": ("expert_idx and weights hold one tensor per micro-batch, in the order of "
+                      "probs: reread exercise 6's rules"),
+    "is not a": "the return value is not what the contract says: reread exercise 6's rules",
+    "int64 (N_j, k)": ("expert_idx[j] is not int64 (N_j, k) (an empty micro-batch too): reread "
+                       "exercise 6's expert_idx rule"),
+    "float32 (N_j, k)": "weights[j] is not float32 (N_j, k): reread exercise 6's weights rule",
+    ": experts": ("the chosen experts differ: the k largest probs + bias, largest first, every "
+                  "micro-batch with the bias the step started with (it moves only after the step)"),
+    ": weights": ("the weights differ: the bias only chooses; the weights are the chosen "
+                  "experts' own probabilities (renormalised when k > 1)"),
+    "new_bias is": "new_bias is not an (E,) float32 tensor: reread exercise 6's new_bias rule",
+    "new_bias": ("the new bias differs: the load counts every micro-batch of every rank of the "
+                 "group, summed once, and b moves by rate * sign(mean - load): an overloaded "
+                 "expert down, an expert at the mean not at all"),
+    "in place": "the bias argument was changed: return a new tensor (bias + ...), not bias += ...",
+    "timed out": ("some rank waited in an all-reduce the others did not make: reread exercise "
+                  "6's last rule (one all-reduce, every rank, with group=group)"),
+}
+# The text's worked example (2 ranks, E = 4, k = 2): the check asserts its numbers first.
+WORKED_BALANCED_STEP = Case("the text's worked example", [
+    {"probs": [torch.tensor([[0.4, 0.3, 0.2, 0.1]]), torch.tensor([[0.1, 0.5, 0.3, 0.1]])],
+     "bias": torch.tensor([0.0, 0.0, 0.0, 0.25]), "k": 2, "rate": 0.1},
+    {"probs": [torch.zeros(0, 4), torch.tensor([[0.2, 0.2, 0.5, 0.1], [0.3, 0.1, 0.2, 0.4]])],
+     "bias": torch.tensor([0.0, 0.0, 0.0, 0.25]), "k": 2, "rate": 0.1},
+])
+WORKED_NEW_BIAS = [0.0, 0.1, 0.1, 0.15]  # loads [2, 1, 1, 4], mean 2: the text's (a test holds the Router to it)
+
 
 def run_case_check(spec: ExerciseSpec, fn, world_sizes, what: str, timeout: float = 30.0,
-                   skip: bool = False, hints=None) -> bool | None:
-    """Check `fn` as the answer to `spec`; print one line; True/False (None when skipped)."""
+                   skip: bool = False, hints=None, extra=None) -> bool | None:
+    """Check `fn` as the answer to `spec`; print one line; True/False (None when skipped).
+
+    extra: {world size: cases run before the public ones} (a text's worked example)."""
+    extra = extra or {}
     checked = 0
 
     def attempt() -> str:
         nonlocal checked
         for world_size in world_sizes:
             cases = public_cases(spec, world_size)
+            cases = [*extra.get(world_size, ()), *cases]
             reason, _ = run_cases(spec, fn, world_size, cases, timeout, record_traffic=True)
             if reason:
                 return reason
@@ -153,3 +196,15 @@ def check_dedup_all_to_all_bytes(fn, skip: bool = False) -> bool | None:
                    "int", skip,
                    worked=(Worked({"tokens": 64, "d_model": 16, "k": 4, "ep": 4,
                                    "ranks_per_token": 2, "bytes_per_element": 2}, 6_144),))
+
+
+def check_balanced_step(fn, world_sizes=(2, 3), timeout: float = 30.0,
+                        skip: bool = False) -> None:
+    """Visible check of exercise balanced_step: the text's worked example on 2 ranks (new bias
+    [0, 0.1, 0.1, 0.15]), then the course's biased Router over every rank's micro-batches."""
+    sizes = " and ".join(str(w) for w in world_sizes)
+    run_case_check(BALANCED_STEP, fn, world_sizes,
+                   f"the course's biased Router over every micro-batch and rank on {sizes} "
+                   f"ranks (the text's worked example among them)",
+                   timeout=timeout, skip=skip, hints=_BIAS_HINTS,
+                   extra={2: (WORKED_BALANCED_STEP,)} if 2 in world_sizes else {})

@@ -28,8 +28,8 @@ token that lost all of them, a rank with no tokens, k = 3.
 The course's own answers (`reference_routing` and the router; `expert_dedup`'s
 `course_dispatch_combine` and the layer, its all-to-all and its plan) are refused to the
 student's code. The other exercises live in `expert_dedup` (the deduplicated dispatch and
-the written question on its bytes) and `expert_balance` (the balance loss of the global
-batch); the experts and the all-to-all the dispatch checks share, in `expert_traffic`.
+the written question on its bytes), `expert_balance` (the balance loss of the global
+batch) and `expert_bias` (DeepSeek-V3's bias moved by a whole step's load); the experts and the all-to-all the dispatch checks share, in `expert_traffic`.
 """
 from __future__ import annotations
 
@@ -331,9 +331,11 @@ DISPATCH_COMBINE = on_subgroup(ExerciseSpec(
             "reference.expert_parallel.router.combine")), (4,), (0, 3))
 HOMEWORK_ID = "05_expert_parallel"
 # The warm-up (routing), the lecture's dispatch written by hand, two transfers to what the
-# lecture did not build (deduplicated dispatch; the balance loss over the global batch)
-# and the written question.
+# lecture did not build (deduplicated dispatch; the balance loss over the global batch),
+# the written question, and a third transfer (the bias balancing of the lecture's last
+# run, moved by a whole step's load over micro-batches and ranks).
 from reference.course.homework.expert_balance import GLOBAL_BALANCE_LOSS  # noqa: E402
+from reference.course.homework.expert_bias import BALANCED_STEP  # noqa: E402
 from reference.course.homework.expert_dedup import (  # noqa: E402 - after the specs they extend
     DEDUP_ALL_TO_ALL_BYTES, DISPATCH_COMBINE_DEDUP,
 )
@@ -342,4 +344,4 @@ from reference.course.homework.expert_dedup import (  # noqa: E402 - after the s
 # cases that can show it.
 WRONG_KEEPS = 0.5
 EXERCISES = (TOP_K_ROUTING, DISPATCH_COMBINE, DISPATCH_COMBINE_DEDUP, GLOBAL_BALANCE_LOSS,
-             DEDUP_ALL_TO_ALL_BYTES)
+             DEDUP_ALL_TO_ALL_BYTES, BALANCED_STEP)
