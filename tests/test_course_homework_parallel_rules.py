@@ -76,13 +76,21 @@ def _variant(exercise: str, *edits):
     return solution_function("06_3d_parallel", exercise, *edits)
 
 
+_DRAWN: dict = {}  # (exercise, world size) -> its cases, drawn once (finish_step's take seconds)
+
+
 def _on(exercise: str, only: str | None = None):
-    """The graded spec on its one world size (and only the case named `only`, when given)."""
-    spec = dataclasses.replace(SPECS[exercise], world_sizes=(WORLD[exercise],))
-    if only is not None:
-        spec = dataclasses.replace(spec, make_cases=lambda g, w, make=spec.make_cases: [
-            c for c in make(g, w) if only in c.name])
-    return spec
+    """The graded spec on its one world size (and only the case named `only`, when given).
+    Its cases are drawn once: every score here uses SEED, so the grader's generator for the
+    exercise and the world size is the same each time, and so are the cases it draws."""
+    spec = SPECS[exercise]
+
+    def make_cases(generator, world_size, make=spec.make_cases):
+        if (exercise, world_size) not in _DRAWN:
+            _DRAWN[exercise, world_size] = make(generator, world_size)
+        return [c for c in _DRAWN[exercise, world_size] if only is None or only in c.name]
+
+    return dataclasses.replace(spec, world_sizes=(WORLD[exercise],), make_cases=make_cases)
 
 
 def _together(spec, answers: dict) -> dict:
