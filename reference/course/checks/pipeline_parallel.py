@@ -3,6 +3,7 @@
     check_gpipe_actions(gpipe_actions)                # prints one PASS or FAIL line, with a hint
     check_one_f_one_b_actions(one_f_one_b_actions)
     check_interleaved_actions(interleaved_actions)    # pipelines of 2 to 5, then run on 2 ranks
+    check_zb_h1_actions(zb_h1_actions)                # the text's worked example, then as above
     check_balance_stages(balance_stages)
     check_interleaved_peak_bytes(interleaved_peak_bytes)   # the text's worked values, then the kind
 
@@ -18,11 +19,14 @@ runs. A wrong answer, an exception or a hang is reported, never raised.
 
 The interleaved check does the same with ``virtual = v`` chunks per rank, asks for at most
 Megatron's number of (micro-batch, chunk) activations in flight and the interleaved
-bubble, and runs your lists on 2 ranks. The balance check compares the slowest stage
-of your cut with the best cut that fits in memory.
+bubble, and runs your lists on 2 ranks. The ZB-H1 check first asserts the text's worked
+example (pp = 3, m = 4: an idle share of 2/14 with F = I = W, rank 0 holding 3
+micro-batches at its peak), then judges the lists of pipelines of 2 to 4 ranks (no B, valid,
+at most pp micro-batches held, ZB-H1's idle share) and runs those of 2 ranks. The balance
+check compares the slowest stage of your cut with the best cut that fits in memory.
 
 The grade comes from the hidden checks (`reference.course.homework.pipeline_parallel`
-and its `pipeline_interleaved`, `pipeline_balance`) on other inputs, not from these: while grading, `skip=True` is passed and the
+and its `pipeline_interleaved`, `pipeline_zero_bubble`, `pipeline_balance`) on other inputs, not from these: while grading, `skip=True` is passed and the
 check does nothing.
 """
 from __future__ import annotations
@@ -39,11 +43,13 @@ from reference.course.homework.pipeline_interleaved import (
     INTERLEAVED_ACTIONS, INTERLEAVED_PEAK_BYTES,
 )
 from reference.course.homework.pipeline_parallel import GPIPE, ONE_F_ONE_B
+from reference.course.homework.pipeline_zero_bubble import TIMES, ZB_H1_ACTIONS, zb_schedule_of
 from reference.course.homework.refuse import refusal_for
 from reference.course.homework.scoring import ExerciseSpec, one_line
 
 __all__ = ["check_gpipe_actions", "check_one_f_one_b_actions", "check_interleaved_actions",
-           "check_balance_stages", "check_interleaved_peak_bytes", "run_check"]
+           "check_zb_h1_actions", "check_balance_stages", "check_interleaved_peak_bytes",
+           "run_check", "ZB_WORKED"]
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
@@ -93,16 +99,31 @@ _INTERLEAVED_HINTS = {
     "talk to": ("the first or last stage sends or receives too much: reread exercise 3's last "
                 "rule on stage 0 and stage pp * v - 1"),
 }
+# Looked up before the 1F1B hints (the first key found in a reason picks the hint).
+_ZB_HINTS = {
+    "runs B": "a whole backward is left: reread exercise 4's first rule (I, then W, never B)",
+    "never runs": ("an action is missing: every micro-batch needs its F, I and W on every rank, "
+                   "and I carries the messages B carried (exercise 4's first rule)"),
+    "which it needs": ("an action comes before what it needs (a W before its I?): reread "
+                       "exercise 4's first rule"),
+    "from F to W": ("a rank keeps too many W's waiting: a micro-batch is held from its F to its "
+                    "W, and at most pp at once; reread exercise 4's memory rule and which ranks "
+                    "idle at the end of 1F1B"),
+    "idle share": ("a rank idles where a W could run, or runs a W where a neighbour waits for an "
+                   "I: reread exercise 4's paragraph on which ranks idle, and when"),
+    "the text says": ("your lists for the text's example differ from its numbers: draw them "
+                      "(exercise 4's last paragraph) and compare each rank's row with 1F1B's"),
+}
 _BALANCE_HINTS = {
     "not implemented": "replace the `raise NotImplementedError` lines with your code",
     "not a list of stage sizes": ("the return value is not a list of pp stage sizes or None: "
-                                  "reread exercise 4's last bullet"),
-    "non-empty stages": "the stages are not pp contiguous, non-empty ones: reread exercise 4's second bullet",
+                                  "reread exercise 5's last bullet"),
+    "non-empty stages": "the stages are not pp contiguous, non-empty ones: reread exercise 5's second bullet",
     "micro-batches of activations": ("under 1F1B stage r keeps min(pp - r, m) micro-batches in "
                                      "flight, and a stage's memory went over the budget: reread "
-                                     "exercise 4's second bullet"),
-    "returned None": "None came back although some cut fits: reread exercise 4's last bullet",
-    "slowest": ("a cut that fits has a faster slowest stage: reread exercise 4's last bullet "
+                                     "exercise 5's second bullet"),
+    "returned None": "None came back although some cut fits: reread exercise 5's last bullet",
+    "slowest": ("a cut that fits has a faster slowest stage: reread exercise 5's last bullet "
                 "and the note on trying every cut"),
 }
 
@@ -183,6 +204,57 @@ def check_interleaved_actions(fn, world_sizes=(2,), timeout: float = 60.0,
               hints={**_INTERLEAVED_HINTS, **_HINTS}, in_process=True,
               success=(f"valid, Megatron's activations in flight, the interleaved bubble, and "
                        f"run on {sizes} ranks it gives one process's loss and gradients"))
+
+
+# The text's worked example: (pp, m) -> idle share with F = I = W, rank 0's peak.
+ZB_WORKED = {"pp": 3, "m": 4, "bubble": 2 / 14, "rank0_peak": 3}
+
+
+def _zb_worked_example(fn) -> tuple[str, str | None]:
+    """("", "") when the lists of the text's example (pp = 3, m = 4) give its two numbers,
+    else (why, the part of it that picks the hint)."""
+    pp, m = ZB_WORKED["pp"], ZB_WORKED["m"]
+    try:
+        out = refusal_for(ZB_H1_ACTIONS).run(ZB_H1_ACTIONS.call, fn, {"pp": pp, "m": m})
+    except Exception as exc:  # noqa: BLE001 - reported, never raised
+        return _raised(exc), None
+    where = f"the text's worked example (pp={pp}, m={m})"
+    case = [{"pp": pp, "m": m}]
+    if reason := ZB_H1_ACTIONS.judge(case, ZB_H1_ACTIONS.expect(case), [out], 1):
+        return f"{where}: {reason}", reason
+    schedule = zb_schedule_of(pp, m, out["actions"])
+    bubble, peak = schedule.bubble_fraction(*TIMES), schedule.peak_in_flight(0)
+    if abs(bubble - ZB_WORKED["bubble"]) > 1e-9 or peak != ZB_WORKED["rank0_peak"]:
+        reason = (f"idle share {bubble:.4f} and rank 0 holds {peak} at its peak; the text says "
+                  f"{ZB_WORKED['bubble']:.4f} (2/14) and {ZB_WORKED['rank0_peak']}")
+        return f"{where}: {reason}", reason
+    return "", ""
+
+
+def check_zb_h1_actions(fn, world_sizes=(2,), timeout: float = 60.0,
+                        skip: bool = False) -> None:
+    """Visible check of exercise zb_h1_actions: the text's worked example, the lists of
+    pipelines of 2 to 4 ranks here, then those of 2 ranks run by the executor."""
+    spec = ZB_H1_ACTIONS
+
+    def attempt():
+        reason, key = _zb_worked_example(fn)
+        if reason:
+            return reason, key
+        if reason := _in_process(spec, fn):
+            return reason
+        for world_size in world_sizes:
+            reason, key = run_cases(spec, fn, world_size, _cases(spec, world_size), timeout)
+            if reason:
+                return reason, key
+        return ""
+
+    sizes = " and ".join(str(w) for w in world_sizes)
+    ran = f", and run on {sizes} ranks it gives one process's loss and gradients" if sizes else ""
+    hints = {**_ZB_HINTS, **{k: h for k, h in _HINTS.items() if k not in _ZB_HINTS}}  # ours first
+    run_visible(spec, fn, attempt, hints=hints, skip=skip,
+                success=(f"the worked example's 2/14, no B, valid, at most pp micro-batches held "
+                         f"and ZB-H1's idle share on pipelines of 2 to 4 ranks{ran}"))
 
 
 def check_balance_stages(fn, skip: bool = False) -> None:

@@ -25,8 +25,9 @@ both with m = 1, m < pp, m = pp and m > pp, some m not a multiple of pp.
 The course's own lists (`course_gpipe_actions`, `course_one_f_one_b_actions`, and the
 code of `build_schedule` that writes them) are refused to the student's code. The
 homework's other exercises live in `pipeline_interleaved` (interleaved 1F1B's lists
-and the written question on its memory) and `pipeline_balance` (stages balanced by
-time within memory); what the schedule exercises share, in `pipeline_runs`.
+and the written question on its memory), `pipeline_zero_bubble` (1F1B turned into ZB-H1)
+and `pipeline_balance` (stages balanced by time within memory); what the schedule
+exercises share, in `pipeline_runs`.
 """
 from __future__ import annotations
 
@@ -197,15 +198,17 @@ ONE_F_ONE_B = ExerciseSpec(
     banned=("reference.course.homework.pipeline_parallel.course_one_f_one_b_actions",
             *COURSE_SCHEDULES))
 HOMEWORK_ID = "04_pipeline_parallel"
-# Two warm-ups (the lecture's GPipe and 1F1B written by hand), two transfers to what the
-# lecture did not build (interleaved lists; stages balanced by time under a memory
-# budget) and the written question.
+# Two warm-ups (the lecture's GPipe and 1F1B written by hand), three transfers to what the
+# lecture did not build (interleaved lists; 1F1B turned into ZB-H1; stages balanced by
+# time under a memory budget) and the written question.
 from reference.course.homework.pipeline_balance import BALANCE_STAGES  # noqa: E402
 from reference.course.homework.pipeline_interleaved import (  # noqa: E402 - after the specs
     INTERLEAVED_ACTIONS, INTERLEAVED_PEAK_BYTES,
 )
+from reference.course.homework.pipeline_zero_bubble import ZB_H1_ACTIONS  # noqa: E402
 
 # An answer failing any case keeps at most half: a rule broken alone shows only in the
 # cases that can show it.
 WRONG_KEEPS = 0.5
-EXERCISES = (GPIPE, ONE_F_ONE_B, INTERLEAVED_ACTIONS, BALANCE_STAGES, INTERLEAVED_PEAK_BYTES)
+EXERCISES = (GPIPE, ONE_F_ONE_B, INTERLEAVED_ACTIONS, ZB_H1_ACTIONS, BALANCE_STAGES,
+             INTERLEAVED_PEAK_BYTES)
