@@ -204,7 +204,6 @@ def private_uses(package_dir: Path) -> list[str]:
 PRIVATE_TODAY = {
     # the homework's pipeline exercise replaces the schedules' grouping to refuse build_schedule
     "reference/course/homework/pipeline_runs.py: reference.pipeline_parallel.schedules._compute_groups",
-    "reference/course/checks/collectives.py: from reference.course.checks.runner import _traffic",
 }
 
 
