@@ -17,13 +17,14 @@ def solution_source(stem: str, exercise: str) -> str:
                 and c.metadata.get("course", {}).get("exercise") == exercise)
 
 
-def solution_function(stem: str, exercise: str, *edits, imports: str = IMPORTS):
-    """The solution's function with each (old, new) replaced once (old must be there),
-    defined under `imports` as a notebook defines it: not importable, so pickled by value."""
+def solution_function(stem: str, exercise: str, *edits, imports: str = IMPORTS, every: bool = False):
+    """The solution's function with each (old, new) replaced once (``every``: wherever it
+    occurs; old must be there), defined under `imports` as a notebook defines it: not
+    importable, so pickled by value."""
     source = solution_source(stem, exercise)
     for old, new in edits:
         assert old in source, old
-        source = source.replace(old, new, 1)
+        source = source.replace(old, new, -1 if every else 1)
     namespace = {"__name__": "student"}
     exec(imports + source, namespace)
     return namespace[exercise]

@@ -11,6 +11,7 @@ from pathlib import Path
 import cloudpickle
 import nbformat
 import pytest
+from solution_cells import solution_function
 
 from reference.course.homework import homework
 from reference.course.homework.collectives import DOUBLING, TREE
@@ -255,17 +256,9 @@ def test_the_course_answers_the_grader_refuses_answer_the_exercise(spec, world_s
 
 # ----------------------------------------------------------------- each stated rule, broken alone
 
-def _variant(exercise: str, *edits: tuple) -> object:
+def _variant(exercise: str, *edits: tuple):
     """The solution's answer to `exercise` with each (old, new) edit made: one rule broken."""
-    cell = next(c for c in nbformat.read(SOLUTION, 4).cells
-                if c.metadata.get("course", {}).get("exercise") == exercise)
-    source = cell.source
-    for old, new in edits:
-        assert old in source, old
-        source = source.replace(old, new)
-    namespace = {"__name__": "homework_under_test"}
-    exec("import math\nimport torch\nimport torch.distributed as dist\n" + source, namespace)
-    return namespace[exercise]
+    return solution_function("00_collectives", exercise, *edits, every=True)
 
 
 GROUP_RANKS_AS_GLOBAL = (("group_dst=", "dst="), ("group_src=", "src="))

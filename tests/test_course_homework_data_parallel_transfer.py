@@ -10,6 +10,7 @@ from pathlib import Path
 import cloudpickle
 import nbformat
 import pytest
+from solution_cells import solution_function
 
 from reference.course.homework import homework
 from reference.course.homework.data_parallel import ACCUMULATE, DDP_BYTES, INT8
@@ -254,15 +255,7 @@ def test_the_course_answers_the_grader_refuses_answer_the_exercise(spec, world_s
 
 def _variant(exercise: str, *edits: tuple):
     """The solution's answer to `exercise` with each (old, new) edit made: one rule broken."""
-    cell = next(c for c in nbformat.read(SOLUTION, 4).cells
-                if c.metadata.get("course", {}).get("exercise") == exercise)
-    source = cell.source
-    for old, new in edits:
-        assert old in source, old
-        source = source.replace(old, new)
-    namespace = {"__name__": "homework_under_test"}
-    exec("import torch\nimport torch.distributed as dist\n" + source, namespace)
-    return namespace[exercise]
+    return solution_function("01_data_parallel", exercise, *edits, every=True)
 
 
 def _subgroup_only(spec):

@@ -183,54 +183,37 @@ def max_params_no_padding(memory_bytes, n, stage, k):
     return int(memory_bytes // per)
 
 
-def zero1_right(params, optimizer_class, group=None, **kwargs):
-    params = list(params)
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    numel = sum(p.numel() for p in params)
-    size = -(-numel // n)
-    flat = lambda ts: torch.cat([t.reshape(-1) for t in ts] + [ts[0].new_zeros(n * size - numel)])
-    shard = torch.nn.Parameter(flat([p.detach() for p in params])[rank * size:(rank + 1) * size].clone())
-    inner = optimizer_class([shard], **kwargs)
+def _zero1(rank_of):
+    """A ZeRO-1 answer whose shard index is ``rank_of(group)``."""
+    def zero1(params, optimizer_class, group=None, **kwargs):
+        params = list(params)
+        n, rank = dist.get_world_size(group), rank_of(group)
+        numel = sum(p.numel() for p in params)
+        size = -(-numel // n)
+        flat = lambda ts: torch.cat([t.reshape(-1) for t in ts] + [ts[0].new_zeros(n * size - numel)])
+        shard = torch.nn.Parameter(flat([p.detach() for p in params])[rank * size:(rank + 1) * size].clone())
+        inner = optimizer_class([shard], **kwargs)
 
-    @torch.no_grad()
-    def step():
-        shard.grad = torch.empty_like(shard)
-        dist.reduce_scatter_tensor(shard.grad, flat([p.grad for p in params]), op=dist.ReduceOp.AVG,
-                                   group=group)
-        inner.step()
-        full = torch.empty(n * size)
-        dist.all_gather_into_tensor(full, shard.detach().clone(), group=group)
-        offset = 0
-        for p in params:
-            p.copy_(full[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-    return step, inner
+        @torch.no_grad()
+        def step():
+            shard.grad = torch.empty_like(shard)
+            dist.reduce_scatter_tensor(shard.grad, flat([p.grad for p in params]), op=dist.ReduceOp.AVG,
+                                       group=group)
+            inner.step()
+            full = torch.empty(n * size)
+            dist.all_gather_into_tensor(full, shard.detach().clone(), group=group)
+            offset = 0
+            for p in params:
+                p.copy_(full[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        return step, inner
+    return zero1
 
 
-def zero1_world_rank(params, optimizer_class, group=None, **kwargs):
-    """The world's rank where the group's is meant (modulo the group's size, to stay a shard
-    index): right on the whole world only."""
-    params = list(params)
-    n, rank = dist.get_world_size(group), dist.get_rank() % dist.get_world_size(group)
-    numel = sum(p.numel() for p in params)
-    size = -(-numel // n)
-    flat = lambda ts: torch.cat([t.reshape(-1) for t in ts] + [ts[0].new_zeros(n * size - numel)])
-    shard = torch.nn.Parameter(flat([p.detach() for p in params])[rank * size:(rank + 1) * size].clone())
-    inner = optimizer_class([shard], **kwargs)
-
-    @torch.no_grad()
-    def step():
-        shard.grad = torch.empty_like(shard)
-        dist.reduce_scatter_tensor(shard.grad, flat([p.grad for p in params]), op=dist.ReduceOp.AVG,
-                                   group=group)
-        inner.step()
-        full = torch.empty(n * size)
-        dist.all_gather_into_tensor(full, shard.detach().clone(), group=group)
-        offset = 0
-        for p in params:
-            p.copy_(full[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-    return step, inner
+zero1_right = _zero1(lambda group: dist.get_rank(group))
+# The world's rank where the group's is meant (modulo the group's size, to stay a shard
+# index): right on the whole world only.
+zero1_world_rank = _zero1(lambda group: dist.get_rank() % dist.get_world_size(group))
 
 
 def clip_world_rank(grad_shard, numel, max_norm, norm_type=2.0, group=None):
