@@ -10,7 +10,7 @@ from pathlib import Path
 import cloudpickle
 import nbformat
 import pytest
-from solution_cells import solution_function
+from solution_cells import solution_function, subgroup_only
 
 from reference.course.homework import homework
 from reference.course.homework.data_parallel import ACCUMULATE, DDP_BYTES, INT8
@@ -258,13 +258,6 @@ def _variant(exercise: str, *edits: tuple):
     return solution_function("01_data_parallel", exercise, *edits, every=True)
 
 
-def _subgroup_only(spec):
-    """One case on the subgroup of ranks 1 .. p - 1: one launch (a rank that raises in a launch
-    of several cases makes the grader run each again alone)."""
-    return dataclasses.replace(spec, make_cases=lambda g, w, make=spec.make_cases: [
-        c for c in make(g, w) if "subgroup" in c.name][:1])
-
-
 WORLD_SIZE_NOT_THE_GROUPS = ("dist.get_world_size(group)", "dist.get_world_size()")
 
 
@@ -296,7 +289,7 @@ def test_each_stated_rule_broken_alone_costs_half_the_exercise(exercise, size, e
     spec = dataclasses.replace(next(s for s in homework("01_data_parallel") if s.id == exercise),
                                world_sizes=(size,))
     if words in ("subgroup", "timed out"):
-        spec = _subgroup_only(spec)
+        spec = subgroup_only(spec)
     fn = _variant(exercise, *edits)
     score = score_exercise(spec, cloudpickle.dumps(fn), seed=7,
                            timeout=3 if words == "timed out" else TIMEOUT)

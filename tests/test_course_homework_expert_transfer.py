@@ -31,7 +31,7 @@ from reference.course.homework.expert_parallel import (
 from reference.course.homework.scoring import score_exercise
 from reference.runtime import launch
 from reference.tolerance import forward
-from solution_cells import solution_function
+from solution_cells import solution_function, subgroup_only
 
 TIMEOUT = 60  # s per launch; each needs a few seconds on a loaded 2-core machine
 pytestmark = pytest.mark.timeout(300)
@@ -234,13 +234,6 @@ def test_visible_checks_print_pass_and_fail(capsys):
 
 # ------------------------------------------------------------------ each stated rule, broken alone
 
-def _subgroup_only(spec):
-    """One case on the subgroup of ranks 1 .. p - 1: one launch (a rank that raises in a launch
-    of several cases makes the grader run each again alone)."""
-    return dataclasses.replace(spec, make_cases=lambda g, w, make=spec.make_cases: [
-        c for c in make(g, w) if "subgroup" in c.name][:1])
-
-
 WORLD_RANK = ("dist.get_rank(group)", "dist.get_rank()")
 
 
@@ -266,7 +259,7 @@ def test_each_stated_rule_broken_alone_costs_half_the_exercise(exercise, size, e
     spec = dataclasses.replace(next(s for s in homework("05_expert_parallel") if s.id == exercise),
                                world_sizes=(size,))
     if words in ("subgroup", "timed out"):
-        spec = _subgroup_only(spec)
+        spec = subgroup_only(spec)
     score = score_exercise(spec, cloudpickle.dumps(_function(exercise, *edits)), seed=5,
                            timeout=3 if words == "timed out" else TIMEOUT)
     assert score.points < score.max and score.weighted() <= score.weight / 2, score.failures

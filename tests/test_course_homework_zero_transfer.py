@@ -8,6 +8,7 @@ import dataclasses
 import cloudpickle
 import pytest
 import torch
+from solution_cells import subgroup_only
 
 from reference.course.homework import homework
 from reference.course.homework.scoring import score_exercise
@@ -381,13 +382,6 @@ def test_visible_checks_print_pass_and_fail(capsys):
 
 # ------------------------------------------------------------------ each stated rule, broken alone
 
-def _subgroup_only(spec):
-    """One case on the subgroup of ranks 1 .. p - 1: one launch (a rank that raises in a launch
-    of several cases makes the grader run each again alone)."""
-    return dataclasses.replace(spec, make_cases=lambda g, w, make=spec.make_cases: [
-        c for c in make(g, w) if "subgroup" in c.name][:1])
-
-
 @pytest.mark.parametrize("exercise, name, sizes, words", [
     # ranks within the group: the world's rank takes another rank's shard there
     ("zero1_optimizer", "zero1_world_rank", (4,), "subgroup"),
@@ -410,7 +404,7 @@ def test_each_stated_rule_broken_alone_costs_half_the_exercise(exercise, name, s
     spec = dataclasses.replace(next(s for s in homework("02_zero_fsdp") if s.id == exercise),
                                world_sizes=sizes)
     if words == "subgroup":
-        spec = _subgroup_only(spec)
+        spec = subgroup_only(spec)
     score = score_exercise(spec, _student(name), seed=11, timeout=TIMEOUT)
     assert score.points < score.max and score.weighted() <= score.weight / 2, score.failures
     assert all(words in f for f in score.failures), score.failures
