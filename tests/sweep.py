@@ -201,7 +201,8 @@ def covering_set(seed: int = 0, draws: int = 600, max_world: int = 8):
         found, first_refusal = None, None
         for _ in range(3000):
             values = _draw(rng, fixed)
-            if _key(((a, fixed[a]), (b, fixed[b]))) not in {_key(p) for p in pairs_of(values)}:
+            acting = effective(values)
+            if a not in acting or b not in acting:
                 continue  # one of the two values would do nothing in this draw
             case = _case(values)
             if case.world_size > max_world:
