@@ -10,6 +10,7 @@ from reference import memory
 from reference.model import GPT, GPTConfig
 from reference.parallel.golden import debug_batches
 from reference.tolerance import forward
+from reference.train.single import accumulated_step
 from reference.zero import Adam8bit
 from reference.zero.adam8bit import (
     adam8bit_state_bytes, dequantize_blockwise, dynamic_code, linear_code, quantize_blockwise,
@@ -249,9 +250,7 @@ def _train(make_optimizer):
     model = GPT.from_config_seed(CFG, 0)
     opt = make_optimizer(model.parameters())
     for x, y in batches[:STEPS]:
-        model(x, y)[1].backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        accumulated_step(model, opt, x, y)
     with torch.no_grad():
         return float(model(*batches[STEPS])[1])
 

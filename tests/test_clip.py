@@ -30,6 +30,7 @@ from reference.pipeline_parallel import build_embedding_group, build_schedule, l
 from reference.runtime import device, launch
 from reference.tolerance import exact, gradient, sgd_weights
 from reference.tensor_parallel import allreduce_sequence_parallel_grads, apply_tensor_parallel
+from reference.train.single import accumulate_gradients, accumulated_step
 from reference.zero import FSDP, ZeroOptimizer
 from reference.zero.shard import FlatLayout
 
@@ -64,9 +65,10 @@ def _slice(t, rank, n):
 
 
 def oracle(cfg=CFG):
-    """One process, the whole batch, torch's clip: (norm before clipping, clipped grads by name)."""
+    """One process, the whole batch (`accumulate_gradients`), torch's clip: (norm before
+    clipping, clipped grads by name)."""
     model = GPT.from_config_seed(cfg, 0)
-    model(*_batch(cfg))[1].backward()
+    accumulate_gradients(model, *_batch(cfg))
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
     return norm, {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
@@ -210,9 +212,9 @@ def check_zero(two_ranks, stage, tol=TOL):
 def test_zero_step_after_clipping_uses_the_clipped_gradient(two_ranks, stage):
     """ZeroOptimizer.step() after reduce_gradients() and a clip does not reduce again
     (stage 1 used to reduce-scatter the unclipped gradient a second time)."""
-    _, grads = oracle(UNEVEN)
-    model = GPT.from_config_seed(UNEVEN, 0)
-    want = {n: p.detach() - grads[n] for n, p in model.named_parameters()}  # SGD, lr 1
+    model = GPT.from_config_seed(UNEVEN, 0)  # one process, torch's clip, SGD with lr 1: p - clipped gradient
+    accumulated_step(model, torch.optim.SGD(model.parameters(), lr=1.0), *_batch(UNEVEN), max_norm=MAX_NORM)
+    want = {n: p.detach() for n, p in model.named_parameters()}
     for rank, r in enumerate(two_ranks):
         for name, value in r[f"zero{stage}_step"].items():
             _close(value, want[name], f"ZeRO-{stage} rank {rank} {name} after step", sgd_weights(1, 1.0, n=2))
@@ -285,13 +287,12 @@ def test_data_and_tensor_parallel_together(expected):
 # ------------------------------------------------------------------ one process, bad input
 def test_one_process_is_torchs_clip_bit_for_bit():
     model = GPT.from_config_seed(CFG, 0)
-    model(*_batch())[1].backward()
     norm, grads = oracle()
     for target in (model, list(model.parameters())):  # modules or tensors, mesh None or of one rank
         for mesh in (None, Mesh()):
             for p in model.parameters():
                 p.grad = None
-            model(*_batch())[1].backward()
+            accumulate_gradients(model, *_batch())  # the oracle's gradients, before its clip
             got = clip_grad_norm_(target, MAX_NORM, mesh)
             exact().assert_close(got, norm, "norm")
             for n, p in model.named_parameters():

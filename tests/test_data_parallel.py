@@ -25,6 +25,7 @@ from reference.model import GPT, GPTConfig
 from reference.runtime import device, launch
 from reference.tolerance import adamw_weights, exact, gradient
 from reference.train import make_optimizer
+from reference.train.single import accumulated_step
 
 CFG = GPTConfig.tiny()  # 2 layers, C = 32, vocab 256: every parameter's numel divides by 4
 BATCH, SEQ, STEPS, LR = 8, 16, 3, 1e-3
@@ -74,19 +75,17 @@ def _grads(module):
     return {n: p.grad.cpu().clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
-def _single_process(cfg=CFG, steps=STEPS, freeze=()):
-    """The oracle: one process, the whole batch, the same AdamW. Returns (params, grads per step)."""
+def _single_process(cfg=CFG, steps=STEPS, freeze=(), batch=_global_batch):
+    """The oracle (`accumulated_step`): one process, the whole batch ``batch(step)``, the same
+    AdamW. Returns (params, grads per step)."""
     model = GPT.from_config_seed(cfg, 0)
     for n, p in model.named_parameters():
         p.requires_grad_(n not in freeze)
     opt = _optimizer(model)
     grads = []
     for step in range(steps):
-        x, y = _global_batch(step)
-        model(x, y)[1].backward()
-        grads.append(_grads(model))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        accumulated_step(model, opt, *batch(step))
+        grads.append(_grads(model))  # the step's gradients stay in .grad after the step
     return _params(model), grads
 
 
@@ -316,13 +315,7 @@ def test_no_sync_accumulation_equals_one_big_batch(dp_run):
 def check_no_sync(world_size, results, tol=None):
     tol = gradient(world_size) if tol is None else tol  # summed over the ranks
     results = [r["no_sync"] for r in results]
-    model = GPT.from_config_seed(CFG, 0)
-    opt = _optimizer(model)
-    for step in range(STEPS):
-        model(*synthetic_batch(ACCUM * BATCH, SEQ, seed=1, step=step))[1].backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    oracle = _params(model)
+    oracle, _ = _single_process(batch=lambda step: synthetic_batch(ACCUM * BATCH, SEQ, seed=1, step=step))
     for rank, (params, inside, synced, n_buckets, local) in enumerate(results):
         # Only the parameters: their mean difference is what a wrong accumulation would move.
         weights = exact() if _is_exact(tol) else adamw_weights(STEPS, LR)
@@ -432,16 +425,16 @@ def _two_heads_batch(step):
 
 
 def _two_heads_oracle():
-    """(final params, grads per step, params after each step) of one process."""
+    """(final params, grads per step, params after each step) of one process (`accumulated_step`
+    with the toy model's own loss)."""
     torch.manual_seed(0)
     model = _TwoHeads()
     opt = _optimizer(model)
     grads, params = [], []
     for step in range(len(ROUTES)):
-        model(*_two_heads_batch(step)).backward()
-        grads.append(_grads(model))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        x, target, route = _two_heads_batch(step)
+        accumulated_step(model, opt, x, target, loss_fn=lambda m, x, y, route=route: (m(x, y, route), 0.0))
+        grads.append(_grads(model))  # the step's gradients stay in .grad after the step
         params.append(_params(model))
     return params[-1], grads, params
 

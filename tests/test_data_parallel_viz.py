@@ -31,6 +31,7 @@ from reference.model import GPT, GPTConfig
 from reference.runtime import launch
 from reference.tolerance import adamw_weights
 from reference.train import make_optimizer
+from reference.train.single import accumulated_step
 
 CFG = GPTConfig.tiny()
 
@@ -278,9 +279,7 @@ def test_adam_eps_bounds_how_far_rounding_moves_data_parallel_parameters(claims)
         model = GPT.from_config_seed(CFG, 0)
         opt = make_optimizer(model, 1e-3, eps=eps)
         for step in range(10):
-            model(*synthetic_batch(8, CFG.block_size, step=step))[1].backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            accumulated_step(model, opt, *synthetic_batch(8, CFG.block_size, step=step))
         oracle[eps] = {k: p.detach().clone() for k, p in model.named_parameters()}
     tol = adamw_weights(10, 1e-3)  # after 10 AdamW steps at lr 1e-3 (reference.tolerance)
     for out in claims:

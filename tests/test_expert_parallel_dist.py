@@ -21,6 +21,7 @@ from reference.mesh import Mesh
 from reference.model import GPT, GPTConfig
 from reference.runtime import launch
 from reference.tolerance import adamw_weights, forward, gradient
+from reference.train.single import accumulated_step
 
 # Tolerances: the course's policy (reference.tolerance says why). Outputs: `forward()`;
 # gradients averaged over the dp ranks (and micro-batches): `gradient(n)`; parameters after
@@ -77,17 +78,21 @@ def train_layer(layer, dp_rank=0, dp=1, reduce=None):
         with comms.meter() as ar:
             if reduce is not None:
                 reduce(layer)
-        stats = layer.last_stats
         steps.append(dict(
-            y=y.detach(), x_grad=x.grad / dp,  # d(global mean loss)/dx: this rank's loss is 1/dp of it
-            aux=aux.detach(), dropped=stats.dropped, send_counts=stats.send_counts,
-            expert_idx=stats.expert_idx, kept=stats.kept,
-            grads={n: p.grad.clone() for n, p in global_names(layer).items()},
+            _step_record(layer, y, x.grad / dp, aux),  # d(global mean loss)/dx: this rank's loss is 1/dp of it
             a2a_bytes=a2a.sent_bytes("all_to_all"), a2a_calls=a2a.calls("all_to_all"),
             ar_payload={g: ar.payload_bytes("all_reduce", g) for g in ("dp", "edp")}))
         opt.step()
         opt.zero_grad()
     return steps, {n: p.detach().clone() for n, p in global_names(layer).items()}
+
+
+def _step_record(layer, y, x_grad, aux):
+    """What a step of the layer produced: output, input gradient, aux loss, routing, gradients."""
+    stats = layer.last_stats
+    return dict(y=y.detach(), x_grad=x_grad, aux=aux.detach(), dropped=stats.dropped,
+                send_counts=stats.send_counts, expert_idx=stats.expert_idx, kept=stats.kept,
+                grads={n: p.grad.clone() for n, p in global_names(layer).items()})
 
 
 def gpt_config():
@@ -99,18 +104,27 @@ def make_gpt():
         4, k=2, capacity_factor=1.0, layers=[1], balance_coef=0.05, z_coef=0.01))
 
 
+def gpt_optimizer(model):
+    # A GPT's learning rate; Adam's step error on rounding-level gradient
+    # differences grows with lr (see ADAM), and 1e-2 is large for a transformer.
+    return torch.optim.AdamW(model.parameters(), **dict(ADAM, lr=1e-3))
+
+
+def gpt_batch(step):
+    """The global batch of a step: 8 sequences of 16 tokens."""
+    return synthetic_batch(8, 16, seed=0, step=step)
+
+
 def train_gpt(model, dp_rank=0, dp=1, micro=1, reduce=None, steps=2):
     """AdamW steps on 8 sequences a step: this rank's share, in `micro` micro-batches.
 
     Returns the first step's gradients and the parameters after the last step.
     """
-    # A GPT's learning rate; Adam's step error on rounding-level gradient
-    # differences grows with lr (see ADAM), and 1e-2 is large for a transformer.
-    opt = torch.optim.AdamW(model.parameters(), **dict(ADAM, lr=1e-3))
+    opt = gpt_optimizer(model)
     b = 8 // dp
     grads = None
     for step in range(steps):
-        x, y = synthetic_batch(8, 16, seed=0, step=step)
+        x, y = gpt_batch(step)
         x, y = x[dp_rank * b:(dp_rank + 1) * b], y[dp_rank * b:(dp_rank + 1) * b]
         for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
             _, loss = model(xm, ym)
@@ -155,7 +169,34 @@ def four_ranks():
 
 @functools.lru_cache(maxsize=None)
 def oracle(case):
-    return train_layer(make_moe(case))
+    """`accumulated_step` on the whole batch with the layer's loss: what `train_layer` records
+    of each step (without the meters) and the parameters after the last."""
+    layer = make_moe(case)
+    opt = torch.optim.AdamW(layer.parameters(), **ADAM)
+    steps = []
+    for step in range(STEPS):
+        x, target = batch(step)
+        x.requires_grad_()
+        out = {}
+
+        def loss_fn(m, x, target, out=out):
+            out["y"], out["aux"] = m(x)
+            return F.mse_loss(out["y"], target), out["aux"]
+
+        accumulated_step(layer, opt, x, target, loss_fn=loss_fn)
+        steps.append(_step_record(layer, out["y"], x.grad, out["aux"]))  # the step's gradients stay in .grad
+    return steps, {n: p.detach().clone() for n, p in global_names(layer).items()}
+
+
+def gpt_oracle(model, steps=2):
+    """`accumulated_step` on the 8 sequences at once: what `train_gpt` returns."""
+    opt = gpt_optimizer(model)
+    grads = None
+    for step in range(steps):
+        accumulated_step(model, opt, *gpt_batch(step))
+        if grads is None:  # the step's gradients stay in .grad
+            grads = {n: p.grad.clone() for n, p in global_names(model).items()}
+    return grads, {n: p.detach().clone() for n, p in global_names(model).items()}
 
 
 def expected_a2a_bytes(oracle_step, spec, dp_rank):
@@ -233,7 +274,7 @@ def test_communication_matches_the_formula(four_ranks, spec):
 def test_gpt_with_experts_dp_and_gradient_accumulation(four_ranks):
     # dp=4, ep=2: 2 sequences per rank in 2 micro-batches of 1; oracle: all 8 at once.
     model = make_gpt()
-    ref_grads, ref_params = train_gpt(model)
+    ref_grads, ref_params = gpt_oracle(model)
     assert model.h[1].ffn.last_dropped > 0  # capacity 1.0 drops tokens here too
     for rank, res in enumerate(four_ranks):
         grads, params = res["gpt"]

@@ -350,15 +350,11 @@ def test_tensor_parallel_with_and_without_sp_on_nccl():
     import test_tensor_parallel_gpt as t
     from reference.model import GPT
     from reference.train import make_optimizer
+    from reference.train.single import accumulated_step
 
     dense = GPT.from_config_seed(t.CFG, 0)
-    opt, losses = make_optimizer(dense, lr=t.LR), []
-    for x, y in t._batches(3):
-        _, loss = dense(x, y)
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
+    opt = make_optimizer(dense, lr=t.LR)
+    losses = [accumulated_step(dense, opt, x, y)[0] for x, y in t._batches(3)]
     want = dict(dense.named_parameters())
     for rank, out in enumerate(_launch_nccl(_tp_nccl_body)):
         for sp, (got_losses, params) in out.items():

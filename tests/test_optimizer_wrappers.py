@@ -18,6 +18,7 @@ from reference.data import synthetic_batch
 from reference.model import GPT, GPTConfig
 from reference.runtime import launch
 from reference.tolerance import adamw_weights
+from reference.train.single import accumulated_step
 from reference.zero import FSDP, ZeroOptimizer
 
 CONFIG = GPTConfig.tiny()
@@ -58,12 +59,21 @@ def _params(runner, model):
 
 
 def _train(runner, opt, sched, steps, rank, world):
-    seen = []
-    for step in steps:
+    """The wrapped run on this rank's rows of each step's batch."""
+    def one_step(step):
         _, loss = runner(*_batch(step, rank, world))
         loss.backward()
         opt.step()
         opt.zero_grad()
+
+    return _scheduled(one_step, opt, sched, steps)
+
+
+def _scheduled(one_step, opt, sched, steps):
+    """``one_step(step)`` then the scheduler's step, for each step; what each step left set."""
+    seen = []
+    for step in steps:
+        one_step(step)
         sched.step()
         inner = opt.optimizer if isinstance(opt, ZeroOptimizer) else opt
         # what the inner step will use next, beside what the scheduler says it set
@@ -75,7 +85,7 @@ def _one_process(sched_name):
     model = GPT.from_config_seed(CONFIG, 0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     sched = SCHEDULERS[sched_name](opt)
-    seen = _train(model, opt, sched, range(STEPS), 0, 1)
+    seen = _scheduled(lambda step: accumulated_step(model, opt, *_batch(step)), opt, sched, range(STEPS))
     return {k: v.detach().clone() for k, v in model.named_parameters()}, seen
 
 

@@ -20,6 +20,7 @@ from reference.data import synthetic_batch
 from reference.model import GPT, GPTConfig, lm_loss
 from reference.runtime import launch
 from reference.tolerance import adamw_weights, gradient, loss
+from reference.train.single import accumulated_step
 
 CFG = dict(n_layer=8, n_head=2, n_embd=16, block_size=8, vocab_size=64)
 B, T, STEPS = 8, 8, 3
@@ -59,20 +60,16 @@ def _optimizer(params):
 
 @functools.lru_cache(maxsize=None)
 def _reference(tied, frozen):
-    """One process, full batch: losses, first-step gradients, final parameters."""
+    """One process, full batch (`accumulated_step`): losses, first-step gradients, final parameters."""
     model = _model(tied, frozen)
     opt = _optimizer(model.parameters())
     losses, grads = [], None
     for step in range(STEPS):
         x, y = synthetic_batch(B, T, CFG["vocab_size"], seed=1, step=step)
-        opt.zero_grad(set_to_none=True)
-        _, loss = model(x, y)
-        loss.backward()
-        losses.append(loss.detach())
-        if step == 0:
+        losses.append(accumulated_step(model, opt, x, y)[0])
+        if step == 0:  # the step's gradients stay in .grad after the step
             grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)
                      if p.grad is not None}
-        opt.step()
     params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     return losses, grads, params
 

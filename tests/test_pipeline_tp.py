@@ -24,6 +24,7 @@ from reference.tensor_parallel import (
     row_shard, vocab_parallel_cross_entropy,
 )
 from reference.tolerance import exact, gradient, loss
+from reference.train.single import accumulate_gradients
 
 # 251 is prime: padded to 252 over tp = 2. T = 8 splits over tp; 4 blocks make 2
 # stages, or 4 for the interleaved schedule (2 chunks per rank).
@@ -86,8 +87,7 @@ def _parity_body():
     r, n = mesh.tp_rank, mesh.tp
     x, y = _batch()
     dense = GPT.from_config_seed(CFG, 0)
-    _, loss_d = dense(x, y)
-    loss_d.backward()
+    loss_d = accumulate_gradients(dense, x, y)  # one process, the full batch
     dense_grads = {k: p.grad for k, p in dense.named_parameters(remove_duplicate=False)}
     checked = []
     for sp in (False, True):

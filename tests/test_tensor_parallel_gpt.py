@@ -24,6 +24,7 @@ from reference.tensor_parallel import (
 )
 from reference.tolerance import adamw_weights, forward, gradient, loss
 from reference.train import make_optimizer
+from reference.train.single import accumulated_step
 
 # Tolerances: the course's policy (reference.tolerance says why). Outputs and losses:
 # `forward()`; gradients summed over the tp ranks: `gradient(tp)`. A block's weight gradients
@@ -120,9 +121,11 @@ def _check_gpt(mesh, sp, steps=3, cfg=CFG, frozen=()):
     opt_d, opt_t = make_optimizer(dense, lr=LR), make_optimizer(tp, lr=LR)
     for step, (x, y) in enumerate(_batches(steps)):
         what = f"GPT sp={sp} tied={cfg.tie_weights} step {step}"
-        logits_d, loss_d = dense(x, y)
+        if step == 0:
+            with torch.no_grad():
+                logits_d, _ = dense(x)  # the oracle's logits, before its first step
+        loss_d, _ = accumulated_step(dense, opt_d, x, y)  # one process; its gradients stay in .grad
         logits_t, loss_t = tp(x, y)
-        loss_d.backward()
         loss_t.backward()
         if sp:
             allreduce_sequence_parallel_grads(tp, group)
@@ -138,9 +141,7 @@ def _check_gpt(mesh, sp, steps=3, cfg=CFG, frozen=()):
                     continue
                 close(p.grad, dense_shard(name, dense_params[name].grad, r, n), f"{what} grad of {name}",
                       gradient(n))
-        opt_d.step()
         opt_t.step()
-        opt_d.zero_grad()
         opt_t.zero_grad()
     # AdamW divides by sqrt(v): a gradient that is pure rounding noise still moves its
     # weight by up to lr, so any one weight may differ by AdamW's whole steps; the mean

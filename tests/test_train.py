@@ -116,6 +116,36 @@ def test_oracle_imports_no_distributed_course_module():
                       "reference.train.single", "reference.loss"}, loaded
 
 
+def test_oracle_loss_fn_backpropagates_each_chunks_own_mean():
+    """accumulate_gradients with ``loss_fn``: each chunk backpropagates (loss + aux) / chunks.
+    Given the GPT's own LM mean and aux loss, that is ``loss_mean="mean_of_means"`` bit for
+    bit; padding in one chunk only makes it differ from the default token mean."""
+    from reference.expert_parallel import moe_factory
+    from reference.loss import IGNORE_INDEX
+    from reference.model import lm_loss
+    from reference.train.single import accumulate_gradients
+
+    x, y = synthetic_batch(4, 16, seed=0)
+    y[0, :12] = IGNORE_INDEX  # the first of 2 chunks counts 20 tokens, the second 32
+
+    def gpt_loss(model, x, y):
+        logits, aux = model.logits_and_aux(x)
+        return lm_loss(logits, y), aux
+
+    def run(**kwargs):
+        model = GPT.from_config_seed(GPTConfig.tiny(), 0, ffn_factory=moe_factory(4, k=2, layers=[1]))
+        loss = accumulate_gradients(model, x, y, 2, loss_scale=8.0, **kwargs)
+        return loss, {n: p.grad for n, p in model.named_parameters()}, model.h[1].ffn.last_stats.balance_loss
+
+    loss, grads, aux = run(loss_fn=gpt_loss)
+    assert aux > 0  # the experts' balance loss is in the sum
+    want_loss, want_grads, _ = run(loss_mean="mean_of_means")
+    assert loss == want_loss
+    assert grads.keys() == want_grads.keys() and all(torch.equal(grads[n], want_grads[n]) for n in grads)
+    token_loss, token_grads, _ = run()
+    assert loss != token_loss and not torch.equal(grads["wte.weight"], token_grads["wte.weight"])
+
+
 # ------------------------------------------------------------ clipping in a parallel run
 CLIP = 0.05  # the tiny GPT's first gradient norm is about 1.5: clipping scales it down
 

@@ -98,11 +98,10 @@ def _zero_sgd_groups():
     zero = ZeroOptimizer(groups(model), torch.optim.SGD, stage=1, lr=0.1, momentum=0.9)
     sgd = torch.optim.SGD(groups(ref), lr=0.1, momentum=0.9)
     for x, y in _batches():  # every rank the same batch: the averaged gradient is the same
-        for m, o in ((model, zero), (ref, sgd)):
-            o.zero_grad()
-            m(x, y)[1].backward()
+        zero.zero_grad()
+        model(x, y)[1].backward()
         zero.step()
-        sgd.step()
+        accumulated_step(ref, sgd, x, y)  # one process, torch's SGD
     pairs = [(a.detach().clone(), b.detach().clone()) for a, b in zip(model.parameters(), ref.parameters())]
     # Groups differing in anything but weight_decay are refused, with the key named.
     try:

@@ -21,6 +21,9 @@ from reference.data import ByteCorpus, get_batch
 from reference.loss import step_mean
 from reference.model import lm_loss
 
+# One chunk's (loss, auxiliary loss) from (model, x, y): `accumulate_gradients`' loss_fn.
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Union[torch.Tensor, float]]]
+
 __all__ = ["make_optimizer", "train_step", "accumulate_gradients", "accumulated_step", "evaluate", "train"]
 
 
@@ -98,20 +101,31 @@ def _autocast(precision: str, device_type: str):
 
 def accumulate_gradients(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, chunks: int = 1,
                          *, precision: str = "fp32", loss_scale: float = 1.0,
-                         loss_mean: str = "tokens") -> float:
+                         loss_mean: str = "tokens", loss_fn: Optional[LossFn] = None) -> float:
     """The oracle's forward and backward: the global batch in ``chunks`` equal chunks of rows
     (a parallel run's dp x micro-batch split), gradients adding up in ``.grad``, under
     autocast for bf16 and fp16. Each chunk backpropagates its share of the batch's loss times
     ``loss_scale`` (`reference.loss`): with ``loss_mean="tokens"`` its sum over counted tokens
     divided by the whole batch's count, which adds up to ``F.cross_entropy`` over the whole
     batch whatever the chunks; with ``"mean_of_means"`` its own mean divided by ``chunks``.
-    Experts' balance loss: each chunk's, divided by ``chunks``. Returns the LM loss."""
-    step = step_mean(loss_mean, targets, chunks, replicas=1)
+    Experts' balance loss: each chunk's, divided by ``chunks``. Returns the LM loss.
+
+    ``loss_fn(model, x, y) -> (loss, aux)`` replaces the GPT's forward and LM loss, for a
+    module without ``logits_and_aux`` (a toy model, a lone MoE layer) or another loss:
+    ``loss`` is the chunk's own mean, ``aux`` its auxiliary loss (0 for none), and each chunk
+    backpropagates ``(loss + aux) / chunks`` times ``loss_scale``: the mean over the equal
+    chunks (``loss_mean``, which counts LM target tokens, does not apply). Returns the mean
+    of the ``loss``es."""
+    step = step_mean(loss_mean, targets, chunks, replicas=1) if loss_fn is None else None
     total = 0.0
     for x, y in zip(idx.chunk(chunks), targets.chunk(chunks)):
         with _autocast(precision, x.device.type):
-            logits, aux = model.logits_and_aux(x)
-            share = step.share(lm_loss, logits, y)
+            if loss_fn is None:
+                logits, aux = model.logits_and_aux(x)
+                share = step.share(lm_loss, logits, y)
+            else:
+                loss, aux = loss_fn(model, x, y)
+                share = loss / chunks
         ((share + aux / chunks) * loss_scale).backward()
         total += float(share.detach().float())
     return total
@@ -120,16 +134,18 @@ def accumulate_gradients(model: nn.Module, idx: torch.Tensor, targets: torch.Ten
 def accumulated_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx: torch.Tensor,
                      targets: torch.Tensor, chunks: int = 1, *, precision: str = "fp32",
                      scaler=None, max_norm: Optional[float] = None,
-                     loss_mean: str = "tokens") -> tuple[float, bool]:
+                     loss_mean: str = "tokens", loss_fn: Optional[LossFn] = None) -> tuple[float, bool]:
     """One step of the single process every parallel run is compared with: the gradients of
     the global batch accumulated over ``chunks`` (`accumulate_gradients`); with fp16's
     ``scaler`` (`reference.parallel.DynamicLossScaler`) unscaled and a step with an inf or
-    NaN skipped; the global norm clipped at ``max_norm``; the optimizer's step. Returns
-    (the LM loss, whether the step was skipped)."""
+    NaN skipped; the global norm clipped at ``max_norm``; the optimizer's step. ``loss_fn``:
+    another model's or another loss (`accumulate_gradients`). Returns (the LM loss, or
+    ``loss_fn``'s, whether the step was skipped). The step's gradients (unscaled, clipped)
+    stay in ``.grad`` until the next call."""
     optimizer.zero_grad(set_to_none=True)
     loss = accumulate_gradients(model, idx, targets, chunks, precision=precision,
                                 loss_scale=scaler.scale if scaler is not None else 1.0,
-                                loss_mean=loss_mean)
+                                loss_mean=loss_mean, loss_fn=loss_fn)
     if scaler is not None:
         overflow = scaler.unscale_and_check([p.grad for p in model.parameters() if p.grad is not None])
         scaler.update(overflow)
