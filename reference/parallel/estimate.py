@@ -70,12 +70,13 @@ from typing import Optional
 from reference.comms.links import GPUS_PER_NODE, NIC, NICS_PER_NODE, NVLINK, Link
 from reference.memory import MemoryBytes, Precision, human_bytes, model_state_bytes
 from reference.parallel.config import ParallelConfig
-from reference.parallel.estimate_memory import (activation_bytes_per_block, block_params,
-                                                held_bytes_per_block, in_flight, mlp_activation_bytes,
-                                                moe_activation_bytes, rank_specs, split_held, stage_params,
-                                                stage_specs, stage_tensors, zero3_phases)
+from reference.parallel.estimate_memory import (activation_bytes_per_block, block_params, in_flight,
+                                                mlp_activation_bytes, moe_activation_bytes, rank_specs,
+                                                split_held, stage_params, stage_specs, stage_tensors,
+                                                zero3_phases)
 from reference.parallel.estimate_traffic import dp_transfers, tp_bytes, transfer_link
-from reference.pipeline_parallel import ZB_KINDS, build_schedule, zero_bubble_formula
+from reference.pipeline_parallel import (ZB_KINDS, build_schedule, held_bytes_of_head, held_bytes_per_block,
+                                         zero_bubble_formula)
 from reference.profile import training_flops
 
 __all__ = ["Estimate", "Workload", "estimate", "block_params", "stage_params", "activation_bytes_per_block",
@@ -279,16 +280,22 @@ def idle_share(c: ParallelConfig, m: int) -> float:
 def held_for_w(w: Workload) -> float:
     """What one micro-batch holds on the rank from its I to its W under a zero-bubble schedule,
     beside what its F stored (`split_held` says how many at the peak): the gradients caught at
-    the split points (`held_bytes_per_block`; an MoE block counted as a dense one, the head its
-    LayerNorm and its logits' gradient; none on the first stage, whose input is token ids: its
-    I computes nothing), and, with full recomputation, the forward run again in I, kept for W."""
+    the split points (`held_bytes_per_block`: a dense block's LayerNorms and linear layers; an
+    MoE block's router and its k routed copies per token through the experts' two linear layers,
+    no assignment dropped and, under ep, each rank's experts receiving the rows it dispatches;
+    `held_bytes_of_head`: the head's LayerNorm and logits), none on the first stage, whose input
+    is token ids (its I computes nothing), and, with full recomputation, the forward run again
+    in I, kept for W."""
     model, c = w.model, w.config
     s, b, h, t = w.seq_len, w.micro_batch, model.n_embd, c.tp
-    after_first = sum(len(spec.layers) for spec in rank_specs(model, c, w.stage) if spec.stage > 0)
-    caught = after_first * held_bytes_per_block(s, b, h, t, c.sequence_parallel, w.act_bytes, model.d_ff)
+    moe = set(range(model.n_layer) if w.moe_layers is None else w.moe_layers) if w.n_experts else set()
+    layers = [i for spec in rank_specs(model, c, w.stage) if spec.stage > 0 for i in spec.layers]
+    n_moe = sum(i in moe for i in layers)
+    caught = sum(n * held_bytes_per_block(s, b, h, t, c.sequence_parallel, w.act_bytes, model.d_ff,
+                                          n_experts=experts, k=w.k)
+                 for n, experts in ((len(layers) - n_moe, None), (n_moe, w.n_experts)) if n)
     if w.holds("head") and c.n_stages > 1:
-        ln = t if c.sequence_parallel and t > 1 else 1
-        caught += w.act_bytes * s * b * (h / ln + (-(-model.vocab_size // t)))
+        caught += held_bytes_of_head(s, b, h, model.vocab_size, t, c.sequence_parallel, w.act_bytes)
     if w.recompute != "full":
         return caught
     return caught + len(w.blocks) * (activation_bytes_per_block(
