@@ -70,12 +70,13 @@ from typing import Optional
 from reference.comms.links import GPUS_PER_NODE, NIC, NICS_PER_NODE, NVLINK, Link
 from reference.memory import MemoryBytes, Precision, human_bytes, model_state_bytes
 from reference.parallel.config import ParallelConfig
-from reference.parallel.estimate_memory import (activation_bytes_per_block, block_params,
-                                                held_bytes_per_block, in_flight, mlp_activation_bytes,
-                                                moe_activation_bytes, rank_specs, split_held, stage_params,
-                                                stage_specs, stage_tensors, zero3_phases)
+from reference.parallel.estimate_memory import (activation_bytes_per_block, block_params, in_flight,
+                                                mlp_activation_bytes, moe_activation_bytes, rank_specs,
+                                                split_held, stage_params, stage_specs, stage_tensors,
+                                                zero3_phases)
 from reference.parallel.estimate_traffic import dp_transfers, tp_bytes, transfer_link
-from reference.pipeline_parallel import ZB_KINDS, build_schedule, zero_bubble_formula
+from reference.pipeline_parallel import (ZB_KINDS, build_schedule, held_bytes_of_head, held_bytes_per_block,
+                                         zero_bubble_formula)
 from reference.profile import training_flops
 
 __all__ = ["Estimate", "Workload", "estimate", "block_params", "stage_params", "activation_bytes_per_block",
@@ -279,22 +280,40 @@ def idle_share(c: ParallelConfig, m: int) -> float:
 def held_for_w(w: Workload) -> float:
     """What one micro-batch holds on the rank from its I to its W under a zero-bubble schedule,
     beside what its F stored (`split_held` says how many at the peak): the gradients caught at
-    the split points (`held_bytes_per_block`; an MoE block counted as a dense one, the head its
-    LayerNorm and its logits' gradient; none on the first stage, whose input is token ids: its
-    I computes nothing), and, with full recomputation, the forward run again in I, kept for W."""
+    the split points (`held_bytes_per_block`: a dense block's LayerNorms and linear layers; an
+    MoE block's router and its k routed copies per token through the experts' two linear layers,
+    no assignment dropped and, under ep, each rank's experts receiving the rows it dispatches;
+    `held_bytes_of_head`: the head's LayerNorm and logits), none on the first stage, whose input
+    is token ids (its I computes nothing), and, with full recomputation, the forward run again
+    in I, kept for W (`block_bytes`: an MoE block's what it routes)."""
     model, c = w.model, w.config
     s, b, h, t = w.seq_len, w.micro_batch, model.n_embd, c.tp
-    after_first = sum(len(spec.layers) for spec in rank_specs(model, c, w.stage) if spec.stage > 0)
-    caught = after_first * held_bytes_per_block(s, b, h, t, c.sequence_parallel, w.act_bytes, model.d_ff)
+    moe = set(range(model.n_layer) if w.moe_layers is None else w.moe_layers) if w.n_experts else set()
+    layers = [i for spec in rank_specs(model, c, w.stage) if spec.stage > 0 for i in spec.layers]
+    n_moe = sum(i in moe for i in layers)
+    caught = sum(n * held_bytes_per_block(s, b, h, t, c.sequence_parallel, w.act_bytes, model.d_ff,
+                                          n_experts=experts, k=w.k)
+                 for n, experts in ((len(layers) - n_moe, None), (n_moe, w.n_experts)) if n)
     if w.holds("head") and c.n_stages > 1:
-        ln = t if c.sequence_parallel and t > 1 else 1
-        caught += w.act_bytes * s * b * (h / ln + (-(-model.vocab_size // t)))
+        caught += held_bytes_of_head(s, b, h, model.vocab_size, t, c.sequence_parallel, w.act_bytes)
     if w.recompute != "full":
         return caught
-    return caught + len(w.blocks) * (activation_bytes_per_block(
-        s, b, h, model.n_head, t, c.sequence_parallel, "none", act_bytes=w.act_bytes, d_ff=model.d_ff,
-        attention=w.attention) - activation_bytes_per_block(
-        s, b, h, model.n_head, t, c.sequence_parallel, "full", act_bytes=w.act_bytes))
+    n_blocks, n_moe = len(w.blocks), len(w.moe_blocks)  # the rank's blocks: split_held counts whole stages
+    return caught + sum(n * (block_bytes(w, "none", moe) - block_bytes(w, "full", moe))
+                        for n, moe in ((n_blocks - n_moe, False), (n_moe, True)))
+
+
+def block_bytes(w: Workload, kind: str, moe: bool) -> float:
+    """What one block stores for one micro-batch under recompute ``kind`` (Korthikanti's terms,
+    `activation_bytes_per_block`), an MoE block what it routes in the MLP's place."""
+    model, c = w.model, w.config
+    s, b, h, t = w.seq_len, w.micro_batch, model.n_embd, c.tp
+    x = activation_bytes_per_block(s, b, h, model.n_head, t, c.sequence_parallel, kind,
+                                   act_bytes=w.act_bytes, d_ff=model.d_ff, attention=w.attention)
+    if moe and kind != "full":  # full recompute keeps the block's input alone, MoE or not
+        x += (moe_activation_bytes(s, b, h, model.d_ff, w.k, w.act_bytes)
+              - mlp_activation_bytes(s, b, h, model.d_ff, t, c.sequence_parallel, w.act_bytes))
+    return x
 
 
 def activations(w: Workload) -> tuple:
@@ -302,19 +321,10 @@ def activations(w: Workload) -> tuple:
     adds beside them, and the micro-batches in flight at the first and later backwards and at
     the peak (`in_flight`)."""
     model, c, recompute = w.model, w.config, w.recompute
-    s, b, h, t = w.seq_len, w.micro_batch, model.n_embd, c.tp
-
-    def block(kind, moe):  # one block's stored bytes under recompute ``kind``
-        x = activation_bytes_per_block(s, b, h, model.n_head, t, c.sequence_parallel, kind,
-                                       act_bytes=w.act_bytes, d_ff=model.d_ff, attention=w.attention)
-        if moe and kind != "full":  # an MoE layer stores what it routes in the MLP's place
-            x += (moe_activation_bytes(s, b, h, model.d_ff, w.k, w.act_bytes)
-                  - mlp_activation_bytes(s, b, h, model.d_ff, t, c.sequence_parallel, w.act_bytes))
-        return x
-
+    s, b, t = w.seq_len, w.micro_batch, c.tp
     n_blocks, n_moe = len(w.blocks), len(w.moe_blocks)
-    stored = (n_blocks - n_moe) * block(recompute, False) + n_moe * block(recompute, True)
-    whole = (n_blocks - n_moe) * block("none", False) + n_moe * block("none", True)
+    stored = (n_blocks - n_moe) * block_bytes(w, recompute, False) + n_moe * block_bytes(w, recompute, True)
+    whole = (n_blocks - n_moe) * block_bytes(w, "none", False) + n_moe * block_bytes(w, "none", True)
     logprobs = 4 * s * b * (-(-model.vocab_size // t) * t) / t if w.holds("head") else 0.0
     a1 = stored + (0.0 if recompute == "full" else logprobs)
     # the gradient of the log-probabilities and the softmax it comes from; with recompute the

@@ -47,7 +47,7 @@ from typing import Iterable, Optional
 
 from reference.parallel.config import V_SHAPED
 
-__all__ = ["Tensor", "Tensors", "stage_specs", "rank_specs", "stage_tensors", "held_bytes_per_block",
+__all__ = ["Tensor", "Tensors", "stage_specs", "rank_specs", "stage_tensors",
            "split_held", "block_params", "stage_params", "activation_bytes_per_block", "mlp_activation_bytes",
            "moe_activation_bytes", "in_flight", "zero3_phases"]
 
@@ -261,17 +261,6 @@ def in_flight(config, m: int, rank: int) -> tuple[float, float, float]:
     first = m if config.schedule == "gpipe" and p > 1 else min(p - rank, m)
     later = first - 1 if first == m else first
     return first, later, first
-
-
-def held_bytes_per_block(s: int, b: int, h: int, tp: int = 1, sequence_parallel: bool = False,
-                         act_bytes: int = 2, d_ff: Optional[int] = None) -> float:
-    """What a zero-bubble schedule's I holds for its W, per dense block and micro-batch, beside
-    the stored activations: the gradients caught where a branch leaves for the parameters
-    (`reference.pipeline_parallel.split_backward`), one per LayerNorm (s b h, split by SP) and
-    one per linear layer's output: q k v and fc split by tp (3 h and d_ff), the two row-parallel
-    outputs whole (h each). 11 s b h at tp = 1 (`held_bytes_formula`)."""
-    t, ln = tp, (tp if sequence_parallel and tp > 1 else 1)
-    return act_bytes * s * b * (2 * h / ln + (3 * h + (d_ff or 4 * h)) / t + 2 * h)
 
 
 def split_held(config, m: int, rank: int) -> tuple:

@@ -45,7 +45,8 @@ Where each part lives:
 * `reference.pipeline_parallel.costs`: `stage_costs` measures each stage's flops (time
   balance) and stored bytes (memory balance) on one micro-batch, against
   `stage_flops_formula` and `stored_bytes_formula`, and what a split backward holds
-  from its I to its W (`held_bytes_formula`);
+  from its I to its W (`held_bytes_formula`; per block and for the head, at any tp,
+  `held_bytes_per_block` and `held_bytes_of_head`, which `reference.parallel.estimate` counts with);
 * `reference.pipeline_parallel.executor`: `run_pipeline`, the loop over a rank's
   steps; each kind of step is done by a part of its own:
   - `reference.pipeline_parallel.forward_backward`: what F and B do to one
@@ -69,7 +70,8 @@ Where each part lives:
   virtual stages -> timeline and bubble).
 """
 from reference.pipeline_parallel.check import TraceEvent, bubble_of, simulate, validate
-from reference.pipeline_parallel.costs import (StageCost, held_bytes_formula, stage_costs, stage_flops_formula,
+from reference.pipeline_parallel.costs import (StageCost, held_bytes_formula, held_bytes_of_head,
+                                               held_bytes_per_block, stage_costs, stage_flops_formula,
                                                stored_bytes_formula)
 from reference.pipeline_parallel.executor import PipelineResult, run_pipeline
 from reference.pipeline_parallel.schedules import (KINDS, OPS, Action, Schedule, ScheduleError, bubble_formula,
@@ -98,7 +100,8 @@ __all__ = [
     # the executor
     "run_pipeline", "PipelineResult",
     # zero-bubble schedules
-    "ZB_KINDS", "VSchedule", "zero_bubble_formula", "held_bytes_formula", "peak_bytes",
+    "ZB_KINDS", "VSchedule", "zero_bubble_formula", "held_bytes_formula", "held_bytes_per_block",
+    "held_bytes_of_head", "peak_bytes",
     # pictures
     "plot_timeline", "plot_bubble_curve", "plot_stage_balance",
 ]

@@ -26,7 +26,9 @@ the logits it keeps for the loss's backward.
   but the last its output.
 * `held_bytes_formula(config, micro_batch, spec)`: what a zero-bubble schedule's I holds
   beyond that until its W, the gradients caught at the split points
-  (`reference.pipeline_parallel.split_backward`): 11 S a block, S + b T V * 4 the head.
+  (`reference.pipeline_parallel.split_backward`): 11 S a block, S + b T V * 4 the head; an
+  MoE block (``n_experts``) (6 C + E + k (C + d_ff)) b T * 4 (`held_bytes_per_block`, which
+  `reference.parallel.estimate` counts with too, at any tp).
 * `stage_flops_formula(config, micro_batch, spec)`: the weight GEMMs, 72 C^2 per
   token and block, 6 C V per token for the head, nothing for the embedding.
 * `lateness(timeline, cost)` and `idle_margin(late, cost)`: when stages take fixed times
@@ -36,7 +38,7 @@ the logits it keeps for the loss's backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -44,8 +46,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from reference.model import GPTConfig, lm_loss
 from reference.pipeline_parallel.stage import StageSpec
 
-__all__ = ["StageCost", "stage_costs", "stored_bytes_formula", "held_bytes_formula", "stage_flops_formula",
-           "lateness", "idle_margin"]
+__all__ = ["StageCost", "stage_costs", "stored_bytes_formula", "held_bytes_formula", "held_bytes_per_block",
+           "held_bytes_of_head", "stage_flops_formula", "lateness", "idle_margin"]
 
 
 @dataclass(frozen=True)
@@ -121,17 +123,63 @@ def stored_bytes_formula(config: GPTConfig, micro_batch: int, spec: StageSpec) -
     return parts
 
 
-def held_bytes_formula(config: GPTConfig, micro_batch: int, spec: StageSpec) -> int:
+def held_bytes_formula(config: GPTConfig, micro_batch: int, spec: StageSpec, n_experts: Optional[int] = None,
+                       k: int = 2, moe_layers: Optional[Iterable[int]] = None,
+                       shared_expert: bool = False) -> int:
     """Bytes one micro-batch's I holds on the stage ``spec`` until its W, beside what its F stored:
     the gradients caught at the split points (fp32, the plain GPT, no tensor parallelism).
 
-    A block has six: its two LayerNorms (b T C each) and its four linear layers (3, 1, 4 and 1
-    times b T C), 11 S in all with S = b T C * 4 bytes; the head its LayerNorm (S) and the
-    lm_head (b T V * 4). The first stage's I has nothing to compute: it holds nothing more."""
+    A dense block has six: its two LayerNorms (b T C each) and its four linear layers (3, 1, 4
+    and 1 times b T C), 11 S in all with S = b T C * 4 bytes; the head its LayerNorm (S) and
+    the lm_head (b T V * 4). With ``n_experts`` the layers ``moe_layers`` (default all, as
+    `reference.expert_parallel.moe_factory`) are MoE layers routing k of E experts per token,
+    ``shared_expert`` one more that every token goes through: each counted by
+    `held_bytes_per_block` (exact when no assignment is dropped at capacity; a drop holds less).
+    The first stage's I has nothing to compute: it holds nothing more."""
     if spec.stage == 0:
         return 0
-    tokens, C = micro_batch * config.block_size, config.n_embd
-    return tokens * 4 * (11 * C * len(spec.layers) + ((C + config.vocab_size) if spec.head else 0))
+    moe = set(range(config.n_layer) if moe_layers is None else moe_layers) if n_experts else set()
+    blocks = sum(held_bytes_per_block(config.block_size, micro_batch, config.n_embd, act_bytes=4,
+                                      d_ff=config.d_ff, n_experts=n_experts if i in moe else None, k=k,
+                                      shared_experts=int(shared_expert)) for i in spec.layers)
+    head = held_bytes_of_head(config.block_size, micro_batch, config.n_embd, config.vocab_size,
+                              act_bytes=4) if spec.head else 0
+    return int(blocks + head)
+
+
+def held_bytes_per_block(s: int, b: int, h: int, tp: int = 1, sequence_parallel: bool = False,
+                         act_bytes: int = 2, d_ff: Optional[int] = None, n_experts: Optional[int] = None,
+                         k: int = 2, shared_experts: int = 0) -> float:
+    """What a zero-bubble schedule's I holds for its W, per block and micro-batch of b sequences
+    of s tokens, on one tp rank: the gradient caught at each split point (`split_backward`), the
+    output gradient of each LayerNorm and linear layer.
+
+    Attention: the LayerNorms' (s b h each, split by SP), q|k|v's (3 h, column-parallel: / tp),
+    the projection's (h, row-parallel: whole). A dense MLP: c_fc's (d_ff / tp) and c_proj's (h,
+    whole); 11 s b h at tp = 1 and d_ff = 4 h. An MoE layer (``n_experts`` = E): tp splits none
+    of it and it routes the whole sequence (gathered under SP), so on every tp rank the router's
+    logits (E a token), and for each of the s b k routed copies and each token's pass through a
+    shared expert c_fc's (d_ff) and c_proj's (h) output gradients: s b (E + (k + shared) (d_ff
+    + h)). That assumes no assignment dropped at capacity (a dropped one holds nothing) and,
+    with expert parallelism, that an ep rank's experts receive the k s b rows it dispatches
+    (routing decides how many they do). Under SP a row-parallel layer with a bias catches its
+    bias's (s b h / tp) gradient too, beside its product's gathered one: not counted here."""
+    d_ff = d_ff or 4 * h
+    ln = tp if sequence_parallel and tp > 1 else 1
+    attention = 2 * h / ln + 3 * h / tp + h  # per token: ln_1, ln_2; q|k|v (s b, 3 h / tp); proj (s b, h)
+    if n_experts is None:
+        mlp = d_ff / tp + h  # c_fc (s b, d_ff / tp), c_proj (s b, h)
+    else:  # gate (s b, E); the experts' c_fc and c_proj, (k s b, d_ff) and (k s b, h), and a shared one's
+        mlp = n_experts + (k + shared_experts) * (d_ff + h)
+    return act_bytes * s * b * (attention + mlp)
+
+
+def held_bytes_of_head(s: int, b: int, h: int, vocab_size: int, tp: int = 1, sequence_parallel: bool = False,
+                       act_bytes: int = 2) -> float:
+    """What I holds for W on the head's stage: ln_f's output gradient (s b h, split by SP) and the
+    lm_head's, the logits' (s b, V / tp rows of the vocabulary, rounded up)."""
+    ln = tp if sequence_parallel and tp > 1 else 1
+    return act_bytes * s * b * (h / ln + (-(-vocab_size // tp)))
 
 
 def stage_flops_formula(config: GPTConfig, micro_batch: int, spec: StageSpec) -> int:

@@ -59,8 +59,8 @@ min(2p, m + r + 1, 2m) chunk-micro-batches on rank r, each half a stage: at most
 whole stages, 1F1B's rank 0; dualpipev 2p + 1 chunk-micro-batches. Between its I and
 its W a micro-batch holds, beside what its F stored, the gradients caught at the split
 points (`reference.pipeline_parallel.costs.held_bytes_formula`: 11 b T C floats a
-block); `peak_bytes` walks a rank's actions with both and gives the peak the executor
-measures, exactly.
+dense block, b T (6 C + E + k (C + d_ff)) an MoE block); `peak_bytes` walks a rank's
+actions with both and gives the peak the executor measures, exactly.
 """
 from __future__ import annotations
 
