@@ -14,7 +14,8 @@
 * Memory, measured: the activation bytes each rank holds at its peak equal `peak_bytes`
   of the schedule with `stored_bytes_formula` per F and `held_bytes_formula` per I; with MoE
   blocks, the bytes per F measured and `held_bytes_formula` with the experts per I; the
-  estimate's `held_for_w` is what an I holds.
+  estimate's `held_for_w` is what an I holds, and bounds the peak with experts too; under SP
+  on 2 tp ranks, a block's caught gradients are `held_bytes_per_block`'s.
 """
 import functools
 
@@ -689,3 +690,45 @@ def test_chunk_held_is_what_a_v_holds_with_unequal_chunks():
                         halves = max(f * sum(stored) + i * sum(held) for f, i in split_held(config, m, rank))
                         missed += halves < walk
     assert missed > 0
+
+
+def _caught_under_sp(moe):
+    """On a tp = 2 rank with SP: the bytes an I catches at the split points of block 1 of the
+    tiny GPT (dense, or an MoE block routing 2 of 4 experts, no token dropped), b = 2."""
+    from reference.expert_parallel import moe_factory
+    from reference.parallel.config import ParallelConfig
+    from reference.parallel.parallelize import parallelize
+    from reference.pipeline_parallel.split_backward import WeightPass
+
+    config = ParallelConfig(tp=2, sequence_parallel=True)
+    experts = moe_factory(4, k=2, capacity_factor=None) if moe else None
+    model = GPT.from_config_seed(GPTConfig.tiny(**dict(CFG, n_layer=2)), seed=0, ffn_factory=experts)
+    pm = parallelize(model, config.mesh().build_groups(), config, batch=(2, T))
+    block = dict(pm.stages[0].named_modules())["h.1"]
+    x = torch.randn(2, T // 2, CFG["n_embd"], requires_grad=True)  # this rank's half of the sequence
+    out = block(x)
+    out = out[0] if isinstance(out, tuple) else out  # (output, aux loss): the output's path
+    weights = WeightPass([(out, torch.ones_like(out))], x, list(block.parameters()))
+    hooks = weights.catch()
+    torch.autograd.grad([out], [x], [torch.ones_like(out)], retain_graph=True)
+    for h in hooks:
+        h.remove()
+    return weights.caught_bytes()
+
+
+def _caught_dense_and_moe():
+    return [_caught_under_sp(False), _caught_under_sp(True)]
+
+
+def test_a_row_parallel_bias_under_sp_holds_its_own_gradient():
+    """Under SP each row-parallel layer with a bias (the attention's projection, a dense MLP's
+    c_proj; not an MoE layer's experts, which tp does not split) adds it after the
+    reduce-scatter: I catches its (s b / tp, h) gradient beside the product's gathered one.
+    `held_bytes_per_block` counts it, exactly, on both tp ranks; without it a dense block
+    would be 2 s b h / tp bytes short, an MoE block s b h / tp."""
+    from reference.pipeline_parallel import held_bytes_per_block
+
+    for dense, moe in launch(_caught_dense_and_moe, 2, timeout=120, quiet=True):
+        assert dense == held_bytes_per_block(T, 2, CFG["n_embd"], 2, True, 4)
+        assert moe == held_bytes_per_block(T, 2, CFG["n_embd"], 2, True, 4, n_experts=4, k=2)
+        assert dense > held_bytes_per_block(T, 2, CFG["n_embd"], 2, True, 4, bias=False)

@@ -283,9 +283,9 @@ def idle_share(c: ParallelConfig, m: int) -> float:
 def held_for_w(w: Workload, specs: Optional[tuple] = None) -> float:
     """What one micro-batch holds on the rank from its I to its W under a zero-bubble schedule,
     beside what its F stored (`split_held` says how many at the peak): the gradients caught at
-    the split points (`held_bytes_per_block`: a dense block's LayerNorms and linear layers; an
-    MoE block's router and its k routed copies per token through the experts' two linear layers,
-    no assignment dropped and, under ep, each rank's experts receiving the rows it dispatches;
+    the split points (`held_bytes_per_block`: a dense block's LayerNorms and linear layers, under
+    SP its row-parallel biases apart; an MoE block's router and its k routed copies per token
+    through the experts' two linear layers, no assignment dropped and, under ep, each rank's experts receiving the rows it dispatches;
     `held_bytes_of_head`: the head's LayerNorm and logits), none on the first stage, whose input
     is token ids (its I computes nothing), and, with full recomputation, the forward run again
     in I, kept for W (`block_bytes`: an MoE block's what it routes; the head's log-probabilities).
@@ -297,7 +297,7 @@ def held_for_w(w: Workload, specs: Optional[tuple] = None) -> float:
     layers = [i for spec in specs if spec.stage > 0 for i in spec.layers]
     n_moe = sum(i in moe for i in layers)
     caught = sum(n * held_bytes_per_block(s, b, h, t, c.sequence_parallel, w.act_bytes, model.d_ff,
-                                          n_experts=experts, k=w.k)
+                                          n_experts=experts, k=w.k, bias=model.bias)
                  for n, experts in ((len(layers) - n_moe, None), (n_moe, w.n_experts)) if n)
     head = any(spec.head for spec in specs)
     if head and c.n_stages > 1:
