@@ -75,8 +75,8 @@ from reference.memory import MemoryBytes, Precision, human_bytes, model_state_by
 from reference.parallel.config import V_SHAPED, ParallelConfig
 from reference.parallel.estimate_memory import (activation_bytes_per_block, block_params, chunk_held,
                                                 in_flight, mlp_activation_bytes, moe_activation_bytes,
-                                                rank_specs, split_held, stage_params, stage_specs, stage_tensors,
-                                                zero3_phases)
+                                                rank_specs, split_held, stage_params, stage_specs,
+                                                stage_tensors, zero3_phases)
 from reference.parallel.estimate_traffic import dp_transfers, tp_bytes, transfer_link
 from reference.pipeline_parallel import (ZB_KINDS, build_schedule, held_bytes_of_head, held_bytes_per_block,
                                          zero_bubble_formula)
@@ -285,10 +285,11 @@ def held_for_w(w: Workload, specs: Optional[tuple] = None) -> float:
     beside what its F stored (`split_held` says how many at the peak): the gradients caught at
     the split points (`held_bytes_per_block`: a dense block's LayerNorms and linear layers, under
     SP its row-parallel biases apart; an MoE block's router and its k routed copies per token
-    through the experts' two linear layers, no assignment dropped and, under ep, each rank's experts receiving the rows it dispatches;
-    `held_bytes_of_head`: the head's LayerNorm and logits), none on the first stage, whose input
-    is token ids (its I computes nothing), and, with full recomputation, the forward run again
-    in I, kept for W (`block_bytes`: an MoE block's what it routes; the head's log-probabilities).
+    through the experts' two linear layers, no assignment dropped and, under ep, each rank's
+    experts receiving the rows it dispatches; `held_bytes_of_head`: the head's LayerNorm and
+    logits), none on the first stage, whose input is token ids (its I computes nothing), and,
+    with full recomputation, the forward run again in I, kept for W (`block_bytes`: an MoE
+    block's what it routes; the head's log-probabilities).
     ``specs``: the rank's stages (default), or one chunk's."""
     model, c = w.model, w.config
     s, b, h, t = w.seq_len, w.micro_batch, model.n_embd, c.tp
