@@ -20,7 +20,10 @@ stage holds the embedding alone and the heaviest is the next), from
 * activations (Korthikanti et al., 2022), ``act_bytes`` per activation (default: 4 in fp32,
   2 in bf16 and fp16), times the micro-batches the rank holds at its peak (1F1B: min(m, p - r)
   on rank r, so L / p blocks x p micro-batches on the first; interleaving: times
-  1 + (p - 1) / (p v)); the head's stage adds the loss's fp32 log-probabilities.
+  1 + (p - 1) / (p v)); the head's stage adds the loss's fp32 log-probabilities. An MoE
+  layer's are `moe_activation_bytes` (its router's and combine's included); the zero-bubble
+  schedules add what an I holds for its W (`held_for_w`), and a V-shaped rank counts its two
+  chunks each with its own bytes (`chunk_held`).
 
 `Estimate.total_bytes` is the step's peak: for ZeRO 0-2 (and ZeRO-3 by blocks) the model
 states plus the stored activations plus what a backward adds beside them (the gradient of
@@ -69,11 +72,11 @@ from typing import Optional
 
 from reference.comms.links import GPUS_PER_NODE, NIC, NICS_PER_NODE, NVLINK, Link
 from reference.memory import MemoryBytes, Precision, human_bytes, model_state_bytes
-from reference.parallel.config import ParallelConfig
-from reference.parallel.estimate_memory import (activation_bytes_per_block, block_params, in_flight,
-                                                mlp_activation_bytes, moe_activation_bytes, rank_specs,
-                                                split_held, stage_params, stage_specs, stage_tensors,
-                                                zero3_phases)
+from reference.parallel.config import V_SHAPED, ParallelConfig
+from reference.parallel.estimate_memory import (activation_bytes_per_block, block_params, chunk_held,
+                                                in_flight, mlp_activation_bytes, moe_activation_bytes,
+                                                rank_specs, split_held, stage_params, stage_specs,
+                                                stage_tensors, zero3_phases)
 from reference.parallel.estimate_traffic import dp_transfers, tp_bytes, transfer_link
 from reference.pipeline_parallel import (ZB_KINDS, build_schedule, held_bytes_of_head, held_bytes_per_block,
                                          zero_bubble_formula)
@@ -244,7 +247,7 @@ def estimate(model, config: ParallelConfig, **workload) -> Estimate:
     c, m = w.config, w.m
     t, p, v = c.tp, c.pp, c.virtual_stages
     a1, work, first, later, peak = activations(w)
-    acts = max(f * a1 + i * held_for_w(w) for f, i in split_held(c, m, w.stage))  # peak * a1 unless split
+    acts = held_activations(w, a1)  # peak * a1 unless split
     states, phases, held = model_states(w, a1, first, later, work, acts)
     # a middle stage sends an activation on and a gradient back per micro-batch; with pp = 2
     # each end sends one of the two (sequence-split under SP)
@@ -277,30 +280,68 @@ def idle_share(c: ParallelConfig, m: int) -> float:
     return (c.pp - 1) / (c.virtual_stages * m)
 
 
-def held_for_w(w: Workload) -> float:
+def held_for_w(w: Workload, specs: Optional[tuple] = None) -> float:
     """What one micro-batch holds on the rank from its I to its W under a zero-bubble schedule,
     beside what its F stored (`split_held` says how many at the peak): the gradients caught at
-    the split points (`held_bytes_per_block`: a dense block's LayerNorms and linear layers; an
-    MoE block's router and its k routed copies per token through the experts' two linear layers,
-    no assignment dropped and, under ep, each rank's experts receiving the rows it dispatches;
-    `held_bytes_of_head`: the head's LayerNorm and logits), none on the first stage, whose input
-    is token ids (its I computes nothing), and, with full recomputation, the forward run again
-    in I, kept for W (`block_bytes`: an MoE block's what it routes)."""
+    the split points (`held_bytes_per_block`: a dense block's LayerNorms and linear layers, under
+    SP its row-parallel biases apart; an MoE block's router and its k routed copies per token
+    through the experts' two linear layers, no assignment dropped and, under ep, each rank's
+    experts receiving the rows it dispatches; `held_bytes_of_head`: the head's LayerNorm and
+    logits), none on the first stage, whose input is token ids (its I computes nothing), and,
+    with full recomputation, the forward run again in I, kept for W (`block_bytes`: an MoE
+    block's what it routes; the head's log-probabilities).
+    ``specs``: the rank's stages (default), or one chunk's."""
     model, c = w.model, w.config
     s, b, h, t = w.seq_len, w.micro_batch, model.n_embd, c.tp
+    specs = rank_specs(model, c, w.stage) if specs is None else specs
     moe = set(range(model.n_layer) if w.moe_layers is None else w.moe_layers) if w.n_experts else set()
-    layers = [i for spec in rank_specs(model, c, w.stage) if spec.stage > 0 for i in spec.layers]
+    layers = [i for spec in specs if spec.stage > 0 for i in spec.layers]
     n_moe = sum(i in moe for i in layers)
     caught = sum(n * held_bytes_per_block(s, b, h, t, c.sequence_parallel, w.act_bytes, model.d_ff,
-                                          n_experts=experts, k=w.k)
+                                          n_experts=experts, k=w.k, bias=model.bias)
                  for n, experts in ((len(layers) - n_moe, None), (n_moe, w.n_experts)) if n)
-    if w.holds("head") and c.n_stages > 1:
+    head = any(spec.head for spec in specs)
+    if head and c.n_stages > 1:
         caught += held_bytes_of_head(s, b, h, model.vocab_size, t, c.sequence_parallel, w.act_bytes)
     if w.recompute != "full":
         return caught
-    n_blocks, n_moe = len(w.blocks), len(w.moe_blocks)  # the rank's blocks: split_held counts whole stages
-    return caught + sum(n * (block_bytes(w, "none", moe) - block_bytes(w, "full", moe))
-                        for n, moe in ((n_blocks - n_moe, False), (n_moe, True)))
+    blocks = [i for spec in specs for i in spec.layers]  # every stage's: split_held counts whole stages
+    n_blocks, n_moe = len(blocks), sum(i in moe for i in blocks)
+    return caught + head * logprob_bytes(w) + sum(
+        n * (block_bytes(w, "none", moe) - block_bytes(w, "full", moe))
+        for n, moe in ((n_blocks - n_moe, False), (n_moe, True)))
+
+
+def logprob_bytes(w: Workload) -> float:
+    """The loss's fp32 log-probabilities of one micro-batch, (s b, V_pad / tp)."""
+    t = w.config.tp
+    return 4 * w.seq_len * w.micro_batch * (-(-w.model.vocab_size // t) * t) / t
+
+
+def stored_per_f(w: Workload, specs: tuple) -> float:
+    """What one micro-batch's F leaves stored on the stages ``specs`` (one chunk's): `activations`'
+    a1, counted over these stages' blocks and head only."""
+    model = w.model
+    moe = set(range(model.n_layer) if w.moe_layers is None else w.moe_layers) if w.n_experts else set()
+    stored = sum(block_bytes(w, w.recompute, i in moe) for spec in specs for i in spec.layers)
+    head = any(spec.head for spec in specs) and w.recompute != "full"
+    return stored + head * logprob_bytes(w)
+
+
+def held_activations(w: Workload, a1: float) -> float:
+    """The activation bytes at the rank's peak: the largest F-bytes x micro-batches held plus
+    I-bytes x those past their I over `split_held`'s candidates; on a V-shaped schedule's rank,
+    whose two chunks may store unequal bytes (an MoE stage beside a dense one, the head), over
+    `chunk_held`'s counts per chunk, each chunk with its own bytes."""
+    c = w.config
+    if c.schedule in V_SHAPED and c.pp > 1:
+        counts = chunk_held(c, w.m, w.stage)
+        if counts:
+            chunks = [(spec,) for spec in rank_specs(w.model, c, w.stage)]
+            f = [stored_per_f(w, chunk) for chunk in chunks]
+            i = [held_for_w(w, chunk) for chunk in chunks]
+            return max(n[0] * f[0] + n[1] * f[1] + n[2] * i[0] + n[3] * i[1] for n in counts)
+    return max(f * a1 + i * held_for_w(w) for f, i in split_held(c, w.m, w.stage))
 
 
 def block_bytes(w: Workload, kind: str, moe: bool) -> float:
@@ -310,8 +351,9 @@ def block_bytes(w: Workload, kind: str, moe: bool) -> float:
     s, b, h, t = w.seq_len, w.micro_batch, model.n_embd, c.tp
     x = activation_bytes_per_block(s, b, h, model.n_head, t, c.sequence_parallel, kind,
                                    act_bytes=w.act_bytes, d_ff=model.d_ff, attention=w.attention)
-    if moe and kind != "full":  # full recompute keeps the block's input alone, MoE or not
-        x += (moe_activation_bytes(s, b, h, model.d_ff, w.k, w.act_bytes)
+    # full recompute keeps the block's input alone, MoE or not; no experts, no MoE block (n = 0)
+    if moe and kind != "full" and w.n_experts:
+        x += (moe_activation_bytes(s, b, h, model.d_ff, w.k, w.act_bytes, n_experts=w.n_experts)
               - mlp_activation_bytes(s, b, h, model.d_ff, t, c.sequence_parallel, w.act_bytes))
     return x
 
@@ -320,12 +362,11 @@ def activations(w: Workload) -> tuple:
     """(a1, work, first, later, peak): the bytes one micro-batch leaves stored, what a backward
     adds beside them, and the micro-batches in flight at the first and later backwards and at
     the peak (`in_flight`)."""
-    model, c, recompute = w.model, w.config, w.recompute
-    s, b, t = w.seq_len, w.micro_batch, c.tp
+    c, recompute = w.config, w.recompute
     n_blocks, n_moe = len(w.blocks), len(w.moe_blocks)
     stored = (n_blocks - n_moe) * block_bytes(w, recompute, False) + n_moe * block_bytes(w, recompute, True)
     whole = (n_blocks - n_moe) * block_bytes(w, "none", False) + n_moe * block_bytes(w, "none", True)
-    logprobs = 4 * s * b * (-(-model.vocab_size // t) * t) / t if w.holds("head") else 0.0
+    logprobs = logprob_bytes(w) if w.holds("head") else 0.0
     a1 = stored + (0.0 if recompute == "full" else logprobs)
     # the gradient of the log-probabilities and the softmax it comes from; with recompute the
     # stage's forward again (this executor recomputes a whole chunk at the start of its B)

@@ -33,23 +33,25 @@ divides every term by t. Selective recompute drops the scores; full recompute ke
 each block's input, e s b h (/ t with SP). ``attention="fused"`` (PyTorch's
 `scaled_dot_product_attention`, FlashAttention) stores a log-sum-exp per head and token,
 4 a s b / t bytes, instead of the scores. An MoE layer in the MLP's place stores its input,
-the k copies it dispatches, each copy's two d_ff-wide activations and the k expert outputs
-the combine weighs, e s b (h (1 + 2 k) + 2 k d_ff), on every tp rank (under SP it routes
-the gathered sequence). The stage that holds
+the k copies it dispatches, each copy's two d_ff-wide activations, the k expert outputs the
+combine weighs, their weighted copy and the weights, e s b (h (1 + 3 k) + 2 k d_ff + k), and
+its router's fp32 logits, probabilities and top-k weights and int64 choices (E experts:
+4 s b (2 E + 2 k + 2) + 24 s b k + 4 b E bytes with k > 1), on every tp rank (under SP it
+routes the gathered sequence; `moe_activation_bytes`). The stage that holds
 the head also keeps the loss's fp32 log-probabilities, 4 s b V_pad / t (the paper's 4 s b v / t).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Iterable, Optional
 
 from reference.parallel.config import V_SHAPED
 
 __all__ = ["Tensor", "Tensors", "stage_specs", "rank_specs", "stage_tensors",
            "split_held", "block_params", "stage_params", "activation_bytes_per_block", "mlp_activation_bytes",
-           "moe_activation_bytes", "in_flight", "zero3_phases"]
+           "moe_activation_bytes", "in_flight", "chunk_held", "zero3_phases"]
 
 
 @dataclass(frozen=True)
@@ -230,11 +232,30 @@ def mlp_activation_bytes(s: int, b: int, h: int, d_ff: int, tp: int = 1,
     return (act_bytes + 1) * s * b * h / whole + 2 * act_bytes * s * b * d_ff / t
 
 
-def moe_activation_bytes(s: int, b: int, h: int, d_ff: int, k: int, act_bytes: int = 2) -> float:
-    """What an MoE layer stores in the MLP's place for one micro-batch, on every tp rank: its
-    input, the k copies it dispatches, each copy's fc and GeLU outputs and the expert output
-    the combine weighs (capacity and the router's E numbers per token aside)."""
-    return act_bytes * s * b * (h * (1 + 2 * k) + 2 * k * d_ff)
+def moe_activation_bytes(s: int, b: int, h: int, d_ff: int, k: int, act_bytes: int = 2, *,
+                         n_experts: int, normalize_weights: Optional[bool] = None) -> float:
+    """What an MoE layer (`reference.expert_parallel.moe`) stores in the MLP's place for one
+    micro-batch of b sequences of s tokens, on every tp rank (under SP it routes the gathered
+    sequence), E = ``n_experts``, per token:
+
+        activations, e bytes each   h (input) + k h (the dispatched copies) + 2 k d_ff (each
+                                    copy's fc and GeLU outputs) + 2 k h (the expert outputs the
+                                    combine weighs, and their weighted copy, which `index_add`
+                                    keeps) + k (the combine weights, in the outputs' dtype)
+        router, fp32                2 E (logits, for the z-loss's log-sum-exp; probabilities,
+                                    the softmax's output) + 1 (the log-sum-exp) + k + 1 with
+                                    the weights renormalised (the top-k probabilities, their sum)
+        indices, int64              3 k (top-k choices, kept assignments, their token rows)
+
+    and E fp32 per sequence (the balance loss's assignment fractions). Exact, measured, when no
+    assignment is dropped at capacity (a dropped one stores none of its k-terms) and, under
+    ep, when a rank's experts receive as many rows as it dispatches (routing decides).
+    ``normalize_weights`` defaults to the router's, k > 1."""
+    normalized = k > 1 if normalize_weights is None else normalize_weights
+    tokens, e, n = s * b, act_bytes, n_experts
+    activations = e * tokens * (h * (1 + 3 * k) + 2 * k * d_ff + k)
+    router = 4 * tokens * (2 * n + 1 + (k + 1 if normalized else 0)) + 4 * b * n
+    return activations + router + 8 * tokens * 3 * k
 
 
 def in_flight(config, m: int, rank: int) -> tuple[float, float, float]:
@@ -278,6 +299,39 @@ def split_held(config, m: int, rank: int) -> tuple:
     if config.schedule == "dualpipev" and p > 1:
         return ((p + 0.5, 0), (p, 0.5)) + ((p / 2, (rank + 1) / 2),) * (rank > 0)
     return ((in_flight(config, m, rank)[2], 0),)
+
+
+def chunk_held(config, m: int, rank: int) -> tuple:
+    """A V-shaped schedule's candidates for its peak on pipeline ``rank``, chunk by chunk:
+    (F0, F1, I0, I1), the chunk-micro-batches of its first and second stage held from F to W and
+    of those the ones past their I, read off the schedule's action list (every state no other
+    state holds at least as much of in all four); () when the schedule cannot be built. With
+    equal chunks its best is `split_held`'s; ZB-V's rank r holds (2p - r, r, 1, 0),
+    (2p - 1 - r, r + 1, 0, 1) and (p, r, r + 1, r) for every m >= 2p, so a first stage heavier
+    than its second (an MoE stage beside a dense one) weighs more than half of the rank's bytes."""
+    # from m = 2p on the steady state only repeats: the counts are those of m = 2p (the test
+    # walks longer schedules), which keeps a sweep over large m from building each schedule
+    return _chunk_held(config.schedule, config.pp, min(m, 2 * config.pp), rank)
+
+
+@lru_cache(maxsize=None)
+def _chunk_held(kind: str, p: int, m: int, rank: int) -> tuple:
+    """`chunk_held` of the ``kind`` schedule with p ranks and m micro-batches (2 chunks a rank)."""
+    from reference.pipeline_parallel import build_schedule
+
+    try:
+        actions = build_schedule(kind, p, m, 2).actions(rank)
+    except ValueError:
+        return ()
+    now, seen = [0, 0, 0, 0], set()
+    for a in actions:  # F adds a chunk-micro-batch, I marks it past I, W and B free it
+        step = {"F": (1, 0), "I": (0, 1), "W": (-1, -1), "B": (-1, 0)}.get(a.op)
+        if step:
+            now[a.chunk] += step[0]
+            now[2 + a.chunk] += step[1]
+            seen.add(tuple(now))
+    return tuple(sorted(x for x in seen
+                        if not any(y != x and all(v >= u for u, v in zip(x, y)) for y in seen)))
 
 
 def zero3_phases(sets, precision, a1: float, first: float, later: float, work: float,

@@ -141,7 +141,8 @@ def held_bytes_formula(config: GPTConfig, micro_batch: int, spec: StageSpec, n_e
     moe = set(range(config.n_layer) if moe_layers is None else moe_layers) if n_experts else set()
     blocks = sum(held_bytes_per_block(config.block_size, micro_batch, config.n_embd, act_bytes=4,
                                       d_ff=config.d_ff, n_experts=n_experts if i in moe else None, k=k,
-                                      shared_experts=int(shared_expert)) for i in spec.layers)
+                                      shared_experts=int(shared_expert), bias=config.bias)
+                 for i in spec.layers)
     head = held_bytes_of_head(config.block_size, micro_batch, config.n_embd, config.vocab_size,
                               act_bytes=4) if spec.head else 0
     return int(blocks + head)
@@ -149,7 +150,7 @@ def held_bytes_formula(config: GPTConfig, micro_batch: int, spec: StageSpec, n_e
 
 def held_bytes_per_block(s: int, b: int, h: int, tp: int = 1, sequence_parallel: bool = False,
                          act_bytes: int = 2, d_ff: Optional[int] = None, n_experts: Optional[int] = None,
-                         k: int = 2, shared_experts: int = 0) -> float:
+                         k: int = 2, shared_experts: int = 0, bias: bool = True) -> float:
     """What a zero-bubble schedule's I holds for its W, per block and micro-batch of b sequences
     of s tokens, on one tp rank: the gradient caught at each split point (`split_backward`), the
     output gradient of each LayerNorm and linear layer.
@@ -162,13 +163,17 @@ def held_bytes_per_block(s: int, b: int, h: int, tp: int = 1, sequence_parallel:
     shared expert c_fc's (d_ff) and c_proj's (h) output gradients: s b (E + (k + shared) (d_ff
     + h)). That assumes no assignment dropped at capacity (a dropped one holds nothing) and,
     with expert parallelism, that an ep rank's experts receive the k s b rows it dispatches
-    (routing decides how many they do). Under SP a row-parallel layer with a bias catches its
-    bias's (s b h / tp) gradient too, beside its product's gathered one: not counted here."""
+    (routing decides how many they do). Under SP (tp > 1) a row-parallel layer with a
+    ``bias`` adds it after the reduce-scatter, so its bias catches its own (s b h / tp)
+    gradient beside the product's gathered one: the attention's projection and a dense MLP's
+    c_proj (without SP the two are one tensor, the all-reduce's backward passing it on)."""
     d_ff = d_ff or 4 * h
     ln = tp if sequence_parallel and tp > 1 else 1
-    attention = 2 * h / ln + 3 * h / tp + h  # per token: ln_1, ln_2; q|k|v (s b, 3 h / tp); proj (s b, h)
+    row_bias = h / tp if bias and ln > 1 else 0  # a row-parallel bias's own gradient, (s b / tp, h)
+    # per token: ln_1, ln_2; q|k|v (s b, 3 h / tp); proj (s b, h) and its bias
+    attention = 2 * h / ln + 3 * h / tp + h + row_bias
     if n_experts is None:
-        mlp = d_ff / tp + h  # c_fc (s b, d_ff / tp), c_proj (s b, h)
+        mlp = d_ff / tp + h + row_bias  # c_fc (s b, d_ff / tp), c_proj (s b, h) and its bias
     else:  # gate (s b, E); the experts' c_fc and c_proj, (k s b, d_ff) and (k s b, h), and a shared one's
         mlp = n_experts + (k + shared_experts) * (d_ff + h)
     return act_bytes * s * b * (attention + mlp)
