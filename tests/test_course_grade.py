@@ -144,7 +144,10 @@ def _submissions(folder: Path) -> dict:
                                                'raise RuntimeError("a cell that fails")'),
         "sys_exit": _insert_after(sol(), "ex1-check", "import sys\nsys.exit(0)"),
         "os_exit": _insert_after(sol(), "ex1-check", "import os\nos._exit(0)"),
-        "loops": _insert_after(sol(), "ex1-check", "while True:\n    pass"),
+        # A cell that never ends. It sleeps rather than spins: the limit is on the notebook's
+        # time, and the kernel is killed at it either way; a spinning loop would only take a
+        # core from the rest of the suite for the whole NOTEBOOK_TIMEOUT.
+        "loops": _insert_after(sol(), "ex1-check", "import time\nwhile True:\n    time.sleep(0.05)"),
         "hangs": _replace_in(sol(), "ex1", "    p = dist.get_world_size(group)",
                              "    if dist.get_rank() == 1:\n        return tensor  # skips every recv\n"
                              "    p = dist.get_world_size(group)"),

@@ -22,9 +22,7 @@ import threading
 
 import psutil
 
-from reference.runtime import kill_processes
-
-__all__ = ["become_subreaper", "kill_processes", "kill_descendants", "ChildRegistry"]
+__all__ = ["become_subreaper", "kill_descendants", "ChildRegistry"]
 
 _PR_SET_CHILD_SUBREAPER = 36  # from <linux/prctl.h>
 
@@ -36,6 +34,15 @@ def become_subreaper() -> bool:
         return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def _kill(procs) -> None:
+    """`reference.runtime.kill_processes`, imported when something is left to kill: the runner
+    that executes each submission imports this module, and should not pay for torch (which
+    `reference.runtime` loads) on every notebook it runs."""
+    from reference.runtime import kill_processes
+
+    kill_processes(procs)
 
 
 def kill_descendants(root: psutil.Process, keep: set | frozenset = frozenset(),
@@ -63,7 +70,7 @@ def kill_descendants(root: psutil.Process, keep: set | frozenset = frozenset(),
                 v.send_signal(signal.SIGSTOP)
             except psutil.Error:
                 pass
-        kill_processes(victims)
+        _kill(victims)
         killed += len(victims)
     return killed
 
@@ -107,7 +114,7 @@ class ChildRegistry:
             try:
                 root = psutil.Process(proc.pid)
                 kill_descendants(root)
-                kill_processes([root])
+                _kill([root])
             except psutil.Error:
                 pass
             proc.wait()
