@@ -123,6 +123,10 @@ def _is_positive_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
 
 
+# (the default group, the degrees) -> (rank, its groups): what build_groups built in this process
+_BUILT: dict = {}
+
+
 @dataclass
 class Mesh:
     """Degrees of parallelism and the rank arithmetic they imply.
@@ -301,6 +305,12 @@ class Mesh:
         ``mesh.group("tp")`` whatever the degree (it is then a no-op). The groups of
         `CP_DIMS` are built when cp > 1 only (with cp = 1 ``group("dp_cp")`` is the dp group).
         Returns the mesh, so ``mesh = Mesh(dp=2, tp=2).build_groups()`` reads well.
+
+        A process builds the groups of each set of degrees once: a later mesh of the same
+        degrees takes them again. A group lives as long as the process (nothing frees what
+        ``new_group`` built), and with a few hundred gloo groups alive every collective slows
+        down (a launch that tries one configuration after another ran its last ones four times
+        slower). Every rank makes the same calls in the same order, so every rank reuses alike.
         """
         import torch.distributed as dist
 
@@ -311,6 +321,10 @@ class Mesh:
         if world != self.world_size:
             raise ValueError(f"{self._product()} does not equal the running world_size={world} "
                              f"(ep={self.ep}, cp={self.cp})")
+        key = (id(dist.group.WORLD), self.dp, self.pp, self.tp, self.ep, self.cp, self.dp_replicate)
+        if key in _BUILT:
+            self._rank, self._groups = _BUILT[key][0], dict(_BUILT[key][1])
+            return self
         try:  # label groups for the communication meter, when it is there
             from reference.comms import name_group
         except (ImportError, AttributeError):
@@ -326,7 +340,8 @@ class Mesh:
                     if name_group is not None:
                         name_group(group, dim)
         groups.setdefault("dp_cp", groups["dp"])  # cp = 1: the same ranks
-        self._rank, self._groups = rank, groups
+        _BUILT[key] = (rank, groups)
+        self._rank, self._groups = rank, dict(groups)
         return self
 
     def _require_built(self):

@@ -86,14 +86,13 @@ def run_cases(cases, steps: int = STEPS):
     from reference.parallel.gather import full_state_dict
     from reference.parallel.parallelize import parallelize
     from reference.parallel.step import train_step
-    from meshes import built_mesh
     from sweep import BATCH
     from reference.runtime import device
 
     out = []
     for case in cases:
         model = model_for(case).to(device())
-        mesh = built_mesh(case.config)  # groups shared with earlier cases of these degrees
+        mesh = case.config.mesh().build_groups()
         pm = parallelize(model, mesh, case.config, batch=BATCH)
         if pm.scaler is not None:
             pm.scaler = _scaler()

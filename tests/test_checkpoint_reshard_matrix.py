@@ -36,7 +36,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshes import built_mesh
 from reference.model import GPT, GPTConfig
 from reference.parallel import ParallelConfig
 from reference.runtime import launch
@@ -80,7 +79,7 @@ def _build(config, family):
     from reference.parallel import parallelize
 
     torch.manual_seed(0)
-    pm = parallelize(GPT(CFG, _factory(family)), built_mesh(config), config, batch=(B, T))
+    pm = parallelize(GPT(CFG, _factory(family)), config.mesh().build_groups(), config, batch=(B, T))
     return pm, pm.make_optimizer(torch.optim.AdamW, lr=1e-3, eps=1e-6)
 
 
@@ -90,7 +89,7 @@ def _build_decayed(config, family):
     from reference.train.lr_schedules import make_scheduler
 
     torch.manual_seed(0)
-    pm = parallelize(GPT(CFG, _factory(family)), built_mesh(config), config, batch=(B, T))
+    pm = parallelize(GPT(CFG, _factory(family)), config.mesh().build_groups(), config, batch=(B, T))
     opt = pm.make_optimizer(torch.optim.AdamW, weight_decay=WD, lr=1e-3, eps=1e-6)
     return pm, opt, make_scheduler(opt, SCHEDULE)
 

@@ -17,7 +17,6 @@ import math
 import pytest
 import torch
 
-from meshes import built_mesh
 from reference.parallel.config import ParallelConfig
 from sweep import SweepCase
 from reference.runtime import launch
@@ -50,7 +49,7 @@ def _run(cases):
 
     out = []
     for case in cases:
-        mesh = built_mesh(case.config)
+        mesh = case.config.mesh().build_groups()
         # the formula, from the same layout without ZeRO: this rank's TP-local tensors of its
         # stages, (d0, *rest) each, of which it keeps ceil(d0 / dp) rows
         plain = parallelize(model_for(case), mesh, case.config.with_(zero_stage=0), batch=BATCH)

@@ -40,7 +40,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshes import built_mesh
 from reference.parallel.config import ParallelConfig
 from sweep import SweepCase
 from reference.runtime import launch
@@ -73,7 +72,7 @@ def _train(cases):
 
     out = []
     for case in cases:
-        mesh = built_mesh(case.config)
+        mesh = case.config.mesh().build_groups()
         pm = parallelize(model_for(case), mesh, case.config, batch=BATCH)
         opt = pm.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
         dp = comms.group_label(mesh.group("dp_cp"))

@@ -224,3 +224,27 @@ def test_build_groups_rejects_a_mesh_that_does_not_fit_the_world():
 
     with pytest.raises(RankError, match=r"dp=4 x pp=1 x tp=1 = 4 does not equal the running world_size=2"):
         launch(Mesh(dp=4).build_groups, 2, timeout=60.0, quiet=True)
+
+
+def _built_twice():
+    """The groups of two meshes of the same degrees, one of others, and whether they still sum."""
+    import torch
+    import torch.distributed as dist
+
+    first, again, other = Mesh(dp=2, tp=2).build_groups(), Mesh(dp=2, tp=2).build_groups(), \
+        Mesh(dp=4).build_groups()
+    x = torch.ones(1)
+    dist.all_reduce(x, group=again.group("tp"))
+    return dict(same=all(again.group(d) is first.group(d) for d in ("tp", "dp", "pp", "ep", "edp")),
+                other_dp=other.group("dp") is not first.group("dp"), tp_sum=x.item(),
+                own_dict=again._groups is not first._groups)
+
+
+def test_a_second_mesh_of_the_same_degrees_takes_the_groups_built_before():
+    """`new_group`'s groups live as long as the process: a launch trying configuration after
+    configuration would pile them up (and slow every collective), so a mesh of degrees already
+    built takes their groups; other degrees get their own, and each mesh its own dict."""
+    from reference.runtime import launch
+
+    for res in launch(_built_twice, 4, timeout=120.0, quiet=True):
+        assert res == dict(same=True, other_dp=True, tp_sum=2.0, own_dict=True), res

@@ -24,7 +24,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshes import built_mesh
 from reference.mesh import Mesh
 from reference.model import GPT, GPTConfig
 from reference.parallel.config import ParallelConfig
@@ -68,7 +67,7 @@ def _rank(configs):
     out = []
     for config in configs:
         torch.manual_seed(0)  # the same initial weights on every rank, as in the single process
-        mesh = built_mesh(config)
+        mesh = config.mesh().build_groups()
         pm = parallelize(GPT(CFG), mesh, config, batch=(B, T))
         opt = pm.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
         losses, grads = [], None

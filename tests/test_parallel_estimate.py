@@ -9,7 +9,6 @@ within a stated band."""
 import pytest
 import torch
 
-from meshes import built_mesh
 from reference.model import GPT, GPTConfig
 from reference.parallel.config import ParallelConfig
 from reference.parallel.estimate import (H100_BF16_PEAK, Hardware, activation_bytes_per_block, block_params,
@@ -109,7 +108,7 @@ def _measure(configs):
     out = []
     for config in configs:
         torch.manual_seed(0)
-        mesh = built_mesh(config)
+        mesh = config.mesh().build_groups()
         pm = parallelize(GPT(CFG), mesh, config)
         opt = pm.make_optimizer(torch.optim.SGD, lr=0.1)
         idx = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
@@ -239,7 +238,7 @@ def _held(cases):
 
     out = []
     for model, config in cases:
-        pm = parallelize(GPT(GPTConfig(**model)), built_mesh(config), config)
+        pm = parallelize(GPT(GPTConfig(**model)), config.mesh().build_groups(), config)
         out.append(sum(p.numel() for p in pm.parameters()))
     return out
 
@@ -293,7 +292,7 @@ def _measure_steps(cases):
 
     out = []
     for config, experts in cases:
-        mesh = built_mesh(config)
+        mesh = config.mesh().build_groups()
         pm = parallelize(model_for(SweepCase(config, moe=experts)), mesh, config, batch=(16, 16))
         opt = pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
         (x, y), (x2, y2) = batches(2)

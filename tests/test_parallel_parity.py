@@ -23,7 +23,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshes import built_mesh
 from reference.model import GPT, GPTConfig
 from reference.runtime import launch
 from reference.tolerance import adamw_weights, loss
@@ -62,7 +61,7 @@ def _rank(configs, cfg, ffn_factory):
     for config in configs:
         torch.manual_seed(0)  # the same initial weights on every rank, as in the single process
         model = GPT(cfg, ffn_factory=ffn_factory) if ffn_factory else GPT(cfg)
-        mesh = built_mesh(config)
+        mesh = config.mesh().build_groups()
         pm = parallelize(model, mesh, config, batch=(B, T))
         opt = pm.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
         losses = [float(train_step(pm, opt, idx, tgt).loss) for idx, tgt in batches()]
@@ -156,7 +155,7 @@ def _runs(configs, cfg):
     out = []
     for config in configs:
         torch.manual_seed(0)
-        pm = parallelize(GPT(cfg), built_mesh(config), config, batch=(B, T))
+        pm = parallelize(GPT(cfg), config.mesh().build_groups(), config, batch=(B, T))
         opt = pm.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
         out.append([float(train_step(pm, opt, idx, tgt).loss) for idx, tgt in batches()])
     return out
