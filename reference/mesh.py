@@ -123,7 +123,8 @@ def _is_positive_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
 
 
-# (the default group, the degrees) -> (rank, its groups): what build_groups built in this process
+# (the default group's id, the degrees) -> (that group, rank, its groups): what build_groups
+# built in this process
 _BUILT: dict = {}
 
 
@@ -323,7 +324,7 @@ class Mesh:
                              f"(ep={self.ep}, cp={self.cp})")
         key = (id(dist.group.WORLD), self.dp, self.pp, self.tp, self.ep, self.cp, self.dp_replicate)
         if key in _BUILT:
-            self._rank, self._groups = _BUILT[key][0], dict(_BUILT[key][1])
+            self._rank, self._groups = _BUILT[key][1], dict(_BUILT[key][2])
             return self
         try:  # label groups for the communication meter, when it is there
             from reference.comms import name_group
@@ -340,7 +341,7 @@ class Mesh:
                     if name_group is not None:
                         name_group(group, dim)
         groups.setdefault("dp_cp", groups["dp"])  # cp = 1: the same ranks
-        _BUILT[key] = (rank, groups)
+        _BUILT[key] = (dist.group.WORLD, rank, groups)  # held, so that its id names no later group
         self._rank, self._groups = rank, dict(groups)
         return self
 
