@@ -9,7 +9,7 @@
   and the experts' gradients and AdamW state are split the same way;
 * each expert is as large as the dense model's MLP;
 * the expert-parallel batch sends rank 1 far more rows than rank 0, within its slots;
-* the pictures of `reference.expert_parallel.viz_extra`.
+* the gate and balance pictures of `reference.expert_parallel.viz`.
 
 The exact 1/8 at 8 ranks is `test_eight_ranks_hold_an_eighth_of_the_experts`
 in test_expert_parallel_dist.py; the bytes formula, parity and load balancing
@@ -19,9 +19,9 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from reference.expert_parallel import viz_extra as moe_viz_extra
 from reference.data import synthetic_batch
 from reference.expert_parallel import MoE, expert_parameters, moe_all_reduce_gradients, moe_factory, shard_experts
+from reference.expert_parallel import viz as moe_viz
 from reference.mesh import Mesh
 from reference.model import GPT, GPTConfig
 from reference.runtime import launch
@@ -206,24 +206,24 @@ def test_plot_gate_frames_the_choices():
     moe = make_moe()
     routing = moe.router(skewed_batch())
     probs, idx, w = routing.probs[0].detach(), routing.expert_idx[0], routing.weights[0].detach()
-    fig = moe_viz_extra.plot_gate(probs, idx, w)
+    fig = moe_viz.plot_gate(probs, idx, w)
     assert isinstance(fig, Figure)
     ax = fig.axes[0]
     assert len(ax.patches) == 16 * 2  # one frame per (token, choice)
     assert [t.get_text() for t in ax.texts][:2] == [f"{w[0, 0]:.2f}", f"{w[0, 1]:.2f}"]
     assert fig._repr_png_().startswith(b"\x89PNG")
     with pytest.raises(ValueError, match="expert_idx and weights"):
-        moe_viz_extra.plot_gate(probs, idx, w[:, :1])
+        moe_viz.plot_gate(probs, idx, w[:, :1])
 
 
 def test_plot_balance_history_draws_each_run():
     loads = {"a": torch.tensor([[6, 2], [4, 4], [5, 3]]), "b": torch.tensor([[8, 0], [8, 0], [7, 1]])}
-    fig = moe_viz_extra.plot_balance_history(loads, {"a": [1.2, 1.0, 1.05], "b": [2.0, 2.0, 1.9]})
+    fig = moe_viz.plot_balance_history(loads, {"a": [1.2, 1.0, 1.05], "b": [2.0, 2.0, 1.9]})
     heat_a, heat_b, imbalance, balance = fig.axes[:4]
     assert [heat_a.get_title(), heat_b.get_title()] == ["a", "b"]
     ratio_b = imbalance.lines[1].get_ydata()
     assert list(ratio_b) == pytest.approx([2.0, 2.0, 7 / 4])  # max / mean of run b at each step
     assert list(balance.lines[0].get_ydata()) == [1.2, 1.0, 1.05]
-    assert len(moe_viz_extra.plot_balance_history(loads).axes) == 2 + 1 + 1  # heat maps, curve, colour bar
+    assert len(moe_viz.plot_balance_history(loads).axes) == 2 + 1 + 1  # heat maps, curve, colour bar
     with pytest.raises(ValueError, match="steps, E"):
-        moe_viz_extra.plot_balance_history({"a": [1, 2, 3]})
+        moe_viz.plot_balance_history({"a": [1, 2, 3]})

@@ -22,7 +22,7 @@ Where each part lives:
 * `reference.expert_parallel.sequence_parallel`: MoE layers under Megatron sequence
   parallelism (`sequence_parallel_experts`): the sequence gathered over tp and routed
   whole, as one process routes it, this rank's rows kept;
-* `reference.expert_parallel.viz` and `viz_extra`: loads, routes, the all-to-all
+* `reference.expert_parallel.viz`: loads, routes, the all-to-all
   drawn from real routes, memory per rank, the gate and balance over training.
 
 With E experts on P ranks each rank stores E / P of the expert weights (the
