@@ -73,7 +73,7 @@ from reference.pipeline_parallel.check import TraceEvent, bubble_of, simulate, v
 from reference.pipeline_parallel.costs import (StageCost, held_bytes_formula, held_bytes_of_head,
                                                held_bytes_per_block, stage_costs, stage_flops_formula,
                                                stored_bytes_formula)
-from reference.pipeline_parallel.executor import PipelineResult, run_pipeline
+from reference.pipeline_parallel.accounting import PipelineResult, run_pipeline
 from reference.pipeline_parallel.schedules import (KINDS, OPS, Action, Schedule, ScheduleError, bubble_formula,
                                  build_schedule)
 from reference.pipeline_parallel.stage import (DelayedStage, GPTStage, StageSpec, local_stages, plan_stages,
@@ -81,12 +81,14 @@ from reference.pipeline_parallel.stage import (DelayedStage, GPTStage, StageSpec
 from reference.pipeline_parallel.tied import build_embedding_group, sync_tied_grads
 from reference.pipeline_parallel.viz import plot_bubble_curve, plot_stage_balance, plot_timeline
 from reference.pipeline_parallel.zero_bubble import ZB_KINDS, VSchedule, peak_bytes, zero_bubble_formula
-from reference.pipeline_parallel import executor, schedules, split_backward, zero_bubble  # noqa: E402
+from reference.pipeline_parallel import check, executor, schedules, split_backward, zero_bubble  # noqa: E402
 
 # The zero-bubble schedules and the two halves of a split backward join the one
-# `build_schedule` and the one executor here, so that 1F1B's files need not import them.
+# `build_schedule` and the one executor here, and the checker gives every schedule its
+# `validate` and ideal timeline, so that 1F1B's files need not import them.
 schedules.BUILDERS.update(zero_bubble.BUILDERS)
 executor.COMPUTE.update(split_backward.COMPUTE)
+schedules.Schedule.checker = check
 
 __all__ = [
     # schedules as data

@@ -38,14 +38,13 @@ The zero-bubble schedules (ZB-H1, ZB-V, DualPipeV), which split B into I and W, 
 `reference.pipeline_parallel.zero_bubble` and reached through the same
 `build_schedule` (the package registers them in `BUILDERS`). The checker
 (`Schedule.validate`) and the simulated timeline live in
-`reference.pipeline_parallel.check`.
+`reference.pipeline_parallel.check`, which the package plugs in (`Schedule.checker`).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 from reference.pipeline_parallel.actions import COMM, COMPUTE, OPS, Action, ScheduleError  # noqa: F401 (re-exported)
-from reference.pipeline_parallel.check import bubble_of, simulate, validate
 from reference.pipeline_parallel.viz import plot_timeline
 
 __all__ = ["Action", "Schedule", "ScheduleError", "build_schedule", "bubble_formula", "KINDS", "OPS"]
@@ -192,13 +191,15 @@ class Schedule:
             peak = max(peak, held)
         return peak
 
-    # The checks, the timeline and the picture live in check.py and viz.py.
+    # The checks and the ideal timeline live in check.py, plugged in by the package, the picture in viz.py.
+    checker = None  # `reference.pipeline_parallel.check`: validate, simulate, bubble_of
+
     def validate(self) -> "Schedule":
         """Prove every rank's list complete and the whole schedule free of deadlock.
 
         Raises `ScheduleError` naming the rank and the action; returns the schedule."""
         if not self._validated:
-            validate(self)
+            self.checker.validate(self)
             self._validated = True
         return self
 
@@ -206,11 +207,11 @@ class Schedule:
         """The ideal timeline: F takes ``t_f / virtual``, B ``t_b / virtual`` (a split B's W
         ``t_w``, by default t_b / 2, its I the rest), messages are free. A list per rank of
         `TraceEvent`; see `reference.pipeline_parallel.check`."""
-        return simulate(self, t_f, t_b, t_w)
+        return self.checker.simulate(self, t_f, t_b, t_w)
 
     def bubble_fraction(self, t_f: float = 1.0, t_b: float = 2.0, t_w: Optional[float] = None) -> float:
         """Idle share of the ideal timeline: 1 - busy / (pp * makespan)."""
-        return bubble_of(self.simulate(t_f, t_b, t_w))
+        return self.checker.bubble_of(self.simulate(t_f, t_b, t_w))
 
     def plot(self, t_f: float = 1.0, t_b: float = 2.0, ax=None, title: Optional[str] = None):
         """The ideal timeline as a figure: ranks as rows, F and B as labelled boxes."""
