@@ -41,8 +41,7 @@ def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],
                  inputs: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None,
                  *, group=None, checkpoint: Union[bool, Sequence[bool]] = False, tied_group=None,
                  batch_shape: Optional[tuple] = None, loss_fn: Optional[Callable] = None,
-                 loss_scale: float = 1.0, loss_mean=None,
-                 action_hook: Optional[Callable[[str, object], None]] = None,
+                 loss_scale: float = 1.0, loss_mean=None, action_hook: Optional[Callable] = None,
                  recorder=None) -> Optional[torch.Tensor]:
     """Run this rank's part of a valid ``schedule`` on the full batch ``inputs`` (B, T) -> ``targets`` (B, T).
 
