@@ -35,7 +35,9 @@ Where each part lives:
   DualPipe on the V); two chunks per rank in a V (`VSchedule`); their bubble
   (`zero_bubble_formula`) and the peak of held bytes (`peak_bytes`);
 * `reference.pipeline_parallel.check`: `validate` (completeness, message matching,
-  deadlock), the ideal timeline `simulate`, and `bubble_of` any timeline;
+  deadlock), the ideal timeline `simulate`, and `bubble_of` any timeline; the package
+  plugs it into every schedule (`Schedule.validate`, `Schedule.simulate`), so that a
+  schedule's own module need not import it;
 * `reference.pipeline_parallel.stage`: `plan_stages` / `split_stages` (by layers or by
   parameters, embedding and head optionally on stages of their own),
   `GPTStage`, and `DelayedStage` (a stage that takes a fixed time, to time schedules
@@ -47,7 +49,7 @@ Where each part lives:
   `stage_flops_formula` and `stored_bytes_formula`, and what a split backward holds
   from its I to its W (`held_bytes_formula`; per block and for the head, at any tp,
   `held_bytes_per_block` and `held_bytes_of_head`, which `reference.parallel.estimate` counts with);
-* `reference.pipeline_parallel.executor`: `run_pipeline`, the loop over a rank's
+* `reference.pipeline_parallel.executor`: `run_schedule`, the loop over a rank's
   steps; each kind of step is done by a part of its own:
   - `reference.pipeline_parallel.forward_backward`: what F and B do to one
     micro-batch on one chunk (the loss on the last stage, divided by m);
@@ -61,9 +63,10 @@ Where each part lives:
     `reference.pipeline_parallel.async_messages`: the zero-bubble schedules' mailbox,
     whose sends are waited for at the end and whose messages to itself (ZB-V's turn)
     are handed over in memory;
-  - `reference.pipeline_parallel.accounting`: what the executor measures, the
-    trace of every action and the activation bytes each F stores for its B
-    (`PipelineResult`);
+* `reference.pipeline_parallel.accounting`: `run_pipeline`, the executor's loop with
+  the schedule validated first and a `Recorder` plugged into it, which measures the
+  trace of every action and the activation bytes each F stores for its B
+  (`PipelineResult`);
 * `reference.pipeline_parallel.viz`: timelines, the bubble against its formula, and
   the time and memory balance of a cut into stages;
 * `reference.pipeline_parallel.widgets`: the schedule explorer (pp, m, kind and
