@@ -45,7 +45,7 @@ from __future__ import annotations
 from itertools import groupby
 from typing import Optional
 
-from reference.pipeline_parallel.actions import COMM, COMPUTE, OPS, Action, ScheduleError  # noqa: F401 (re-exported)
+from reference.pipeline_parallel.actions import OPS, Action, ScheduleError  # noqa: F401 (OPS re-exported)
 from reference.pipeline_parallel.viz import plot_schedule
 
 __all__ = ["Action", "Schedule", "ScheduleError", "build_schedule", "bubble_formula", "KINDS", "OPS"]
