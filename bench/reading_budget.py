@@ -48,7 +48,7 @@ TOPICS = {
 PICTURES = ("viz", "widgets")
 # the most lines of code each topic may take: a change that makes reading longer fails the
 # test; where a topic is over its target, its budget is what it takes today, lowered as it shrinks
-BUDGET = {"DDP": 300, "TP layers (Megatron)": 320, "1F1B": 656, "zero-bubble": 819,
+BUDGET = {"DDP": 300, "TP layers (Megatron)": 320, "1F1B": 400, "zero-bubble": 600,
           "ZeRO-3 composed with TP and PP": 400, "the composed step": 500}
 # what the course reads towards
 TARGET = {"DDP": 300, "TP layers (Megatron)": 320, "1F1B": 400, "zero-bubble": 600,

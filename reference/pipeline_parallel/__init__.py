@@ -35,7 +35,9 @@ Where each part lives:
   DualPipe on the V); two chunks per rank in a V (`VSchedule`); their bubble
   (`zero_bubble_formula`) and the peak of held bytes (`peak_bytes`);
 * `reference.pipeline_parallel.check`: `validate` (completeness, message matching,
-  deadlock), the ideal timeline `simulate`, and `bubble_of` any timeline;
+  deadlock), the ideal timeline `simulate`, and `bubble_of` any timeline; the package
+  plugs it into every schedule (`Schedule.validate`, `Schedule.simulate`), so that a
+  schedule's own module need not import it;
 * `reference.pipeline_parallel.stage`: `plan_stages` / `split_stages` (by layers or by
   parameters, embedding and head optionally on stages of their own),
   `GPTStage`, and `DelayedStage` (a stage that takes a fixed time, to time schedules
@@ -47,7 +49,7 @@ Where each part lives:
   `stage_flops_formula` and `stored_bytes_formula`, and what a split backward holds
   from its I to its W (`held_bytes_formula`; per block and for the head, at any tp,
   `held_bytes_per_block` and `held_bytes_of_head`, which `reference.parallel.estimate` counts with);
-* `reference.pipeline_parallel.executor`: `run_pipeline`, the loop over a rank's
+* `reference.pipeline_parallel.executor`: `run_schedule`, the loop over a rank's
   steps; each kind of step is done by a part of its own:
   - `reference.pipeline_parallel.forward_backward`: what F and B do to one
     micro-batch on one chunk (the loss on the last stage, divided by m);
@@ -61,9 +63,10 @@ Where each part lives:
     `reference.pipeline_parallel.async_messages`: the zero-bubble schedules' mailbox,
     whose sends are waited for at the end and whose messages to itself (ZB-V's turn)
     are handed over in memory;
-  - `reference.pipeline_parallel.accounting`: what the executor measures, the
-    trace of every action and the activation bytes each F stores for its B
-    (`PipelineResult`);
+* `reference.pipeline_parallel.accounting`: `run_pipeline`, the executor's loop with
+  the schedule validated first and a `Recorder` plugged into it, which measures the
+  trace of every action and the activation bytes each F stores for its B
+  (`PipelineResult`);
 * `reference.pipeline_parallel.viz`: timelines, the bubble against its formula, and
   the time and memory balance of a cut into stages;
 * `reference.pipeline_parallel.widgets`: the schedule explorer (pp, m, kind and
@@ -73,7 +76,7 @@ from reference.pipeline_parallel.check import TraceEvent, bubble_of, simulate, v
 from reference.pipeline_parallel.costs import (StageCost, held_bytes_formula, held_bytes_of_head,
                                                held_bytes_per_block, stage_costs, stage_flops_formula,
                                                stored_bytes_formula)
-from reference.pipeline_parallel.executor import PipelineResult, run_pipeline
+from reference.pipeline_parallel.accounting import PipelineResult, run_pipeline
 from reference.pipeline_parallel.schedules import (KINDS, OPS, Action, Schedule, ScheduleError, bubble_formula,
                                  build_schedule)
 from reference.pipeline_parallel.stage import (DelayedStage, GPTStage, StageSpec, local_stages, plan_stages,
@@ -81,12 +84,14 @@ from reference.pipeline_parallel.stage import (DelayedStage, GPTStage, StageSpec
 from reference.pipeline_parallel.tied import build_embedding_group, sync_tied_grads
 from reference.pipeline_parallel.viz import plot_bubble_curve, plot_stage_balance, plot_timeline
 from reference.pipeline_parallel.zero_bubble import ZB_KINDS, VSchedule, peak_bytes, zero_bubble_formula
-from reference.pipeline_parallel import executor, schedules, split_backward, zero_bubble  # noqa: E402
+from reference.pipeline_parallel import check, executor, schedules, split_backward, zero_bubble  # noqa: E402
 
 # The zero-bubble schedules and the two halves of a split backward join the one
-# `build_schedule` and the one executor here, so that 1F1B's files need not import them.
+# `build_schedule` and the one executor here, and the checker gives every schedule its
+# `validate` and ideal timeline, so that 1F1B's files need not import them.
 schedules.BUILDERS.update(zero_bubble.BUILDERS)
 executor.COMPUTE.update(split_backward.COMPUTE)
+schedules.Schedule.checker = check
 
 __all__ = [
     # schedules as data

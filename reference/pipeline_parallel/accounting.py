@@ -1,13 +1,17 @@
-"""What the executor measures: each action's time, and the activation bytes each F stores.
+"""`run_pipeline`: the executor's run, its schedule checked first and every step measured.
 
-Measured, not assumed. Every action's start and end (seconds from a common start;
-the ranks meet at a barrier first) go into ``PipelineResult.trace`` (`Trace`). The
-bytes each F leaves stored for its B are counted by a saved-tensors hook
-(`SavedBytes`): every tensor autograd saves, parameters excluded and each storage
-counted once, plus the tensors the executor itself keeps. `ActivationStore` holds
-what each F keeps until its B (or, split, its W) and adds up those bytes as they come and go:
-``peak_activation_bytes`` is the most held at once, a recomputing B's extra bytes
-included.
+Measured, not assumed. A `Recorder` watches each step of the executor's loop
+(`reference.pipeline_parallel.executor.run_schedule`) and writes into a `PipelineResult`:
+
+* the trace: every action's start and end, in seconds from a common start (the
+  ranks meet at a barrier just before their first step);
+* the bytes each F leaves stored for its B, counted by a saved-tensors hook
+  (`SavedBytes`): every tensor autograd saves, parameters excluded and each storage
+  counted once, plus the input and output the F keeps itself. They are held until
+  the micro-batch's B (or, split, its W); its I holds more, the gradients it caught
+  for W (`reference.pipeline_parallel.split_backward`) and, checkpointed, the forward
+  run again. ``peak_activation_bytes`` is the most held at once, a recomputing B's
+  extra bytes included.
 """
 from __future__ import annotations
 
@@ -19,8 +23,10 @@ from typing import Optional, Sequence
 import torch
 
 from reference.pipeline_parallel.check import TraceEvent
+from reference.pipeline_parallel.executor import run_schedule
+from reference.pipeline_parallel.schedules import Schedule
 
-__all__ = ["PipelineResult", "SavedBytes", "ActivationStore", "Trace"]
+__all__ = ["run_pipeline", "PipelineResult", "Recorder", "SavedBytes"]
 
 
 @dataclass
@@ -33,6 +39,18 @@ class PipelineResult:
     peak_activation_bytes: int = 0
     activation_bytes: dict = field(default_factory=dict)  # (mb, chunk) -> bytes its F stored
     recompute_bytes: int = 0  # most bytes one checkpointed B's recomputation saved (0 without)
+
+
+def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module], inputs: Optional[torch.Tensor] = None,
+                 targets: Optional[torch.Tensor] = None, **options) -> PipelineResult:
+    """`run_schedule` (its options: ``group``, ``checkpoint``, ``tied_group``, ``loss_mean``, ...)
+    of ``schedule``, validated first (`Schedule.validate`), with every step recorded.
+
+    Returns a `PipelineResult`; its ``loss`` is the sum of this rank's micro-batches' shares
+    (unscaled): by default their mean loss."""
+    recorder = Recorder(stages, moving=options.get("action_hook") is not None)
+    recorder.result.loss = run_schedule(schedule.validate(), stages, inputs, targets, recorder=recorder, **options)
+    return recorder.result
 
 
 class SavedBytes:
@@ -72,59 +90,52 @@ class SavedBytes:
         self._hooks.__exit__(*exc)
 
 
-class ActivationStore:
-    """What this rank keeps from each F until its B, keyed by (micro-batch, chunk), and its bytes.
+class Recorder:
+    """The executor's ``recorder``: each step timed into ``result.trace``, and the bytes each
+    micro-batch holds on this rank, keyed by (micro-batch, chunk), from its F to its B or W.
 
     ``moving``: the stages' parameters may be freed and regathered between actions (an
     action hook), so a saved tensor is checked against their storages as it is saved."""
 
-    def __init__(self, stages: Sequence[torch.nn.Module], result: PipelineResult, moving: bool = False):
+    def __init__(self, stages: Sequence[torch.nn.Module], moving: bool = False):
         params = [p for st in stages for p in st.parameters()]
-        self.device = params[0].device if params else torch.device("cpu")
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
         self.moving = params if moving else None
-        self.result, self.held, self.bytes = result, {}, 0
+        self.result, self.held, self.bytes, self.t0 = PipelineResult(loss=None), {}, 0, None
 
-    def saving(self, exclude: Sequence[torch.Tensor] = ()) -> SavedBytes:
-        """Count what autograd saves inside a ``with`` block, parameters left out."""
-        return SavedBytes(self.param_ptrs, exclude, params=self.moving)
+    @contextmanager
+    def step(self, step: Sequence, w):
+        """Around one step of the rank ``w`` (`RankState`): its time, and what its action keeps or frees."""
+        a, key = step[0], (step[0].mb, step[0].chunk)
+        self.t0 = time.perf_counter() if self.t0 is None else self.t0  # the first step: the common start
+        start, kept = time.perf_counter() - self.t0, w.kept.get(key)
+        with SavedBytes(self.param_ptrs, [kept.x] if kept else [], self.moving) as saved:
+            yield  # (a B or I runs a checkpointed forward again here; its input is counted already)
+        if w.device.type == "cuda":
+            torch.cuda.synchronize()  # GPU work is asynchronous: time it to its end
+        end = time.perf_counter() - self.t0
+        self.result.trace += [TraceEvent(w.rank, b, start, end) for b in step]
+        if a.op == "F":
+            kept = w.kept[key]
+            for t in (kept.x, kept.out):  # what F keeps itself
+                if t is not None:
+                    saved.add(t)
+            self.keep(key, saved.bytes)
+        elif a.op in ("B", "I"):
+            again = saved.bytes if w.checkpoint[a.chunk] else 0
+            r = self.result
+            r.recompute_bytes = max(r.recompute_bytes, again)
+            r.peak_activation_bytes = max(r.peak_activation_bytes, self.bytes + again)
+            if a.op == "I":  # held until W: the forward run again, and the gradients caught for W
+                self.keep(key, again + w.kept[key].weights.caught_bytes())
+        if a.op in ("B", "W"):
+            self.bytes -= self.held.pop(key)
 
-    def keep(self, key: tuple, kept, nbytes: int) -> None:
-        """F of ``key`` keeps ``kept`` for its B, ``nbytes`` of stored activations. Kept again
-        (a split backward's I, `split_backward`), ``nbytes`` more are held until its W."""
-        self.held[key] = (kept, self.held.get(key, (kept, 0))[1] + nbytes)
+    def keep(self, key: tuple, nbytes: int) -> None:
+        """``nbytes`` more held for ``key`` (by its F, or its I)."""
+        self.held[key] = self.held.get(key, 0) + nbytes
         self.bytes += nbytes
         r = self.result
         r.activation_bytes.setdefault(key, nbytes)  # what its F stored
         r.peak_in_flight = max(r.peak_in_flight, len(self.held))
         r.peak_activation_bytes = max(r.peak_activation_bytes, self.bytes)
-
-    def get(self, key: tuple):
-        return self.held[key][0]
-
-    def recomputed(self, nbytes: int) -> None:
-        """A checkpointed B's forward ran again and holds ``nbytes`` more for its backward."""
-        r = self.result
-        r.recompute_bytes = max(r.recompute_bytes, nbytes)
-        r.peak_activation_bytes = max(r.peak_activation_bytes, self.bytes + nbytes)
-
-    def drop(self, key: tuple) -> None:
-        """B of ``key`` is done: what its F kept is freed."""
-        self.bytes -= self.held.pop(key)[1]
-
-
-class Trace:
-    """Each step's actions with their start and end, in seconds from the trace's start."""
-
-    def __init__(self, rank: int, device: torch.device, events: list):
-        self.rank, self.events = rank, events
-        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        self.t0 = time.perf_counter()
-
-    @contextmanager
-    def step(self, step: Sequence):
-        start = time.perf_counter() - self.t0
-        yield
-        self.sync()  # GPU work is asynchronous: time it to its end
-        end = time.perf_counter() - self.t0
-        self.events += [TraceEvent(self.rank, a, start, end) for a in step]

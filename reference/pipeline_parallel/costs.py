@@ -44,6 +44,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from reference.model import GPTConfig, lm_loss
+from reference.pipeline_parallel.accounting import SavedBytes
 from reference.pipeline_parallel.stage import StageSpec
 
 __all__ = ["StageCost", "stage_costs", "stored_bytes_formula", "held_bytes_formula", "held_bytes_per_block",
@@ -60,24 +61,6 @@ class StageCost:
     stored_bytes: int
 
 
-class _Saved:
-    """Bytes of the distinct storages autograd saves inside the block, parameters left out."""
-
-    def __init__(self, skip: set):
-        self.skip, self.storages = skip, {}
-
-    def add(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        if st.data_ptr() not in self.skip:
-            self.storages[st.data_ptr()] = st.nbytes()
-
-    def hooks(self):
-        def pack(t):
-            self.add(t)
-            return t
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-
 def stage_costs(stages: Sequence[torch.nn.Module], idx: torch.Tensor, targets: torch.Tensor) -> list[StageCost]:
     """Measure every stage of a whole pipeline (`split_stages`) on one micro-batch ``idx`` -> ``targets`` (b, T)."""
     params = {p.untyped_storage().data_ptr() for s in stages for p in s.parameters()}
@@ -86,15 +69,14 @@ def stage_costs(stages: Sequence[torch.nn.Module], idx: torch.Tensor, targets: t
     for k, stage in enumerate(stages):
         last = k == len(stages) - 1
         inp = x if k == 0 else x.detach().requires_grad_()       # a received activation
-        saved = _Saved(params)
-        with FlopCounterMode(display=False) as fwd, saved.hooks():
+        with FlopCounterMode(display=False) as fwd, SavedBytes(params) as saved:
             out, _ = stage(inp)
             if last:
                 out = lm_loss(out, targets)
         saved.add(inp)
         if not last:
             saved.add(out)                                        # kept until its gradient arrives
-        runs.append((inp, out, fwd.get_total_flops(), sum(saved.storages.values())))
+        runs.append((inp, out, fwd.get_total_flops(), saved.bytes))
         x = out
     grad, costs = None, []
     for stage, (inp, out, fwd_flops, stored) in reversed(list(zip(stages, runs))):

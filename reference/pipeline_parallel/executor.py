@@ -1,48 +1,49 @@
-"""One executor for every pipeline schedule.
+"""One executor for every pipeline schedule: a rank walks its steps and does what they say.
 
-`run_pipeline(schedule, stages, inputs, targets, group=pp_group)` walks this
-rank's steps of the schedule (`Schedule.steps`) and does exactly what they say,
-each kind of action by a part of its own:
+`run_schedule(schedule, stages, inputs, targets, group=pp_group)` takes this rank's
+steps of the schedule (`Schedule.steps`) one after the other, each kind of action
+done by a part of its own:
 
 * F and B: `reference.pipeline_parallel.forward_backward` (the loss on the last
-  stage, as the micro-batch's share of the step's loss, `reference.loss`; activation checkpointing, ``checkpoint=True`` or one flag
-  per local chunk, in `reference.pipeline_parallel.recompute`);
+  stage, as the micro-batch's share of the step's loss, `reference.loss`; activation
+  checkpointing, ``checkpoint=True`` or one flag per local chunk, in
+  `reference.pipeline_parallel.recompute`);
 * a run of SEND/RECV: one ``batch_isend_irecv`` holding all of them, waited on
   together, metered (`reference.pipeline_parallel.messages`, which sizes what a
-  message holds from the stage's actual output, never assumed);
-* around every step, its start and end into ``result.trace``, and the bytes each
-  F leaves stored for its B into ``result.peak_activation_bytes``
-  (`reference.pipeline_parallel.accounting`).
+  message holds from the stage's actual output, never assumed).
 
 A new kind of compute action (a backward split into its input and weight halves,
-as zero-bubble schedules do) is one more entry of `COMPUTE`.
+as zero-bubble schedules do) is one more entry of `COMPUTE`. What a run measures is
+not the loop's business: a ``recorder`` watches every step, and `run_pipeline`
+(`reference.pipeline_parallel.accounting`) is this loop with the schedule checked
+first and the time and bytes of every step measured.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from reference.loss import MeanOfMeans
-from reference.pipeline_parallel.accounting import ActivationStore, PipelineResult, Trace
 from reference.pipeline_parallel.forward_backward import RankState, backward, forward
 from reference.pipeline_parallel.messages import Mailbox
 from reference.pipeline_parallel.schedules import Schedule
 from reference.pipeline_parallel.tied import sync_tied_grads
 
-__all__ = ["run_pipeline", "PipelineResult", "COMPUTE"]
+__all__ = ["run_schedule", "COMPUTE"]
 
 COMPUTE = {"F": forward, "B": backward}  # what each compute action runs: handler(rank_state, action)
 
 
-def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
+def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],
                  inputs: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None,
                  *, group=None, checkpoint: Union[bool, Sequence[bool]] = False, tied_group=None,
                  batch_shape: Optional[tuple] = None, loss_fn: Optional[Callable] = None,
-                 loss_scale: float = 1.0, loss_mean=None,
-                 action_hook: Optional[Callable[[str, object], None]] = None) -> PipelineResult:
-    """Run this rank's part of ``schedule`` on the full batch ``inputs`` (B, T) -> ``targets`` (B, T).
+                 loss_scale: float = 1.0, loss_mean=None, action_hook: Optional[Callable] = None,
+                 recorder=None) -> Optional[torch.Tensor]:
+    """Run this rank's part of a valid ``schedule`` on the full batch ``inputs`` (B, T) -> ``targets`` (B, T).
 
     ``stages``: this rank's stage modules indexed by chunk (`local_stages`).
     ``group``: the pipeline group (``mesh.group("pp")``); pipeline rank = rank in it.
@@ -59,27 +60,27 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
     ``action_hook(when, action)``, if given, is called with "before" and "after" around
     every F and B (composed ZeRO-3 resharding between micro-batches,
     `reference.zero.fsdp_reshard`, gathers and frees parameters there).
-    Returns a `PipelineResult`; its ``loss`` is the sum of this rank's micro-batches' shares
-    (unscaled): by default their mean loss.
+    ``recorder.step(step, rank_state)``, if given, is a context manager around every step
+    (`reference.pipeline_parallel.accounting.Recorder`: the trace and the bytes held).
+    Returns the sum of this rank's micro-batches' shares of the loss (unscaled; by default
+    their mean loss) on the rank of the last stage, None elsewhere.
     """
-    schedule.validate()
     if not loss_scale > 0:
         raise ValueError(f"loss_scale must be positive, got {loss_scale!r}")
     rank = _pipeline_rank(schedule, stages, group)
     flags = [bool(checkpoint)] * schedule.virtual if isinstance(checkpoint, bool) else list(checkpoint)
     if len(flags) != schedule.virtual:
         raise ValueError(f"checkpoint needs one flag per chunk ({schedule.virtual}), got {len(flags)}")
-    result = PipelineResult(loss=None)
-    store = ActivationStore(stages, result, moving=action_hook is not None)
-    mb_in, mb_tgt = _micro_batches(inputs, targets, batch_shape, schedule.m, rank, store.device)
-    w = RankState(schedule, stages, rank, mb_in, mb_tgt, flags, loss_mean or MeanOfMeans(schedule.m),
-                  loss_scale, loss_fn, (schedule.mailbox or Mailbox)(group, rank, store.device), store)
+    device = next((p.device for st in stages for p in st.parameters()), torch.device("cpu"))
+    mb_in, mb_tgt = _micro_batches(inputs, targets, batch_shape, schedule.m, rank, device)
+    w = RankState(schedule, stages, rank, device, mb_in, mb_tgt, flags, loss_mean or MeanOfMeans(schedule.m),
+                  loss_scale, loss_fn, (schedule.mailbox or Mailbox)(group, rank, device))
     hook = action_hook or (lambda when, action: None)
+    watch = recorder.step if recorder is not None else (lambda step, state: nullcontext())
     if schedule.pp > 1:
         dist.barrier(group=group)  # a common start, so the ranks' traces line up
-    trace = Trace(rank, store.device, result.trace)
     for step in schedule.steps(rank):
-        with trace.step(step):
+        with watch(step, w):
             if step[0].is_comm:
                 w.mail.exchange(step)  # every SEND and RECV of the step at once
             else:
@@ -88,9 +89,7 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module],
                 hook("after", step[0])
     w.mail.finish()  # sends a zero-bubble schedule left going
     sync_tied_grads(stages, tied_group)  # nothing without a group
-    if w.losses:
-        result.loss = torch.stack(w.losses).sum()
-    return result
+    return torch.stack(w.losses).sum() if w.losses else None
 
 
 def _pipeline_rank(schedule: Schedule, stages: Sequence[torch.nn.Module], group) -> int:

@@ -13,7 +13,8 @@
 
 A checkpointed chunk keeps only the input and runs its forward again in B
 (`reference.pipeline_parallel.recompute`). `RankState` is what one rank carries
-from action to action: its micro-batches, its mailbox, what each F keeps.
+from action to action: its micro-batches, its mailbox, what each F keeps (``kept``,
+from the F to its B).
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from reference.model import lm_loss
-from reference.pipeline_parallel.accounting import ActivationStore
 from reference.pipeline_parallel.actions import Action
 from reference.pipeline_parallel.messages import Mailbox
 from reference.pipeline_parallel.recompute import forward_without_graph, recompute
@@ -40,6 +40,7 @@ class RankState:
     schedule: Schedule
     stages: Sequence[torch.nn.Module]
     rank: int
+    device: torch.device
     inputs: Optional[list]   # micro-batches of token ids (B / m, T), on the first stage
     targets: Optional[list]  # (B / m, T), on the last stage
     checkpoint: list         # one flag per chunk
@@ -47,8 +48,8 @@ class RankState:
     loss_scale: float        # backward starts from (share + aux / m) * loss_scale
     loss_fn: Optional[Callable]
     mail: Mailbox
-    store: ActivationStore
-    losses: list = field(default_factory=list)
+    kept: dict = field(default_factory=dict)    # (mb, chunk) -> what its F keeps (`Kept`), until its B
+    losses: list = field(default_factory=list)  # each micro-batch's share of the step's loss
 
     def ends(self, chunk: int) -> tuple[bool, bool]:
         """Whether the chunk's model stage is the first, and the last, of the pipeline."""
@@ -86,34 +87,25 @@ def forward(w: RankState, a: Action) -> None:
     first, last = w.ends(a.chunk)
     # (B / m, T) token ids on the first stage, else (B / m, T, C), or (B / m, T / tp, C) under SP
     x = w.inputs[a.mb] if first else w.mail.take("F", a.mb, a.chunk).requires_grad_()
-    kept = Kept(x)
-    with w.store.saving() as saved:
-        if w.checkpoint[a.chunk]:
-            kept.rng, (out, _, _, loss) = forward_without_graph(w.stages[a.chunk], w.store.device,
-                                                                lambda: _run_stage(w, a, x))
-        else:
-            out, kept.aux, kept.total, loss = _run_stage(w, a, x)
-            if not last:  # backward starts from it; the last stage's starts from the loss
-                kept.out = out
-                saved.add(out)
-    saved.add(x)
+    kept = w.kept[(a.mb, a.chunk)] = Kept(x)
+    if w.checkpoint[a.chunk]:
+        kept.rng, (out, _, _, loss) = forward_without_graph(w.stages[a.chunk], w.device,
+                                                            lambda: _run_stage(w, a, x))
+    else:
+        out, kept.aux, kept.total, loss = _run_stage(w, a, x)
+        kept.out = None if last else out  # backward starts from it; the last stage's from the loss
     if loss is not None:
         w.losses.append(loss.detach())
     if not last:
         w.mail.post("F", a.mb, a.chunk, out.detach())
-    w.store.keep((a.mb, a.chunk), kept, saved.bytes)
 
 
-def backward_roots(w: RankState, a: Action) -> tuple[Kept, list, int]:
+def backward_roots(w: RankState, a: Action) -> tuple[Kept, list]:
     """What the backward of micro-batch ``a.mb`` on chunk ``a.chunk`` starts from: (what its F
-    kept, [(tensor, its gradient; None for the loss)], bytes a checkpointed chunk's forward
-    run again stores)."""
-    kept, nbytes = w.store.get((a.mb, a.chunk)), 0
+    kept, [(tensor, its gradient; None for the loss)])."""
+    kept = w.kept[(a.mb, a.chunk)]
     if kept.rng is not None:  # checkpointed: run the forward again, as F ran it
-        with w.store.saving(exclude=[kept.x]) as again:
-            out, aux, total, _ = recompute(w.stages[a.chunk], w.store.device, kept.rng,
-                                           lambda: _run_stage(w, a, kept.x))
-        w.store.recomputed(nbytes := again.bytes)
+        out, aux, total, _ = recompute(w.stages[a.chunk], w.device, kept.rng, lambda: _run_stage(w, a, kept.x))
     else:
         out, aux, total = kept.out, kept.aux, kept.total
     if w.ends(a.chunk)[1]:
@@ -122,14 +114,14 @@ def backward_roots(w: RankState, a: Action) -> tuple[Kept, list, int]:
         roots = [(out, w.mail.take("B", a.mb, a.chunk))]  # from the output's received gradient
         if aux is not None:  # and the stage's share of the aux loss
             roots.append((aux, torch.full_like(aux, w.loss_scale / w.schedule.m)))
-    return kept, [(t, g) for t, g in roots if t.requires_grad], nbytes
+    return kept, [(t, g) for t, g in roots if t.requires_grad]
 
 
 def backward(w: RankState, a: Action) -> None:
     """B: backward of micro-batch ``a.mb`` through chunk ``a.chunk``; post the input's gradient."""
-    kept, roots, _ = backward_roots(w, a)
+    kept, roots = backward_roots(w, a)
     if roots:
         torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
     if not w.ends(a.chunk)[0]:
         w.mail.post("B", a.mb, a.chunk, kept.x.grad if kept.x.grad is not None else torch.zeros_like(kept.x))
-    w.store.drop((a.mb, a.chunk))
+    del w.kept[(a.mb, a.chunk)]  # what its F kept is freed

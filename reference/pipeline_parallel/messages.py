@@ -38,15 +38,8 @@ def _encode_meta(t: torch.Tensor) -> torch.Tensor:
     if t.dtype not in _DTYPES or t.dim() > _META_LEN - 2:
         raise ValueError(f"a pipeline message must be one of {_DTYPES} with at most "
                          f"{_META_LEN - 2} dims, got {t.dtype} of shape {tuple(t.shape)}")
-    meta = torch.zeros(_META_LEN, dtype=torch.int64)
-    meta[0], meta[1] = _DTYPES.index(t.dtype), t.dim()
-    meta[2: 2 + t.dim()] = torch.tensor(t.shape)
-    return meta.to(t.device)
-
-
-def _decode_meta(meta: torch.Tensor) -> tuple[tuple, torch.dtype]:
-    code, ndim, *sizes = meta.tolist()
-    return tuple(sizes[:ndim]), _DTYPES[code]
+    return torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape, *[0] * (_META_LEN - 2 - t.dim())],
+                        dtype=torch.int64, device=t.device)
 
 
 class Mailbox:
@@ -72,13 +65,6 @@ class Mailbox:
         nbytes = t.numel() * t.element_size()
         record(what, self.group, nbytes, nbytes if op is dist.isend else 0)
         return dist.P2POp(op, t, group=self.group, group_peer=peer)
-
-    def _buffer(self, a) -> torch.Tensor:
-        if a.op == "RECV_B":  # the gradient of the activation this rank sent
-            shape, dtype = self.sent.pop((a.mb, a.chunk))
-        else:
-            shape, dtype = self.incoming[a.chunk]
-        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def waited(self, sends: list) -> list:
         """Which of a step's send works the step waits for: all of them, here."""
@@ -106,9 +92,7 @@ class Mailbox:
         if sends:
             works += self.waited(dist.batch_isend_irecv(sends))
         recvs = []
-        for a in step:
-            if not a.op.startswith("RECV"):
-                continue
+        for a in [a for a in step if a.op.startswith("RECV")]:
             if a.op == "RECV_F" and a.chunk not in self.incoming:
                 if a.mb != 0:
                     raise RuntimeError(f"pipeline rank {self.rank} chunk {a.chunk}: {a} comes before "
@@ -119,8 +103,11 @@ class Mailbox:
                 meta = torch.empty(_META_LEN, dtype=torch.int64, device=self.device)
                 for work in dist.batch_isend_irecv([self._p2p(dist.irecv, meta, a.peer, "recv_meta")]):
                     work.wait()
-                self.incoming[a.chunk] = _decode_meta(meta)
-            t = self.arrived[(a.op[-1], a.mb, a.chunk)] = self._buffer(a)
+                code, ndim, *sizes = meta.tolist()
+                self.incoming[a.chunk] = tuple(sizes[:ndim]), _DTYPES[code]
+            # a gradient has the shape and dtype of the activation this rank sent
+            shape, dtype = self.sent.pop((a.mb, a.chunk)) if a.op == "RECV_B" else self.incoming[a.chunk]
+            t = self.arrived[(a.op[-1], a.mb, a.chunk)] = torch.empty(shape, dtype=dtype, device=self.device)
             recvs.append(self._p2p(dist.irecv, t, a.peer, "recv"))
         if recvs:
             works += dist.batch_isend_irecv(recvs)

@@ -38,15 +38,15 @@ The zero-bubble schedules (ZB-H1, ZB-V, DualPipeV), which split B into I and W, 
 `reference.pipeline_parallel.zero_bubble` and reached through the same
 `build_schedule` (the package registers them in `BUILDERS`). The checker
 (`Schedule.validate`) and the simulated timeline live in
-`reference.pipeline_parallel.check`.
+`reference.pipeline_parallel.check`, which the package plugs in (`Schedule.checker`).
 """
 from __future__ import annotations
 
+from itertools import groupby
 from typing import Optional
 
-from reference.pipeline_parallel.actions import COMM, COMPUTE, OPS, Action, ScheduleError  # noqa: F401 (re-exported)
-from reference.pipeline_parallel.check import bubble_of, simulate, validate
-from reference.pipeline_parallel.viz import plot_timeline
+from reference.pipeline_parallel.actions import OPS, Action, ScheduleError  # noqa: F401 (OPS re-exported)
+from reference.pipeline_parallel.viz import plot_schedule
 
 __all__ = ["Action", "Schedule", "ScheduleError", "build_schedule", "bubble_formula", "KINDS", "OPS"]
 
@@ -65,9 +65,8 @@ def _check_args(kind, pp, m, virtual):
         if virtual < 2 or pp < 2:
             raise ValueError(f"interleaved needs virtual >= 2 chunks per rank and pp >= 2, "
                              f"got pp={pp}, virtual={virtual} (m={m})")
-        g = min(m, pp)  # micro-batches per round: pp, or all of them when m < pp
-        if m % g:
-            raise ValueError(f"interleaved runs micro-batches in rounds of {g}: m={m} must be a "
+        if m > pp and m % pp:  # micro-batches go in rounds of pp, or all at once when m <= pp
+            raise ValueError(f"interleaved runs micro-batches in rounds of {pp}: m={m} must be a "
                              f"multiple of pp={pp} or smaller than it (virtual={virtual})")
     elif virtual != 1:
         raise ValueError(f"{kind!r} has one chunk per rank: virtual must be 1, got {virtual} "
@@ -128,10 +127,9 @@ def _with_comms(groups, pp: int, virtual: int, rank: int) -> list[Action]:
                 out.append(Action(f"{verb}_{op}", mb, c, next_rank if down else prev_rank))
         return sorted(out, key=lambda a: a.op[-1] != "F")
 
-    actions = messages("RECV", groups[0]) if groups else []
-    for i, group in enumerate(groups):
-        actions += [Action(*x) for x in group] + messages("SEND", group)
-        actions += messages("RECV", groups[i + 1]) if i + 1 < len(groups) else []
+    actions = []
+    for group in groups:  # one group's sends and the next one's receives meet in one step
+        actions += messages("RECV", group) + [Action(*x) for x in group] + messages("SEND", group)
     return actions
 
 
@@ -175,13 +173,8 @@ class Schedule:
     def steps(self, rank: int) -> list[list[Action]]:
         """The actions grouped as the executor issues them: each F or B alone,
         each run of consecutive communication actions together."""
-        out: list[list[Action]] = []
-        for a in self.actions(rank):
-            if a.is_comm and out and out[-1][0].is_comm:
-                out[-1].append(a)
-            else:
-                out.append([a])
-        return out
+        runs = groupby(self.actions(rank), key=lambda a: a.is_comm)
+        return [step for comm, run in runs for step in ([list(run)] if comm else [[a] for a in run])]
 
     def peak_in_flight(self, rank: int) -> int:
         """Most micro-batches (per chunk) whose activations rank holds at once:
@@ -192,13 +185,15 @@ class Schedule:
             peak = max(peak, held)
         return peak
 
-    # The checks, the timeline and the picture live in check.py and viz.py.
+    # The checks and the ideal timeline live in check.py, plugged in by the package, the picture in viz.py.
+    checker = None  # `reference.pipeline_parallel.check`: validate, simulate, bubble_of
+
     def validate(self) -> "Schedule":
         """Prove every rank's list complete and the whole schedule free of deadlock.
 
         Raises `ScheduleError` naming the rank and the action; returns the schedule."""
         if not self._validated:
-            validate(self)
+            self.checker.validate(self)
             self._validated = True
         return self
 
@@ -206,20 +201,15 @@ class Schedule:
         """The ideal timeline: F takes ``t_f / virtual``, B ``t_b / virtual`` (a split B's W
         ``t_w``, by default t_b / 2, its I the rest), messages are free. A list per rank of
         `TraceEvent`; see `reference.pipeline_parallel.check`."""
-        return simulate(self, t_f, t_b, t_w)
+        return self.checker.simulate(self, t_f, t_b, t_w)
 
     def bubble_fraction(self, t_f: float = 1.0, t_b: float = 2.0, t_w: Optional[float] = None) -> float:
         """Idle share of the ideal timeline: 1 - busy / (pp * makespan)."""
-        return bubble_of(self.simulate(t_f, t_b, t_w))
+        return self.checker.bubble_of(self.simulate(t_f, t_b, t_w))
 
     def plot(self, t_f: float = 1.0, t_b: float = 2.0, ax=None, title: Optional[str] = None):
         """The ideal timeline as a figure: ranks as rows, F and B as labelled boxes."""
-        if title is None:
-            v = f", v={self.virtual}" if self.virtual > 1 else ""
-            title = (f"{self.kind}: pp={self.pp}, m={self.m}{v}, "
-                     f"bubble {self.bubble_fraction(t_f, t_b):.0%}")
-        return plot_timeline(self.simulate(t_f, t_b), title=title, ax=ax,
-                             xlabel=f"time (a stage's forward takes {t_f:g}, its backward {t_b:g})")
+        return plot_schedule(self, t_f, t_b, ax, title)
 
     def __repr__(self) -> str:
         return f"Schedule({self.kind}, pp={self.pp}, m={self.m}, virtual={self.virtual})"
@@ -250,7 +240,6 @@ def bubble_formula(kind: str, pp: int, m: int, virtual: int = 1) -> float:
     _check_args(kind, pp, m, virtual)
     if kind == "naive":
         return (pp - 1) / pp
-    v = virtual
     # v * m chunk-passes of busy time per rank, out of v * max(m, p) + min(m, p) - 1
     # chunk-pass times in all (for v = 1: m + p - 1).
-    return 1.0 - v * m / (v * max(m, pp) + min(m, pp) - 1)
+    return 1.0 - virtual * m / (virtual * max(m, pp) + min(m, pp) - 1)

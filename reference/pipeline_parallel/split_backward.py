@@ -32,8 +32,8 @@ refuses it.) On the first stage the input is token ids: I has nothing to compute
 and W is the whole backward, run from the output. A checkpointed chunk runs its
 forward again in I and keeps that graph until W.
 
-What is held between I and W (measured: kept again, `ActivationStore.keep`, into
-``PipelineResult.peak_activation_bytes``): ``retain_graph=True`` keeps everything
+What is held between I and W (measured by `reference.pipeline_parallel.accounting`,
+into ``PipelineResult.peak_activation_bytes``): ``retain_graph=True`` keeps everything
 F stored (nothing is freed at I), plus the gradients caught at the split points,
 about one output gradient per weight-bearing layer, plus, when checkpointed, the
 recomputed forward. All of it is freed by W. The zero-bubble schedules hold a
@@ -131,8 +131,8 @@ class WeightPass:
 
 def backward_input(w: RankState, a: Action) -> None:
     """I: the gradient of micro-batch ``a.mb``'s input to chunk ``a.chunk``, posted back; what
-    its W needs is kept (`WeightPass`) and counted as held until W."""
-    kept, roots, recomputed = backward_roots(w, a)
+    its W needs is kept (`WeightPass`) beside what its F kept."""
+    kept, roots = backward_roots(w, a)
     params = [p for p in w.stages[a.chunk].parameters() if p.requires_grad]
     kept.weights = WeightPass(roots, kept.x, params)
     if not w.ends(a.chunk)[0]:
@@ -144,16 +144,12 @@ def backward_input(w: RankState, a: Action) -> None:
             for h in hooks:
                 h.remove()
         w.mail.post("B", a.mb, a.chunk, dx if dx is not None else torch.zeros_like(kept.x))
-    w.store.keep((a.mb, a.chunk), kept, recomputed + kept.weights.caught_bytes())  # until W
 
 
 def backward_weight(w: RankState, a: Action) -> None:
     """W: the weights' gradients of micro-batch ``a.mb`` on chunk ``a.chunk``; what its F and I
-    kept is freed."""
-    kept = w.store.get((a.mb, a.chunk))
-    kept.weights.run()
-    kept.weights = None  # the graph, which its split points kept alive, goes with it
-    w.store.drop((a.mb, a.chunk))
+    kept is freed (the graph, which its split points kept alive, with it)."""
+    w.kept.pop((a.mb, a.chunk)).weights.run()
 
 
 COMPUTE = {"I": backward_input, "W": backward_weight}  # the executor's handlers (registered by the package)

@@ -50,11 +50,9 @@ def sync_tied_grads(stages: Union[nn.Module, Sequence[nn.Module]], group) -> int
         return 0
     mine = [s.wte.weight for s in stages if s.spec.embedding] \
         + [s.lm_head.weight for s in stages if s.spec.head]
-    if len(mine) != 1:  # both ends here (the same Parameter) or neither
+    if len(mine) != 1 or not mine[0].requires_grad:  # both ends here (the same Parameter), or neither
         return 0
     p = mine[0]
-    if not p.requires_grad:
-        return 0
     if p.grad is None:
         p.grad = torch.zeros_like(p)
     comms.all_reduce(p.grad, group=group)

@@ -5,7 +5,8 @@ a list per rank of `TraceEvent`. `plot_timeline` draws one row per rank, rank 0
 on top, and one box per forward (light) or backward (dark) labelled with its
 micro-batch, in that micro-batch's colour, so a reader can follow micro-batch 3
 down the stages and back up. In an interleaved schedule the chunk is the
-hatching. White space is the bubble.
+hatching. White space is the bubble. `plot_schedule` draws a schedule's ideal
+timeline so (`Schedule.plot`).
 
 `plot_stage_balance` draws the two balances of a cut into stages side by side:
 each stage's compute (time) and what it holds (memory).
@@ -20,7 +21,7 @@ from reference.pipeline_parallel.actions import COMPUTE
 from reference.pipeline_parallel.check import bubble_of
 from reference.viz import CATEGORICAL, NotebookFigure, lighten
 
-__all__ = ["plot_timeline", "plot_bubble_curve", "plot_stage_balance"]
+__all__ = ["plot_timeline", "plot_schedule", "plot_bubble_curve", "plot_stage_balance"]
 
 _HATCHES = ["", "//", "..", "xx", "\\\\", "++", "oo", "--"]
 _SHADE = {"F": 0.55, "B": 0.05, "I": 0.05, "W": 0.3}  # how far each compute box is lightened
@@ -81,6 +82,16 @@ def plot_timeline(timeline, title: Optional[str] = None, ax=None, xlabel: str = 
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def plot_schedule(schedule, t_f: float = 1.0, t_b: float = 2.0, ax=None, title: Optional[str] = None):
+    """A schedule's ideal timeline (`Schedule.simulate`) as a figure, its bubble in the title."""
+    if title is None:
+        v = f", v={schedule.virtual}" if schedule.virtual > 1 else ""
+        title = (f"{schedule.kind}: pp={schedule.pp}, m={schedule.m}{v}, "
+                 f"bubble {schedule.bubble_fraction(t_f, t_b):.0%}")
+    return plot_timeline(schedule.simulate(t_f, t_b), title=title, ax=ax,
+                         xlabel=f"time (a stage's forward takes {t_f:g}, its backward {t_b:g})")
 
 
 def plot_bubble_curve(ms: Sequence[int], measured: dict, pp: int, formula=None, ax=None,

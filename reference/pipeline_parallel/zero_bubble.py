@@ -191,6 +191,10 @@ def _dualpipev_order(pp: int, m: int, rank: int) -> list[tuple]:
     DeepSeek's open DualPipe): the pairs (F of one chunk, B of the other) that DualPipe
     overlaps run one after the other here; the last backwards split into I and W from the
     middle on, their W's run last."""
+    if m < 2 * pp:
+        raise ValueError(f"'dualpipev' needs at least as many micro-batches as stages: m={m} < "
+                         f"2 pp = {2 * pp} (its steady state pairs a forward of each chunk with a "
+                         f"backward of the other)")
     count: dict = {}  # (op, chunk) -> the next micro-batch; a whole B counts as an I
     order, waiting = [], []  # waiting: (micro-batch, chunk) whose I has run and W has not
 
@@ -229,43 +233,33 @@ def _dualpipev_order(pp: int, m: int, rank: int) -> list[tuple]:
     return order
 
 
-def _check(kind: str, pp: int, m: int, virtual: int, want: int) -> None:
-    """Positive counts, and ``want`` chunks per rank."""
+def _build(cls: type, kind: str, pp: int, m: int, virtual: int, want: int, order) -> Schedule:
+    """The ``kind`` schedule (a ``cls``, ``want`` chunks per rank): every rank's compute
+    ``order(pp, m, rank)`` with its messages; not yet validated."""
     for name, value in (("pp", pp), ("m", m), ("virtual", virtual)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r} (kind={kind!r})")
     if virtual != want:
         raise ValueError(f"{kind!r} runs {want} chunk{'s' if want > 1 else ''} per rank: virtual must "
                          f"be {want}, got {virtual} (pp={pp}, m={m})")
+    layout = cls(pp, m, {r: [] for r in range(pp)}, want, kind)  # empty: where the stages live
+    return cls(pp, m, _with_messages(layout, {r: order(pp, m, r) for r in range(pp)}), want, kind)
 
 
 def build_zb_h1(pp: int, m: int, virtual: int = 1) -> ZeroBubbleSchedule:
     """ZB-H1 for ``pp`` ranks and ``m`` micro-batches (one chunk per rank); not yet validated."""
-    _check("zb-h1", pp, m, virtual, 1)
-    layout = ZeroBubbleSchedule(pp, m, {r: [] for r in range(pp)}, 1, "zb-h1")  # empty: where stages live
-    orders = {r: _zb_h1_order(pp, m, r) for r in range(pp)}
-    return ZeroBubbleSchedule(pp, m, _with_messages(layout, orders), 1, "zb-h1")
+    return _build(ZeroBubbleSchedule, "zb-h1", pp, m, virtual, 1, _zb_h1_order)
 
 
 def build_zb_v(pp: int, m: int, virtual: int = 2) -> VSchedule:
     """ZB-V for ``pp`` ranks and ``m`` micro-batches (two chunks per rank, in a V); not yet validated."""
-    _check("zb-v", pp, m, virtual, 2)
-    layout = VSchedule(pp, m, {r: [] for r in range(pp)}, 2, "zb-v")  # empty: where stages live
-    orders = {r: _zb_v_order(pp, m, r) for r in range(pp)}
-    return VSchedule(pp, m, _with_messages(layout, orders), 2, "zb-v")
+    return _build(VSchedule, "zb-v", pp, m, virtual, 2, _zb_v_order)
 
 
 def build_dualpipev(pp: int, m: int, virtual: int = 2) -> VSchedule:
     """DualPipeV for ``pp`` ranks and ``m >= 2 pp`` micro-batches (two chunks per rank, in a V);
     not yet validated."""
-    _check("dualpipev", pp, m, virtual, 2)
-    if m < 2 * pp:
-        raise ValueError(f"'dualpipev' needs at least as many micro-batches as stages: m={m} < "
-                         f"2 pp = {2 * pp} (its steady state pairs a forward of each chunk with a "
-                         f"backward of the other)")
-    layout = VSchedule(pp, m, {r: [] for r in range(pp)}, 2, "dualpipev")  # empty: where stages live
-    orders = {r: _dualpipev_order(pp, m, r) for r in range(pp)}
-    return VSchedule(pp, m, _with_messages(layout, orders), 2, "dualpipev")
+    return _build(VSchedule, "dualpipev", pp, m, virtual, 2, _dualpipev_order)
 
 
 BUILDERS = {"zb-h1": build_zb_h1, "zb-v": build_zb_v, "dualpipev": build_dualpipev}

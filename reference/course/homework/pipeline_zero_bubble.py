@@ -68,7 +68,7 @@ def run_zb_lists(lists: list, case: dict) -> dict:
     alone shows (`list_rules`; {"ran": False} otherwise: the grader says why from the same
     lists, and a wrong answer costs no run)."""
     from reference.model import GPT
-    from reference.pipeline_parallel.executor import run_pipeline
+    from reference.pipeline_parallel import run_pipeline
     from reference.pipeline_parallel.stage import local_stages, split_stages
 
     out = {"ran": False, "loss": None, "grads": {}}
