@@ -15,7 +15,7 @@ from solution_cells import solution_function
 
 from reference.course.homework import homework
 from reference.course.homework.collectives import DOUBLING, TREE
-from reference.course.homework.collectives_extra import (
+from reference.course.homework.collectives_transfer import (
     CROSSOVER, crossover_formula, doubling_messages, tree_messages,
 )
 from reference.course.homework.questions import QUESTION_RTOL

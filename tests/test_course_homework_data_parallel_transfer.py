@@ -14,7 +14,7 @@ from solution_cells import solution_function, subgroup_only
 
 from reference.course.homework import homework
 from reference.course.homework.data_parallel import ACCUMULATE, DDP_BYTES, INT8
-from reference.course.homework.data_parallel_extra import ddp_bytes_formula
+from reference.course.homework.data_parallel_transfer import ddp_bytes_formula
 from reference.course.homework.scoring import score_exercise
 
 TIMEOUT = 60  # s per launch (a few needed); only a hanging answer would wait

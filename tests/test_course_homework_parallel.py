@@ -95,7 +95,7 @@ def test_the_text_says_what_is_graded():
     for every message, the dp all-reduce's included, is a simplification, and the formula
     graded charges it so (dp alone: 2 (dp - 1) ceil(m / dp) numbers at 2 bytes)."""
     from reference.course.homework import homework
-    from reference.course.homework.parallel_extra import step_bytes_3d_formula
+    from reference.course.homework.parallel_transfer import step_bytes_3d_formula
 
     title = _markdown("title")
     ids = [s.id for s in homework("06_3d_parallel")]

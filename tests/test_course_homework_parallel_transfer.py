@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from reference.course.homework import homework
-from reference.course.homework.parallel_extra import (
+from reference.course.homework.parallel_transfer import (
     RESHARD_PLAN, STEP_BYTES_3D, course_reshard_plan, step_bytes_3d_formula,
 )
 from reference.course.homework.scoring import score_exercise

@@ -13,7 +13,7 @@ from reference.course.homework import homework
 from reference.course.homework.scoring import score_exercise
 from reference.course.homework.tensor_parallel import CROSS_ENTROPY, MLP
 from reference.course.homework.tensor_parallel_dropout import TP_DROPOUT
-from reference.course.homework.tensor_parallel_extra import (
+from reference.course.homework.tensor_parallel_transfer import (
     SEQUENCE_PARALLEL, TP_LAYER_BYTES, tp_layer_bytes_formula,
 )
 
@@ -124,7 +124,7 @@ def sp_split_backward(x, w, b, a, bm, seq_len, group=None):
 
 
 def sp_course(x, w, b, a, bm, seq_len, group=None):
-    from reference.course.homework.tensor_parallel_extra import course_sequence_parallel_mlp
+    from reference.course.homework.tensor_parallel_transfer import course_sequence_parallel_mlp
     return course_sequence_parallel_mlp(x, w, b, a, bm, seq_len, group)
 
 
@@ -198,7 +198,7 @@ def layer_bytes_no_layernorm(b, s, h, tp, bytes_per_element, mode):
 
 
 def mlp_course(x, a, b, group=None):
-    from reference.course.homework.tensor_parallel_extra import course_tensor_parallel_mlp
+    from reference.course.homework.tensor_parallel_transfer import course_tensor_parallel_mlp
     return course_tensor_parallel_mlp(x, a, b, group)
 
 
@@ -208,7 +208,7 @@ def mlp_layers(x, a, b, group=None):
 
 
 def ce_course(logits, targets, vocab_size, group=None):
-    from reference.course.homework.tensor_parallel_extra import course_vocab_parallel_cross_entropy
+    from reference.course.homework.tensor_parallel_transfer import course_vocab_parallel_cross_entropy
     return course_vocab_parallel_cross_entropy(logits, targets, vocab_size, group)
 '''
 

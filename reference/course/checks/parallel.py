@@ -20,7 +20,7 @@ from __future__ import annotations
 from reference.course.checks.runner import NOT_IMPLEMENTED, public_cases, run_cases, run_visible
 from reference.course.homework.refuse import refusal_for
 from reference.course.homework.parallel import GLOBAL_GRAD_NORM, MESH_GROUPS, PARAMETERS_PER_RANK
-from reference.course.homework.parallel_extra import RESHARD_PLAN, STEP_BYTES_3D
+from reference.course.homework.parallel_transfer import RESHARD_PLAN, STEP_BYTES_3D
 from reference.course.homework.parallel_recompute import RECOMPUTE
 from reference.course.homework.parallel_step import FINISH_STEP
 from reference.course.homework.parallel_fsdp import FSDP_TP_PIECES

@@ -22,7 +22,7 @@ from reference.course.checks.runner import NOT_IMPLEMENTED, public_cases, run_ca
 from reference.course.homework.scoring import ExerciseSpec
 from reference.course.homework.tensor_parallel import CROSS_ENTROPY, MLP
 from reference.course.homework.tensor_parallel_dropout import TP_DROPOUT
-from reference.course.homework.tensor_parallel_extra import SEQUENCE_PARALLEL, TP_LAYER_BYTES
+from reference.course.homework.tensor_parallel_transfer import SEQUENCE_PARALLEL, TP_LAYER_BYTES
 
 __all__ = ["check_tensor_parallel_mlp", "check_vocab_parallel_cross_entropy", "run_dense_check",
            "check_sequence_parallel_mlp", "check_make_tp_dropout", "check_tp_layer_bytes"]

@@ -1,7 +1,7 @@
 """Hidden checks of homework 00: ring all-reduce and ring all-gather from send/recv.
 
 (The tree and recursive-doubling all-reduces and the written question, the homework's
-transfer exercises, are checked as `collectives_extra` says; their specs are built here.)
+transfer exercises, are checked as `collectives_transfer` says; their specs are built here.)
 
 The cases every world size gets (2, 3 and 4 ranks): random float32 tensors of
 shapes (1,), (5,), (7,) and (3, 5), and integer (int64) tensors of shapes (4,) and
@@ -11,7 +11,7 @@ the float64 sum within `float_tolerance(world_size)`: the course's bound for a
 sum over p ranks added in another order (`reference.tolerance.gradient(p)`, its
 reasoning in reference/tolerance.py), for values of order sqrt(p) rather than 1
 (`at_scale(sqrt(p))`): the ranks' values are randn, so the partial sums the ring adds,
-and each rounding of them, are of that order. The float64 cases (`collectives_extra`)
+and each rounding of them, are of that order. The float64 cases (`collectives_transfer`)
 are held to the same float32 bound: they check that the algorithm keeps the tensor's
 dtype, not float64's last bits.
 
@@ -199,8 +199,8 @@ ALL_GATHER = on_subgroup(ExerciseSpec(
     banned=("reference.course.homework.collectives.course_ring_all_gather", "reference.comms")),
     (4,), SUBGROUP_PICK)
 
-# The transfers (collectives_extra): the same contract as ring_all_reduce, other algorithms.
-from reference.course.homework.collectives_extra import (  # noqa: E402 - after what it extends
+# The transfers (collectives_transfer): the same contract as ring_all_reduce, other algorithms.
+from reference.course.homework.collectives_transfer import (  # noqa: E402 - after what it extends
     CROSSOVER, algorithm_judge, doubling_messages, make_extra_cases, tree_messages,
 )
 
@@ -218,7 +218,7 @@ DOUBLING = on_subgroup(ExerciseSpec(
     call=call_all_reduce, expect=expect_all_reduce,
     judge=algorithm_judge(doubling_messages, "recursive doubling", judge_sum),
     reference=torch_all_reduce,
-    banned=("reference.course.homework.collectives_extra.course_recursive_doubling_all_reduce",
+    banned=("reference.course.homework.collectives_transfer.course_recursive_doubling_all_reduce",
             "reference.comms")), (6,), (1, 4))
 HOMEWORK_ID = "00_collectives"
 # The warm-up (all-gather), the ring the lecture built, two algorithms it did not (a tree;

@@ -1,7 +1,7 @@
 """Hidden checks of homework 01: averaging gradients, naively and in buckets from hooks.
 
 (Accumulation over ranks with unequal samples, the int8 all-reduce with error feedback and
-the written question, the homework's transfers, are checked as `data_parallel_extra` says;
+the written question, the homework's transfers, are checked as `data_parallel_transfer` says;
 their specs are built here.)
 
 Every case is a small MLP (Linear, Tanh, ..., Linear) whose weights come from the
@@ -238,8 +238,8 @@ BUCKETED = on_subgroup(ExerciseSpec(
     banned=("reference.course.homework.data_parallel.course_bucketed_all_reduce",
             "reference.data_parallel")), (4,), (1, 4))
 
-# The transfers and the written question (data_parallel_extra).
-from reference.course.homework.data_parallel_extra import (  # noqa: E402 - after what it uses
+# The transfers and the written question (data_parallel_transfer).
+from reference.course.homework.data_parallel_transfer import (  # noqa: E402 - after what it uses
     DDP_BYTES, call_accumulate, call_int8, course_accumulate_gradients, course_int8_all_reduce,
     expect_accumulate, expect_int8, judge_accumulate, judge_int8, make_accumulate_cases,
     make_int8_cases,
@@ -251,14 +251,14 @@ ACCUMULATE = on_subgroup(ExerciseSpec(
     call=call_accumulate, expect=expect_accumulate, judge=judge_accumulate,
     reference=course_accumulate_gradients,
     forbidden=tuple(c for c in COLLECTIVES if c != "all_reduce"),
-    banned=("reference.course.homework.data_parallel_extra.course_accumulate_gradients",
+    banned=("reference.course.homework.data_parallel_transfer.course_accumulate_gradients",
             "reference.data_parallel")), (3,), (2, 3))
 INT8 = on_subgroup(ExerciseSpec(
     id="int8_all_reduce", title="int8 gradient all-reduce with error feedback",
     difficulty="★★★ hard", world_sizes=(2, 3), make_cases=make_int8_cases, call=call_int8,
     expect=expect_int8, judge=judge_int8, reference=course_int8_all_reduce,
     forbidden=tuple(c for c in COLLECTIVES if c != "all_reduce"),
-    banned=("reference.course.homework.data_parallel_extra.course_int8_all_reduce",
+    banned=("reference.course.homework.data_parallel_transfer.course_int8_all_reduce",
             "reference.data_parallel.compression", "reference.zero.adam8bit")), (3,), (1, 5))
 HOMEWORK_ID = "01_data_parallel"
 # The warm-up, the lecture's buckets built by hand, two transfers (accumulation over unequal

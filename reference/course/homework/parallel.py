@@ -33,7 +33,7 @@
   instead of the model's groups; each fails a case and keeps at most half the points.
 mesh_groups and parameters_per_rank are pure functions: one rank runs each case; nothing
 is communicated. The transfer exercise reshard_plan and the written question
-(step_bytes_3d) are checked in `parallel_extra`; the composed exercise (finish_step: one
+(step_bytes_3d) are checked in `parallel_transfer`; the composed exercise (finish_step: one
 step's gradients, loss and norm of a dp x tp x pp run, against one process) in
 `parallel_step`; activation checkpointing by hand (recompute: the input and the random
 state kept, the same dropout masks drawn again in backward, against fn called directly) in
@@ -314,8 +314,8 @@ GLOBAL_GRAD_NORM = ExerciseSpec(
 HOMEWORK_ID = "06_3d_parallel"
 # The lecture's mesh and counting by hand (mesh_groups, parameters_per_rank), step 6's norm
 # over ZeRO-1's shards from the buffer's arithmetic (global_grad_norm, above), a transfer to
-# resharding and the written question (parallel_extra).
-from reference.course.homework.parallel_extra import (  # noqa: E402 - after the specs it extends
+# resharding and the written question (parallel_transfer).
+from reference.course.homework.parallel_transfer import (  # noqa: E402 - after the specs it extends
     RESHARD_PLAN, STEP_BYTES_3D,
 )
 # The composed exercise: one step's gradients, loss and norm, against one process.

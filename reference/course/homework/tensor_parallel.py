@@ -298,20 +298,20 @@ MLP = ExerciseSpec(
     difficulty="★☆☆ warm-up", weight=WARM_UP, world_sizes=(2, 4), make_cases=make_mlp_cases,
     call=call_mlp,
     expect=expect_mlp, judge=judge_mlp, reference=_dense_only, forbidden=ONLY_ALL_REDUCE,
-    banned=("reference.course.homework.tensor_parallel_extra.course_tensor_parallel_mlp",
+    banned=("reference.course.homework.tensor_parallel_transfer.course_tensor_parallel_mlp",
             "reference.tensor_parallel.comms", "reference.tensor_parallel.layers"))
 CROSS_ENTROPY = ExerciseSpec(
     id="vocab_parallel_cross_entropy", title="vocabulary-parallel cross-entropy",
     difficulty="★★★ hard", bonus=True, world_sizes=(2, 4), make_cases=make_cross_entropy_cases,
     call=call_cross_entropy, expect=expect_cross_entropy, judge=judge_cross_entropy,
     reference=_dense_only, forbidden=ONLY_ALL_REDUCE,
-    banned=("reference.course.homework.tensor_parallel_extra.course_vocab_parallel_cross_entropy",
+    banned=("reference.course.homework.tensor_parallel_transfer.course_vocab_parallel_cross_entropy",
             "reference.tensor_parallel.loss"))
 HOMEWORK_ID = "03_tensor_parallel"
 # The warm-up, the lecture's loss written by hand (a bonus), two transfers (sequence parallelism in
-# tensor_parallel_extra, dropout in tensor_parallel_dropout) and the written question.
+# tensor_parallel_transfer, dropout in tensor_parallel_dropout) and the written question.
 from reference.course.homework.tensor_parallel_dropout import TP_DROPOUT  # noqa: E402
-from reference.course.homework.tensor_parallel_extra import SEQUENCE_PARALLEL, TP_LAYER_BYTES  # noqa: E402
+from reference.course.homework.tensor_parallel_transfer import SEQUENCE_PARALLEL, TP_LAYER_BYTES  # noqa: E402
 
 WRONG_KEEPS = 0.5  # failing any case keeps at most half (a loss without the max: its large logits)
 EXERCISES = (MLP, CROSS_ENTROPY, SEQUENCE_PARALLEL, TP_DROPOUT, TP_LAYER_BYTES)

@@ -305,5 +305,5 @@ DDP_BYTES = question(
             "accumulation_steps": 4, "no_sync": True},
            {"n_params": 1_000, "world_size": 1, "bytes_per_element": 2, "accumulation_steps": 4,
             "no_sync": True}),
-    banned=("reference.course.homework.data_parallel_extra.ddp_bytes_formula",
+    banned=("reference.course.homework.data_parallel_transfer.ddp_bytes_formula",
             "reference.comms.ring.ring_sent_bytes", "reference.comms.cost"))

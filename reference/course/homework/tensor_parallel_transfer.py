@@ -269,7 +269,7 @@ SEQUENCE_PARALLEL = ExerciseSpec(
     difficulty="★★★ hard", world_sizes=(2, 3), make_cases=make_sp_cases, call=call_sp,
     expect=expect_sp, judge=judge_sp, reference=_dense_only,
     forbidden=tuple(c for c in COLLECTIVES if c not in ALLOWED),
-    banned=("reference.course.homework.tensor_parallel_extra.course_sequence_parallel_mlp",
+    banned=("reference.course.homework.tensor_parallel_transfer.course_sequence_parallel_mlp",
             "reference.tensor_parallel.comms", "reference.comms.functional.all_gather_along",
             "reference.tensor_parallel.plan",
             "reference.tensor_parallel.layers"))
@@ -280,4 +280,4 @@ TP_LAYER_BYTES = question(
      "tp": (1, 2, 4, 8), "bytes_per_element": (2, 4), "mode": ("tp", "sp", "sp_regather")},
     fixed=({"b": 1, "s": 6, "h": 12, "tp": 3, "bytes_per_element": 2, "mode": "sp"},
            {"b": 2, "s": 2048, "h": 4096, "tp": 8, "bytes_per_element": 2, "mode": "sp_regather"}),
-    banned=("reference.course.homework.tensor_parallel_extra.tp_layer_bytes_formula",), difficulty="★★☆ medium")
+    banned=("reference.course.homework.tensor_parallel_transfer.tp_layer_bytes_formula",), difficulty="★★☆ medium")

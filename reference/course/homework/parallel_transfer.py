@@ -114,7 +114,7 @@ RESHARD_PLAN = ExerciseSpec(
     id="reshard_plan", title="Loading a TP checkpoint into another TP degree",
     difficulty="★★☆ medium", world_sizes=(1,), make_cases=make_reshard_cases,
     call=call_reshard, expect=expect_reshard, judge=judge_reshard, reference=course_reshard_plan,
-    banned=("reference.course.homework.parallel_extra.course_reshard_plan",
+    banned=("reference.course.homework.parallel_transfer.course_reshard_plan",
             "reference.train.reshard"))
 # pp_rank is drawn below 1 (the first stage) or 2: with pp = 1 the only stage sends no
 # activation and no gradient, with pp = 2 a rank is first or last, with pp = 3 or more
@@ -130,4 +130,4 @@ STEP_BYTES_3D = question(
             "dp": 7, "tp": 2, "pp": 3, "pp_rank": 2, "bytes_per_element": 4},
            {"n_params": 1_200, "n_layer": 4, "b": 2, "s": 4, "h": 4, "microbatches": 3,
             "dp": 1, "tp": 1, "pp": 1, "pp_rank": 0, "bytes_per_element": 2}),
-    banned=("reference.course.homework.parallel_extra.step_bytes_3d_formula",))
+    banned=("reference.course.homework.parallel_transfer.step_bytes_3d_formula",))

@@ -160,5 +160,5 @@ CROSSOVER = question(
     {"world_size": (4, 8, 16, 64, 512, 4096), "alpha": (1e-6, 5e-6, 2e-5, 1e-4),
      "beta": (1 / 12.5e9, 1 / 50e9, 1 / 200e9, 1 / 450e9)},
     kind="real", fixed=({"world_size": 4, "alpha": 1e-5, "beta": 1e-9},),
-    banned=("reference.course.homework.collectives_extra.crossover_formula", "reference.comms.cost",
+    banned=("reference.course.homework.collectives_transfer.crossover_formula", "reference.comms.cost",
             "reference.comms.algorithms"), difficulty="★★☆ medium")
