@@ -34,8 +34,24 @@ them whole and they are never communicated.
 
 Limit: every rank must use the same parameters in a step (a unit whose use
 depends on the data, as in a mixture of experts, would leave ranks in different
-collectives). See `reference.zero.fsdp_unit` for the mixed-precision and
-offload options.
+collectives).
+
+Each unit is a `reference.zero.units.Unit` in the flat layout (`FlatShards`): its
+parameters laid end to end in one buffer padded to N S, this rank's shard (S,) an
+`nn.Parameter` the optimizer steps on, and every module parameter a view of the
+gathered buffer `full` (P,), whose bytes exist only between gather and free. Options:
+
+* `mixed_precision=True`: the fp32 shard is the master copy; it is cast to bf16 before
+  the all-gather (half the bytes on the wire) and the block computes in bf16. The
+  gradients are cast back to fp32 before the reduce-scatter, so the mean over ranks
+  and the update are done in fp32.
+* `offload=True`: the master shard, its gradient and so the optimizer state live on
+  the CPU (`shard`), and a compute copy on the compute device (`compute_shard`):
+  before each gather the updated master is copied to the device, after each
+  reduce-scatter the gradient is copied back. On a GPU this frees 12 bytes of device
+  memory per sharded parameter (fp32 master + Adam); on a CPU-only machine both
+  copies sit in the same memory, and the option shows the data movement and the
+  bookkeeping (two real, separate copies kept in step), not a saving.
 """
 from __future__ import annotations
 
@@ -47,10 +63,99 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from reference import comms
 from reference.runtime import device as rank_device
-from reference.zero.fsdp_unit import FSDPUnit
+from reference.zero.shard import FlatLayout
+from reference.zero.units import Unit
 
-__all__ = ["FSDP"]
+__all__ = ["FSDP", "FSDPUnit", "FlatShards"]
+
+
+class FlatShards(FlatLayout):
+    """The flat layout of a unit (`FlatLayout`) of tensors of ``shapes``, with the moves a
+    `Unit` asks of its layout: the all-gather writes straight into ``full``."""
+
+    def __init__(self, shapes, world_size: int):
+        super().__init__([s.numel() for s in shapes], world_size)
+        self.shapes, self.full_numel = list(shapes), self.padded_numel
+
+    def whole_views(self, full):
+        return self.views(full, self.shapes)
+
+    def pack(self, shard):
+        return shard                                            # (S,) already
+
+    def gather_buffer(self, full):
+        return full                                             # (P,) = (N S,)
+
+    def pack_grads(self, params, dtype, device):
+        flat = self.flatten([None if p.grad is None else p.grad.to(dtype) for p in params],
+                            torch.empty(self.padded_numel, dtype=dtype, device=device))
+        for p in params:
+            p.grad = None
+        return flat, [True] * len(params)
+
+
+class FSDPUnit(Unit):
+    """A block's parameters in the flat layout: the master shard ``shard`` (S,), the module's
+    parameters views of ``full`` (P,) in the compute dtype ``param_dtype``."""
+
+    def __init__(self, name: str, params, group, device, param_dtype=None, offload: bool = False):
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"unit {name!r}: parameters of several dtypes {sorted(map(str, dtypes))} "
+                             f"cannot share one flat buffer")
+        self.master_dtype, self.offload = params[0].dtype, offload
+        self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
+        layout = FlatShards([p.shape for p in params], self.dp_size)
+        self.shapes = layout.shapes
+        # Flatten once, make every rank start from group rank 0's numbers, keep our shard.
+        with torch.no_grad():
+            flat = layout.flatten([p.detach() for p in params],
+                                  torch.empty(layout.padded_numel, dtype=self.master_dtype, device=device))
+            comms.broadcast(flat, group=group, group_src=0)
+            mine = layout.shard(flat, self.dp_rank).to("cpu" if offload else device, copy=True)  # (S,)
+        self.shard = torch.nn.Parameter(mine)
+        self.compute_shard = torch.empty_like(mine, device=device) if offload else None
+        del flat
+        super().__init__(name, params, layout, group, param_dtype or self.master_dtype, device,
+                         grad_dtype=self.master_dtype)
+        for p, view in zip(params, self.views):
+            p.data = view
+
+    def gather(self, shards=None, async_op: bool = False) -> None:
+        """All-gather the master shard, in the compute dtype (a no-op when already there)."""
+        if self.gathered:
+            return
+        with torch.no_grad():
+            src = self.shard.detach()
+            if self.offload:  # "host to device": the optimizer updated the CPU master copy
+                src = self.compute_shard.copy_(src)
+            super().gather(src.to(self.full.dtype), async_op)  # the bf16 copy under mixed precision
+
+    def reduce_grads(self, async_op: bool = False):
+        """`reduce_scatter`, then (in the returned callable) add the mean into ``shard.grad``."""
+        finish = self.reduce_scatter(async_op)
+
+        def add():
+            grad, _ = finish()
+            with torch.no_grad():
+                # offload: "device to host", a real separate copy even on a CPU
+                grad = grad.to(self.shard.device, copy=True) if self.offload else grad
+                if self.shard.grad is None:
+                    self.shard.grad = grad
+                else:  # gradient accumulation over several backward passes
+                    self.shard.grad.add_(grad)
+
+        return add
+
+    def full_flat(self) -> torch.Tensor:
+        """A fresh (P,) tensor of the whole parameters in the master dtype (for inspection)."""
+        return self.gathered_copy(self.shard.detach().to(self.full.device))
+
+    def __repr__(self) -> str:
+        return (f"FSDPUnit({self.name!r}, tensors={len(self.params)}, numel={self.layout.numel}, "
+                f"shard_numel={self.layout.shard_numel}, gathered={self.is_gathered})")
 
 
 class FSDP(nn.Module):
@@ -108,9 +213,9 @@ class FSDP(nn.Module):
         self.shards = nn.ParameterList([u.shard for u in self.units])
 
         for unit in self.units:
+            unit.expect_grads()
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(self._make_grad_ready(unit))
-        self._ready: dict[int, int] = {}      # id(unit) -> params whose grad arrived
         self._pending = []                    # finish() of reduce-scatters in flight
         self._backward_gathered: set[int] = set()
         self._callback_queued = False
@@ -192,14 +297,12 @@ class FSDP(nn.Module):
 
     def _make_grad_ready(self, unit):
         def hook(param):
-            count = self._ready.get(id(unit), 0) + 1
-            self._ready[id(unit)] = count
-            if count == len(unit.params):
+            if unit.grad_arrived(param):
                 self._reduce(unit)
         return hook
 
     def _reduce(self, unit):
-        self._ready[id(unit)] = -1  # reduced: later grads of this backward are not expected
+        unit.reduced = True  # later grads of this backward are not expected
         unit.free()
         # One reduce-scatter in flight, as FSDP2: the previous unit's is waited on
         # and its full-size gradient freed before this one starts, so backward
@@ -217,12 +320,12 @@ class FSDP(nn.Module):
         # never completed their count: reduce them now, in unit order, which
         # is the same on every rank.
         for unit in self.units:
-            if self._ready.get(id(unit), 0) >= 0 and id(unit) in self._backward_gathered:
+            if not unit.reduced and id(unit) in self._backward_gathered:
                 self._reduce(unit)
         self._finish_pending()
         for unit in self.units:
             unit.free()
-        self._ready = {}
+            unit.expect_grads()
         self._backward_gathered = set()
         self._callback_queued = False
 

@@ -41,11 +41,10 @@ the step, on the shards, for the same reason (`reference.parallel.step`): a tp r
 a LayerNorm's gradient holds the same rows on every tp rank, so summing the reduce-scattered
 shards over tp equals reduce-scattering the tp sums, once a step instead of m times.
 
-How a parameter is freed while autograd still refers to it (`reference.zero.fsdp_unit`'s
-trick): each unit's parameters are views of one buffer ``full`` (P_u,); freeing resizes its
-storage to 0 bytes and gathering grows it back and copies the rows in, so the tensors autograd
-saved (the parameters and views of them) see the numbers again. Writes go through ``full``'s
-own views, so the parameters' version counters do not move.
+Each unit is a `reference.zero.units.Unit` made by `ShardedParameters.unit`, the same engine
+as gathering once and as the flat `FSDP`: its parameters are views of one buffer ``full``
+(P_u,) whose storage is freed to 0 bytes and grown back by each gather, so the tensors autograd
+saved see the numbers again; the shards are kept beside it as the source of every re-gather.
 
 The defaults: PyTorch's `fully_shard` defaults to ``reshard_after_forward=None``, True for every
 module but the root and False for the root; this course
@@ -61,88 +60,13 @@ on the data (`ParallelConfig` refuses experts, whose unused experts get no gradi
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
 from reference.model import Block
-from reference.zero.fsdp_param import all_gather_shards, reduce_scatter_grads, rows_of
+from reference.zero.units import Unit
 
 __all__ = ["ReshardAfterForward"]
-
-
-class _Unit:
-    """Parameters of one chunk gathered, freed and reduce-scattered together."""
-
-    def __init__(self, name: str, chunk: int, params: list, sharded, root: bool = False):
-        self.name, self.chunk, self.params, self.root = name, chunk, params, root
-        self.n, self.group = sharded.n, sharded.group
-        self.mean_over = getattr(sharded, "mean_over", sharded.n)  # gloo has no AVG: sum, then /
-        index = [sharded.index[id(p)] for p in params]
-        self.shapes = [sharded.shapes[i] for i in index]             # whole (TP-local)
-        self.c_shapes = [sharded.shard_shape(i) for i in index]      # (c, *rest)
-        self.k = [s.numel() for s in self.c_shapes]
-        self.S = sum(self.k)                                         # this rank's numbers
-        numel = [math.prod(s) for s in self.shapes]
-        self.P = sum(numel)                                          # the unit's whole numbers
-        self.trainable = any(p.requires_grad for p in params)
-        dtype, device = sharded.dtype, params[0].device
-        self.full = torch.empty(self.P, dtype=dtype, device=device)  # (P_u,) the whole tensors
-        offsets = [sum(numel[:i]) for i in range(len(params))]
-        self.views = [self.full[o:o + k].view(s) for o, k, s in zip(offsets, numel, self.shapes)]
-        self.full.untyped_storage().resize_(0)
-        self.gathered = False
-        self.shards: list | None = None   # during a step: the shard tensors, (c, *rest) each
-        self.grad: torch.Tensor | None = None  # (S,) the shards' accumulated mean gradient
-        self.with_grad = [False] * len(params)
-        self.pending: set = set()         # in a backward: parameters still awaiting a gradient
-        self.reduced = False              # in a backward: reduce-scattered already
-
-    # ------------------------------------------------------------------ parameters
-    @torch.no_grad()
-    def gather(self) -> None:
-        """Grow ``full`` back and all-gather every parameter into it: (S,) -> (N, S)."""
-        if self.gathered:
-            return
-        self.full.untyped_storage().resize_(self.P * self.full.element_size())
-        (packed, out), offset = all_gather_shards(self.shards, self.n, self.group), 0  # (S,), (N, S)
-        for view, c_shape, k in zip(self.views, self.c_shapes, self.k):
-            view.copy_(rows_of(out, offset, c_shape)[:view.shape[0]])              # (d0, *rest)
-            offset += k
-        del packed, out  # the collective's buffers, held until every parameter is copied out
-        self.gathered = True
-
-    def free(self) -> None:
-        """The whole parameters' bytes released; the views stay, to be filled by `gather`."""
-        self.full.untyped_storage().resize_(0)
-        self.gathered = False
-
-    # ------------------------------------------------------------------ gradients
-    @torch.no_grad()
-    def reduce_scatter(self) -> None:
-        """This backward's whole gradients, averaged over the group, added into the shards'
-        gradient (N, S) -> (S,); the whole gradients and parameters freed."""
-        out, had = reduce_scatter_grads(self.params, self.c_shapes, self.n, self.group, self.mean_over,
-                                        self.full.dtype, self.full.device)
-        self.with_grad = [a or b for a, b in zip(self.with_grad, had)]
-        if self.grad is None:
-            self.grad = out
-        else:
-            self.grad += out                       # accumulating over micro-batches
-        self.reduced = True
-        self.free()
-
-    def to_shards(self, with_grads: bool) -> None:
-        """``p.data`` the shard again, and ``p.grad`` its accumulated gradient (a view of
-        ``grad``) where some backward gave it one."""
-        self.free()
-        offset = 0
-        for i, (p, shard, c_shape, k) in enumerate(zip(self.params, self.shards, self.c_shapes, self.k)):
-            p.data = shard
-            if with_grads and self.with_grad[i]:
-                p.grad = self.grad[offset:offset + k].view(c_shape)
-            offset += k
-        self.shards, self.grad = None, None
 
 
 class ReshardAfterForward:
@@ -156,21 +80,23 @@ class ReshardAfterForward:
     ``units[c]``: chunk c's units, the root (parameters outside any `Block`) first."""
 
     def __init__(self, sharded, stages, microbatches: int):
-        if not hasattr(sharded, "index"):
+        if not hasattr(sharded, "unit"):
             raise TypeError(f"reshard_after_forward needs one ShardedParameters over the dp x cp "
                             f"group, got {type(sharded).__name__}")
-        self.sharded, self.stages, self.m = sharded, list(stages), microbatches
-        self.units: list[list[_Unit]] = []
-        self.blocks: list[tuple] = []   # (Block module, its unit): the forward hooks' places
+        self.stages, self.m = list(stages), microbatches
+        self.units: list[list[Unit]] = []
+        self.roots: list[Unit | None] = []  # each chunk's root unit: whole for every action
+        self.blocks: list[tuple] = []       # (Block module, its unit): the forward hooks' places
         owner: dict[int, int] = {}
         for c, stage in enumerate(self.stages):
             blocks = [(name, mod) for name, mod in stage.named_modules()
                       if isinstance(mod, Block) and any(True for _ in mod.parameters())]
             in_block = {id(p) for _, mod in blocks for p in mod.parameters()}
             root = [p for p in stage.parameters() if id(p) not in in_block]
-            chunk = [_Unit(f"chunk {c} root", c, root, sharded, root=True)] if root else []
+            chunk = [sharded.unit(f"chunk {c} root", root)] if root else []
+            self.roots.append(chunk[0] if root else None)
             for name, mod in blocks:
-                chunk.append(_Unit(f"chunk {c} {name}", c, list(mod.parameters()), sharded))
+                chunk.append(sharded.unit(f"chunk {c} {name}", list(mod.parameters())))
                 self.blocks.append((mod, chunk[-1]))
             for unit in chunk:
                 for p in unit.params:
@@ -186,7 +112,7 @@ class ReshardAfterForward:
     @property
     def shard_numel(self) -> int:
         """S: this rank's shard numbers, all units (the same as `ShardedParameters.shard_numel`)."""
-        return sum(u.S for chunk in self.units for u in chunk)
+        return sum(u.layout.shard_numel for chunk in self.units for u in chunk)
 
     def held_tensors(self) -> list:
         """What the units keep beside the parameters during a step: the shards (the parameters
@@ -203,16 +129,13 @@ class ReshardAfterForward:
         After (also on an error): every parameter its shard again."""
         for chunk in self.units:
             for u in chunk:
-                for p, c_shape, view in zip(u.params, u.c_shapes, u.views):
+                for p, c_shape in zip(u.params, u.layout.c_shapes):
                     if p.shape != c_shape:
                         raise RuntimeError(f"{u.name}: a parameter holds {tuple(p.shape)}, not its "
                                            f"shard {tuple(c_shape)} (gathered already?)")
                     if p.grad is not None:
                         raise RuntimeError(f"{u.name}: zero the gradients before the step")
-                u.shards = [p.data for p in u.params]
-                for p, view in zip(u.params, u.views):
-                    p.data = view  # (d0, *rest), no bytes until gathered
-                u.grad, u.with_grad = None, [False] * len(u.params)
+                u.to_whole(keep_shards=True)
         self.backwards = [0] * len(self.stages)
         self._install()
         try:
@@ -231,7 +154,7 @@ class ReshardAfterForward:
     def _install(self) -> None:
         for mod, unit in self.blocks:
             self._handles.append(mod.register_forward_pre_hook(
-                lambda module, args, unit=unit: unit.gather()))
+                lambda module, args, unit=unit: unit.gather_whole()))
             self._handles.append(mod.register_forward_hook(
                 lambda module, args, out, unit=unit: self._after_block(unit, out)))
         for chunk in self.units:
@@ -240,38 +163,37 @@ class ReshardAfterForward:
                     if p.requires_grad:
                         self._handles.append(p.register_post_accumulate_grad_hook(self._arrived))
 
-    def _after_block(self, unit: _Unit, out) -> None:
+    def _after_block(self, unit: Unit, out) -> None:
         if torch.is_grad_enabled():  # its backward gathers it again when its output's gradient comes
             for t in (out if isinstance(out, tuple) else (out,)):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda grad, unit=unit: unit.gather())
+                    t.register_hook(lambda grad, unit=unit: unit.gather_whole())
         if self.phase == "F":
             unit.free()  # (in B a recomputation's forward keeps it for the backward that follows)
 
     def _arrived(self, p) -> None:
         unit = self.unit_of[id(p)]
-        unit.pending.discard(id(p))
-        if not unit.pending and not unit.reduced and self.phase == "B":
-            unit.reduce_scatter()
+        if unit.grad_arrived(p) and self.phase == "B":
+            unit.reduce_into_grad()
+            unit.free()
 
     def hook(self, when: str, action) -> None:
         """The executor's per-action hook: ``when`` "before" or "after" ``action`` (F or B of
         ``action.chunk``)."""
-        chunk = self.units[action.chunk]
-        root = chunk[0] if chunk and chunk[0].root else None
+        chunk, root = self.units[action.chunk], self.roots[action.chunk]
         if when == "before":
             self.phase = action.op
             if action.op == "B":
                 for u in chunk:
-                    u.pending = {id(p) for p in u.params if p.requires_grad}
-                    u.reduced = not u.trainable
+                    u.expect_grads()
             if root is not None:
-                root.gather()  # the embedding and the head: whole for the action
+                root.gather_whole()  # the embedding and the head: whole for the action
             return
         if action.op == "B":
             for u in reversed(chunk):  # what no gradient completed (unused parameters): last block first
                 if not u.reduced:
-                    u.reduce_scatter()
+                    u.reduce_into_grad()
+                    u.free()
             self.backwards[action.chunk] += 1
         for u in chunk:
             u.free()

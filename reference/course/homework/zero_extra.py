@@ -304,7 +304,7 @@ FSDP_SCHEDULE = ExerciseSpec(
     difficulty="★★★ hard", world_sizes=(1,), make_cases=make_schedule_cases, call=call_schedule,
     expect=expect_schedule, judge=judge_schedule, reference=course_fsdp_schedule,
     banned=("reference.course.homework.zero_extra.course_fsdp_schedule",
-            "reference.zero.fsdp", "reference.zero.fsdp_unit"))
+            "reference.zero.fsdp", "reference.zero.units"))
 ZERO_MAX_PARAMS = question(
     "zero_max_params", "The largest model whose model states fit", zero_max_params_formula,
     {"memory_bytes": (80_000_000_000, 40_000_000_000, 24 * 2**30, 16 * 2**30, 999_999_937),
