@@ -1,4 +1,4 @@
-"""ZeRO stage 3 (P_os+g+p), also known as fully sharded data parallelism (FSDP).
+"""ZeRO stage 3 (P_os+g+p) by blocks, also known as fully sharded data parallelism (FSDP).
 
 Each rank keeps only 1/N of every parameter, gradient and optimizer state. The
 model is cut into units, one per GPT block `model.h[i]` plus a root unit holding
@@ -22,10 +22,9 @@ parallelism's all-reduce. That is the price of holding 1/N of the parameters.
 Hooks do the work, so the model's own code is unchanged: a forward pre-hook
 gathers a block, a forward hook frees it and hooks the block's outputs, whose
 gradient hook fires just before the block's backward and gathers it again; a
-hook on each parameter's gradient accumulation counts the unit's gradients and
-reduce-scatters once all have arrived; a callback at the end of backward
-finishes what is pending. Frozen parameters are not sharded: every rank keeps
-them whole and they are never communicated.
+hook on each parameter's gradient accumulation reduce-scatters the unit once all
+its gradients are in; a callback at the end of backward finishes what is pending.
+Frozen parameters are not sharded: every rank keeps them whole, never communicated.
 
     fsdp = FSDP(GPT(config))
     opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)
@@ -37,21 +36,16 @@ depends on the data, as in a mixture of experts, would leave ranks in different
 collectives).
 
 Each unit is a `reference.zero.units.Unit` in the flat layout (`FlatShards`): its
-parameters laid end to end in one buffer padded to N S, this rank's shard (S,) an
-`nn.Parameter` the optimizer steps on, and every module parameter a view of the
-gathered buffer `full` (P,), whose bytes exist only between gather and free. Options:
-
-* `mixed_precision=True`: the fp32 shard is the master copy; it is cast to bf16 before
-  the all-gather (half the bytes on the wire) and the block computes in bf16. The
-  gradients are cast back to fp32 before the reduce-scatter, so the mean over ranks
-  and the update are done in fp32.
-* `offload=True`: the master shard, its gradient and so the optimizer state live on
-  the CPU (`shard`), and a compute copy on the compute device (`compute_shard`):
-  before each gather the updated master is copied to the device, after each
-  reduce-scatter the gradient is copied back. On a GPU this frees 12 bytes of device
-  memory per sharded parameter (fp32 master + Adam); on a CPU-only machine both
-  copies sit in the same memory, and the option shows the data movement and the
-  bookkeeping (two real, separate copies kept in step), not a saving.
+shard (S,) an `nn.Parameter` the optimizer steps on, its module parameters views
+of `full` (P,). `mixed_precision=True`: the fp32 shard is the master copy, cast to
+bf16 before the all-gather (half the bytes on the wire), the block computes in bf16,
+and the gradients are cast back to fp32 before the reduce-scatter, so the mean and
+the update are done in fp32. `offload=True`: the master shard, its gradient and so
+the optimizer state live on the CPU (`shard`), a compute copy on the device
+(`compute_shard`), copied to before each gather and from after each reduce-scatter:
+on a GPU 12 bytes of device memory saved per parameter (fp32 master + Adam); on a
+CPU-only machine two real, separate copies kept in step, which shows the data
+movement and the bookkeeping, not a saving.
 """
 from __future__ import annotations
 
@@ -61,12 +55,11 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
 
 from reference import comms
 from reference.runtime import device as rank_device
 from reference.zero.shard import FlatLayout
-from reference.zero.units import Unit
+from reference.zero.units import Unit, on_output_grad
 
 __all__ = ["FSDP", "FSDPUnit", "FlatShards"]
 
@@ -87,6 +80,9 @@ class FlatShards(FlatLayout):
 
     def gather_buffer(self, full):
         return full                                             # (P,) = (N S,)
+
+    def unpack(self, gathered, views):
+        pass                                                    # gathered into full itself
 
     def pack_grads(self, params, dtype, device):
         flat = self.flatten([None if p.grad is None else p.grad.to(dtype) for p in params],
@@ -205,8 +201,8 @@ class FSDP(nn.Module):
                 continue
             unit = FSDPUnit(f"unit{i}", params, group, dev, param_dtype, offload)
             self.block_units.append(unit)
-            sub.register_forward_pre_hook(self._make_pre_forward(unit))
-            sub.register_forward_hook(self._make_post_forward(unit))
+            sub.register_forward_pre_hook(lambda module, args, unit=unit: self._use(unit, self._next(unit, +1)))
+            sub.register_forward_hook(lambda module, args, out, unit=unit: self._after_forward(unit, out))
         self.root = FSDPUnit("root", root_params, group, dev, param_dtype, offload) if root_params else None
         self.units = ([self.root] if self.root else []) + self.block_units
         # The shards (S,) per unit, registered as this module's own parameters.
@@ -215,7 +211,8 @@ class FSDP(nn.Module):
         for unit in self.units:
             unit.expect_grads()
             for p in unit.params:
-                p.register_post_accumulate_grad_hook(self._make_grad_ready(unit))
+                p.register_post_accumulate_grad_hook(
+                    lambda p, unit=unit: self._reduce(unit) if unit.grad_arrived(p) else None)
         self._pending = []                    # finish() of reduce-scatters in flight
         self._backward_gathered: set[int] = set()
         self._callback_queued = False
@@ -245,16 +242,9 @@ class FSDP(nn.Module):
         self._prefetch(following)
         unit.wait_gather()
 
-    def _make_pre_forward(self, unit):
-        def hook(module, args):
-            self._use(unit, self._next(unit, +1))
-        return hook
-
-    def _make_post_forward(self, unit):
-        def hook(module, args, output):
-            unit.free()
-            self._hook_outputs(output, unit)
-        return hook
+    def _after_forward(self, unit, output):
+        unit.free()
+        self._hook_outputs(output, unit)
 
     def forward(self, *args, **kwargs):
         if self.root is not None:
@@ -266,20 +256,13 @@ class FSDP(nn.Module):
         finally:
             if self.root is not None:
                 self.root.free()
-        if self.root is not None:
-            self._hook_outputs(output, self.root)
-        elif torch.is_grad_enabled():
-            self._hook_outputs(output, None)
+        self._hook_outputs(output, self.root)  # (None: only to learn when backward starts)
         return output
 
     # ------------------------------------------------------------------ backward
     def _hook_outputs(self, output, unit):
         """Gather `unit` again when the gradient of its outputs arrives (just before its backward)."""
-        if not torch.is_grad_enabled():
-            return
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        for t in tensors:
-            t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
+        on_output_grad(output, lambda: self._pre_backward(unit))
 
     def _pre_backward(self, unit):
         if not self._callback_queued:
@@ -294,12 +277,6 @@ class FSDP(nn.Module):
         else:
             following = self._next(unit, -1)
         self._use(unit, following)
-
-    def _make_grad_ready(self, unit):
-        def hook(param):
-            if unit.grad_arrived(param):
-                self._reduce(unit)
-        return hook
 
     def _reduce(self, unit):
         unit.reduced = True  # later grads of this backward are not expected

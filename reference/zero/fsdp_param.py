@@ -9,34 +9,23 @@
 `reference.zero.fsdp` flattens a block's tensors into one buffer and cuts that: a shard then
 mixes pieces of several tensors, which is fine while every tensor is whole and replicated,
 but not once tensor parallelism has split some of them (a shard would hold a slice of a
-column-parallel weight next to a LayerNorm gain replicated over tp). Here every parameter
-is sharded on its own, along dim 0, as PyTorch's `fully_shard` (FSDP2) does with
-`Shard(0)` DTensors; a parameter that is already a tensor-parallel slice (out / tp, in) is
-simply split again:
+column-parallel weight next to a LayerNorm gain replicated over tp). Here every parameter is
+cut on its own along dim 0 (`reference.zero.units.RowShards`); a parameter that is already a
+tensor-parallel slice (out / tp, in) is simply split again. Between steps `p.data` *is* the
+shard (c, *rest), so the optimizer, its state, the gradient clip and
+`reference.memory.measure` all see 1/N of each tensor.
 
-    p (d0, *rest)   c = ceil(d0 / N) rows per rank, dim 0 padded with zeros to N c
-    rank r holds rows [r c, (r + 1) c) of the padded tensor:   shard (c, *rest)
-
-Between steps `p.data` *is* the shard (the full tensor freed), so the optimizer, its state,
-the gradient clip and `reference.memory.measure` all see 1/N of each tensor. The padding
-rows are zero in the parameter and in the gradient, so an element-wise optimizer (SGD,
-Adam, AdamW) leaves them zero.
-
-When to gather (torchtitan's ``reshard_after_forward=False`` under pipeline parallelism):
-all of this rank's parameters are gathered once before the step and kept through every
-micro-batch's forward and backward, then the gradients reduce-scattered once after the
-last backward. That costs one all-gather and one reduce-scatter of the stage per step,
-(N-1)/N x 2 x its bytes, whatever the number of micro-batches m (the flat `FSDP` gathers
-twice and reduce-scatters once per micro-batch: 3 m times), against holding the whole
-stage's parameters and gradients during the step (the flat FSDP holds one block). With a
-pipeline a stage runs 2 m times a step, so gathering per micro-batch would multiply the
-data-parallel traffic by m; with tensor parallelism the stage is already 1/tp of the
-model. It also composes with anything the executor does, activation checkpointing
-included: the executor only ever sees whole (TP-local) parameters.
-
-The stage is one `reference.zero.units.Unit` in the per-parameter layout (`RowShards`):
-one all-gather and one reduce-scatter move all its parameters (FSDP2's copy-in / copy-out).
-`reference.zero.fsdp_reshard` cuts the same shards into a unit per block instead.
+When to gather (torchtitan's ``reshard_after_forward=False`` under pipeline parallelism): the
+stage is one `reference.zero.units.Unit`, gathered once before the step and kept whole through
+every micro-batch's forward and backward, its gradients reduce-scattered once after the last
+backward. That costs one all-gather and one reduce-scatter of the stage per step, (N-1)/N x 2
+x its bytes, whatever the number of micro-batches m (the flat `FSDP` moves 3 m times), for
+holding the stage's parameters and gradients whole during the step (the flat FSDP holds one
+block). With a pipeline a stage runs 2 m times a step, so gathering per micro-batch would
+multiply the data-parallel traffic by m; with tensor parallelism the stage is already 1/tp of
+the model. It composes with anything the executor does, activation checkpointing included:
+the executor only ever sees whole (TP-local) parameters. `reference.zero.fsdp_reshard` cuts
+the same shards into a unit per block instead.
 """
 from __future__ import annotations
 
@@ -54,14 +43,12 @@ class ShardedParameters:
     """This rank's parameters, each sharded along dim 0 over ``group`` (the dp x cp ranks).
 
     ``params``: the distinct parameters of this rank's pipeline stages (tensor-parallel slices
-    included). Each records where it was cut, ``p.zero_rows`` (`ZeroRows`: this rank's place,
-    the group's size and the whole shape), which the gradient clip and the checkpoints read.
-    ``mean_over``: what the summed gradient is divided by, the group's size unless given
-    (experts sharded over the expert-data-parallel group divide by dp: see `ShardedSets`).
-    ``replicate_group`` (HSDP, FSDP2's 2D mesh): ``group`` is one block of the dp ranks, and
-    every block holds the same shards; after the reduce-scatter inside the block, one
-    all-reduce across the blocks (the same rows on each) sums the other blocks' share, and
-    ``mean_over`` is then all of dp."""
+    included). Each records where it was cut, ``p.zero_rows`` (`ZeroRows`), which the gradient
+    clip and the checkpoints read. ``mean_over``: what the summed gradient is divided by, the
+    group's size unless given (experts sharded over the expert-data-parallel group divide by
+    dp: see `ShardedSets`). ``replicate_group`` (HSDP, FSDP2's 2D mesh): ``group`` is one block
+    of the dp ranks, every block holding the same shards; after the reduce-scatter inside the
+    block, one all-reduce across the blocks sums their shares, and ``mean_over`` is all of dp."""
 
     def __init__(self, params, group, mean_over: int | None = None, replicate_group=None):
         self.group, self.replicate_group = group, replicate_group
@@ -70,7 +57,6 @@ class ShardedParameters:
         self.mean_over = self.n if mean_over is None else mean_over  # the gradient's divisor
         self.params = list({id(p): p for p in params}.values())  # a tied weight once
         self.shapes = [p.shape for p in self.params]               # the whole (TP-local) shapes
-        self.index = {id(p): i for i, p in enumerate(self.params)}
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) > 1:
             raise ValueError(f"ShardedParameters packs one buffer: parameters of dtypes {dtypes}")
@@ -79,31 +65,20 @@ class ShardedParameters:
             with torch.no_grad():
                 p.data = shard_rows(p.data, self.rank, self.n)  # (c, *rest): the full tensor freed
             p.zero_rows = ZeroRows(self.rank, self.n, shape, replica)  # recorded where it is cut
-        self.stage = self.unit("stage", self.params) if self.params else None  # gathered once a step
+        self.stage = self.unit("stage", self.params) if self.params else None
         self.gathered = False
 
     def unit(self, name: str, params) -> Unit:
-        """A unit of some of these parameters (whole ``p.shape`` or not), gathered and
-        reduce-scattered over this group with this mean."""
-        shapes = [self.full_shape(p) for p in params]
-        return Unit(name, params, RowShards(shapes, self.rank, self.n), self.group, self.dtype,
-                    params[0].device, mean_over=self.mean_over, replicate_group=self.replicate_group)
+        """A `Unit` of some of these parameters, over this group with this mean."""
+        layout = RowShards([p.zero_rows.whole for p in params], self.rank, self.n)
+        return Unit(name, params, layout, self.group, self.dtype, params[0].device,
+                    mean_over=self.mean_over, replicate_group=self.replicate_group)
 
     @property
     def shard_numel(self) -> int:
         """S: the numbers this rank holds, padding included (its parameter bytes / element size)."""
         return self.stage.layout.shard_numel if self.stage else 0
 
-    def full_shape(self, p) -> torch.Size:
-        """Parameter ``p``'s whole (TP-local) shape, whatever it holds now."""
-        return self.shapes[self.index[id(p)]]
-
-    def rank_of(self, p) -> int:
-        """This rank's place in the group that shards ``p``: it holds rows [rank c, (rank + 1) c)."""
-        self.index[id(p)]  # a KeyError for a parameter not sharded here
-        return self.rank
-
-    # ------------------------------------------------------------------ the step
     def gather(self) -> None:
         """Every parameter whole: one all-gather of the packed shards (S,) -> (N, S)."""
         if not self.gathered and self.stage is not None:
@@ -115,8 +90,7 @@ class ShardedParameters:
         """After the last backward: average each whole gradient over the group into this rank's
         rows (one reduce-scatter of (N, S) -> (S,)), and shrink every parameter back to its shard.
 
-        The gradients are copied straight into one (N, S) buffer, block r holding every
-        tensor's rows for rank r, each whole gradient dropped as soon as it is copied: the
+        Each whole gradient is dropped as soon as it is copied into the (N, S) buffer: the
         collective's own memory is that buffer and its (S,) output, 4 N S + 4 S bytes in fp32."""
         if not self.gathered:
             raise RuntimeError("reduce_scatter() without gather(): the parameters are shards already")
@@ -155,13 +129,11 @@ class ShardedSets:
         sets = ShardedSets([ShardedParameters(dense, dp_group),
                             ShardedParameters(experts, edp_group, mean_over=dp)])
 
-    It offers what `ShardedParameters` offers to the training step, the clip and the
-    checkpoints: `gather`, `reduce_scatter`, `gathered`, `gathered_params`, `full_shape`
-    and `rank_of` (each parameter's place in its own group)."""
+    It offers the training step what `ShardedParameters` does: `gather`, `reduce_scatter`,
+    `gathered`, `gathered_params`, `params` and `shard_numel`."""
 
     def __init__(self, sets):
         self.sets = [s for s in sets if s.params]
-        self._of = {id(p): s for s in self.sets for p in s.params}
 
     @property
     def params(self) -> list:
@@ -174,12 +146,6 @@ class ShardedSets:
     @property
     def shard_numel(self) -> int:
         return sum(s.shard_numel for s in self.sets)
-
-    def full_shape(self, p) -> torch.Size:
-        return self._of[id(p)].full_shape(p)
-
-    def rank_of(self, p) -> int:
-        return self._of[id(p)].rank_of(p)
 
     def gather(self) -> None:
         for s in self.sets:

@@ -2,69 +2,54 @@
 
 `reference.zero.fsdp_param` gathers a stage once per step and keeps it whole through all m
 micro-batches: 1 all-gather and 1 reduce-scatter a step, for holding the stage's parameters
-and its gradients whole (8 P bytes in fp32, P = the stage's TP-local numbers). This file is
-the other choice. Each pipeline chunk is cut into units as `fully_shard` is applied in
-torchtitan, one per transformer `Block` and one for the rest (embedding, final LayerNorm,
-head: the root), and for every micro-batch
+and gradients whole (8 P bytes in fp32, P = the stage's TP-local numbers). This file is the
+other choice. Each pipeline chunk is cut into `reference.zero.units.Unit`s as `fully_shard` is
+applied in torchtitan, one per transformer `Block` and one for the rest (embedding, final
+LayerNorm, head: the root), over the same shards, and for every micro-batch
 
     F   the root is gathered for the action; each block is all-gathered by a forward
         pre-hook and freed again by a forward hook as soon as its forward returns
     B   the root is gathered for the action; each block is all-gathered again when the
-        gradient of its output arrives (a hook on that tensor), or by the recomputation of
-        activation checkpointing; once every parameter of a unit has its gradient (a
-        post-accumulate-grad hook on each), the unit's whole gradients are reduce-scattered
-        into its shards, added to what earlier micro-batches left there, and the unit freed
+        gradient of its output arrives, or by the recomputation of activation checkpointing;
+        once every parameter of a unit has its gradient, the unit's whole gradients are
+        reduce-scattered into its shards' gradient, summed over the micro-batches there
 
-so per step and chunk a rank all-gathers the stage 2 m times and reduce-scatters it m times,
-over N = dp x cp ranks, against 1 + 1 gathering once:
+so per step and chunk, over N = dp x cp ranks (4 N S the stage's fp32 bytes padded per tensor,
+U the chunk's units):
 
     sent per step   all-gather  2 m (N-1)/N x 4 N S      reduce-scatter  m (N-1)/N x 4 N S
-                    (gather once:   (N-1)/N x 4 N S                          (N-1)/N x 4 N S)
-    calls           2 m U all-gathers, m U reduce-scatters   (U = the chunk's units)
+    calls           2 m U all-gathers                    m U reduce-scatters
+    (gather once:   (N-1)/N x 4 N S in 1 call each way)
 
-with 4 N S the stage's bytes padded per tensor (S = this rank's shard numbers, fp32). What it
-buys: between micro-batches a stage is its shards and its shards' gradients (8 S bytes), and
-inside an action about one block is whole beside the root. Those 8 S are kept through the
-step (the shards are the source of every re-gather; the gradients accumulate there), where
-gathering once keeps nothing but the whole stage: with N = 2, 8 S is already 4 P, so resharding
-only holds less when the stage has more than a few blocks (the tests and notebook 06 measure
-it). With activation checkpointing the executor recomputes a whole stage at the start of its
-B, so every block of the chunk is whole from the recomputation to its own backward there.
+What it buys: between micro-batches a stage is its shards and their gradients (8 S bytes,
+kept through the step as the source of every re-gather and where gradients accumulate), and
+inside an action about one block is whole beside the root. With N = 2, 8 S is already 4 P, so
+resharding only holds less when the stage has more than a few blocks (the tests and notebook
+06 measure it). With activation checkpointing the executor recomputes a whole stage at the
+start of its B, so every block of the chunk is whole from the recomputation to its backward.
 
-What stays as with gathering once: between steps `p.data` is the shard and `p.grad` the
-shard's gradient (the mean over the N ranks, summed over micro-batches; here views of one
-buffer per unit), so the optimizer, fp16's loss scaler and the clip see what they saw. The
-tied embedding's two copies are summed by the executor after the last backward, which now
-finds the shards' gradients: the sum of the two shards is the shard of the sum (both ends
-hold the same rows of the same dp rank). Sequence-parallel gradients are summed over tp after
-the step, on the shards, for the same reason (`reference.parallel.step`): a tp rank's shard of
-a LayerNorm's gradient holds the same rows on every tp rank, so summing the reduce-scattered
-shards over tp equals reduce-scattering the tp sums, once a step instead of m times.
-
-Each unit is a `reference.zero.units.Unit` made by `ShardedParameters.unit`, the same engine
-as gathering once and as the flat `FSDP`: its parameters are views of one buffer ``full``
-(P_u,) whose storage is freed to 0 bytes and grown back by each gather, so the tensors autograd
-saved see the numbers again; the shards are kept beside it as the source of every re-gather.
+Between steps `p.data` is the shard and `p.grad` its gradient (the mean over the N ranks,
+summed over micro-batches), as with gathering once, so the optimizer, fp16's loss scaler and
+the clip see what they saw. The tied embedding's two copies are summed by the executor after
+the last backward, on the shards' gradients (both ends hold the same rows); the sequence-
+parallel gradients are summed over tp on the shards too, once a step (`reference.parallel.step`).
 
 The defaults: PyTorch's `fully_shard` defaults to ``reshard_after_forward=None``, True for every
-module but the root and False for the root; this course
-defaults to False (`ParallelConfig.reshard_after_forward`), as torchtitan does under a
-pipeline. And PyTorch's own pipeline schedules (`torch.distributed.pipelining`) turn gradient
-sync off for every backward but the last, reduce-scattering once a step; here, as FSDP2 does
-with sync on, every backward reduce-scatters, so the whole gradients never pile up.
-
-The ranks of a group must issue their collectives in the same order: units are reduced in the
-order their gradients complete, the same on every rank for a model whose graph does not depend
-on the data (`ParallelConfig` refuses experts, whose unused experts get no gradient).
+module but the root and False for the root; this course defaults to False
+(`ParallelConfig.reshard_after_forward`), as torchtitan does under a pipeline. And PyTorch's
+own pipeline schedules turn gradient sync off for every backward but the last; here, as FSDP2
+does with sync on, every backward reduce-scatters, so the whole gradients never pile up. The
+ranks issue their collectives in the same order: units are reduced as their gradients
+complete, the same on every rank for a model whose graph does not depend on the data
+(`ParallelConfig` refuses experts, whose unused experts get no gradient).
 """
 from __future__ import annotations
 
 import contextlib
 
-import torch
 
 from reference.model import Block
-from reference.zero.units import Unit
+from reference.zero.units import Unit, on_output_grad
 
 __all__ = ["ReshardAfterForward"]
 
@@ -164,10 +149,7 @@ class ReshardAfterForward:
                         self._handles.append(p.register_post_accumulate_grad_hook(self._arrived))
 
     def _after_block(self, unit: Unit, out) -> None:
-        if torch.is_grad_enabled():  # its backward gathers it again when its output's gradient comes
-            for t in (out if isinstance(out, tuple) else (out,)):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda grad, unit=unit: unit.gather_whole())
+        on_output_grad(out, unit.gather_whole)  # its backward gathers it again
         if self.phase == "F":
             unit.free()  # (in B a recomputation's forward keeps it for the backward that follows)
 

@@ -1,43 +1,39 @@
-"""ZeRO-3's one engine: a unit of parameters, sharded at rest, gathered whole while used.
+"""ZeRO-3's one engine: a unit of parameters, sharded at rest, gathered whole only while used.
 
-A unit is a list of a module's parameters gathered, freed and reduce-scattered together:
-a block (`FSDP`, and `ReshardAfterForward`'s blocks), or a whole pipeline stage
-(`ShardedParameters`, gathered once a step). Whatever the unit, the same three moves:
+A unit is a list of parameters gathered, freed and reduce-scattered together: a block
+(`FSDP`, `ReshardAfterForward`) or a whole pipeline stage (`ShardedParameters`, gathered
+once a step). Whatever the unit, and whenever the caller frees it, the same three moves:
 
-    gather()          the shards (S,) all-gathered, every parameter whole in ``full`` (P,)
-    free()            ``full``'s storage shrunk to 0 bytes; the parameters' views stay
-    reduce_scatter()  the whole gradients packed (N S,), reduce-scattered to this rank's
-                      mean gradient (S,), the whole gradients dropped
+    gather()          this rank's shard (S,) all-gathered: every parameter whole in ``full`` (P,)
+    free()            ``full``'s storage shrunk to 0 bytes; the parameters' views of it stay
+    reduce_scatter()  the whole gradients packed (N S,) and dropped, reduce-scattered to this
+                      rank's mean gradient (S,)
 
 The parameters are views of ``full``. Freeing resizes its storage to zero bytes and gathering
 grows it back and writes the numbers in, so the views (the module's parameters, and the
 tensors autograd saved for backward, which are those parameters) see the numbers again
-without being rebuilt. Writes go through ``full``'s own views: `p.data = view` gives each
-parameter its own version counter, so autograd does not mistake a re-gather for an in-place
-change. When to gather and when to free (after each block's forward, or after the last
-backward of the step) is the caller's choice; the bytes are this file's.
+without being rebuilt. `p.data = view` gives each parameter its own version counter, and the
+writes go through ``full``, so autograd does not mistake a re-gather for an in-place change.
 
-How the bytes are arranged is a layout object, two of them in the course:
+How the numbers are laid out is a layout object, two in the course:
 
-* `FlatShards` (`reference.zero.fsdp`): the unit's tensors end to end in one buffer padded
-  to N S, rank r owning numbers [r S, (r + 1) S) (`FlatLayout`). A shard mixes pieces of
-  several tensors: fine while every tensor is whole and replicated.
+* `FlatShards` (`reference.zero.fsdp`): the unit's tensors end to end in one buffer padded to
+  N S, rank r owning [r S, (r + 1) S) (`FlatLayout`); a shard mixes pieces of several tensors,
+  fine while every tensor is whole and replicated. The all-gather writes into ``full`` itself.
 * `RowShards` (here): each tensor cut on its own along dim 0, as PyTorch's `fully_shard`
   (FSDP2) does with `Shard(0)` DTensors, so a tensor-parallel slice can be sharded again:
 
-    p (d0, *rest)   c = ceil(d0 / N) rows per rank, dim 0 padded with zeros to N c
+    p (d0, *rest)   c = ceil(d0 / N) rows per rank, dim 0 padded with zero rows to N c
     rank r holds rows [r c, (r + 1) c) of the padded tensor:   shard (c, *rest)
 
-  The shards are packed end to end (S,) for the all-gather, whose (N, S) result holds every
-  rank's block; each parameter's N row blocks are copied out (FSDP2's copy-in / copy-out).
-  The gradients go the other way, (N, S) with block r holding every tensor's rows for rank r.
-  The padding rows are zero in the parameter and in the gradient, so an element-wise
-  optimizer (SGD, Adam, AdamW) leaves them zero.
+  The shards are packed end to end (S,) and all-gathered to (N, S), each tensor's N row
+  blocks copied out (FSDP2's copy-in / copy-out); the gradients go the other way, block r of
+  (N, S) holding every tensor's rows for rank r. The padding rows stay zero in parameters and
+  gradients, so an element-wise optimizer (SGD, Adam, AdamW) leaves them zero.
 
-A layout offers: ``full_numel`` (P) and ``shard_numel`` (S), ``whole_views(full)``,
-``pack(shards)`` (S,), ``gather_buffer(full)`` (what the all-gather writes: ``full`` itself
-when the layout is flat), ``unpack(gathered, views)``, ``pack_grads(params, dtype, device)``
-((N S,), each whole gradient dropped once packed) and ``cut(i, whole)`` (a whole tensor's shard).
+A layout gives ``full_numel`` (P), ``shard_numel`` (S), ``whole_views(full)``, ``pack(shards)``
+(S,), ``gather_buffer(full)`` (where the all-gather lands), ``unpack(gathered, views)`` and
+``pack_grads(params, dtype, device)`` ((N S,), which parameters had a gradient).
 """
 from __future__ import annotations
 
@@ -47,10 +43,20 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
 
 from reference import comms
 
-__all__ = ["Unit", "RowShards", "ZeroRows", "copy_rows", "shard_rows"]
+__all__ = ["Unit", "RowShards", "ZeroRows", "copy_rows", "shard_rows", "on_output_grad"]
+
+
+def on_output_grad(output, fn) -> None:
+    """Call ``fn()`` when the gradient of a tensor of ``output`` arrives: just before the backward
+    of the module that made it, the moment to gather that module's unit again."""
+    if torch.is_grad_enabled():
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad: fn())
 
 
 def copy_rows(blocks: torch.Tensor, full: torch.Tensor) -> None:
@@ -74,8 +80,9 @@ def shard_rows(full: torch.Tensor, rank: int, n: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ZeroRows:
-    """Where ZeRO-3 per parameter cut a tensor: rows [rank c, (rank + 1) c) of the whole
-    (TP-local) tensor of shape ``whole``, c = ceil(whole[0] / parts), padded with zero rows."""
+    """Where ZeRO-3 per parameter cut a tensor, recorded on it (``p.zero_rows``) for the clip and
+    the checkpoints: rows [rank c, (rank + 1) c) of the whole (TP-local) tensor of shape
+    ``whole``, c = ceil(whole[0] / parts), padded with zero rows."""
 
     rank: int
     parts: int
@@ -88,8 +95,8 @@ class ZeroRows:
 
 
 class RowShards:
-    """The per-parameter layout: tensors of whole (TP-local) ``shapes``, each cut along dim 0
-    into ``n`` blocks of c rows; this rank (``rank``) holds block ``rank`` of each."""
+    """The per-parameter layout of tensors of whole (TP-local) ``shapes``: each cut along dim 0
+    into ``n`` blocks of c rows, this rank (``rank``) holding block ``rank`` of each."""
 
     def __init__(self, shapes, rank: int, n: int):
         self.shapes, self.rank, self.n = [torch.Size(s) for s in shapes], rank, n
@@ -103,59 +110,52 @@ class RowShards:
 
     def blocks(self, packed: torch.Tensor):
         """Each tensor's part of an (N, S) buffer, as its (N, c, *rest) row blocks."""
-        offset = 0
-        for c_shape in self.c_shapes:
-            k = c_shape.numel()
-            yield packed[:, offset:offset + k].view((self.n,) + tuple(c_shape))
-            offset += k
+        offsets = itertools.accumulate([c.numel() for c in self.c_shapes], initial=0)
+        for o, c_shape in zip(offsets, self.c_shapes):
+            yield packed[:, o:o + c_shape.numel()].view((self.n,) + tuple(c_shape))
 
     def pack(self, shards) -> torch.Tensor:
-        return torch.cat([s.reshape(-1) for s in shards])                           # (S,)
+        return torch.cat([s.reshape(-1) for s in shards])                            # (S,)
 
     def gather_buffer(self, full: torch.Tensor) -> torch.Tensor:
-        return torch.empty(self.n * self.shard_numel, dtype=full.dtype, device=full.device)  # (N S,)
+        return full.new_empty(self.n * self.shard_numel)                             # (N S,)
 
     def unpack(self, gathered: torch.Tensor, views) -> None:
-        """Copy each tensor's first d0 rows out of the gathered (N, S) blocks into its view."""
         for view, blocks in zip(views, self.blocks(gathered.view(self.n, self.shard_numel))):
             view.copy_(blocks.reshape((-1,) + tuple(view.shape[1:]))[:view.shape[0]])  # (d0, *rest)
 
     def pack_grads(self, params, dtype, device) -> tuple[torch.Tensor, list[bool]]:
-        packed = torch.zeros(self.n, self.shard_numel, dtype=dtype, device=device)   # (N, S)
+        packed = torch.zeros(self.n, self.shard_numel, dtype=dtype, device=device)    # (N, S)
         had = [p.grad is not None for p in params]
         for p, blocks in zip(params, self.blocks(packed)):
             if p.grad is not None:
                 copy_rows(blocks, p.grad)
-                p.grad = None  # the whole gradient goes as soon as it is packed
+                p.grad = None  # each whole gradient goes as soon as it is packed
         return packed.view(-1), had
-
-    def cut(self, i: int, whole: torch.Tensor) -> torch.Tensor:
-        return shard_rows(whole, self.rank, self.n)                                  # (c, *rest)
 
 
 class Unit:
     """Parameters ``params`` gathered, freed and reduce-scattered together over ``group``.
 
     ``dtype``: what the whole parameters compute in; ``grad_dtype``: what the gradients are
-    averaged in (fp32 under mixed precision, so the mean loses no bits). ``mean_over``: None
-    averages with the collective's own AVG; a number sums and divides by it (gloo has no AVG
-    for some groups; experts divide by dp over their smaller group). ``replicate_group``
-    (HSDP): the reduce-scattered rows are then summed across the replicas, one all-reduce.
+    averaged in (fp32 under mixed precision: the mean loses no bits). ``mean_over``: None
+    averages with the collective's AVG; a number sums, then divides by it (experts sharded
+    over their expert-data-parallel group divide by all of dp). ``replicate_group`` (HSDP):
+    the reduce-scattered rows are then summed across the replicas, one all-reduce.
     """
 
     def __init__(self, name: str, params, layout, group, dtype, device, grad_dtype=None,
                  mean_over: int | None = None, replicate_group=None):
         self.name, self.params, self.layout, self.group = name, list(params), layout, group
-        self.grad_dtype = grad_dtype or dtype
+        self.dtype, self.device, self.grad_dtype = dtype, device, grad_dtype or dtype
         self.mean_over, self.replicate_group = mean_over, replicate_group
-        self.dtype, self.device = dtype, device
-        self.gathered = False                 # the whole numbers in ``full``, or on the way
-        self.keep_shards = True
-        self.shards: list | None = None       # per-parameter layout: the shards while p is whole
-        self.grad: torch.Tensor | None = None  # per-parameter layout: the accumulated (S,) mean
+        self.gathered = False                  # the whole numbers in ``full``, or on the way
+        self.keep_shards = True                # per-parameter shards: see `to_whole`
+        self.shards: list | None = None        # the shards while the parameters view ``full``
+        self.grad: torch.Tensor | None = None  # their accumulated mean gradient (S,)
         self.with_grad = [False] * len(self.params)
-        self.pending: set = set()             # in a backward: parameters awaiting their gradient
-        self.reduced = True                   # in a backward: reduce-scattered already
+        self.pending: set = set()              # in a backward: parameters awaiting a gradient
+        self.reduced = True                    # in a backward: reduce-scattered already
         self._work = self._in_flight = None
         self.allocate()
         self.free()
@@ -165,15 +165,15 @@ class Unit:
         self.full = torch.empty(self.layout.full_numel, dtype=self.dtype, device=self.device)
         self.views = self.layout.whole_views(self.full)
 
-    # ------------------------------------------------------------------ parameters
     @property
     def is_gathered(self) -> bool:
         return self.gathered and self._work is None
 
+    # ------------------------------------------------------------------ the three moves
     @torch.no_grad()
     def gather(self, shards, async_op: bool = False) -> None:
-        """All-gather ``shards`` (this rank's numbers) into ``full``: a no-op when it is there or
-        on the way. ``async_op``: the caller waits with `wait_gather` (flat layout only)."""
+        """All-gather ``shards`` (this rank's numbers) into ``full``, a no-op when they are there
+        or on the way; with ``async_op`` the caller waits later, with `wait_gather`."""
         if self.gathered:
             return
         if self.full.untyped_storage().nbytes() == 0:  # grown back under the views
@@ -190,21 +190,13 @@ class Unit:
             self.wait_gather()
 
     def wait_gather(self) -> None:
-        """Block until a gather has landed, and copy it out where the layout needs it."""
+        """Block until a gather has landed; copy it out where the layout needs it."""
         if self._work is not None:
             self._work.wait()
-        if self._in_flight is not None and self._in_flight[1] is not self.full:
+        if self._in_flight is not None:  # (the flat layout gathered into ``full`` itself)
             with torch.no_grad():
                 self.layout.unpack(self._in_flight[1], self.views)
         self._work = self._in_flight = None
-
-    @torch.no_grad()
-    def gathered_copy(self, send: torch.Tensor) -> torch.Tensor:
-        """``send`` (S,) all-gathered into a fresh (N S,) tensor, ``full`` untouched: to read a
-        flat unit's master copy whole, in its own dtype."""
-        out = send.new_empty(dist.get_world_size(self.group) * self.layout.shard_numel)
-        comms.all_gather_into_tensor(out, send, group=self.group)
-        return out
 
     def free(self) -> None:
         """Drop the whole parameters' bytes; the views stay and come back with `gather`."""
@@ -212,14 +204,11 @@ class Unit:
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
-    # ------------------------------------------------------------------ gradients
     def reduce_scatter(self, async_op: bool = False):
-        """Reduce-scatter the parameters' whole gradients (dropped) to this rank's mean (S,).
-
-        Returns a callable that finishes the job and returns (the mean, which parameters had
-        a gradient); a parameter with no gradient (unused this step) counts as zeros. The
-        packed input lives until then, so a caller that finishes each unit before reducing the
-        next holds one packed gradient in flight."""
+        """Reduce-scatter the whole gradients (dropped once packed; a missing one counts as
+        zeros) to this rank's mean (S,). Returns a callable that finishes the job and returns
+        (the mean, which parameters had a gradient). The packed input lives until then, so a
+        caller that finishes each unit before reducing the next has one in flight."""
         with torch.no_grad():
             send, had = self.layout.pack_grads(self.params, self.grad_dtype, self.device)
             out = torch.empty(self.layout.shard_numel, dtype=send.dtype, device=send.device)  # (S,)
@@ -229,8 +218,7 @@ class Unit:
         del send, work
 
         def finish():
-            work = in_flight.pop("work", None)
-            if work is not None:
+            if (work := in_flight.pop("work", None)) is not None:
                 work.wait()
             in_flight.clear()
             with torch.no_grad():
@@ -242,22 +230,31 @@ class Unit:
 
         return finish
 
-    # ------------------------------------------------------------------ per-parameter shards
+    @torch.no_grad()
+    def gathered_copy(self, send: torch.Tensor) -> torch.Tensor:
+        """``send`` (S,) all-gathered into a fresh (N S,) tensor, ``full`` untouched (to read a
+        flat unit's master copy whole)."""
+        out = send.new_empty(dist.get_world_size(self.group) * self.layout.shard_numel)
+        comms.all_gather_into_tensor(out, send, group=self.group)
+        return out
+
+    # ------------------------------------------------------------------ one backward
     def expect_grads(self) -> None:
-        """A backward starts: the unit is reduced once every trainable parameter's gradient is in."""
+        """A backward starts: the unit is complete once every trainable parameter's gradient is in."""
         self.pending = {id(p) for p in self.params if p.requires_grad}
         self.reduced = not self.pending
 
     def grad_arrived(self, p) -> bool:
-        """``p``'s gradient is in; True when it completes the unit (reduce it now)."""
+        """``p``'s gradient is in; True when that completes the unit (reduce it now)."""
         self.pending.discard(id(p))
         return not self.pending and not self.reduced
 
+    # ------------------------------------------------------------------ per-parameter shards
     def to_whole(self, keep_shards: bool) -> None:
         """Each ``p.data``, its shard until now, becomes its view of ``full`` (whole once
         gathered). ``keep_shards``: keep the shards as the source of every re-gather (resharded
-        after forward); otherwise they go at the first gather and are cut again from the whole
-        tensors by `to_shards`, and ``full`` is a new buffer for this step, let go there."""
+        after forward); otherwise they go at the gather, ``full`` is a new buffer for this step,
+        and `to_shards` cuts the shards again from the whole tensors and lets the buffer go."""
         self.shards, self.keep_shards = [p.data for p in self.params], keep_shards
         if not keep_shards:
             self.allocate()
@@ -266,13 +263,11 @@ class Unit:
         self.grad, self.with_grad = None, [False] * len(self.params)
 
     def gather_whole(self) -> None:
-        """`gather` from the shards kept by `to_whole`."""
-        if not self.is_gathered:
-            self.gather(self.shards)
+        """`gather` from the shards that `to_whole` took."""
+        self.gather(self.shards)
 
     def reduce_into_grad(self) -> None:
-        """Reduce-scatter this backward's gradients and add them to ``grad`` (micro-batches
-        accumulate there)."""
+        """Reduce-scatter this backward's gradients, added into ``grad`` (micro-batches accumulate)."""
         out, had = self.reduce_scatter()()
         self.with_grad = [a or b for a, b in zip(self.with_grad, had)]
         if self.grad is None:
@@ -283,16 +278,17 @@ class Unit:
 
     @torch.no_grad()
     def to_shards(self, with_grads: bool) -> None:
-        """``p.data`` its shard again (the kept one, or cut from the whole tensor, which may
+        """``p.data`` its shard again (the kept one, or its rows of the whole tensor, which may
         have been overwritten), and ``p.grad`` a view of ``grad`` where a backward gave one."""
-        shards = self.shards or [self.layout.cut(i, p.data) for i, p in enumerate(self.params)]
+        cut = self.layout.rank, self.layout.n
+        shards = self.shards or [shard_rows(p.data, *cut) for p in self.params]
         self.free()
         if not self.keep_shards:
             self.full = self.views = None
-        offset = 0
-        for p, shard, c_shape, had in zip(self.params, shards, self.layout.c_shapes, self.with_grad):
+        offsets = itertools.accumulate([c.numel() for c in self.layout.c_shapes], initial=0)
+        for p, shard, o, c_shape, had in zip(self.params, shards, offsets, self.layout.c_shapes,
+                                              self.with_grad):
             p.data = shard
             if with_grads and had:
-                p.grad = self.grad[offset:offset + c_shape.numel()].view(c_shape)
-            offset += c_shape.numel()
+                p.grad = self.grad[o:o + c_shape.numel()].view(c_shape)
         self.shards, self.grad = None, None
