@@ -83,7 +83,7 @@ class ShardedParameters:
         """Every parameter whole: one all-gather of the packed shards (S,) -> (N, S)."""
         if not self.gathered and self.stage is not None:
             self.stage.to_whole(keep_shards=False)
-            self.stage.gather_whole()
+            self.stage.gather()
         self.gathered = True
 
     def reduce_scatter(self) -> None:

@@ -94,11 +94,6 @@ class ReshardAfterForward:
         self.backwards = [0] * len(self.stages)
         self._handles: list = []
 
-    @property
-    def shard_numel(self) -> int:
-        """S: this rank's shard numbers, all units (the same as `ShardedParameters.shard_numel`)."""
-        return sum(u.layout.shard_numel for chunk in self.units for u in chunk)
-
     def held_tensors(self) -> list:
         """What the units keep beside the parameters during a step: the shards (the parameters
         then view the units' buffers) and the shards' accumulated gradients. With
@@ -139,7 +134,7 @@ class ReshardAfterForward:
     def _install(self) -> None:
         for mod, unit in self.blocks:
             self._handles.append(mod.register_forward_pre_hook(
-                lambda module, args, unit=unit: unit.gather_whole()))
+                lambda module, args, unit=unit: unit.gather()))
             self._handles.append(mod.register_forward_hook(
                 lambda module, args, out, unit=unit: self._after_block(unit, out)))
         for chunk in self.units:
@@ -149,7 +144,7 @@ class ReshardAfterForward:
                         self._handles.append(p.register_post_accumulate_grad_hook(self._arrived))
 
     def _after_block(self, unit: Unit, out) -> None:
-        on_output_grad(out, unit.gather_whole)  # its backward gathers it again
+        on_output_grad(out, unit.gather)  # its backward gathers it again
         if self.phase == "F":
             unit.free()  # (in B a recomputation's forward keeps it for the backward that follows)
 
@@ -169,7 +164,7 @@ class ReshardAfterForward:
                 for u in chunk:
                     u.expect_grads()
             if root is not None:
-                root.gather_whole()  # the embedding and the head: whole for the action
+                root.gather()  # the embedding and the head: whole for the action
             return
         if action.op == "B":
             for u in reversed(chunk):  # what no gradient completed (unused parameters): last block first

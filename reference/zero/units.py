@@ -171,11 +171,13 @@ class Unit:
 
     # ------------------------------------------------------------------ the three moves
     @torch.no_grad()
-    def gather(self, shards, async_op: bool = False) -> None:
-        """All-gather ``shards`` (this rank's numbers) into ``full``, a no-op when they are there
-        or on the way; with ``async_op`` the caller waits later, with `wait_gather`."""
+    def gather(self, shards=None, async_op: bool = False) -> None:
+        """All-gather ``shards`` (this rank's numbers; by default those `to_whole` took) into
+        ``full``, a no-op when they are there or on the way; with ``async_op`` the caller waits
+        later, with `wait_gather`."""
         if self.gathered:
             return
+        shards = self.shards if shards is None else shards
         if self.full.untyped_storage().nbytes() == 0:  # grown back under the views
             self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         self.gathered = True
@@ -261,10 +263,6 @@ class Unit:
         for p, view in zip(self.params, self.views):
             p.data = view  # (d0, *rest), no bytes until gathered
         self.grad, self.with_grad = None, [False] * len(self.params)
-
-    def gather_whole(self) -> None:
-        """`gather` from the shards that `to_whole` took."""
-        self.gather(self.shards)
 
     def reduce_into_grad(self) -> None:
         """Reduce-scatter this backward's gradients, added into ``grad`` (micro-batches accumulate)."""
