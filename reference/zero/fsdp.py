@@ -159,9 +159,8 @@ class FSDP(nn.Module):
 
     `units`: the submodules to shard separately, in the order the forward calls
     them (default: `module.h`, GPT's blocks, when it exists); everything else
-    forms the root unit. `mixed_precision=True` computes in bf16 on fp32 master
-    shards; `offload=True` keeps master shards, gradients and optimizer state
-    on the CPU. `prefetch=False` turns off the overlap (for comparison).
+    forms the root unit. `mixed_precision`, `offload`: see the module's
+    docstring. `prefetch=False` turns off the overlap (for comparison).
     """
 
     def __init__(self, module: nn.Module, group=None, units: Iterable[nn.Module] | None = None,
@@ -194,14 +193,14 @@ class FSDP(nn.Module):
 
         if not root_params and not any(unit_params):
             raise ValueError("FSDP got a module with no trainable parameter: nothing to shard")
-        self.units: list[FSDPUnit] = []
         self.block_units: list[FSDPUnit] = []
         for i, (sub, params) in enumerate(zip(units, unit_params)):
             if not params:
                 continue
             unit = FSDPUnit(f"unit{i}", params, group, dev, param_dtype, offload)
             self.block_units.append(unit)
-            sub.register_forward_pre_hook(lambda module, args, unit=unit: self._use(unit, self._next(unit, +1)))
+            sub.register_forward_pre_hook(
+                lambda module, args, unit=unit: self._use(unit, self._next(unit, +1)))
             sub.register_forward_hook(lambda module, args, out, unit=unit: self._after_forward(unit, out))
         self.root = FSDPUnit("root", root_params, group, dev, param_dtype, offload) if root_params else None
         self.units = ([self.root] if self.root else []) + self.block_units
