@@ -278,7 +278,6 @@ class FSDP(nn.Module):
         self._use(unit, following)
 
     def _reduce(self, unit):
-        unit.reduced = True  # later grads of this backward are not expected
         unit.free()
         # One reduce-scatter in flight, as FSDP2: the previous unit's is waited on
         # and its full-size gradient freed before this one starts, so backward

@@ -211,6 +211,7 @@ class Unit:
         zeros) to this rank's mean (S,). Returns a callable that finishes the job and returns
         (the mean, which parameters had a gradient). The packed input lives until then, so a
         caller that finishes each unit before reducing the next has one in flight."""
+        self.reduced = True  # later gradients of this backward are not expected
         with torch.no_grad():
             send, had = self.layout.pack_grads(self.params, self.grad_dtype, self.device)
             out = torch.empty(self.layout.shard_numel, dtype=send.dtype, device=send.device)  # (S,)
@@ -272,7 +273,6 @@ class Unit:
             self.grad = out
         else:
             self.grad += out
-        self.reduced = True
 
     @torch.no_grad()
     def to_shards(self, with_grads: bool) -> None:
