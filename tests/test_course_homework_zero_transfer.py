@@ -13,7 +13,7 @@ from solution_cells import subgroup_only
 from reference.course.homework import homework
 from reference.course.homework.scoring import score_exercise
 from reference.course.homework.zero import ZERO1
-from reference.course.homework.zero_extra import (
+from reference.course.homework.zero_transfer import (
     CLIP, FSDP_SCHEDULE, ZERO_MAX_PARAMS, course_fsdp_schedule, fits, simulate,
     zero_max_params_formula,
 )
@@ -72,7 +72,7 @@ def clip_not_in_place(grad_shard, numel, max_norm, norm_type=2.0, group=None):
 
 
 def clip_course(grad_shard, numel, max_norm, norm_type=2.0, group=None):
-    from reference.course.homework.zero_extra import course_clip_sharded_grad_norm_
+    from reference.course.homework.zero_transfer import course_clip_sharded_grad_norm_
     return course_clip_sharded_grad_norm_(grad_shard, numel, max_norm, norm_type, group)
 
 

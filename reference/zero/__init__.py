@@ -19,20 +19,22 @@ the parameters as well (P_os+g+p). Where each part lives:
 * `reference.zero.reducer`: stage 2's gradient path, `BucketReducer`: buckets of
   the flat layout reduce-scattered from gradient hooks during backward, so a
   rank holds its shard and one bucket of gradient at most;
-* `reference.zero.fsdp` and `reference.zero.fsdp_unit`: `FSDP`, stage 3, one unit
-  per block, all-gathered just before it runs (with prefetch), mixed precision and
-  CPU offload;
+* `reference.zero.units`: stage 3's one engine, `Unit`: a list of parameters sharded at
+  rest, all-gathered whole while used, freed, and its gradients reduce-scattered, over a
+  layout object (flat, or each tensor's dim 0: `RowShards`); the only place stage 3
+  all-gathers and reduce-scatters. The front-ends below choose the units and when to free;
+* `reference.zero.fsdp`: `FSDP`, one flat unit per block (`FlatShards`), all-gathered
+  just before it runs (with prefetch) and freed after, mixed precision and CPU offload;
 * `reference.zero.fsdp_param`: `ShardedParameters`, stage 3 per parameter (the FSDP2
   design): each tensor split along dim 0 over dp, so a tensor-parallel slice can be
-  sharded again; gathered once per step, which composes with TP, pipelines and
-  activation checkpointing (what `reference.parallel.parallelize` uses there);
-  `ShardedSets` with experts: dense tensors sharded over dp, each expert over its
-  expert-data-parallel group; its `all_gather_shards` and `reduce_scatter_grads` are the
-  collectives of every per-parameter gather and reduce-scatter, the stage's here and a
-  block's in `fsdp_reshard`;
-* `reference.zero.fsdp_reshard`: `ReshardAfterForward`, the same shards gathered per
-  block and micro-batch instead (FSDP2's ``reshard_after_forward=True``: 3 m
-  transfers a step for holding about one block whole; `ParallelConfig.reshard_after_forward`);
+  sharded again; the stage one unit, gathered once per step, which composes with TP,
+  pipelines and activation checkpointing (what `reference.parallel.parallelize` uses
+  there); `ShardedSets` with experts: dense tensors sharded over dp, each expert over its
+  expert-data-parallel group;
+* `reference.zero.fsdp_reshard`: `ReshardAfterForward`, the same shards cut into a unit
+  per block, gathered per block and micro-batch instead (FSDP2's
+  ``reshard_after_forward=True``: 3 m transfers a step for holding about one block whole;
+  `ParallelConfig.reshard_after_forward`);
 * `reference.zero.adam8bit`: `Adam8bit`, AdamW whose two moments are stored
   block-wise quantised in 8 bits (Dettmers et al., 2022): about 2 bytes of state
   per parameter instead of 8, a memory saving (data parallelism never

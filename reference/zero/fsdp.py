@@ -1,4 +1,4 @@
-"""ZeRO stage 3 (P_os+g+p), also known as fully sharded data parallelism (FSDP).
+"""ZeRO stage 3 (P_os+g+p) by blocks, also known as fully sharded data parallelism (FSDP).
 
 Each rank keeps only 1/N of every parameter, gradient and optimizer state. The
 model is cut into units, one per GPT block `model.h[i]` plus a root unit holding
@@ -22,10 +22,9 @@ parallelism's all-reduce. That is the price of holding 1/N of the parameters.
 Hooks do the work, so the model's own code is unchanged: a forward pre-hook
 gathers a block, a forward hook frees it and hooks the block's outputs, whose
 gradient hook fires just before the block's backward and gathers it again; a
-hook on each parameter's gradient accumulation counts the unit's gradients and
-reduce-scatters once all have arrived; a callback at the end of backward
-finishes what is pending. Frozen parameters are not sharded: every rank keeps
-them whole and they are never communicated.
+hook on each parameter's gradient accumulation reduce-scatters the unit once all
+its gradients are in; a callback at the end of backward finishes what is pending.
+Frozen parameters are not sharded: every rank keeps them whole, never communicated.
 
     fsdp = FSDP(GPT(config))
     opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)
@@ -34,8 +33,19 @@ them whole and they are never communicated.
 
 Limit: every rank must use the same parameters in a step (a unit whose use
 depends on the data, as in a mixture of experts, would leave ranks in different
-collectives). See `reference.zero.fsdp_unit` for the mixed-precision and
-offload options.
+collectives).
+
+Each unit is a `reference.zero.units.Unit` in the flat layout (`FlatShards`): its
+shard (S,) an `nn.Parameter` the optimizer steps on, its module parameters views
+of `full` (P,). `mixed_precision=True`: the fp32 shard is the master copy, cast to
+bf16 before the all-gather (half the bytes on the wire), the block computes in bf16,
+and the gradients are cast back to fp32 before the reduce-scatter, so the mean and
+the update are done in fp32. `offload=True`: the master shard, its gradient and so
+the optimizer state live on the CPU (`shard`), a compute copy on the device
+(`compute_shard`), copied to before each gather and from after each reduce-scatter:
+on a GPU 12 bytes of device memory saved per parameter (fp32 master + Adam); on a
+CPU-only machine two real, separate copies kept in step, which shows the data
+movement and the bookkeeping, not a saving.
 """
 from __future__ import annotations
 
@@ -45,12 +55,103 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
 
+from reference import comms
 from reference.runtime import device as rank_device
-from reference.zero.fsdp_unit import FSDPUnit
+from reference.zero.shard import FlatLayout
+from reference.zero.units import Unit, on_output_grad
 
-__all__ = ["FSDP"]
+__all__ = ["FSDP", "FSDPUnit", "FlatShards"]
+
+
+class FlatShards(FlatLayout):
+    """The flat layout of a unit (`FlatLayout`) of tensors of ``shapes``, with the moves a
+    `Unit` asks of its layout: the all-gather writes straight into ``full``."""
+
+    def __init__(self, shapes, world_size: int):
+        super().__init__([s.numel() for s in shapes], world_size)
+        self.shapes, self.full_numel = list(shapes), self.padded_numel
+
+    def whole_views(self, full):
+        return self.views(full, self.shapes)
+
+    def pack(self, shard):
+        return shard                                            # (S,) already
+
+    def gather_buffer(self, full):
+        return full                                             # (P,) = (N S,)
+
+    def unpack(self, gathered, views):
+        pass                                                    # gathered into full itself
+
+    def pack_grads(self, params, dtype, device):
+        flat = self.flatten([None if p.grad is None else p.grad.to(dtype) for p in params],
+                            torch.empty(self.padded_numel, dtype=dtype, device=device))
+        for p in params:
+            p.grad = None
+        return flat, [True] * len(params)
+
+
+class FSDPUnit(Unit):
+    """A block's parameters in the flat layout: the master shard ``shard`` (S,), the module's
+    parameters views of ``full`` (P,) in the compute dtype ``param_dtype``."""
+
+    def __init__(self, name: str, params, group, device, param_dtype=None, offload: bool = False):
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"unit {name!r}: parameters of several dtypes {sorted(map(str, dtypes))} "
+                             f"cannot share one flat buffer")
+        self.master_dtype, self.offload = params[0].dtype, offload
+        self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
+        layout = FlatShards([p.shape for p in params], self.dp_size)
+        self.shapes = layout.shapes
+        # Flatten once, make every rank start from group rank 0's numbers, keep our shard.
+        with torch.no_grad():
+            flat = layout.flatten([p.detach() for p in params],
+                                  torch.empty(layout.padded_numel, dtype=self.master_dtype, device=device))
+            comms.broadcast(flat, group=group, group_src=0)
+            mine = layout.shard(flat, self.dp_rank).to("cpu" if offload else device, copy=True)  # (S,)
+        self.shard = torch.nn.Parameter(mine)
+        self.compute_shard = torch.empty_like(mine, device=device) if offload else None
+        del flat
+        super().__init__(name, params, layout, group, param_dtype or self.master_dtype, device,
+                         grad_dtype=self.master_dtype)
+        for p, view in zip(params, self.views):
+            p.data = view
+
+    def gather(self, shards=None, async_op: bool = False) -> None:
+        """All-gather the master shard, in the compute dtype (a no-op when already there)."""
+        if self.gathered:
+            return
+        with torch.no_grad():
+            src = self.shard.detach()
+            if self.offload:  # "host to device": the optimizer updated the CPU master copy
+                src = self.compute_shard.copy_(src)
+            super().gather(src.to(self.full.dtype), async_op)  # the bf16 copy under mixed precision
+
+    def reduce_grads(self, async_op: bool = False):
+        """`reduce_scatter`, then (in the returned callable) add the mean into ``shard.grad``."""
+        finish = self.reduce_scatter(async_op)
+
+        def add():
+            grad, _ = finish()
+            with torch.no_grad():
+                # offload: "device to host", a real separate copy even on a CPU
+                grad = grad.to(self.shard.device, copy=True) if self.offload else grad
+                if self.shard.grad is None:
+                    self.shard.grad = grad
+                else:  # gradient accumulation over several backward passes
+                    self.shard.grad.add_(grad)
+
+        return add
+
+    def full_flat(self) -> torch.Tensor:
+        """A fresh (P,) tensor of the whole parameters in the master dtype (for inspection)."""
+        return self.gathered_copy(self.shard.detach().to(self.full.device))
+
+    def __repr__(self) -> str:
+        return (f"FSDPUnit({self.name!r}, tensors={len(self.params)}, numel={self.layout.numel}, "
+                f"shard_numel={self.layout.shard_numel}, gathered={self.is_gathered})")
 
 
 class FSDP(nn.Module):
@@ -58,9 +159,8 @@ class FSDP(nn.Module):
 
     `units`: the submodules to shard separately, in the order the forward calls
     them (default: `module.h`, GPT's blocks, when it exists); everything else
-    forms the root unit. `mixed_precision=True` computes in bf16 on fp32 master
-    shards; `offload=True` keeps master shards, gradients and optimizer state
-    on the CPU. `prefetch=False` turns off the overlap (for comparison).
+    forms the root unit. `mixed_precision`, `offload`: see the module's
+    docstring. `prefetch=False` turns off the overlap (for comparison).
     """
 
     def __init__(self, module: nn.Module, group=None, units: Iterable[nn.Module] | None = None,
@@ -93,24 +193,25 @@ class FSDP(nn.Module):
 
         if not root_params and not any(unit_params):
             raise ValueError("FSDP got a module with no trainable parameter: nothing to shard")
-        self.units: list[FSDPUnit] = []
         self.block_units: list[FSDPUnit] = []
         for i, (sub, params) in enumerate(zip(units, unit_params)):
             if not params:
                 continue
             unit = FSDPUnit(f"unit{i}", params, group, dev, param_dtype, offload)
             self.block_units.append(unit)
-            sub.register_forward_pre_hook(self._make_pre_forward(unit))
-            sub.register_forward_hook(self._make_post_forward(unit))
+            sub.register_forward_pre_hook(
+                lambda module, args, unit=unit: self._use(unit, self._next(unit, +1)))
+            sub.register_forward_hook(lambda module, args, out, unit=unit: self._after_forward(unit, out))
         self.root = FSDPUnit("root", root_params, group, dev, param_dtype, offload) if root_params else None
         self.units = ([self.root] if self.root else []) + self.block_units
         # The shards (S,) per unit, registered as this module's own parameters.
         self.shards = nn.ParameterList([u.shard for u in self.units])
 
         for unit in self.units:
+            unit.expect_grads()
             for p in unit.params:
-                p.register_post_accumulate_grad_hook(self._make_grad_ready(unit))
-        self._ready: dict[int, int] = {}      # id(unit) -> params whose grad arrived
+                p.register_post_accumulate_grad_hook(
+                    lambda p, unit=unit: self._reduce(unit) if unit.grad_arrived(p) else None)
         self._pending = []                    # finish() of reduce-scatters in flight
         self._backward_gathered: set[int] = set()
         self._callback_queued = False
@@ -140,16 +241,9 @@ class FSDP(nn.Module):
         self._prefetch(following)
         unit.wait_gather()
 
-    def _make_pre_forward(self, unit):
-        def hook(module, args):
-            self._use(unit, self._next(unit, +1))
-        return hook
-
-    def _make_post_forward(self, unit):
-        def hook(module, args, output):
-            unit.free()
-            self._hook_outputs(output, unit)
-        return hook
+    def _after_forward(self, unit, output):
+        unit.free()
+        self._hook_outputs(output, unit)
 
     def forward(self, *args, **kwargs):
         if self.root is not None:
@@ -161,20 +255,13 @@ class FSDP(nn.Module):
         finally:
             if self.root is not None:
                 self.root.free()
-        if self.root is not None:
-            self._hook_outputs(output, self.root)
-        elif torch.is_grad_enabled():
-            self._hook_outputs(output, None)
+        self._hook_outputs(output, self.root)  # (None: only to learn when backward starts)
         return output
 
     # ------------------------------------------------------------------ backward
     def _hook_outputs(self, output, unit):
         """Gather `unit` again when the gradient of its outputs arrives (just before its backward)."""
-        if not torch.is_grad_enabled():
-            return
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        for t in tensors:
-            t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
+        on_output_grad(output, lambda: self._pre_backward(unit))
 
     def _pre_backward(self, unit):
         if not self._callback_queued:
@@ -190,16 +277,7 @@ class FSDP(nn.Module):
             following = self._next(unit, -1)
         self._use(unit, following)
 
-    def _make_grad_ready(self, unit):
-        def hook(param):
-            count = self._ready.get(id(unit), 0) + 1
-            self._ready[id(unit)] = count
-            if count == len(unit.params):
-                self._reduce(unit)
-        return hook
-
     def _reduce(self, unit):
-        self._ready[id(unit)] = -1  # reduced: later grads of this backward are not expected
         unit.free()
         # One reduce-scatter in flight, as FSDP2: the previous unit's is waited on
         # and its full-size gradient freed before this one starts, so backward
@@ -217,12 +295,12 @@ class FSDP(nn.Module):
         # never completed their count: reduce them now, in unit order, which
         # is the same on every rank.
         for unit in self.units:
-            if self._ready.get(id(unit), 0) >= 0 and id(unit) in self._backward_gathered:
+            if not unit.reduced and id(unit) in self._backward_gathered:
                 self._reduce(unit)
         self._finish_pending()
         for unit in self.units:
             unit.free()
-        self._ready = {}
+            unit.expect_grads()
         self._backward_gathered = set()
         self._callback_queued = False
 

@@ -2,147 +2,56 @@
 
 `reference.zero.fsdp_param` gathers a stage once per step and keeps it whole through all m
 micro-batches: 1 all-gather and 1 reduce-scatter a step, for holding the stage's parameters
-and its gradients whole (8 P bytes in fp32, P = the stage's TP-local numbers). This file is
-the other choice. Each pipeline chunk is cut into units as `fully_shard` is applied in
-torchtitan, one per transformer `Block` and one for the rest (embedding, final LayerNorm,
-head: the root), and for every micro-batch
+and gradients whole (8 P bytes in fp32, P = the stage's TP-local numbers). This file is the
+other choice. Each pipeline chunk is cut into `reference.zero.units.Unit`s as `fully_shard` is
+applied in torchtitan, one per transformer `Block` and one for the rest (embedding, final
+LayerNorm, head: the root), over the same shards, and for every micro-batch
 
     F   the root is gathered for the action; each block is all-gathered by a forward
         pre-hook and freed again by a forward hook as soon as its forward returns
     B   the root is gathered for the action; each block is all-gathered again when the
-        gradient of its output arrives (a hook on that tensor), or by the recomputation of
-        activation checkpointing; once every parameter of a unit has its gradient (a
-        post-accumulate-grad hook on each), the unit's whole gradients are reduce-scattered
-        into its shards, added to what earlier micro-batches left there, and the unit freed
+        gradient of its output arrives, or by the recomputation of activation checkpointing;
+        once every parameter of a unit has its gradient, the unit's whole gradients are
+        reduce-scattered into its shards' gradient, summed over the micro-batches there
 
-so per step and chunk a rank all-gathers the stage 2 m times and reduce-scatters it m times,
-over N = dp x cp ranks, against 1 + 1 gathering once:
+so per step and chunk, over N = dp x cp ranks (4 N S the stage's fp32 bytes padded per tensor,
+U the chunk's units):
 
     sent per step   all-gather  2 m (N-1)/N x 4 N S      reduce-scatter  m (N-1)/N x 4 N S
-                    (gather once:   (N-1)/N x 4 N S                          (N-1)/N x 4 N S)
-    calls           2 m U all-gathers, m U reduce-scatters   (U = the chunk's units)
+    calls           2 m U all-gathers                    m U reduce-scatters
+    (gather once:   (N-1)/N x 4 N S in 1 call each way)
 
-with 4 N S the stage's bytes padded per tensor (S = this rank's shard numbers, fp32). What it
-buys: between micro-batches a stage is its shards and its shards' gradients (8 S bytes), and
-inside an action about one block is whole beside the root. Those 8 S are kept through the
-step (the shards are the source of every re-gather; the gradients accumulate there), where
-gathering once keeps nothing but the whole stage: with N = 2, 8 S is already 4 P, so resharding
-only holds less when the stage has more than a few blocks (the tests and notebook 06 measure
-it). With activation checkpointing the executor recomputes a whole stage at the start of its
-B, so every block of the chunk is whole from the recomputation to its own backward there.
+What it buys: between micro-batches a stage is its shards and their gradients (8 S bytes,
+kept through the step as the source of every re-gather and where gradients accumulate), and
+inside an action about one block is whole beside the root. With N = 2, 8 S is already 4 P, so
+resharding only holds less when the stage has more than a few blocks (the tests and notebook
+06 measure it). With activation checkpointing the executor recomputes a whole stage at the
+start of its B, so every block of the chunk is whole from the recomputation to its backward.
 
-What stays as with gathering once: between steps `p.data` is the shard and `p.grad` the
-shard's gradient (the mean over the N ranks, summed over micro-batches; here views of one
-buffer per unit), so the optimizer, fp16's loss scaler and the clip see what they saw. The
-tied embedding's two copies are summed by the executor after the last backward, which now
-finds the shards' gradients: the sum of the two shards is the shard of the sum (both ends
-hold the same rows of the same dp rank). Sequence-parallel gradients are summed over tp after
-the step, on the shards, for the same reason (`reference.parallel.step`): a tp rank's shard of
-a LayerNorm's gradient holds the same rows on every tp rank, so summing the reduce-scattered
-shards over tp equals reduce-scattering the tp sums, once a step instead of m times.
-
-How a parameter is freed while autograd still refers to it (`reference.zero.fsdp_unit`'s
-trick): each unit's parameters are views of one buffer ``full`` (P_u,); freeing resizes its
-storage to 0 bytes and gathering grows it back and copies the rows in, so the tensors autograd
-saved (the parameters and views of them) see the numbers again. Writes go through ``full``'s
-own views, so the parameters' version counters do not move.
+Between steps `p.data` is the shard and `p.grad` its gradient (the mean over the N ranks,
+summed over micro-batches), as with gathering once, so the optimizer, fp16's loss scaler and
+the clip see what they saw. The tied embedding's two copies are summed by the executor after
+the last backward, on the shards' gradients (both ends hold the same rows); the sequence-
+parallel gradients are summed over tp on the shards too, once a step (`reference.parallel.step`).
 
 The defaults: PyTorch's `fully_shard` defaults to ``reshard_after_forward=None``, True for every
-module but the root and False for the root; this course
-defaults to False (`ParallelConfig.reshard_after_forward`), as torchtitan does under a
-pipeline. And PyTorch's own pipeline schedules (`torch.distributed.pipelining`) turn gradient
-sync off for every backward but the last, reduce-scattering once a step; here, as FSDP2 does
-with sync on, every backward reduce-scatters, so the whole gradients never pile up.
-
-The ranks of a group must issue their collectives in the same order: units are reduced in the
-order their gradients complete, the same on every rank for a model whose graph does not depend
-on the data (`ParallelConfig` refuses experts, whose unused experts get no gradient).
+module but the root and False for the root; this course defaults to False
+(`ParallelConfig.reshard_after_forward`), as torchtitan does under a pipeline. And PyTorch's
+own pipeline schedules turn gradient sync off for every backward but the last; here, as FSDP2
+does with sync on, every backward reduce-scatters, so the whole gradients never pile up. The
+ranks issue their collectives in the same order: units are reduced as their gradients
+complete, the same on every rank for a model whose graph does not depend on the data
+(`ParallelConfig` refuses experts, whose unused experts get no gradient).
 """
 from __future__ import annotations
 
 import contextlib
-import math
 
-import torch
 
 from reference.model import Block
-from reference.zero.fsdp_param import all_gather_shards, reduce_scatter_grads, rows_of
+from reference.zero.units import Unit, on_output_grad
 
 __all__ = ["ReshardAfterForward"]
-
-
-class _Unit:
-    """Parameters of one chunk gathered, freed and reduce-scattered together."""
-
-    def __init__(self, name: str, chunk: int, params: list, sharded, root: bool = False):
-        self.name, self.chunk, self.params, self.root = name, chunk, params, root
-        self.n, self.group = sharded.n, sharded.group
-        self.mean_over = getattr(sharded, "mean_over", sharded.n)  # gloo has no AVG: sum, then /
-        index = [sharded.index[id(p)] for p in params]
-        self.shapes = [sharded.shapes[i] for i in index]             # whole (TP-local)
-        self.c_shapes = [sharded.shard_shape(i) for i in index]      # (c, *rest)
-        self.k = [s.numel() for s in self.c_shapes]
-        self.S = sum(self.k)                                         # this rank's numbers
-        numel = [math.prod(s) for s in self.shapes]
-        self.P = sum(numel)                                          # the unit's whole numbers
-        self.trainable = any(p.requires_grad for p in params)
-        dtype, device = sharded.dtype, params[0].device
-        self.full = torch.empty(self.P, dtype=dtype, device=device)  # (P_u,) the whole tensors
-        offsets = [sum(numel[:i]) for i in range(len(params))]
-        self.views = [self.full[o:o + k].view(s) for o, k, s in zip(offsets, numel, self.shapes)]
-        self.full.untyped_storage().resize_(0)
-        self.gathered = False
-        self.shards: list | None = None   # during a step: the shard tensors, (c, *rest) each
-        self.grad: torch.Tensor | None = None  # (S,) the shards' accumulated mean gradient
-        self.with_grad = [False] * len(params)
-        self.pending: set = set()         # in a backward: parameters still awaiting a gradient
-        self.reduced = False              # in a backward: reduce-scattered already
-
-    # ------------------------------------------------------------------ parameters
-    @torch.no_grad()
-    def gather(self) -> None:
-        """Grow ``full`` back and all-gather every parameter into it: (S,) -> (N, S)."""
-        if self.gathered:
-            return
-        self.full.untyped_storage().resize_(self.P * self.full.element_size())
-        (packed, out), offset = all_gather_shards(self.shards, self.n, self.group), 0  # (S,), (N, S)
-        for view, c_shape, k in zip(self.views, self.c_shapes, self.k):
-            view.copy_(rows_of(out, offset, c_shape)[:view.shape[0]])              # (d0, *rest)
-            offset += k
-        del packed, out  # the collective's buffers, held until every parameter is copied out
-        self.gathered = True
-
-    def free(self) -> None:
-        """The whole parameters' bytes released; the views stay, to be filled by `gather`."""
-        self.full.untyped_storage().resize_(0)
-        self.gathered = False
-
-    # ------------------------------------------------------------------ gradients
-    @torch.no_grad()
-    def reduce_scatter(self) -> None:
-        """This backward's whole gradients, averaged over the group, added into the shards'
-        gradient (N, S) -> (S,); the whole gradients and parameters freed."""
-        out, had = reduce_scatter_grads(self.params, self.c_shapes, self.n, self.group, self.mean_over,
-                                        self.full.dtype, self.full.device)
-        self.with_grad = [a or b for a, b in zip(self.with_grad, had)]
-        if self.grad is None:
-            self.grad = out
-        else:
-            self.grad += out                       # accumulating over micro-batches
-        self.reduced = True
-        self.free()
-
-    def to_shards(self, with_grads: bool) -> None:
-        """``p.data`` the shard again, and ``p.grad`` its accumulated gradient (a view of
-        ``grad``) where some backward gave it one."""
-        self.free()
-        offset = 0
-        for i, (p, shard, c_shape, k) in enumerate(zip(self.params, self.shards, self.c_shapes, self.k)):
-            p.data = shard
-            if with_grads and self.with_grad[i]:
-                p.grad = self.grad[offset:offset + k].view(c_shape)
-            offset += k
-        self.shards, self.grad = None, None
 
 
 class ReshardAfterForward:
@@ -156,21 +65,23 @@ class ReshardAfterForward:
     ``units[c]``: chunk c's units, the root (parameters outside any `Block`) first."""
 
     def __init__(self, sharded, stages, microbatches: int):
-        if not hasattr(sharded, "index"):
+        if not hasattr(sharded, "unit"):
             raise TypeError(f"reshard_after_forward needs one ShardedParameters over the dp x cp "
                             f"group, got {type(sharded).__name__}")
-        self.sharded, self.stages, self.m = sharded, list(stages), microbatches
-        self.units: list[list[_Unit]] = []
-        self.blocks: list[tuple] = []   # (Block module, its unit): the forward hooks' places
+        self.stages, self.m = list(stages), microbatches
+        self.units: list[list[Unit]] = []
+        self.roots: list[Unit | None] = []  # each chunk's root unit: whole for every action
+        self.blocks: list[tuple] = []       # (Block module, its unit): the forward hooks' places
         owner: dict[int, int] = {}
         for c, stage in enumerate(self.stages):
             blocks = [(name, mod) for name, mod in stage.named_modules()
                       if isinstance(mod, Block) and any(True for _ in mod.parameters())]
             in_block = {id(p) for _, mod in blocks for p in mod.parameters()}
             root = [p for p in stage.parameters() if id(p) not in in_block]
-            chunk = [_Unit(f"chunk {c} root", c, root, sharded, root=True)] if root else []
+            chunk = [sharded.unit(f"chunk {c} root", root)] if root else []
+            self.roots.append(chunk[0] if root else None)
             for name, mod in blocks:
-                chunk.append(_Unit(f"chunk {c} {name}", c, list(mod.parameters()), sharded))
+                chunk.append(sharded.unit(f"chunk {c} {name}", list(mod.parameters())))
                 self.blocks.append((mod, chunk[-1]))
             for unit in chunk:
                 for p in unit.params:
@@ -182,11 +93,6 @@ class ReshardAfterForward:
         self.phase: str | None = None   # "F" or "B" while an action runs
         self.backwards = [0] * len(self.stages)
         self._handles: list = []
-
-    @property
-    def shard_numel(self) -> int:
-        """S: this rank's shard numbers, all units (the same as `ShardedParameters.shard_numel`)."""
-        return sum(u.S for chunk in self.units for u in chunk)
 
     def held_tensors(self) -> list:
         """What the units keep beside the parameters during a step: the shards (the parameters
@@ -203,16 +109,13 @@ class ReshardAfterForward:
         After (also on an error): every parameter its shard again."""
         for chunk in self.units:
             for u in chunk:
-                for p, c_shape, view in zip(u.params, u.c_shapes, u.views):
+                for p, c_shape in zip(u.params, u.layout.c_shapes):
                     if p.shape != c_shape:
                         raise RuntimeError(f"{u.name}: a parameter holds {tuple(p.shape)}, not its "
                                            f"shard {tuple(c_shape)} (gathered already?)")
                     if p.grad is not None:
                         raise RuntimeError(f"{u.name}: zero the gradients before the step")
-                u.shards = [p.data for p in u.params]
-                for p, view in zip(u.params, u.views):
-                    p.data = view  # (d0, *rest), no bytes until gathered
-                u.grad, u.with_grad = None, [False] * len(u.params)
+                u.to_whole(keep_shards=True)
         self.backwards = [0] * len(self.stages)
         self._install()
         try:
@@ -240,38 +143,34 @@ class ReshardAfterForward:
                     if p.requires_grad:
                         self._handles.append(p.register_post_accumulate_grad_hook(self._arrived))
 
-    def _after_block(self, unit: _Unit, out) -> None:
-        if torch.is_grad_enabled():  # its backward gathers it again when its output's gradient comes
-            for t in (out if isinstance(out, tuple) else (out,)):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda grad, unit=unit: unit.gather())
+    def _after_block(self, unit: Unit, out) -> None:
+        on_output_grad(out, unit.gather)  # its backward gathers it again
         if self.phase == "F":
             unit.free()  # (in B a recomputation's forward keeps it for the backward that follows)
 
     def _arrived(self, p) -> None:
         unit = self.unit_of[id(p)]
-        unit.pending.discard(id(p))
-        if not unit.pending and not unit.reduced and self.phase == "B":
-            unit.reduce_scatter()
+        if unit.grad_arrived(p) and self.phase == "B":
+            unit.reduce_into_grad()
+            unit.free()
 
     def hook(self, when: str, action) -> None:
         """The executor's per-action hook: ``when`` "before" or "after" ``action`` (F or B of
         ``action.chunk``)."""
-        chunk = self.units[action.chunk]
-        root = chunk[0] if chunk and chunk[0].root else None
+        chunk, root = self.units[action.chunk], self.roots[action.chunk]
         if when == "before":
             self.phase = action.op
             if action.op == "B":
                 for u in chunk:
-                    u.pending = {id(p) for p in u.params if p.requires_grad}
-                    u.reduced = not u.trainable
+                    u.expect_grads()
             if root is not None:
                 root.gather()  # the embedding and the head: whole for the action
             return
         if action.op == "B":
             for u in reversed(chunk):  # what no gradient completed (unused parameters): last block first
                 if not u.reduced:
-                    u.reduce_scatter()
+                    u.reduce_into_grad()
+                    u.free()
             self.backwards[action.chunk] += 1
         for u in chunk:
             u.free()

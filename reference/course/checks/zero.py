@@ -20,7 +20,7 @@ from reference.course.checks.data_parallel import run_model_check
 from reference.course.checks.questions import Worked, check_question
 from reference.course.checks.runner import NOT_IMPLEMENTED, public_cases, run_cases, run_visible
 from reference.course.homework.zero import ZERO1
-from reference.course.homework.zero_extra import CLIP, FSDP_SCHEDULE, ZERO_MAX_PARAMS
+from reference.course.homework.zero_transfer import CLIP, FSDP_SCHEDULE, ZERO_MAX_PARAMS
 
 __all__ = ["check_zero1_optimizer", "check_clip_sharded_grad_norm_", "check_fsdp_schedule",
            "check_zero_max_params"]

@@ -29,7 +29,7 @@ tells them apart in every case. Only all-reduce, reduce-scatter and all-gather a
 allowed.
 
 The transfer exercises (clip_sharded_grad_norm_, fsdp_schedule) and the written question
-(zero_max_params) are checked in `zero_extra`.
+(zero_max_params) are checked in `zero_transfer`.
 """
 from __future__ import annotations
 
@@ -233,8 +233,8 @@ ZERO1 = on_subgroup(ExerciseSpec(
     banned=("reference.course.homework.zero.course_zero1_optimizer", "reference.zero.optimizer",
             "reference.zero.reducer", "reference.zero.shard")), (4,), (0, 3))
 HOMEWORK_ID = "02_zero_fsdp"
-# The warm-up, two transfers to what the lecture did not build (zero_extra) and the question.
-from reference.course.homework.zero_extra import CLIP, FSDP_SCHEDULE, ZERO_MAX_PARAMS  # noqa: E402
+# The warm-up, two transfers to what the lecture did not build (zero_transfer) and the question.
+from reference.course.homework.zero_transfer import CLIP, FSDP_SCHEDULE, ZERO_MAX_PARAMS  # noqa: E402
 
 # An answer failing any case keeps at most half: a rule broken alone shows only in the
 # cases that can show it.

@@ -297,19 +297,19 @@ CLIP = on_subgroup(ExerciseSpec(
     difficulty="★★☆ medium", world_sizes=(2, 3), make_cases=make_clip_cases, call=call_clip,
     expect=expect_clip, judge=judge_clip, reference=torch_clip,
     forbidden=tuple(c for c in COLLECTIVES if c != "all_reduce"),
-    banned=("reference.course.homework.zero_extra.course_clip_sharded_grad_norm_",
+    banned=("reference.course.homework.zero_transfer.course_clip_sharded_grad_norm_",
             "reference.parallel.clip")), (3,), (0, 4))
 FSDP_SCHEDULE = ExerciseSpec(
     id="fsdp_schedule", title="ZeRO-3 with prefetch, as a schedule of actions",
     difficulty="★★★ hard", world_sizes=(1,), make_cases=make_schedule_cases, call=call_schedule,
     expect=expect_schedule, judge=judge_schedule, reference=course_fsdp_schedule,
-    banned=("reference.course.homework.zero_extra.course_fsdp_schedule",
-            "reference.zero.fsdp", "reference.zero.fsdp_unit"))
+    banned=("reference.course.homework.zero_transfer.course_fsdp_schedule",
+            "reference.zero.fsdp", "reference.zero.units"))
 ZERO_MAX_PARAMS = question(
     "zero_max_params", "The largest model whose model states fit", zero_max_params_formula,
     {"memory_bytes": (80_000_000_000, 40_000_000_000, 24 * 2**30, 16 * 2**30, 999_999_937),
      "n": (1, 2, 3, 8, 64, 100), "stage": (0, 1, 2, 3), "k": (12, 8, 6, 4)},
     fixed=({"memory_bytes": 1_000, "n": 3, "stage": 2, "k": 12},
            {"memory_bytes": 80_000_000_000, "n": 8, "stage": 1, "k": 12}),
-    banned=("reference.course.homework.zero_extra.zero_max_params_formula",
+    banned=("reference.course.homework.zero_transfer.zero_max_params_formula",
             "reference.memory.model_state_bytes"))

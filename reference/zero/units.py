@@ -1,0 +1,292 @@
+"""ZeRO-3's one engine: a unit of parameters, sharded at rest, gathered whole only while used.
+
+A unit is a list of parameters gathered, freed and reduce-scattered together: a block
+(`FSDP`, `ReshardAfterForward`) or a whole pipeline stage (`ShardedParameters`, gathered
+once a step). Whatever the unit, and whenever the caller frees it, the same three moves:
+
+    gather()          this rank's shard (S,) all-gathered: every parameter whole in ``full`` (P,)
+    free()            ``full``'s storage shrunk to 0 bytes; the parameters' views of it stay
+    reduce_scatter()  the whole gradients packed (N S,) and dropped, reduce-scattered to this
+                      rank's mean gradient (S,)
+
+The parameters are views of ``full``. Freeing resizes its storage to zero bytes and gathering
+grows it back and writes the numbers in, so the views (the module's parameters, and the
+tensors autograd saved for backward, which are those parameters) see the numbers again
+without being rebuilt. `p.data = view` gives each parameter its own version counter, and the
+writes go through ``full``, so autograd does not mistake a re-gather for an in-place change.
+
+How the numbers are laid out is a layout object, two in the course:
+
+* `FlatShards` (`reference.zero.fsdp`): the unit's tensors end to end in one buffer padded to
+  N S, rank r owning [r S, (r + 1) S) (`FlatLayout`); a shard mixes pieces of several tensors,
+  fine while every tensor is whole and replicated. The all-gather writes into ``full`` itself.
+* `RowShards` (here): each tensor cut on its own along dim 0, as PyTorch's `fully_shard`
+  (FSDP2) does with `Shard(0)` DTensors, so a tensor-parallel slice can be sharded again:
+
+    p (d0, *rest)   c = ceil(d0 / N) rows per rank, dim 0 padded with zero rows to N c
+    rank r holds rows [r c, (r + 1) c) of the padded tensor:   shard (c, *rest)
+
+  The shards are packed end to end (S,) and all-gathered to (N, S), each tensor's N row
+  blocks copied out (FSDP2's copy-in / copy-out); the gradients go the other way, block r of
+  (N, S) holding every tensor's rows for rank r. The padding rows stay zero in parameters and
+  gradients, so an element-wise optimizer (SGD, Adam, AdamW) leaves them zero.
+
+A layout gives ``full_numel`` (P), ``shard_numel`` (S), ``whole_views(full)``, ``pack(shards)``
+(S,), ``gather_buffer(full)`` (where the all-gather lands), ``unpack(gathered, views)`` and
+``pack_grads(params, dtype, device)`` ((N S,), which parameters had a gradient).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
+
+from reference import comms
+
+__all__ = ["Unit", "RowShards", "ZeroRows", "copy_rows", "shard_rows", "on_output_grad"]
+
+
+def on_output_grad(output, fn) -> None:
+    """Call ``fn()`` when the gradient of a tensor of ``output`` arrives: just before the backward
+    of the module that made it, the moment to gather that module's unit again."""
+    if torch.is_grad_enabled():
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad: fn())
+
+
+def copy_rows(blocks: torch.Tensor, full: torch.Tensor) -> None:
+    """Write ``full`` (d0, *rest) into ``blocks`` (N, c, *rest), zero, as rows of the padded
+    (N c, *rest) tensor: block r gets rows [r c, (r + 1) c), the rows past d0 stay zero."""
+    c, d0 = blocks.shape[1], full.shape[0]
+    whole = d0 // c                                    # blocks filled entirely
+    blocks[:whole].copy_(full[:whole * c].view((whole, c) + tuple(full.shape[1:])))
+    if whole * c < d0:
+        blocks[whole, :d0 - whole * c].copy_(full[whole * c:])
+
+
+def shard_rows(full: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+    """Rows [r c, (r + 1) c) of ``full`` (d0, *rest) padded with zero rows to n c, c = ceil(d0 / n)."""
+    c = math.ceil(full.shape[0] / n)
+    out = full.new_zeros((c,) + tuple(full.shape[1:]))
+    rows = full[rank * c:(rank + 1) * c]  # fewer than c (or none) on the last ranks
+    out[:rows.shape[0]] = rows
+    return out
+
+
+@dataclass(frozen=True)
+class ZeroRows:
+    """Where ZeRO-3 per parameter cut a tensor, recorded on it (``p.zero_rows``) for the clip and
+    the checkpoints: rows [rank c, (rank + 1) c) of the whole (TP-local) tensor of shape
+    ``whole``, c = ceil(whole[0] / parts), padded with zero rows."""
+
+    rank: int
+    parts: int
+    whole: torch.Size
+    replica: int = 0  # HSDP: which copy of these rows (its rank across the replicas); 0 otherwise
+
+    @property
+    def first_row(self) -> int:
+        return self.rank * math.ceil(self.whole[0] / self.parts)
+
+
+class RowShards:
+    """The per-parameter layout of tensors of whole (TP-local) ``shapes``: each cut along dim 0
+    into ``n`` blocks of c rows, this rank (``rank``) holding block ``rank`` of each."""
+
+    def __init__(self, shapes, rank: int, n: int):
+        self.shapes, self.rank, self.n = [torch.Size(s) for s in shapes], rank, n
+        self.c_shapes = [torch.Size((math.ceil(s[0] / n),) + tuple(s[1:])) for s in self.shapes]
+        self.full_numel = sum(s.numel() for s in self.shapes)      # P: the whole numbers
+        self.shard_numel = sum(c.numel() for c in self.c_shapes)   # S: this rank's, padding included
+
+    def whole_views(self, full: torch.Tensor) -> list[torch.Tensor]:
+        offsets = itertools.accumulate([s.numel() for s in self.shapes], initial=0)
+        return [full[o:o + s.numel()].view(s) for o, s in zip(offsets, self.shapes)]
+
+    def blocks(self, packed: torch.Tensor):
+        """Each tensor's part of an (N, S) buffer, as its (N, c, *rest) row blocks."""
+        offsets = itertools.accumulate([c.numel() for c in self.c_shapes], initial=0)
+        for o, c_shape in zip(offsets, self.c_shapes):
+            yield packed[:, o:o + c_shape.numel()].view((self.n,) + tuple(c_shape))
+
+    def pack(self, shards) -> torch.Tensor:
+        return torch.cat([s.reshape(-1) for s in shards])                            # (S,)
+
+    def gather_buffer(self, full: torch.Tensor) -> torch.Tensor:
+        return full.new_empty(self.n * self.shard_numel)                             # (N S,)
+
+    def unpack(self, gathered: torch.Tensor, views) -> None:
+        for view, blocks in zip(views, self.blocks(gathered.view(self.n, self.shard_numel))):
+            view.copy_(blocks.reshape((-1,) + tuple(view.shape[1:]))[:view.shape[0]])  # (d0, *rest)
+
+    def pack_grads(self, params, dtype, device) -> tuple[torch.Tensor, list[bool]]:
+        packed = torch.zeros(self.n, self.shard_numel, dtype=dtype, device=device)    # (N, S)
+        had = [p.grad is not None for p in params]
+        for p, blocks in zip(params, self.blocks(packed)):
+            if p.grad is not None:
+                copy_rows(blocks, p.grad)
+                p.grad = None  # each whole gradient goes as soon as it is packed
+        return packed.view(-1), had
+
+
+class Unit:
+    """Parameters ``params`` gathered, freed and reduce-scattered together over ``group``.
+
+    ``dtype``: what the whole parameters compute in; ``grad_dtype``: what the gradients are
+    averaged in (fp32 under mixed precision: the mean loses no bits). ``mean_over``: None
+    averages with the collective's AVG; a number sums, then divides by it (experts sharded
+    over their expert-data-parallel group divide by all of dp). ``replicate_group`` (HSDP):
+    the reduce-scattered rows are then summed across the replicas, one all-reduce.
+    """
+
+    def __init__(self, name: str, params, layout, group, dtype, device, grad_dtype=None,
+                 mean_over: int | None = None, replicate_group=None):
+        self.name, self.params, self.layout, self.group = name, list(params), layout, group
+        self.dtype, self.device, self.grad_dtype = dtype, device, grad_dtype or dtype
+        self.mean_over, self.replicate_group = mean_over, replicate_group
+        self.gathered = False                  # the whole numbers in ``full``, or on the way
+        self.keep_shards = True                # per-parameter shards: see `to_whole`
+        self.shards: list | None = None        # the shards while the parameters view ``full``
+        self.grad: torch.Tensor | None = None  # their accumulated mean gradient (S,)
+        self.with_grad = [False] * len(self.params)
+        self.pending: set = set()              # in a backward: parameters awaiting a gradient
+        self.reduced = True                    # in a backward: reduce-scattered already
+        self._work = self._in_flight = None
+        self.allocate()
+        self.free()
+
+    def allocate(self) -> None:
+        """A new buffer ``full`` (P,) and its views, one per parameter in its whole shape."""
+        self.full = torch.empty(self.layout.full_numel, dtype=self.dtype, device=self.device)
+        self.views = self.layout.whole_views(self.full)
+
+    @property
+    def is_gathered(self) -> bool:
+        return self.gathered and self._work is None
+
+    # ------------------------------------------------------------------ the three moves
+    @torch.no_grad()
+    def gather(self, shards=None, async_op: bool = False) -> None:
+        """All-gather ``shards`` (this rank's numbers; by default those `to_whole` took) into
+        ``full``, a no-op when they are there or on the way; with ``async_op`` the caller waits
+        later, with `wait_gather`."""
+        if self.gathered:
+            return
+        shards = self.shards if shards is None else shards
+        if self.full.untyped_storage().nbytes() == 0:  # grown back under the views
+            self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        self.gathered = True
+        send = self.layout.pack(shards)                        # (S,)
+        if not self.keep_shards:  # gathered once a step: the shards live on in `send` only
+            shards.clear()
+            self.shards = None
+        out = self.layout.gather_buffer(self.full)             # (N S,)
+        self._in_flight = (send, out)  # alive until every parameter is whole
+        self._work = comms.all_gather_into_tensor(out, send, group=self.group, async_op=async_op)
+        if not async_op:
+            self.wait_gather()
+
+    def wait_gather(self) -> None:
+        """Block until a gather has landed; copy it out where the layout needs it."""
+        if self._work is not None:
+            self._work.wait()
+        if self._in_flight is not None:  # (the flat layout gathered into ``full`` itself)
+            with torch.no_grad():
+                self.layout.unpack(self._in_flight[1], self.views)
+        self._work = self._in_flight = None
+
+    def free(self) -> None:
+        """Drop the whole parameters' bytes; the views stay and come back with `gather`."""
+        self.wait_gather()
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def reduce_scatter(self, async_op: bool = False):
+        """Reduce-scatter the whole gradients (dropped once packed; a missing one counts as
+        zeros) to this rank's mean (S,). Returns a callable that finishes the job and returns
+        (the mean, which parameters had a gradient). The packed input lives until then, so a
+        caller that finishes each unit before reducing the next has one in flight."""
+        self.reduced = True  # later gradients of this backward are not expected
+        with torch.no_grad():
+            send, had = self.layout.pack_grads(self.params, self.grad_dtype, self.device)
+            out = torch.empty(self.layout.shard_numel, dtype=send.dtype, device=send.device)  # (S,)
+            op = dist.ReduceOp.AVG if self.mean_over is None else dist.ReduceOp.SUM
+            work = comms.reduce_scatter_tensor(out, send, op=op, group=self.group, async_op=async_op)
+        in_flight = {"work": work, "send": send}
+        del send, work
+
+        def finish():
+            if (work := in_flight.pop("work", None)) is not None:
+                work.wait()
+            in_flight.clear()
+            with torch.no_grad():
+                if self.mean_over is not None:
+                    out.div_(self.mean_over)
+                if self.replicate_group is not None:  # HSDP: every replica's share of the same rows
+                    comms.all_reduce(out, group=self.replicate_group)
+            return out, had
+
+        return finish
+
+    @torch.no_grad()
+    def gathered_copy(self, send: torch.Tensor) -> torch.Tensor:
+        """``send`` (S,) all-gathered into a fresh (N S,) tensor, ``full`` untouched (to read a
+        flat unit's master copy whole)."""
+        out = send.new_empty(dist.get_world_size(self.group) * self.layout.shard_numel)
+        comms.all_gather_into_tensor(out, send, group=self.group)
+        return out
+
+    # ------------------------------------------------------------------ one backward
+    def expect_grads(self) -> None:
+        """A backward starts: the unit is complete once every trainable parameter's gradient is in."""
+        self.pending = {id(p) for p in self.params if p.requires_grad}
+        self.reduced = not self.pending
+
+    def grad_arrived(self, p) -> bool:
+        """``p``'s gradient is in; True when that completes the unit (reduce it now)."""
+        self.pending.discard(id(p))
+        return not self.pending and not self.reduced
+
+    # ------------------------------------------------------------------ per-parameter shards
+    def to_whole(self, keep_shards: bool) -> None:
+        """Each ``p.data``, its shard until now, becomes its view of ``full`` (whole once
+        gathered). ``keep_shards``: keep the shards as the source of every re-gather (resharded
+        after forward); otherwise they go at the gather, ``full`` is a new buffer for this step,
+        and `to_shards` cuts the shards again from the whole tensors and lets the buffer go."""
+        self.shards, self.keep_shards = [p.data for p in self.params], keep_shards
+        if not keep_shards:
+            self.allocate()
+        for p, view in zip(self.params, self.views):
+            p.data = view  # (d0, *rest), no bytes until gathered
+        self.grad, self.with_grad = None, [False] * len(self.params)
+
+    def reduce_into_grad(self) -> None:
+        """Reduce-scatter this backward's gradients, added into ``grad`` (micro-batches accumulate)."""
+        out, had = self.reduce_scatter()()
+        self.with_grad = [a or b for a, b in zip(self.with_grad, had)]
+        if self.grad is None:
+            self.grad = out
+        else:
+            self.grad += out
+
+    @torch.no_grad()
+    def to_shards(self, with_grads: bool) -> None:
+        """``p.data`` its shard again (the kept one, or its rows of the whole tensor, which may
+        have been overwritten), and ``p.grad`` a view of ``grad`` where a backward gave one."""
+        cut = self.layout.rank, self.layout.n
+        shards = self.shards or [shard_rows(p.data, *cut) for p in self.params]
+        self.free()
+        if not self.keep_shards:
+            self.full = self.views = None
+        offsets = itertools.accumulate([c.numel() for c in self.layout.c_shapes], initial=0)
+        for p, shard, o, c_shape, had in zip(self.params, shards, offsets, self.layout.c_shapes,
+                                              self.with_grad):
+            p.data = shard
+            if with_grads and had:
+                p.grad = self.grad[o:o + c_shape.numel()].view(c_shape)
+        self.shards, self.grad = None, None
