@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from reference.comms.links import NIC, NVLINK
 from reference.comms.metering import record
-from reference.comms.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from reference.comms.ring import exchange, ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
 __all__ = ["tree_all_reduce", "halving_doubling_all_reduce", "hierarchical_all_reduce",
            "node_groups", "tree_sent_bytes", "algorithm_steps", "two_level_time", "ALGORITHMS"]
@@ -52,20 +52,6 @@ ALGORITHMS = ("ring", "tree", "halving_doubling", "hierarchical")
 def _place(group):
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     return ranks, dist.get_rank(group), len(ranks)
-
-
-def _exchange(group_ranks, group, send_to=None, send=None, recv_from=None, recv=None) -> int:
-    """Send and/or receive together (group ranks); returns the bytes sent."""
-    ops, sent = [], 0
-    if send is not None and send.numel():
-        ops.append(dist.P2POp(dist.isend, send.contiguous(), group_ranks[send_to], group))
-        sent = send.numel() * send.element_size()
-    if recv is not None and recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, group_ranks[recv_from], group))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return sent
 
 
 def tree_sent_bytes(nbytes: int, world_size: int, rank: int) -> int:
@@ -80,22 +66,22 @@ def tree_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``tensor`` in place over ``group`` with a binomial tree: reduce to rank 0, broadcast
     back. 2 ceil(log2 N) rounds; any N."""
     ranks, me, n = _place(group)
-    flat = tensor.detach().view(-1) if tensor.is_contiguous() else tensor.detach().reshape(-1).clone()
+    flat = tensor.detach().reshape(-1)  # (numel,): a view, or a copy when tensor is not contiguous
     rounds = math.ceil(math.log2(n)) if n > 1 else 0
     sent, incoming = 0, torch.empty_like(flat)
     for k in range(rounds):  # up: in round k the ranks with bit k set hand their sum down
         mask = 1 << k
         if me % (2 * mask) == mask:
-            sent += _exchange(ranks, group, send_to=me - mask, send=flat)
+            sent += exchange(group, send=flat, dst=ranks[me - mask])
         elif me % (2 * mask) == 0 and me + mask < n:
-            _exchange(ranks, group, recv_from=me + mask, recv=incoming)
+            exchange(group, recv=incoming, src=ranks[me + mask])
             flat.add_(incoming)
     for k in reversed(range(rounds)):  # down: the same edges, the other way
         mask = 1 << k
         if me % (2 * mask) == 0 and me + mask < n:
-            sent += _exchange(ranks, group, send_to=me + mask, send=flat)
+            sent += exchange(group, send=flat, dst=ranks[me + mask])
         elif me % (2 * mask) == mask:
-            _exchange(ranks, group, recv_from=me - mask, recv=flat)
+            exchange(group, recv=flat, src=ranks[me - mask])
     if not tensor.is_contiguous():
         tensor.detach().copy_(flat.view(tensor.shape))
     record("tree_all_reduce", group, tensor.numel() * tensor.element_size(), sent)
@@ -109,23 +95,20 @@ def halving_doubling_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tenso
     if n & (n - 1):
         raise ValueError(f"recursive halving-doubling needs a power-of-two group, got {n} ranks "
                          f"(world_size={dist.get_world_size()}): use the ring or the tree")
-    flat = tensor.detach().view(-1) if tensor.is_contiguous() else tensor.detach().reshape(-1).clone()
+    flat = tensor.detach().reshape(-1)  # (numel,): a view, or a copy when tensor is not contiguous
     lo, hi, sent, kept = 0, flat.numel(), 0, []
     distance = 1
     while distance < n:  # halving, nearest partner first: keep one half, send the other
-        partner = me ^ distance
-        mid = lo + (hi - lo) // 2
-        mine, theirs = ((lo, mid), (mid, hi)) if me < partner else ((mid, hi), (lo, mid))
-        incoming = torch.empty(mine[1] - mine[0], dtype=flat.dtype, device=flat.device)
-        sent += _exchange(ranks, group, send_to=partner, send=flat[theirs[0]:theirs[1]],
-                          recv_from=partner, recv=incoming)
-        flat[mine[0]:mine[1]].add_(incoming)
-        kept.append((lo, hi, mine, theirs, partner))
-        lo, hi = mine
+        partner, mid = ranks[me ^ distance], lo + (hi - lo) // 2
+        mine, theirs = (slice(lo, mid), slice(mid, hi)) if me < me ^ distance else (slice(mid, hi), slice(lo, mid))
+        incoming = torch.empty_like(flat[mine])
+        sent += exchange(group, flat[theirs], partner, incoming, partner)
+        flat[mine].add_(incoming)
+        kept.append((mine, theirs, partner))
+        lo, hi = mine.start, mine.stop
         distance *= 2
-    for lo, hi, mine, theirs, partner in reversed(kept):  # doubling: give back, take the rest
-        sent += _exchange(ranks, group, send_to=partner, send=flat[mine[0]:mine[1]].clone(),
-                          recv_from=partner, recv=flat[theirs[0]:theirs[1]])
+    for mine, theirs, partner in reversed(kept):  # doubling: give back, take the rest
+        sent += exchange(group, flat[mine].clone(), partner, flat[theirs], partner)
     if not tensor.is_contiguous():
         tensor.detach().copy_(flat.view(tensor.shape))
     record("halving_doubling_all_reduce", group, tensor.numel() * tensor.element_size(), sent)

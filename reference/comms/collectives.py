@@ -28,51 +28,45 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _ring_place(group) -> tuple[int, int]:
-    """(N, this rank's group rank)."""
-    return dist.get_world_size(group), dist.get_rank(group)
+def _record_ring(op: str, group, tensor: torch.Tensor, src: int = 0) -> None:
+    """Record `op` on `tensor` (its S) with the bytes this rank sends in the ring version."""
+    sent = ring_sent_bytes(op, tensor.numel(), tensor.element_size(), dist.get_world_size(group),
+                           dist.get_rank(group), src=src)
+    record(op, group, _nbytes(tensor), sent)
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """torch.distributed.all_reduce, recording 2(N-1)/N * S sent bytes."""
-    n, i = _ring_place(group)
-    record("all_reduce", group, _nbytes(tensor),
-           ring_sent_bytes("all_reduce", tensor.numel(), tensor.element_size(), n, i))
+    _record_ring("all_reduce", group, tensor)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
     """torch.distributed.reduce_scatter_tensor, recording (N-1)/N * S_in sent bytes."""
-    n, i = _ring_place(group)
-    record("reduce_scatter", group, _nbytes(input),
-           ring_sent_bytes("reduce_scatter", input.numel(), input.element_size(), n, i))
+    _record_ring("reduce_scatter", group, input)
     return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
     """torch.distributed.all_gather_into_tensor, recording (N-1)/N * S_out sent bytes."""
-    n, i = _ring_place(group)
-    record("all_gather", group, _nbytes(output_tensor),
-           ring_sent_bytes("all_gather", output_tensor.numel(), output_tensor.element_size(), n, i))
+    _record_ring("all_gather", group, output_tensor)
     return _all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     """torch.distributed.broadcast, recording S sent bytes, or 0 on the chain's last rank."""
-    n, i = _ring_place(group)
     if group_src is None:
         if src is None:
             raise ValueError("broadcast needs src (a global rank) or group_src")
         group_src = src if group is None else dist.get_group_rank(group, src)
-    record("broadcast", group, _nbytes(tensor),
-           ring_sent_bytes("broadcast", tensor.numel(), tensor.element_size(), n, i, src=group_src))
+    _record_ring("broadcast", group, tensor, src=group_src)
     return dist.broadcast(tensor, group=group, async_op=async_op, group_src=group_src)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op=False):
     """torch.distributed.all_to_all_single, recording the bytes of the rows sent to other ranks."""
-    n, i = _ring_place(group)
+    n, i = dist.get_world_size(group), dist.get_rank(group)
     rows = input.shape[0] if input.dim() > 0 else 1
     if input_split_sizes is None:
         if rows % n:
