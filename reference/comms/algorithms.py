@@ -27,10 +27,8 @@ latency alpha) and how many bytes (each paying 1 / bandwidth beta) a rank needs:
   the nodes (between the ranks with the same place in their node), all-gather inside: only
   S / g per rank crosses the slow links.
 
-`two_level_time` prices each in the alpha-beta model with two link classes (`reference.comms.links`)
-and a number of NICs per node, so that a student can see where the tree beats the ring (small
-messages, many ranks) and where it does not, and that the hierarchical all-reduce's advantage
-over the ring is in latencies, not in bandwidth, once the ring may use every NIC of a node.
+`two_level_time` prices each with two link classes (`reference.comms.links`) and NICs per node:
+where the tree beats the ring, and what the hierarchical all-reduce saves over the ring.
 """
 from __future__ import annotations
 
@@ -190,8 +188,8 @@ def two_level_time(algorithm: str, nbytes: float, n: int, node_size: int,
       S / node_size bytes.
 
     The ring pays the NIC's latency on its 2 (nodes-1) steps across nodes and NVLink's on the
-    2 (n - nodes) others; its bandwidth term is 2 (n-1)/n S over min(NVLink, nics x NIC). The hierarchical
-    all-reduce sends 2 (nodes-1)/nodes S out of each node instead (8/7 fewer bytes on 8 nodes,
+    2 (n - nodes) others (NCCL's tuning model, its nInterSteps); its bandwidth term is
+    2 (n-1)/n S over min(NVLink, nics x NIC). The hierarchical all-reduce sends 2 (nodes-1)/nodes S out of each node instead (8/7 fewer bytes on 8 nodes,
     almost the same on many) through the same NICs, and adds its passes inside the node: what
     it saves is latencies (2 (g-1) + 2 (nodes-1) steps instead of 2 (n-1)), not bandwidth.
     (The old single-NIC ring against a hierarchical all-reduce given a NIC per GPU compares
@@ -203,9 +201,6 @@ def two_level_time(algorithm: str, nbytes: float, n: int, node_size: int,
     if nics < 1:
         raise ValueError(f"nics_per_node must be at least 1, got {nics_per_node}")
     if algorithm == "ring":
-        # Of the 2 (n-1) steps only the 2 (nodes-1) that cross a node boundary pay the NIC's
-        # latency, the others NVLink's (NCCL's tuning model, its nInterSteps); every step
-        # moves S/n at the pace of the ring's slowest link.
         inter_steps = 2 * (nodes - 1)
         per_step = max(nbytes / n / b_in, nbytes / n / nics / b_out) if nodes > 1 else nbytes / n / b_in
         return inter_steps * a_out + (2 * (n - 1) - inter_steps) * a_in + 2 * (n - 1) * per_step
@@ -214,8 +209,6 @@ def two_level_time(algorithm: str, nbytes: float, n: int, node_size: int,
         return sum(2 * ((a_in + nbytes / b_in) if (1 << k) < node_size else (a_out + nbytes / b_out))
                    for k in range(rounds))
     if algorithm == "halving_doubling":
-        # Partners at distance 1, 2, 4, ...: the halves, largest first, stay inside the node
-        # and only the smaller pieces cross it.
         across_bw = b_out * _nic_share(nics, node_size)
         return sum(2 * ((a_in + nbytes / (2 << k) / b_in) if (1 << k) < node_size
                         else (a_out + nbytes / (2 << k) / across_bw))

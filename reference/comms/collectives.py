@@ -1,9 +1,20 @@
 """Thin wrappers of torch.distributed's collectives that record each call in the open meters.
 
-Same signatures as torch.distributed; each records the call (payload and ring
-bytes, see `reference.comms` for the table) in every open `CommMeter`, then calls
-torch.distributed. Later packages communicate only through these wrappers, so
-every byte they move is counted.
+Same signatures as torch.distributed; each records the call in every open `CommMeter`,
+then calls torch.distributed. S, the `payload_bytes` of a call, is the whole tensor the
+collective reduces or produces (for all-gather the output, for reduce-scatter the input,
+otherwise the tensor handed to the op). `sent_bytes` is what this rank would send in the
+ring algorithm of `reference.comms.ring`; torch (gloo, NCCL) may choose another
+algorithm, but the ring's count is the one the course's formulas teach:
+
+    all_reduce              2(N-1)/N * S   (exactly, per rank, when S divides by N)
+    reduce_scatter_tensor    (N-1)/N * S
+    all_gather_into_tensor   (N-1)/N * S
+    all_to_all_single       the bytes of the rows sent to the other ranks (exact,
+                            from the split sizes; the rows kept by this rank are free)
+    broadcast               S on every rank except the rank just before src on the
+                            ring (the end of the pipelined chain), which sends 0
+    send / recv             S / 0
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ label), with two sizes:
 * ``payload_bytes``: the size of the tensor handed to the operation;
 * ``sent_bytes``: the bytes this rank sends. The ring operations count the bytes
   they really hand to ``isend``; the wrappers count the bytes a ring
-  implementation would send (see `reference.comms`).
+  implementation would send (see `reference.comms.collectives`).
 
 Meters are per process (each rank keeps its own) and they nest: a record goes to
 every open meter, so an outer meter sees everything an inner one sees.

@@ -30,15 +30,8 @@ import torch.distributed as dist
 
 from reference.comms.metering import record
 
-__all__ = [
-    "ring_reduce_scatter",
-    "ring_all_gather",
-    "ring_all_reduce",
-    "ring_broadcast",
-    "chunk_sizes",
-    "ring_sent_bytes",
-    "exchange",
-]
+__all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "ring_broadcast", "chunk_sizes",
+           "ring_sent_bytes", "exchange"]
 
 ReduceOp = dist.ReduceOp
 

@@ -152,13 +152,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
                    zigzag: bool = True, scale: Optional[float] = None) -> torch.Tensor:
     """softmax(q k^T * scale) v over the whole sequence, each rank holding T/cp of it.
 
-    q, k, v: (B, H, T/cp, D), this rank's tokens in the layout of
-    `reference.context_parallel.layout` (``zigzag=True``: chunks r and
-    2 cp - 1 - r; ``zigzag=False``: the contiguous block r). k and v may have
-    H_kv heads dividing H (grouped-query attention). ``causal``: position
-    p attends to positions <= p. ``scale`` defaults to 1 / sqrt(D). Returns this
-    rank's rows of the output, (B, H, T/cp, D). Every rank of `group` must call it.
-    """
+    q, k, v: (B, H, T/cp, D), this rank's tokens in the zig-zag or (``zigzag=False``) the
+    contiguous split of `reference.context_parallel.layout`. k and v may have H_kv heads
+    dividing H (grouped-query attention). ``causal``: position p attends to positions <= p.
+    ``scale`` defaults to 1 / sqrt(D). Returns this rank's rows of the output, (B, H, T/cp, D).
+    Every rank of `group` must call it."""
     check_attention_inputs(q, k, v, "ring_attention", group, zigzag=causal and zigzag)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _RingAttention.apply(q, k, v, group, bool(causal), bool(zigzag), scale)
