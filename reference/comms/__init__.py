@@ -9,7 +9,7 @@
 * `algorithms`: all-reduce by other algorithms (binomial tree, recursive halving-doubling,
   hierarchical over nodes) and their time with fast and slow links and NICs per node;
 * `collectives`: thin wrappers of torch.distributed's collectives, same signatures, each
-  recorded in the open meters (the bytes they record are listed there). Later modules
+  recorded in the open meters with the bytes it sends. Later modules
   communicate only through them, so every byte they move is counted;
 * `functional`: collectives as functions of tensors that several parallelisms share,
   `all_gather_along` and the differentiable, uneven `all_to_all`;

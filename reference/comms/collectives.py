@@ -3,18 +3,10 @@
 Same signatures as torch.distributed; each records the call in every open `CommMeter`,
 then calls torch.distributed. S, the `payload_bytes` of a call, is the whole tensor the
 collective reduces or produces (for all-gather the output, for reduce-scatter the input,
-otherwise the tensor handed to the op). `sent_bytes` is what this rank would send in the
-ring algorithm of `reference.comms.ring`; torch (gloo, NCCL) may choose another
-algorithm, but the ring's count is the one the course's formulas teach:
-
-    all_reduce              2(N-1)/N * S   (exactly, per rank, when S divides by N)
-    reduce_scatter_tensor    (N-1)/N * S
-    all_gather_into_tensor   (N-1)/N * S
-    all_to_all_single       the bytes of the rows sent to the other ranks (exact,
-                            from the split sizes; the rows kept by this rank are free)
-    broadcast               S on every rank except the rank just before src on the
-                            ring (the end of the pipelined chain), which sends 0
-    send / recv             S / 0
+otherwise the tensor handed to the op). `sent_bytes`, given in each wrapper's docstring, is
+what this rank would send in the ring algorithm (exactly: `reference.comms.ring.ring_sent_bytes`);
+torch (gloo, NCCL) may choose another algorithm, but the ring's count is the one the
+course's formulas teach.
 """
 from __future__ import annotations
 
@@ -47,7 +39,7 @@ def _record_ring(op: str, group, tensor: torch.Tensor, src: int = 0) -> None:
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
-    """torch.distributed.all_reduce, recording 2(N-1)/N * S sent bytes."""
+    """torch.distributed.all_reduce, recording 2(N-1)/N * S sent bytes (exactly when S divides by N)."""
     _record_ring("all_reduce", group, tensor)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
@@ -65,7 +57,8 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-    """torch.distributed.broadcast, recording S sent bytes, or 0 on the chain's last rank."""
+    """torch.distributed.broadcast, recording S sent bytes, or 0 on the pipelined chain's last
+    rank (the one just before src on the ring)."""
     if group_src is None:
         if src is None:
             raise ValueError("broadcast needs src (a global rank) or group_src")
@@ -76,7 +69,8 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op=False):
-    """torch.distributed.all_to_all_single, recording the bytes of the rows sent to other ranks."""
+    """torch.distributed.all_to_all_single, recording the bytes of the rows sent to other ranks
+    (exact, from the split sizes; the rows this rank keeps are free)."""
     n, i = dist.get_world_size(group), dist.get_rank(group)
     rows = input.shape[0] if input.dim() > 0 else 1
     if input_split_sizes is None:

@@ -152,7 +152,7 @@ def format_records(records: Sequence[dict] | Sequence[Sequence[dict]]) -> str:
     columns = ("op", "group", "calls", "payload_bytes", "sent_bytes")
     per_rank = bool(records) and not isinstance(records[0], dict)
     by_rank = enumerate(records) if per_rank else [(None, records)]
-    header = ("rank",) * per_rank + columns
+    header = ("rank",) * per_rank + columns  # a rank column only for per-rank records
     rows = [(rank,) * per_rank + tuple(r[c] for c in columns) for rank, recs in by_rank for r in recs]
     if not rows:
         return "(no communication recorded)"

@@ -142,14 +142,8 @@ def _write_result(workdir, rank, result, safe_results):
 
 
 def _write_error(workdir, rank, exc):
-    record = {
-        "rank": rank,
-        "time": time.time(),
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
-        "comm": is_comm_error(exc),
-    }
+    record = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc),
+              "traceback": "".join(traceback.format_exception(exc)), "comm": is_comm_error(exc)}
     final = os.path.join(workdir, f"error{rank}.json")
     with open(final + ".tmp", "w") as f:
         json.dump(record, f)
