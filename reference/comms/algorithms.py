@@ -27,10 +27,8 @@ latency alpha) and how many bytes (each paying 1 / bandwidth beta) a rank needs:
   the nodes (between the ranks with the same place in their node), all-gather inside: only
   S / g per rank crosses the slow links.
 
-`two_level_time` prices each in the alpha-beta model with two link classes (`reference.comms.links`)
-and a number of NICs per node, so that a student can see where the tree beats the ring (small
-messages, many ranks) and where it does not, and that the hierarchical all-reduce's advantage
-over the ring is in latencies, not in bandwidth, once the ring may use every NIC of a node.
+`two_level_time` prices each with two link classes (`reference.comms.links`) and NICs per node:
+where the tree beats the ring, and what the hierarchical all-reduce saves over the ring.
 """
 from __future__ import annotations
 
@@ -41,7 +39,7 @@ import torch.distributed as dist
 
 from reference.comms.links import NIC, NVLINK
 from reference.comms.metering import record
-from reference.comms.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from reference.comms.ring import exchange, ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
 __all__ = ["tree_all_reduce", "halving_doubling_all_reduce", "hierarchical_all_reduce",
            "node_groups", "tree_sent_bytes", "algorithm_steps", "two_level_time", "ALGORITHMS"]
@@ -52,20 +50,6 @@ ALGORITHMS = ("ring", "tree", "halving_doubling", "hierarchical")
 def _place(group):
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     return ranks, dist.get_rank(group), len(ranks)
-
-
-def _exchange(group_ranks, group, send_to=None, send=None, recv_from=None, recv=None) -> int:
-    """Send and/or receive together (group ranks); returns the bytes sent."""
-    ops, sent = [], 0
-    if send is not None and send.numel():
-        ops.append(dist.P2POp(dist.isend, send.contiguous(), group_ranks[send_to], group))
-        sent = send.numel() * send.element_size()
-    if recv is not None and recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, group_ranks[recv_from], group))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return sent
 
 
 def tree_sent_bytes(nbytes: int, world_size: int, rank: int) -> int:
@@ -80,22 +64,22 @@ def tree_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``tensor`` in place over ``group`` with a binomial tree: reduce to rank 0, broadcast
     back. 2 ceil(log2 N) rounds; any N."""
     ranks, me, n = _place(group)
-    flat = tensor.detach().view(-1) if tensor.is_contiguous() else tensor.detach().reshape(-1).clone()
+    flat = tensor.detach().reshape(-1)  # (numel,): a view, or a copy when tensor is not contiguous
     rounds = math.ceil(math.log2(n)) if n > 1 else 0
     sent, incoming = 0, torch.empty_like(flat)
     for k in range(rounds):  # up: in round k the ranks with bit k set hand their sum down
         mask = 1 << k
         if me % (2 * mask) == mask:
-            sent += _exchange(ranks, group, send_to=me - mask, send=flat)
+            sent += exchange(group, send=flat, dst=ranks[me - mask])
         elif me % (2 * mask) == 0 and me + mask < n:
-            _exchange(ranks, group, recv_from=me + mask, recv=incoming)
+            exchange(group, recv=incoming, src=ranks[me + mask])
             flat.add_(incoming)
     for k in reversed(range(rounds)):  # down: the same edges, the other way
         mask = 1 << k
         if me % (2 * mask) == 0 and me + mask < n:
-            sent += _exchange(ranks, group, send_to=me + mask, send=flat)
+            sent += exchange(group, send=flat, dst=ranks[me + mask])
         elif me % (2 * mask) == mask:
-            _exchange(ranks, group, recv_from=me - mask, recv=flat)
+            exchange(group, recv=flat, src=ranks[me - mask])
     if not tensor.is_contiguous():
         tensor.detach().copy_(flat.view(tensor.shape))
     record("tree_all_reduce", group, tensor.numel() * tensor.element_size(), sent)
@@ -109,23 +93,20 @@ def halving_doubling_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tenso
     if n & (n - 1):
         raise ValueError(f"recursive halving-doubling needs a power-of-two group, got {n} ranks "
                          f"(world_size={dist.get_world_size()}): use the ring or the tree")
-    flat = tensor.detach().view(-1) if tensor.is_contiguous() else tensor.detach().reshape(-1).clone()
+    flat = tensor.detach().reshape(-1)  # (numel,): a view, or a copy when tensor is not contiguous
     lo, hi, sent, kept = 0, flat.numel(), 0, []
     distance = 1
     while distance < n:  # halving, nearest partner first: keep one half, send the other
-        partner = me ^ distance
-        mid = lo + (hi - lo) // 2
-        mine, theirs = ((lo, mid), (mid, hi)) if me < partner else ((mid, hi), (lo, mid))
-        incoming = torch.empty(mine[1] - mine[0], dtype=flat.dtype, device=flat.device)
-        sent += _exchange(ranks, group, send_to=partner, send=flat[theirs[0]:theirs[1]],
-                          recv_from=partner, recv=incoming)
-        flat[mine[0]:mine[1]].add_(incoming)
-        kept.append((lo, hi, mine, theirs, partner))
-        lo, hi = mine
+        partner, mid = ranks[me ^ distance], lo + (hi - lo) // 2
+        mine, theirs = (slice(lo, mid), slice(mid, hi)) if me < me ^ distance else (slice(mid, hi), slice(lo, mid))
+        incoming = torch.empty_like(flat[mine])
+        sent += exchange(group, flat[theirs], partner, incoming, partner)
+        flat[mine].add_(incoming)
+        kept.append((mine, theirs, partner))
+        lo, hi = mine.start, mine.stop
         distance *= 2
-    for lo, hi, mine, theirs, partner in reversed(kept):  # doubling: give back, take the rest
-        sent += _exchange(ranks, group, send_to=partner, send=flat[mine[0]:mine[1]].clone(),
-                          recv_from=partner, recv=flat[theirs[0]:theirs[1]])
+    for mine, theirs, partner in reversed(kept):  # doubling: give back, take the rest
+        sent += exchange(group, flat[mine].clone(), partner, flat[theirs], partner)
     if not tensor.is_contiguous():
         tensor.detach().copy_(flat.view(tensor.shape))
     record("halving_doubling_all_reduce", group, tensor.numel() * tensor.element_size(), sent)
@@ -207,8 +188,8 @@ def two_level_time(algorithm: str, nbytes: float, n: int, node_size: int,
       S / node_size bytes.
 
     The ring pays the NIC's latency on its 2 (nodes-1) steps across nodes and NVLink's on the
-    2 (n - nodes) others; its bandwidth term is 2 (n-1)/n S over min(NVLink, nics x NIC). The hierarchical
-    all-reduce sends 2 (nodes-1)/nodes S out of each node instead (8/7 fewer bytes on 8 nodes,
+    2 (n - nodes) others (NCCL's tuning model, its nInterSteps); its bandwidth term is
+    2 (n-1)/n S over min(NVLink, nics x NIC). The hierarchical all-reduce sends 2 (nodes-1)/nodes S out of each node instead (8/7 fewer bytes on 8 nodes,
     almost the same on many) through the same NICs, and adds its passes inside the node: what
     it saves is latencies (2 (g-1) + 2 (nodes-1) steps instead of 2 (n-1)), not bandwidth.
     (The old single-NIC ring against a hierarchical all-reduce given a NIC per GPU compares
@@ -220,9 +201,6 @@ def two_level_time(algorithm: str, nbytes: float, n: int, node_size: int,
     if nics < 1:
         raise ValueError(f"nics_per_node must be at least 1, got {nics_per_node}")
     if algorithm == "ring":
-        # Of the 2 (n-1) steps only the 2 (nodes-1) that cross a node boundary pay the NIC's
-        # latency, the others NVLink's (NCCL's tuning model, its nInterSteps); every step
-        # moves S/n at the pace of the ring's slowest link.
         inter_steps = 2 * (nodes - 1)
         per_step = max(nbytes / n / b_in, nbytes / n / nics / b_out) if nodes > 1 else nbytes / n / b_in
         return inter_steps * a_out + (2 * (n - 1) - inter_steps) * a_in + 2 * (n - 1) * per_step
@@ -231,8 +209,6 @@ def two_level_time(algorithm: str, nbytes: float, n: int, node_size: int,
         return sum(2 * ((a_in + nbytes / b_in) if (1 << k) < node_size else (a_out + nbytes / b_out))
                    for k in range(rounds))
     if algorithm == "halving_doubling":
-        # Partners at distance 1, 2, 4, ...: the halves, largest first, stay inside the node
-        # and only the smaller pieces cross it.
         across_bw = b_out * _nic_share(nics, node_size)
         return sum(2 * ((a_in + nbytes / (2 << k) / b_in) if (1 << k) < node_size
                         else (a_out + nbytes / (2 << k) / across_bw))

@@ -1,9 +1,12 @@
 """Thin wrappers of torch.distributed's collectives that record each call in the open meters.
 
-Same signatures as torch.distributed; each records the call (payload and ring
-bytes, see `reference.comms` for the table) in every open `CommMeter`, then calls
-torch.distributed. Later packages communicate only through these wrappers, so
-every byte they move is counted.
+Same signatures as torch.distributed; each records the call in every open `CommMeter`,
+then calls torch.distributed. S, the `payload_bytes` of a call, is the whole tensor the
+collective reduces or produces (for all-gather the output, for reduce-scatter the input,
+otherwise the tensor handed to the op). `sent_bytes`, given in each wrapper's docstring, is
+what this rank would send in the ring algorithm (exactly: `reference.comms.ring.ring_sent_bytes`);
+torch (gloo, NCCL) may choose another algorithm, but the ring's count is the one the
+course's formulas teach.
 """
 from __future__ import annotations
 
@@ -28,51 +31,47 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _ring_place(group) -> tuple[int, int]:
-    """(N, this rank's group rank)."""
-    return dist.get_world_size(group), dist.get_rank(group)
+def _record_ring(op: str, group, tensor: torch.Tensor, src: int = 0) -> None:
+    """Record `op` on `tensor` (its S) with the bytes this rank sends in the ring version."""
+    sent = ring_sent_bytes(op, tensor.numel(), tensor.element_size(), dist.get_world_size(group),
+                           dist.get_rank(group), src=src)
+    record(op, group, _nbytes(tensor), sent)
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
-    """torch.distributed.all_reduce, recording 2(N-1)/N * S sent bytes."""
-    n, i = _ring_place(group)
-    record("all_reduce", group, _nbytes(tensor),
-           ring_sent_bytes("all_reduce", tensor.numel(), tensor.element_size(), n, i))
+    """torch.distributed.all_reduce, recording 2(N-1)/N * S sent bytes (exactly when S divides by N)."""
+    _record_ring("all_reduce", group, tensor)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
     """torch.distributed.reduce_scatter_tensor, recording (N-1)/N * S_in sent bytes."""
-    n, i = _ring_place(group)
-    record("reduce_scatter", group, _nbytes(input),
-           ring_sent_bytes("reduce_scatter", input.numel(), input.element_size(), n, i))
+    _record_ring("reduce_scatter", group, input)
     return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
     """torch.distributed.all_gather_into_tensor, recording (N-1)/N * S_out sent bytes."""
-    n, i = _ring_place(group)
-    record("all_gather", group, _nbytes(output_tensor),
-           ring_sent_bytes("all_gather", output_tensor.numel(), output_tensor.element_size(), n, i))
+    _record_ring("all_gather", group, output_tensor)
     return _all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-    """torch.distributed.broadcast, recording S sent bytes, or 0 on the chain's last rank."""
-    n, i = _ring_place(group)
+    """torch.distributed.broadcast, recording S sent bytes, or 0 on the pipelined chain's last
+    rank (the one just before src on the ring)."""
     if group_src is None:
         if src is None:
             raise ValueError("broadcast needs src (a global rank) or group_src")
         group_src = src if group is None else dist.get_group_rank(group, src)
-    record("broadcast", group, _nbytes(tensor),
-           ring_sent_bytes("broadcast", tensor.numel(), tensor.element_size(), n, i, src=group_src))
+    _record_ring("broadcast", group, tensor, src=group_src)
     return dist.broadcast(tensor, group=group, async_op=async_op, group_src=group_src)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op=False):
-    """torch.distributed.all_to_all_single, recording the bytes of the rows sent to other ranks."""
-    n, i = _ring_place(group)
+    """torch.distributed.all_to_all_single, recording the bytes of the rows sent to other ranks
+    (exact, from the split sizes; the rows this rank keeps are free)."""
+    n, i = dist.get_world_size(group), dist.get_rank(group)
     rows = input.shape[0] if input.dim() > 0 else 1
     if input_split_sizes is None:
         if rows % n:

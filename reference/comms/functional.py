@@ -6,16 +6,11 @@
 Each returns a new tensor instead of filling a buffer, and goes through the metered
 wrappers of `reference.comms.collectives`, so `comms.meter()` counts it.
 
-* `all_gather_along`: every rank's tensor concatenated along one dimension, in rank order.
-  Tensor parallelism gathers the sequence or the hidden dimension with it
-  (`reference.tensor_parallel.comms`); context parallelism puts a sequence split over the
-  cp ranks back together (`reference.context_parallel.layout`).
-* `all_to_all`: rows exchanged between the ranks of a group with uneven, data-dependent
-  splits, with its backward. An all-to-all is a permutation of rows between ranks, so its
-  gradient is the inverse permutation: the same exchange with the splits swapped. Expert
-  parallelism sends tokens to their experts and back with it
-  (`reference.expert_parallel.moe`); Ulysses trades a sequence split for a head split
-  (`reference.context_parallel.ulysses`).
+Tensor parallelism gathers the sequence or the hidden dimension with `all_gather_along`
+(`reference.tensor_parallel.comms`), context parallelism a sequence split over the cp
+ranks (`reference.context_parallel.layout`). Expert parallelism sends tokens to their
+experts and back with `all_to_all` (`reference.expert_parallel.moe`), Ulysses trades a
+sequence split for a head split with it (`reference.context_parallel.ulysses`).
 """
 from __future__ import annotations
 
@@ -54,11 +49,10 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        # The inverse permutation: every row's gradient goes back to where the row came from.
-        grad_in = grad_out.new_empty((sum(ctx.input_splits),) + tuple(grad_out.shape[1:]))
-        all_to_all_single(grad_in, grad_out.contiguous(), ctx.input_splits,
-                          ctx.output_splits, group=ctx.group)
-        return grad_in, None, None, None
+        # An all-to-all is a permutation of rows between ranks, so its gradient is the inverse
+        # permutation: the same exchange with the splits swapped, every row's gradient going
+        # back to where the row came from.
+        return AllToAll.apply(grad_out, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
 
 
 def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],

@@ -8,7 +8,7 @@ label), with two sizes:
 * ``payload_bytes``: the size of the tensor handed to the operation;
 * ``sent_bytes``: the bytes this rank sends. The ring operations count the bytes
   they really hand to ``isend``; the wrappers count the bytes a ring
-  implementation would send (see `reference.comms`).
+  implementation would send (see `reference.comms.collectives`).
 
 Meters are per process (each rank keeps its own) and they nest: a record goes to
 every open meter, so an outer meter sees everything an inner one sees.
@@ -24,14 +24,7 @@ from collections.abc import Iterable, Sequence
 
 import torch.distributed as dist
 
-__all__ = [
-    "CommMeter",
-    "meter",
-    "name_group",
-    "group_label",
-    "record",
-    "format_records",
-]
+__all__ = ["CommMeter", "meter", "name_group", "group_label", "record", "format_records"]
 
 # Meters currently open in this process, innermost last. A stack of counters is
 # process state like a profiler's; it says nothing about the mesh, which is
@@ -89,24 +82,17 @@ class CommMeter:
     def __exit__(self, *exc) -> None:
         # Remove this meter, not merely the last one, so that meters closed out
         # of order (e.g. by an exception) never leave a stale entry behind.
-        for i in range(len(_ACTIVE) - 1, -1, -1):
-            if _ACTIVE[i] is self:
-                del _ACTIVE[i]
-                break
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
 
     def _add(self, op: str, group: str, payload: int, sent: int) -> None:
-        row = self._rows.setdefault((op, group), [0, 0, 0])
-        row[0] += 1
-        row[1] += payload
-        row[2] += sent
+        calls, payload_total, sent_total = self._rows.get((op, group), (0, 0, 0))
+        self._rows[(op, group)] = [calls + 1, payload_total + payload, sent_total + sent]
 
     # -- queries ---------------------------------------------------------
     def _total(self, column: int, op: str | None, group: str | None) -> int:
-        return sum(
-            row[column]
-            for (o, g), row in self._rows.items()
-            if (op is None or o == op) and (group is None or g == group)
-        )
+        return sum(row[column] for (o, g), row in self._rows.items()
+                   if (op is None or o == op) and (group is None or g == group))
 
     def calls(self, op: str | None = None, group: str | None = None) -> int:
         """Number of calls, optionally only of collective `op` and/or group label `group`."""
@@ -126,10 +112,8 @@ class CommMeter:
         Plain data so that a rank can return them from `launch`, even with
         ``safe_results=True``.
         """
-        return [
-            {"op": op, "group": g, "calls": c, "payload_bytes": p, "sent_bytes": s}
-            for (op, g), (c, p, s) in sorted(self._rows.items(), key=lambda kv: (kv[0][1], kv[0][0]))
-        ]
+        return [{"op": op, "group": g, "calls": c, "payload_bytes": p, "sent_bytes": s}
+                for (op, g), (c, p, s) in sorted(self._rows.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
 
     def gather(self, dst: int = 0, group=None) -> list[list[dict]] | None:
         """Collect every rank's `records()` on global rank `dst` (all ranks of `group` call it).
@@ -165,15 +149,11 @@ def format_records(records: Sequence[dict] | Sequence[Sequence[dict]]) -> str:
     Pass `m.records()` for one rank, or what `m.gather()` / `launch` returned (a
     list indexed by rank) to get a table with a rank column.
     """
+    columns = ("op", "group", "calls", "payload_bytes", "sent_bytes")
     per_rank = bool(records) and not isinstance(records[0], dict)
-    rows: list[tuple] = []
-    if per_rank:
-        for rank, recs in enumerate(records):
-            rows += [(rank, r["op"], r["group"], r["calls"], r["payload_bytes"], r["sent_bytes"]) for r in recs]
-        header = ("rank", "op", "group", "calls", "payload_bytes", "sent_bytes")
-    else:
-        rows = [(r["op"], r["group"], r["calls"], r["payload_bytes"], r["sent_bytes"]) for r in records]
-        header = ("op", "group", "calls", "payload_bytes", "sent_bytes")
+    by_rank = enumerate(records) if per_rank else [(None, records)]
+    header = ("rank",) * per_rank + columns  # a rank column only for per-rank records
+    rows = [(rank,) * per_rank + tuple(r[c] for c in columns) for rank, recs in by_rank for r in recs]
     if not rows:
         return "(no communication recorded)"
     return _align(header, rows)

@@ -30,14 +30,8 @@ import torch.distributed as dist
 
 from reference.comms.metering import record
 
-__all__ = [
-    "ring_reduce_scatter",
-    "ring_all_gather",
-    "ring_all_reduce",
-    "ring_broadcast",
-    "chunk_sizes",
-    "ring_sent_bytes",
-]
+__all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "ring_broadcast", "chunk_sizes",
+           "ring_sent_bytes", "exchange"]
 
 ReduceOp = dist.ReduceOp
 
@@ -78,9 +72,24 @@ def ring_sent_bytes(op: str, numel: int, element_size: int, world_size: int, ran
     raise ValueError(f"no ring byte count for {op!r}; expected reduce_scatter, all_gather, all_reduce or broadcast")
 
 
-# ---------------------------------------------------------------------------
-# The ring and one step on it
-# ---------------------------------------------------------------------------
+def exchange(group, send: torch.Tensor | None = None, dst: int | None = None,
+             recv: torch.Tensor | None = None, src: int | None = None) -> int:
+    """Send `send` to global rank `dst` and receive into `recv` from global rank `src`, posted
+    together with ``batch_isend_irecv``; returns the bytes sent.
+
+    Either side may be None or empty (an empty chunk of an uneven split): sender and
+    receiver agree on chunk sizes, so both skip the same message."""
+    ops, sent = [], 0
+    if send is not None and send.numel() > 0:
+        ops.append(dist.P2POp(dist.isend, send.contiguous(), dst, group))
+        sent = send.numel() * send.element_size()
+    if recv is not None and recv.numel() > 0:
+        ops.append(dist.P2POp(dist.irecv, recv, src, group))
+    for work in dist.batch_isend_irecv(ops) if ops else ():
+        work.wait()
+    return sent
+
+
 class _Ring:
     """This rank's place on the ring of `group`: group rank, size, and the global
     ranks of its neighbours (P2POp wants global ranks)."""
@@ -88,30 +97,15 @@ class _Ring:
     def __init__(self, group) -> None:
         self.group = group
         self.ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        self.size = len(self.ranks)
-        self.rank = dist.get_rank(group)
+        self.size, self.rank = len(self.ranks), dist.get_rank(group)
         if self.rank < 0:
             raise ValueError(f"global rank {dist.get_rank()} is not a member of the group with ranks {self.ranks}")
         self.next = self.ranks[(self.rank + 1) % self.size]
         self.prev = self.ranks[(self.rank - 1) % self.size]
 
     def step(self, send: torch.Tensor | None, recv: torch.Tensor | None) -> int:
-        """Send `send` to next and receive into `recv` from prev, together; returns bytes sent.
-
-        Either side may be None or empty (an empty chunk of an uneven split):
-        sender and receiver agree on chunk sizes, so both skip the same message.
-        """
-        ops = []
-        sent = 0
-        if send is not None and send.numel() > 0:
-            ops.append(dist.P2POp(dist.isend, send, self.next, self.group))
-            sent = send.numel() * send.element_size()
-        if recv is not None and recv.numel() > 0:
-            ops.append(dist.P2POp(dist.irecv, recv, self.prev, self.group))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        return sent
+        """Send `send` to next and receive into `recv` from prev, together; returns bytes sent."""
+        return exchange(self.group, send, self.next, recv, self.prev)
 
 
 def _combine(acc: torch.Tensor, incoming: torch.Tensor, op) -> None:
@@ -137,8 +131,7 @@ def _reduce_scatter_steps(ring: _Ring, chunks: Sequence[torch.Tensor], op) -> in
     folded at step s - 1, so each chunk travels once around the ring gathering
     one contribution per rank; the last one folded on rank i is chunk i.
     """
-    n, i = ring.size, ring.rank
-    sent = 0
+    n, i, sent = ring.size, ring.rank, 0
     for s in range(n - 1):
         out_c, in_c = (i - s - 1) % n, (i - s - 2) % n
         incoming = torch.empty_like(chunks[in_c])
@@ -156,15 +149,9 @@ def _all_gather_steps(ring: _Ring, chunks: Sequence[torch.Tensor]) -> int:
     received), receive chunk (i - s - 1) from prev.
     """
     n, i = ring.size, ring.rank
-    sent = 0
-    for s in range(n - 1):
-        sent += ring.step(chunks[(i - s) % n], chunks[(i - s - 1) % n])
-    return sent
+    return sum(ring.step(chunks[(i - s) % n], chunks[(i - s - 1) % n]) for s in range(n - 1))
 
 
-# ---------------------------------------------------------------------------
-# Public operations
-# ---------------------------------------------------------------------------
 def ring_reduce_scatter(tensor: torch.Tensor, group=None, op=ReduceOp.SUM) -> torch.Tensor:
     """Reduce `tensor` over the ranks of `group`; return this rank's chunk, 1-D.
 
@@ -214,18 +201,13 @@ def ring_all_gather(chunk: torch.Tensor, group=None, sizes: Sequence[int] | None
 
 def ring_all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM) -> torch.Tensor:
     """All-reduce `tensor` in place over `group` (and return it): a ring
-    reduce-scatter then a ring all-gather, exactly 2(N-1) steps.
-
-    Each rank sends 2(N-1)/N * S bytes for a tensor of S bytes when S divides by
-    N (`ring_sent_bytes` gives the exact count for uneven chunks).
-    """
+    reduce-scatter then a ring all-gather, exactly 2(N-1) steps (bytes: `ring_sent_bytes`)."""
     ring = _Ring(group)
-    contiguous = tensor.is_contiguous()
-    work = tensor.detach().view(-1) if contiguous else tensor.detach().reshape(-1).clone()   # (numel,)
+    work = tensor.detach().reshape(-1)  # (numel,): a view, or a copy when tensor is not contiguous
     chunks = torch.tensor_split(work, ring.size)
     sent = _reduce_scatter_steps(ring, chunks, op)
     sent += _all_gather_steps(ring, chunks)
-    if not contiguous:
+    if not tensor.is_contiguous():
         tensor.detach().copy_(work.view(tensor.shape))
     record("ring_all_reduce", group, tensor.numel() * tensor.element_size(), sent)
     return tensor
@@ -250,19 +232,16 @@ def ring_broadcast(tensor: torch.Tensor, src: int = 0, group=None,
     k = n if num_chunks is None else int(num_chunks)
     if k < 1:
         raise ValueError(f"num_chunks must be at least 1, got {num_chunks}")
-    src_group = ring.ranks.index(src)
-    pos = (ring.rank - src_group) % n                          # place on the chain; src is 0
-    contiguous = tensor.is_contiguous()
-    work = tensor.detach().view(-1) if contiguous else tensor.detach().reshape(-1).clone()   # (numel,)
+    pos = (ring.rank - ring.ranks.index(src)) % n              # place on the chain; src is 0
+    work = tensor.detach().reshape(-1)  # (numel,): a view, or a copy when tensor is not contiguous
     pieces = torch.tensor_split(work, k)
     sent = 0
-    if n > 1:
-        for t in range(n - 2 + k):
-            out_p, in_p = t - pos, t - pos + 1
-            send = pieces[out_p] if pos < n - 1 and 0 <= out_p < k else None
-            recv = pieces[in_p] if pos > 0 and 0 <= in_p < k else None
-            sent += ring.step(send, recv)
-    if not contiguous:
+    for t in range(n - 2 + k):  # (nothing to send or receive on a single rank)
+        out_p, in_p = t - pos, t - pos + 1
+        send = pieces[out_p] if pos < n - 1 and 0 <= out_p < k else None
+        recv = pieces[in_p] if pos > 0 and 0 <= in_p < k else None
+        sent += ring.step(send, recv)
+    if not tensor.is_contiguous():
         tensor.detach().copy_(work.view(tensor.shape))
     record("ring_broadcast", group, tensor.numel() * tensor.element_size(), sent)
     return tensor

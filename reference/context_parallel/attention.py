@@ -11,10 +11,6 @@ only the attention between the projections changes:
       --ring_attention or ulysses_attention--> (B, H, T/cp, D)
       --c_proj, residual dropout--> (B, T/cp, C)
 
-Everything before and after attention (LayerNorm, the MLP, the projections)
-acts token by token, so it runs unchanged on a rank's tokens; attention is the
-only place tokens meet, and the only place cp ranks communicate.
-
 Under tensor parallelism (`reference.parallel` builds it from Megatron's attention)
 c_attn is column-parallel and c_proj row-parallel: this rank's heads are n_head / tp,
 and ring or Ulysses runs on them over the cp group, as it runs on all heads without TP.

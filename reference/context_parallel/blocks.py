@@ -68,8 +68,7 @@ class BlockPlan(NamedTuple):
     def pairs(self, n: int) -> int:
         """(query, key) pairs this step keeps (the triangle counted with its diagonal)."""
         rows = len(range(n)[self.q_rows])
-        cols = len(range(n)[self.k_rows])
-        return rows * (rows + 1) // 2 if self.triangle else rows * cols
+        return rows * (rows + 1) // 2 if self.triangle else self.block_elements(n)
 
     def block_elements(self, n: int) -> int:
         """Entries of the score block the step multiplies out (the triangle's block is full)."""

@@ -20,11 +20,6 @@ A rank's part is kept in increasing position order (chunk r, then chunk
 triangle. T must divide by 2 cp for the zig-zag split (by cp for the contiguous
 one); anything else is refused with an error naming T and cp (no padding: a
 padded token would have to be masked out of every attention and of the loss).
-
-`split_sequence` keeps this rank's part (no communication, every rank holds the
-whole batch); `gather_sequence` all-gathers the parts through `reference.comms`
-and puts them back in position order; `sequence_positions` gives the position
-ids of a rank's tokens (what the GPT's position embedding must read).
 """
 from __future__ import annotations
 
@@ -69,8 +64,7 @@ def sequence_positions(T: int, cp: int, rank: int, zigzag: bool = True) -> torch
     if not zigzag:
         return torch.arange(rank * n, (rank + 1) * n)
     c = T // (2 * cp)
-    first, second = zigzag_chunks(cp, rank)
-    return torch.cat([torch.arange(first * c, (first + 1) * c), torch.arange(second * c, (second + 1) * c)])
+    return torch.cat([torch.arange(chunk * c, (chunk + 1) * c) for chunk in zigzag_chunks(cp, rank)])
 
 
 def split_sequence(x: torch.Tensor, cp: int, rank: int, zigzag: bool = True, dim: int = 1) -> torch.Tensor:

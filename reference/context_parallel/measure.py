@@ -3,9 +3,8 @@
 Two meters, both context managers wrapped around a forward (and backward):
 
 * `SavedTensorBytes`: the bytes of the distinct storages autograd saves for
-  backward (``torch.autograd.graph.saved_tensors_hooks``, as the pipeline
-  executor measures a stage's activations); parameters can be left out. This
-  is the activation memory an attention holds between forward and backward.
+  backward (``torch.autograd.graph.saved_tensors_hooks``): the activation memory
+  an attention holds between forward and backward.
 * `LargestTensor`: the largest tensor (in elements) that any operation
   creates while it is open, forward *and* backward, views excluded. It sees
   the transient tensors too: the (T/cp, T/cp) score block of ring attention,
@@ -26,33 +25,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from reference.pipeline_parallel.accounting import SavedBytes
+
 __all__ = ["SavedTensorBytes", "LargestTensor"]
 
 
-class SavedTensorBytes:
-    """Bytes of the distinct storages autograd saves for backward inside the block."""
+class SavedTensorBytes(SavedBytes):
+    """The pipeline's meter of a stage's activations (`reference.pipeline_parallel.accounting`),
+    leaving out only the storages of ``exclude`` (the parameters, say)."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self.skip = {t.untyped_storage().data_ptr() for t in exclude}  # e.g. the parameters
-        self.storages: dict[int, int] = {}  # data pointer -> bytes: a storage counted once
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in self.skip:
-            self.storages[st.data_ptr()] = st.nbytes()
-        return t
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
-
-    def __enter__(self) -> "SavedTensorBytes":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
+        super().__init__(set(), exclude)
 
 
 class LargestTensor(TorchDispatchMode):

@@ -21,14 +21,10 @@ block j starts at rank j + 1, visits every other rank, and its last hop brings
 it home. Nothing of size T x T is ever held: one score block of at most
 (T/cp) x (T/cp) per head at a time, recomputed in backward.
 
-Bytes each rank sends (b bytes an element, one block = B * H_kv * (T/cp) * D * b, with
-H_kv = H unless k and v have fewer heads, grouped-query attention, when only those travel)::
-
-    forward    (cp - 1) steps x (K block + V block)           = 2 (cp - 1) blocks
-    backward   (cp - 1) x (K + V)  +  (cp - 1) x (dK + dV)    = 4 (cp - 1) blocks
-
-Inputs of another dtype than float32 send that dtype's blocks and float32
-gradient accumulators. Every message is recorded in the open
+Bytes each rank sends, 2 (cp - 1) blocks forward and 4 (cp - 1) backward, are in
+`reference.context_parallel.cost`; inputs of another dtype than float32 send that
+dtype's blocks and float32 gradient accumulators, and with grouped-query attention
+only k's and v's H_kv heads travel. Every message is recorded in the open
 `reference.comms` meters as "send" (bytes sent) and "recv" (0 sent).
 """
 from __future__ import annotations
@@ -48,27 +44,28 @@ _KV_TAG, _GRAD_TAG = 0, 1  # two streams of messages between the same neighbours
 
 
 class _Ring:
-    """This rank's place on the cp ring and one exchange with its neighbours."""
+    """This rank's place on the cp ring and the messages to its neighbours."""
 
     def __init__(self, group) -> None:
-        self.group = group
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
-        """Post the send of `send` to next and the receive into `recv` from prev; return the works."""
+    def pass_on(self, send: torch.Tensor, tag: int):
+        """Post the send of `send` to next and the receive of a block of its shape from prev;
+        return a function that waits for both and gives the block received."""
+        recv = torch.empty_like(send)
         nbytes = send.numel() * send.element_size()
         comms.record("send", self.group, nbytes, nbytes)
-        comms.record("recv", self.group, recv.numel() * recv.element_size(), 0)
-        ops = [dist.P2POp(dist.isend, send, group=self.group, group_peer=self.next, tag=tag),
-               dist.P2POp(dist.irecv, recv, group=self.group, group_peer=self.prev, tag=tag)]
-        return dist.batch_isend_irecv(ops)
+        comms.record("recv", self.group, nbytes, 0)
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, send, group=self.group, group_peer=(self.rank + 1) % self.size, tag=tag),
+            dist.P2POp(dist.irecv, recv, group=self.group, group_peer=(self.rank - 1) % self.size, tag=tag)])
 
-
-def _wait(works: Optional[list]) -> None:
-    for work in works or ():
-        work.wait()
+        def received() -> torch.Tensor:
+            for work in works:
+                work.wait()
+            return recv
+        received.sending = send  # the tensor being sent stays alive until its message is out
+        return received
 
 
 class _RingAttention(torch.autograd.Function):
@@ -80,18 +77,15 @@ class _RingAttention(torch.autograd.Function):
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)  # (B, H, n)
         kv = torch.stack([k, v])  # (2, B, H, n, D): one message per step
         for s in range(cp):
-            works, incoming = None, None
-            if s < cp - 1:  # post the next block's transfer first: it overlaps this block's math
-                incoming = torch.empty_like(kv)
-                works = ring.exchange(kv, incoming, _KV_TAG)
+            # Post the next block's transfer first: it overlaps this block's math.
+            next_kv = ring.pass_on(kv, _KV_TAG) if s < cp - 1 else None
             plan = block_plan(i, (i - s) % cp, cp, n, causal, zigzag)
             if plan is not None:
                 qs, ks = plan.q_rows, plan.k_rows
                 block_out, block_lse = attend_block(q[..., qs, :], kv[0, ..., ks, :], kv[1, ..., ks, :],
                                                     scale, plan.triangle)
                 merge_block(out[..., qs, :], lse[..., qs], block_out, block_lse)
-            _wait(works)
-            kv = incoming if incoming is not None else kv
+            kv = next_kv() if next_kv else kv
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.zigzag, ctx.scale = group, causal, zigzag, scale
         return out.to(q.dtype)
@@ -105,13 +99,10 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(out)  # (B, H, n, D) float32
         own = q.new_zeros((2,) + tuple(k.shape), dtype=torch.float32)  # (2, B, H, n, D): dK, dV of my block
         kv = torch.stack([k, v])  # (2, B, H, n, D)
-        grad_works, grad_in, grad_out = None, None, None  # the accumulator exchange in flight
+        owed = None  # the accumulator exchange in flight
         for s in range(cp):
             j = (i - s) % cp
-            kv_works, incoming = None, None
-            if s < cp - 1:
-                incoming = torch.empty_like(kv)
-                kv_works = ring.exchange(kv, incoming, _KV_TAG)
+            next_kv = ring.pass_on(kv, _KV_TAG) if s < cp - 1 else None
             share = own if s == 0 else torch.zeros_like(own)  # this rank's share of (dK_j, dV_j)
             plan = block_plan(i, j, cp, n, ctx.causal, ctx.zigzag)
             if plan is not None:
@@ -122,26 +113,23 @@ class _RingAttention(torch.autograd.Function):
                 dq[..., qs, :] += dq_b
                 share[0, ..., ks, :] += dk_b
                 share[1, ..., ks, :] += dv_b
+            if s > 1:  # what ranks j+1 .. i-1 owe block j arrived from prev (none yet at s = 1)
+                share += owed()
             if s > 0:
-                # What ranks j+1 .. i-1 owe block j arrived from prev (none yet at s = 1).
-                _wait(grad_works)
-                if s > 1:
-                    share += grad_in
                 # Pass block j's accumulator on (home to rank j at s = cp-1) and receive
                 # the one for the next step's block (at s = cp-1: what the others owe mine).
-                grad_out, grad_in = share, torch.empty_like(share)
-                grad_works = ring.exchange(grad_out, grad_in, _GRAD_TAG)
-            _wait(kv_works)
-            kv = incoming if incoming is not None else kv
+                owed = ring.pass_on(share, _GRAD_TAG)
+            kv = next_kv() if next_kv else kv
         if cp > 1:
-            _wait(grad_works)
-            own += grad_in
+            own += owed()
         return (dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None)
 
 
-def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
+def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str,
+                           group=None, zigzag: bool = False) -> int:
     """q, k, v must be (B, H, T_local, D) tensors of one shape, dtype and device; k and v may
-    have fewer heads H_kv than q when H_kv divides H (grouped-query attention)."""
+    have fewer heads H_kv than q when H_kv divides H (grouped-query attention). With
+    ``zigzag`` T_local must be even (T divisible by 2 cp). Returns cp, the size of `group`."""
     if q.dim() != 4:
         raise ValueError(f"{what} wants q, k, v of shape (B, H, T/cp, D); got q of shape {tuple(q.shape)}")
     for name, t in (("k", k), ("v", v)):
@@ -152,24 +140,23 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wh
                              f"{tuple(q.shape)} {q.dtype} {q.device} and {name} {tuple(t.shape)} "
                              f"{t.dtype} {t.device} (k and v may have fewer heads than q when "
                              f"they divide its heads: grouped-query attention)")
+    cp, n = dist.get_world_size(group), q.shape[-2]
+    if zigzag and n % 2:
+        raise ValueError(f"{what} with the zig-zag split needs T divisible by 2*cp: "
+                         f"T={n * cp} (T/cp={n} tokens on each of cp={cp} ranks) is not; "
+                         f"split the sequence with split_sequence, which refuses such T")
+    return cp
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = True,
                    zigzag: bool = True, scale: Optional[float] = None) -> torch.Tensor:
     """softmax(q k^T * scale) v over the whole sequence, each rank holding T/cp of it.
 
-    q, k, v: (B, H, T/cp, D), this rank's tokens in the layout of
-    `reference.context_parallel.layout` (``zigzag=True``: chunks r and
-    2 cp - 1 - r; ``zigzag=False``: the contiguous block r). k and v may have
-    H_kv heads dividing H (grouped-query attention): only those heads travel. ``causal``: position
-    p attends to positions <= p. ``scale`` defaults to 1 / sqrt(D). Returns this
-    rank's rows of the output, (B, H, T/cp, D). Every rank of `group` must call it.
-    """
-    check_attention_inputs(q, k, v, "ring_attention")
-    cp, n = dist.get_world_size(group), q.shape[-2]
-    if causal and zigzag and n % 2:
-        raise ValueError(f"ring_attention with the zig-zag split needs T divisible by 2*cp: "
-                         f"T={n * cp} (T/cp={n} tokens on each of cp={cp} ranks) is not; "
-                         f"split the sequence with split_sequence, which refuses such T")
+    q, k, v: (B, H, T/cp, D), this rank's tokens in the zig-zag or (``zigzag=False``) the
+    contiguous split of `reference.context_parallel.layout`. k and v may have H_kv heads
+    dividing H (grouped-query attention). ``causal``: position p attends to positions <= p.
+    ``scale`` defaults to 1 / sqrt(D). Returns this rank's rows of the output, (B, H, T/cp, D).
+    Every rank of `group` must call it."""
+    check_attention_inputs(q, k, v, "ring_attention", group, zigzag=causal and zigzag)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _RingAttention.apply(q, k, v, group, bool(causal), bool(zigzag), scale)

@@ -17,20 +17,11 @@ dropout it supports), and a fourth all-to-all turns the output back to
 the inverse all-to-all (`reference.comms.functional.all_to_all`): backward moves
 the same four tensors' gradients.
 
-Bytes each rank sends (S = B * H * (T/cp) * D * b, the size of q on one rank;
-every all-to-all keeps 1/cp of its input and sends the rest)::
-
-    forward    4 all-to-alls x (cp - 1)/cp S
-    backward   4 all-to-alls x (cp - 1)/cp S
-
-With grouped-query attention (k, v of H_kv heads) the k and v all-to-alls shrink to
-H_kv / H of that and q's and the output's do not: (2 + 2 H_kv / H) (cp - 1)/cp S.
-
-Per rank that is below 4 S, and S itself falls as 1/cp (each rank holds T/cp
-tokens), where ring attention sends 2 (cp - 1) blocks of K and V, S each in all:
-Ulysses moves less as cp grows, but here cp cannot exceed H (H % cp == 0, and
-H_kv % cp == 0 under grouped-query attention, are required), and the attention
-of H/cp heads on all T tokens holds a (T, T) score matrix per local head.
+Every all-to-all keeps 1/cp of its input and sends the rest: 4 (cp - 1)/cp of q's
+size each way, less than 4 times q and falling with cp (k's and v's shrink to H_kv / H
+under grouped-query attention; `reference.context_parallel.cost`). But cp cannot
+exceed the heads (H % cp == 0, and H_kv % cp == 0 under grouped-query attention), and
+the attention of H/cp heads on all T tokens holds a (T, T) score matrix per local head.
 
 With the zig-zag layout (``zigzag=True``) the gathered sequence arrives in rank
 order (chunks 0, 2cp-1, 1, 2cp-2, ...); it is permuted back to position order
@@ -86,18 +77,13 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
 
     q, k, v: (B, H, T/cp, D), this rank's tokens; ``zigzag=False`` (Ulysses'
     own layout): the contiguous block r; ``zigzag=True``: chunks r and
-    2 cp - 1 - r, as for `ring_attention`. H must divide by cp. k and v may have
-    H_kv heads dividing H (grouped-query attention); H_kv must divide by cp too,
-    and their two all-to-alls carry H_kv heads while q's and the output's carry H. ``dropout_p``
-    is the attention dropout (pass 0 in eval). Returns (B, H, T/cp, D).
+    2 cp - 1 - r, as for `ring_attention`. k and v may have H_kv heads dividing H
+    (grouped-query attention); H and H_kv must divide by cp. ``dropout_p`` is the
+    attention dropout (pass 0 in eval). Returns (B, H, T/cp, D).
     """
-    check_attention_inputs(q, k, v, "ulysses_attention")
-    cp, n = dist.get_world_size(group), q.shape[-2]
+    cp, n = check_attention_inputs(q, k, v, "ulysses_attention", group, zigzag), q.shape[-2]
     check_heads(q.shape[1], cp)
     check_heads(k.shape[1], cp)
-    if zigzag and n % 2:
-        raise ValueError(f"ulysses_attention with the zig-zag layout needs T divisible by 2*cp: "
-                         f"T={n * cp} (T/cp={n} on each of cp={cp} ranks) is not")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     qh, kh, vh = (sequence_to_heads(t, group) for t in (q, k, v))  # each (B, H/cp, T, D)
     order = None

@@ -1,16 +1,7 @@
 """Pictures of context parallelism: memory against T, the ring's messages, causal work, bytes.
 
 Every function returns a ``matplotlib.figure.Figure`` (no pyplot state, headless), drawn
-from numbers the caller measured:
-
-* `plot_memory_vs_length`: bytes against the sequence length, measured points and a formula;
-* `plot_ring_messages`: the ring drawn from recorded messages, one column per step, each
-  rank's cell coloured by the key/value block it holds, an arrow per message;
-* `plot_causal_split`: the (T, T) causal pairs coloured by the rank whose query they
-  belong to, for the contiguous and the zig-zag split;
-* `plot_work_per_rank`: the score entries each rank computes, stacked by ring step;
-* `plot_bytes_per_rank`: bytes per rank against cp for ring attention and Ulysses, the
-  formulas as lines and measurements as points, Ulysses only where cp divides the heads.
+from numbers the caller measured.
 """
 from __future__ import annotations
 
@@ -37,6 +28,16 @@ def _figure(width: float, height: float, ncols: int = 1):
     return fig, list(axes)
 
 
+def _log2_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """Both axes in powers of two, labelled, with a legend and a light grid."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set(xlabel=xlabel, ylabel=ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
 def plot_memory_vs_length(lengths: Sequence[int], measured: Mapping[str, Sequence[float]],
                           formula: Optional[Mapping[str, Sequence[float]]] = None, *,
                           title: str = "attention memory against the sequence length"):
@@ -46,13 +47,7 @@ def plot_memory_vs_length(lengths: Sequence[int], measured: Mapping[str, Sequenc
         ax.plot(lengths, values, "o-", color=rank_colour(k), label=f"{name} (measured)")
     for k, (name, values) in enumerate((formula or {}).items()):
         ax.plot(lengths, values, "--", color="0.3", lw=1, label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set_xlabel("sequence length T (tokens)")
-    ax.set_ylabel("bytes")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    _log2_axes(ax, "sequence length T (tokens)", "bytes", title)
     return fig
 
 
@@ -80,8 +75,7 @@ def plot_ring_messages(messages: Sequence[Mapping], cp: int, *,
     ax.set_ylim(cp - 0.5, -0.5)
     ax.set_title(title + (f"\neach arrow: one message of {', '.join(map(str, sizes))} bytes"
                           if sizes else ""), fontsize=10)
-    for side in ("top", "right", "left", "bottom"):
-        ax.spines[side].set_visible(False)
+    ax.spines[:].set_visible(False)
     return fig
 
 
@@ -99,15 +93,13 @@ def plot_causal_split(owners: Mapping[str, Sequence[int]], *,
     for ax, (name, owner) in zip(axes, owners.items()):
         owner = np.asarray(owner)
         T, cp = len(owner), int(owner.max()) + 1
-        grid = np.where(np.tril(np.ones((T, T), dtype=bool)), owner[:, None], -1).astype(float)
-        grid[grid < 0] = np.nan
+        causal = np.tril(np.ones((T, T), dtype=bool))  # (query, key) pairs with key <= query
+        grid = np.where(causal, owner[:, None], np.nan)
         cmap = ListedColormap([rank_colour(r) for r in range(cp)]).with_extremes(bad="white")
         ax.imshow(grid, cmap=cmap, vmin=-0.5, vmax=cp - 0.5, interpolation="nearest")
-        pairs = [int(((owner == r)[:, None] & np.tril(np.ones((T, T), dtype=bool))).sum())
-                 for r in range(cp)]
+        pairs = [int(((owner == r)[:, None] & causal).sum()) for r in range(cp)]
         ax.set_title(f"{name}\npairs per rank {pairs}", fontsize=9)
-        ax.set_xlabel("key position")
-        ax.set_ylabel("query position")
+        ax.set(xlabel="key position", ylabel="query position")
     fig.suptitle(title, fontsize=10)
     return fig
 
@@ -150,11 +142,5 @@ def plot_bytes_per_rank(cps: Sequence[int], ring: Sequence[float], ulysses: Sequ
     if possible and max(possible) < max(cps):
         ax.axvspan(max(possible), max(cps), color="0.9", zorder=0,
                    label="Ulysses impossible: cp does not divide the heads")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set_xlabel("cp (ranks sharing the sequence)")
-    ax.set_ylabel("bytes per rank")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    _log2_axes(ax, "cp (ranks sharing the sequence)", "bytes per rank", title)
     return fig

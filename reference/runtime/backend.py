@@ -1,11 +1,7 @@
-"""Which backend and device a rank uses, and the path for ranks that torchrun started.
+"""Which backend and device a rank uses (`resolve_backend`, `device`), its threads, and torchrun.
 
-* `resolve_backend`: "auto" is NCCL with one GPU per rank when there are enough
-  GPUs, else gloo; `device()` is this rank's device (its GPU under NCCL, else the CPU).
-* `default_threads`: intra-op threads per rank, the cores shared out.
-* `under_torchrun`, `init_from_env`, `launch_under_torchrun`: under torchrun (one
-  node or many, or srun torchrun) `launch` joins the process group described in
-  the environment instead of starting processes.
+Under torchrun (one node or many, or srun torchrun) `launch` joins the process group
+described in the environment instead of starting processes (`launch_under_torchrun`).
 """
 from __future__ import annotations
 

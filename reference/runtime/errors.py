@@ -5,6 +5,7 @@ import json
 import os
 import signal
 
+
 class RankError(RuntimeError):
     """One or more ranks failed. `.rank` is the rank whose failure is the cause,
     `.traceback` its traceback text, `.failures` maps every failed rank to its summary."""
@@ -23,7 +24,6 @@ class RankTimeoutError(RankError, TimeoutError):
         super().__init__(message, rank=ranks[0] if ranks else None)
         self.ranks = list(ranks)
         self.stacks = stacks or {}
-
 
 
 def read_text(path):

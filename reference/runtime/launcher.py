@@ -27,10 +27,8 @@ a matmul on two threads; on a 2-core CPU machine it printed:
   imported torch but never ran an op or touched CUDA: neither problem can occur,
   and after the first launch a rank starts in a fraction of a second. The
   function travels as a cloudpickle payload, which serialises functions defined
-  in `__main__` (a notebook cell) by value (`reference.runtime.payload`).
-  Forked ranks inherit the server's random state, so each rank reseeds its
-  generators before running the function: fresh entropy, or `launch(...,
-  seed=s)` for a reproducible run (`reference.runtime.seeds`).
+  in `__main__` (a notebook cell) by value (`reference.runtime.payload`), and
+  each rank reseeds the generators it inherited (`reference.runtime.seeds`).
 
 Rendezvous uses a `FileStore` in a fresh temporary folder per launch, so launches
 running side by side never share a port or a store. Each rank's stdout and
@@ -128,7 +126,6 @@ def _context(start_method):
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         # Import torch once in the server; every rank forked from it starts warm.
-        # (Only takes effect before the server's first start.)
         ctx.set_forkserver_preload(list(_PRELOAD))
     return ctx
 
@@ -140,16 +137,12 @@ def kill_processes(procs: list, grace: float = 0.0) -> None:
     procs = [p for p in procs if p.pid != os.getpid()]
     if grace > 0:
         for p in procs:
-            try:
+            with contextlib.suppress(psutil.Error):
                 p.terminate()
-            except psutil.Error:
-                pass
         _, procs = psutil.wait_procs(procs, timeout=grace)
     for p in procs:
-        try:
+        with contextlib.suppress(psutil.Error):
             p.kill()
-        except psutil.Error:
-            pass
     psutil.wait_procs(procs, timeout=5)  # reaps our own children among them
 
 
@@ -159,13 +152,10 @@ def _kill_tree(procs, grace=1.0):
 
     victims = []
     for p in procs:
-        if p.pid is None:
-            continue
-        try:
-            proc = psutil.Process(p.pid)
-            victims += proc.children(recursive=True) + [proc]
-        except psutil.NoSuchProcess:
-            pass
+        if p.pid is not None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc = psutil.Process(p.pid)
+                victims += proc.children(recursive=True) + [proc]
     kill_processes(victims, grace=grace)
     for p in procs:
         if p.pid is not None:
@@ -248,10 +238,8 @@ def _wait(fn, procs, writers, workdir: str, timeout: float) -> None:
         if now > deadline:
             hung = [r for r in range(world_size) if r not in done and r not in exits]
             for r in hung:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(procs[r].pid, signal.SIGUSR1)
-                except ProcessLookupError:
-                    pass
             time.sleep(0.5)  # let faulthandler write the stacks
             stacks = hang_stacks(workdir, hung)
             finished = sorted(set(range(world_size)) - set(hung))
@@ -272,22 +260,16 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 3
 
     Returns the list of the ranks' return values (index = rank). Raises `RankError`
     when a rank fails and `RankTimeoutError` when ranks are still running after
-    `timeout` seconds. `threads` sets intra-op threads per rank (default: the cores
-    shared out, at least one). `quiet=True` hides the ranks' output.
+    `timeout` seconds. `threads`: intra-op threads per rank (default: `default_threads`).
+    `quiet=True` hides the ranks' output.
     `safe_results=True` reads results with `torch.load(weights_only=True)`, so ranks
     running untrusted code can only return tensors, numbers, strings and containers.
 
-    `seed` sets each rank's default random generators (torch's CPU and CUDA ones,
-    Python's `random`, numpy's global state) before `fn` runs. With `seed=None`
-    every rank starts from fresh entropy, different on every rank and in every
-    launch. With an int, rank r is seeded with `rank_seed(seed, r)` (a SHA-256
-    hash of both; see `reference.runtime.seeds`): the same numbers in every launch
-    with that seed, different on every rank. Under torchrun an int seed is applied
-    the same way; `seed=None` leaves the generators as the script set them.
-
-    Under NCCL each rank sets its GPU before it unpickles `fn` and `args`, and a
-    CUDA tensor among them arrives on that GPU; results come back with every
-    tensor on the CPU (`reference.runtime.payload`).
+    `seed` seeds each rank's default generators before `fn` runs: fresh entropy with
+    None, rank r from `rank_seed(seed, r)` with an int (`reference.runtime.seeds`). Under
+    torchrun an int seed is applied the same way; None leaves the generators as the script
+    set them. A CUDA tensor among `args` arrives on the rank's own GPU, and results come
+    back with every tensor on the CPU (`reference.runtime.payload`).
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")

@@ -1,14 +1,13 @@
 """What runs inside each rank that `reference.runtime.launch` starts.
 
-The rank redirects its file descriptors 1 and 2 to its own log, sets its GPU
-(under NCCL) and seeds its generators before it unpickles the function (see
-`load_payload`), joins the process group through a FileStore in the launch's
-folder, runs the function, and leaves either a result file or an error record
-for the caller. It then waits for the caller's release before closing its
-connections (see `reference.runtime`).
+The rank sends its output to its own log, prepares its device and generators and
+unpickles the function (`load_payload`), joins the process group through a FileStore
+in the launch's folder, runs the function, and leaves a result file or an error record
+for the caller, then waits for the caller's release (`reference.runtime.launcher`).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import json
@@ -35,7 +34,6 @@ _COMM_PATTERNS = (
 )
 
 
-
 def process_group_backend(backend: str) -> str:
     """The backend string handed to init_process_group.
 
@@ -48,19 +46,14 @@ def process_group_backend(backend: str) -> str:
 def is_comm_error(exc: BaseException) -> bool:
     dist_errors = tuple(getattr(dist, n) for n in ("DistNetworkError", "DistStoreError")
                         if hasattr(dist, n))
-    if dist_errors and isinstance(exc, dist_errors):
-        return True
-    text = str(exc)
-    return any(p in text for p in _COMM_PATTERNS)
+    return isinstance(exc, dist_errors) or any(p in str(exc) for p in _COMM_PATTERNS)
 
 
 def load_payload(rank, payload, backend, seed):
     """This rank's device and random state, then its function and arguments (in this order).
 
-    Under NCCL the GPU is set first: unpickling a CUDA tensor creates the CUDA
-    context on the current device and rebuilds the tensor there
-    (`reference.runtime.payload`), so before `set_device` both would land on
-    cuda:0 in every rank."""
+    Under NCCL the GPU is set first: a CUDA tensor of the payload, and the CUDA context,
+    are created on the current device (`reference.runtime.payload`), cuda:0 before it."""
     if backend == "nccl":
         torch.cuda.set_device(rank)
     seed_rank(seed, rank)  # fresh entropy, or rank_seed(seed, rank)
@@ -74,10 +67,8 @@ def rank_main(rank, world_size, payload, context, workdir, backend, threads, tim
     log = os.open(os.path.join(workdir, f"rank{rank}.log"),
                   os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):
             stream.flush()
-        except Exception:
-            pass
     os.dup2(log, 1)
     os.dup2(log, 2)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
@@ -121,17 +112,15 @@ def rank_main(rank, world_size, payload, context, workdir, backend, threads, tim
         dist.init_process_group(process_group_backend(backend), store=store, rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout + 60))
-        if callable(fn):
-            result = fn(*args)
-        else:
+        if not callable(fn):
             raise TypeError(f"launch needs a callable, got {type(fn).__name__}")
-        _write_result(workdir, rank, result, safe_results)
+        _write_result(workdir, rank, fn(*args), safe_results)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
         _write_error(workdir, rank, exc)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    # Keep the connections open until every rank is done (see the module docstring).
+    # Keep the connections open until every rank is done (see `reference.runtime.launcher`).
     released.wait()
     try:
         dist.destroy_process_group()
@@ -153,14 +142,8 @@ def _write_result(workdir, rank, result, safe_results):
 
 
 def _write_error(workdir, rank, exc):
-    record = {
-        "rank": rank,
-        "time": time.time(),
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
-        "comm": is_comm_error(exc),
-    }
+    record = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc),
+              "traceback": "".join(traceback.format_exception(exc)), "comm": is_comm_error(exc)}
     final = os.path.join(workdir, f"error{rank}.json")
     with open(final + ".tmp", "w") as f:
         json.dump(record, f)

@@ -48,11 +48,9 @@ def rank_seed(seed: int, rank: int) -> int:
 
 
 def seed_rank(seed: int | None, rank: int) -> int:
-    """Seed this process's default generators for rank `rank`; returns the value used.
-
-    ``seed=None`` draws the value from os.urandom. torch's CPU generator and every
-    GPU's (queued until CUDA starts), Python's `random` and numpy's global state
-    all start from it, so `torch.initial_seed()` tells a rank which value it got."""
+    """Seed this process's default generators (the module's list) for rank `rank` from
+    `rank_seed(seed, rank)`, or os.urandom with ``seed=None``; returns the value used, which
+    `torch.initial_seed()` also tells."""
     value = (int.from_bytes(os.urandom(8), "big") & ((1 << _SEED_BITS) - 1) if seed is None
              else rank_seed(seed, rank))
     torch.manual_seed(value)
