@@ -23,8 +23,7 @@ Where each part lives:
   a folder can take a save at all), `reference.train.checkpoint_groups` (the optimizer's
   hyper-parameters and the schedule stored by parameter name, rebuilt for any layout's groups),
   `reference.train.checkpoint_shards` (each rank saves and loads only the boxes of the whole
-  tensors it holds), `reference.train.checkpoint_planners` (DCP planners for those boxes) and
-  `reference.train.reshard` (the training state without its layout, and back: any
+  tensors it holds, with DCP planners for those boxes) and `reference.train.reshard` (the training state without its layout, and back: any
   (dp, tp, pp, ZeRO) layout loads any checkpoint).
 """
 from reference.train.single import evaluate, make_optimizer, train, train_step
