@@ -32,13 +32,9 @@ parallelism and s b h (10 + 24 / t + 5 a s / (h t)) with tp = t; sequence parall
 divides every term by t. Selective recompute drops the scores; full recompute keeps only
 each block's input, e s b h (/ t with SP). ``attention="fused"`` (PyTorch's
 `scaled_dot_product_attention`, FlashAttention) stores a log-sum-exp per head and token,
-4 a s b / t bytes, instead of the scores. An MoE layer in the MLP's place stores its input,
-the k copies it dispatches, each copy's two d_ff-wide activations, the k expert outputs the
-combine weighs, their weighted copy and the weights, e s b (h (1 + 3 k) + 2 k d_ff + k), and
-its router's fp32 logits, probabilities and top-k weights and int64 choices (E experts:
-4 s b (2 E + 2 k + 2) + 24 s b k + 4 b E bytes with k > 1), on every tp rank (under SP it
-routes the gathered sequence; `moe_activation_bytes`). The stage that holds
-the head also keeps the loss's fp32 log-probabilities, 4 s b V_pad / t (the paper's 4 s b v / t).
+4 a s b / t bytes, instead of the scores. An MoE layer in the MLP's place stores what
+`moe_activation_bytes` lists, on every tp rank. The stage that holds the head also keeps the
+loss's fp32 log-probabilities, 4 s b V_pad / t (the paper's 4 s b v / t).
 """
 from __future__ import annotations
 
