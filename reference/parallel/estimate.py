@@ -52,8 +52,8 @@ from reference.memory import MemoryBytes, Precision, human_bytes, model_state_by
 from reference.parallel.config import V_SHAPED, ParallelConfig
 from reference.parallel.estimate_memory import (activation_bytes_per_block, block_params, chunk_held,
                                                 in_flight, mlp_activation_bytes, moe_activation_bytes,
-                                                rank_specs, split_held, stage_params, stage_specs,
-                                                stage_tensors, zero3_phases)
+                                                rank_specs, split_held, stage_params, stage_tensors,
+                                                zero3_phases)
 from reference.parallel.estimate_traffic import dp_transfers, tp_bytes, transfer_link
 from reference.pipeline_parallel import (ZB_KINDS, build_schedule, held_bytes_of_head, held_bytes_per_block,
                                          zero_bubble_formula)

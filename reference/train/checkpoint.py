@@ -11,14 +11,11 @@ Both are collective: every rank of the mesh calls them. Storage is DCP's (`dcp.s
     model/<name>               every parameter, under the plain GPT's name, shaped whole
     optim/<name>/<key>         the optimizer's per-parameter state (exp_avg, exp_avg_sq, step),
                                shaped as its parameter, also under ZeRO-1/2 and FSDP
-    meta/<what>                pickled bytes (DCP stores a non-tensor leaf with torch.save and
-                               reads it back with torch.load): step, extra, the optimizer's
-                               param-group hyper-parameters (lr, betas, initial_lr, ...) and
-                               the scheduler's per-group lists, both by parameter name
-                               (`reference.train.checkpoint_groups`), the rest of the
-                               scheduler's state and the scaler's state_dict, the layout
-                               (dp, tp, pp, ep), and every rank's RNG states as one list
-                               indexed by global rank
+    meta/<what>                pickled bytes (DCP saves a non-tensor leaf with torch.save):
+                               step, extra, the param groups and the schedule by parameter
+                               name (`reference.train.checkpoint_groups`), the scaler's
+                               state_dict, the layout (dp, tp, pp, ep), and every rank's RNG
+                               states as one list indexed by global rank
 
 No rank builds a whole tensor (`reference.train.checkpoint_shards`): each writes and reads
 only the boxes of the whole tensors it holds, so any (dp, tp, pp, ep, ZeRO stage) loads any

@@ -10,14 +10,12 @@ started by `reference.runtime.launch` on a laptop or by torchrun on one or many 
    and, for fp16, the dynamic loss scaler with the config's settings;
 3. with `resume` (`--resume`: a checkpoint must exist) or `checkpoint.resume: true` in the
    JSON (the latest checkpoint if there is one, else a fresh start: what a job requeued by
-   SLURM wants), the latest checkpoint of `cfg.checkpoint.dir` (model, optimizer, schedule,
-   scaler, random states and the data position): the run continues exactly where it stopped,
-   and the log keeps its lines up to that step (`prepare_log`);
+   SLURM wants), the latest checkpoint of `cfg.checkpoint.dir`: the run continues exactly
+   where it stopped, and the log keeps its lines up to that step (`prepare_log`);
 4. per step: the global batch number `step` (the same on every rank: the data position is
-   the step), `train_step`, the schedule's step; every `cfg.log.every` steps rank 0 appends
-   a JSON line (loss, the counted tokens it is the mean over, grad norm, lr, loss scale,
-   tokens/s, bytes sent per group on rank 0, peak memory of every rank) to `cfg.log.path` (an earlier log is renamed, never deleted);
-   an fp16 step skipped for an overflow does not advance the schedule (DeepSpeed's rule); every `cfg.checkpoint.every` steps and at
+   the step), `train_step`, the schedule's step (not after an fp16 step skipped for an
+   overflow: DeepSpeed's rule); every `cfg.log.every` steps rank 0 appends the step's record
+   (`_one_step`) as a JSON line to `cfg.log.path`; every `cfg.checkpoint.every` steps and at
    the end, a checkpoint;
 5. at the end, a sample of generated text.
 
@@ -102,10 +100,6 @@ def prepare_log(log: Path, resumed_at=None):
     return moved
 
 
-def _lr(optimizer) -> float:
-    return float(optimizer.param_groups[0]["lr"])
-
-
 def _build(plan, world_size: int):
     """Steps 1-2: this rank's part of the 3D GPT, its optimizer, the schedule and the scaler."""
     cfg = plan.config
@@ -138,7 +132,7 @@ def _one_step(plan, pm, optimizer, scheduler, step: int, corpus, world_size: int
     """Step 4 for global batch number ``step``: its record (what the log's line holds)."""
     cfg, B, T = plan.config, plan.train_batch_size, plan.seq_len
     idx, tgt = batch_at(cfg.data.source, B, T, step, cfg.data.seed, corpus)
-    lr = _lr(optimizer)
+    lr = float(optimizer.param_groups[0]["lr"])
     t0 = time.perf_counter()
     with comms.meter() as meter:
         result = train_step(pm, optimizer, idx, tgt, max_norm=cfg.gradient_clipping or None)
@@ -158,10 +152,8 @@ def _one_step(plan, pm, optimizer, scheduler, step: int, corpus, world_size: int
             peaks = [None] * world_size
             dist.all_gather_object(peaks, peak_memory_bytes())
         record["peak_memory_bytes"] = peaks
-        sent: dict = {}
-        for r in meter.records():
-            sent[r["group"]] = sent.get(r["group"], 0) + r["sent_bytes"]
-        record["sent_bytes_rank0"] = sent
+        groups = sorted({r["group"] for r in meter.records()})
+        record["sent_bytes_rank0"] = {g: meter.sent_bytes(group=g) for g in groups}
     return record
 
 
