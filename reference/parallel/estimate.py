@@ -291,8 +291,7 @@ def held_for_w(w: Workload, specs: Optional[tuple] = None) -> float:
 
 def logprob_bytes(w: Workload) -> float:
     """The loss's fp32 log-probabilities of one micro-batch, (s b, V_pad / tp)."""
-    t = w.config.tp
-    return 4 * w.seq_len * w.micro_batch * (-(-w.model.vocab_size // t) * t) / t
+    return 4 * w.seq_len * w.micro_batch * -(-w.model.vocab_size // w.config.tp)
 
 
 def stored_per_f(w: Workload, specs: tuple) -> float:

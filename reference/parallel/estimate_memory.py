@@ -102,10 +102,6 @@ class Tensors(tuple):
         return self._memo("units", group)
 
 
-def _pad(v: int, t: int) -> int:
-    return -(-v // t) * t
-
-
 def _block(c: int, d_ff: int, tp: int, bias: bool, unit: str, n_experts: Optional[int],
            ep: int) -> list[Tensor]:
     """One block's tensors on one tp rank (an MoE layer when ``n_experts``)."""
@@ -171,7 +167,7 @@ def stage_tensors(model, config, stage: int, n_experts: Optional[int] = None,
 
 def _stage_tensors(model, config, stage, n_experts, moe) -> list[Tensor]:
     tp, c = config.tp, model.n_embd
-    vocab = (_pad(model.vocab_size, tp) // tp, c)
+    vocab = (-(-model.vocab_size // tp), c)  # V_pad / tp rows: V padded to a multiple of tp
     out = []
     for spec in rank_specs(model, config, stage):
         if spec.embedding:

@@ -33,9 +33,7 @@ import torch
 
 from reference.train.jsonconfig import spec
 
-# DeepSpeed's WarmupLR and WarmupDecayLR: the peak is 0.001 unless warmup_max_lr is given,
-# whatever lr the optimizer block says (the schedule owns the lr).
-DEFAULT_WARMUP_MAX_LR = 0.001
+DEFAULT_WARMUP_MAX_LR = 0.001  # WarmupLR's and WarmupDecayLR's peak, whatever the optimizer's lr
 
 __all__ = ["DEFAULT_WARMUP_MAX_LR", "SCHEDULERS", "SchedulerParams", "SchedulerConfig", "make_scheduler", "lr_factor"]
 
