@@ -222,7 +222,7 @@ def estimate(model, config: ParallelConfig, **workload) -> Estimate:
     ``Workload(model, config, **workload)`` (its fields say what each option means)."""
     w = Workload(model, config, **workload)
     c, m = w.config, w.m
-    t, p, v = c.tp, c.pp, c.virtual_stages
+    t, p = c.tp, c.pp
     a1, work, first, later, peak = activations(w)
     acts = held_activations(w, a1)  # peak * a1 unless split
     states, phases, held = model_states(w, a1, first, later, work, acts)

@@ -252,9 +252,7 @@ def load_checkpoint(path, pm, optimizer, *, scheduler=None, scaler=None) -> dict
     Collective. Returns {"step": ..., "extra": ...}. RNG states are restored only when the
     layout (dp, tp, pp, ep) is the one that saved them; otherwise each rank keeps its own."""
     path = _resolve(Path(path))
-    why = _problems(path)
-    if why is not None:
-        raise _corrupt(path, why)
+    check_checkpoint(path)
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     layout = metadata.state_dict_metadata
     missing = [f"meta/{k}" for k in _META if f"meta/{k}" not in layout]
