@@ -86,11 +86,16 @@ def _flat_boxes(shape, a: int, b: int, base: int = 0) -> list[tuple[tuple, tuple
     if not shape:
         return [((), (), base + a)]
     inner = math.prod(shape[1:])
-    out = []
-    if a % inner:  # a part of row a // inner
-        row, end = a // inner, min(b, (a // inner + 1) * inner)
-        out += [((row,) + o, (1,) + s, f) for o, s, f in
+
+    def part_of_row(a: int, end: int) -> list:  # numbers [a, end) of row a // inner
+        row = a // inner
+        return [((row,) + o, (1,) + s, f) for o, s, f in
                 _flat_boxes(shape[1:], a - row * inner, end - row * inner, base + row * inner)]
+
+    out = []
+    if a % inner:  # a part of the first row
+        end = min(b, (a // inner + 1) * inner)
+        out += part_of_row(a, end)
         a = end
     if b // inner > -(-a // inner):  # whole rows
         first, last = -(-a // inner), b // inner
@@ -98,9 +103,7 @@ def _flat_boxes(shape, a: int, b: int, base: int = 0) -> list[tuple[tuple, tuple
                     base + first * inner))
         a = last * inner
     if a < b:  # a part of the last row
-        row = a // inner
-        out += [((row,) + o, (1,) + s, f) for o, s, f in
-                _flat_boxes(shape[1:], a - row * inner, b - row * inner, base + row * inner)]
+        out += part_of_row(a, b)
     return out
 
 
