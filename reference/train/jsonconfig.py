@@ -130,11 +130,9 @@ def _convert(tp, value, dotted: str, meta, where: str, root):
 
 
 def build(cls, raw: dict, *, where: str = "configuration", path: str = "", root=None):
-    """An instance of dataclass ``cls`` from the JSON object ``raw``, every key checked."""
+    """An instance of dataclass ``cls`` from the JSON object ``raw`` (a dict: the caller has
+    checked), every key checked."""
     root = root or cls
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: {path or 'the configuration'} must be a JSON object, got "
-                         f"{raw!r}")
     known, hints, kwargs = _json_fields(cls), typing.get_type_hints(cls), {}
     for key, value in raw.items():
         if key.startswith("_"):
