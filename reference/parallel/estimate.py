@@ -8,44 +8,25 @@ and an estimated step time.
 
 Memory per GPU of one pipeline rank, ``stage`` (default 0, the first: the heaviest of a
 pipeline cut by layers, whose 1F1B holds p micro-batches; with ``embedding_stage`` the first
-stage holds the embedding alone and the heaviest is the next), from
-`reference.parallel.estimate_memory`:
-
-* parameters: the tensors of the stage's blocks, split by tp, plus the embedding (split by tp
-  over the vocabulary), the learned positions and the head where the stage holds them; an
-  MoE layer (``n_experts``) holds its router and E / ep whole experts;
-* gradients and optimizer state: `reference.memory.model_state_bytes` (ZeRO's formulas)
-  applied to those parameters over the dp ranks; composed ZeRO-3 holds ceil(d0 / N) rows of
-  every tensor, N = dp for a dense tensor and dp / ep for an expert;
-* activations (Korthikanti et al., 2022), ``act_bytes`` per activation (default: 4 in fp32,
-  2 in bf16 and fp16), times the micro-batches the rank holds at its peak (1F1B: min(m, p - r)
-  on rank r, so L / p blocks x p micro-batches on the first; interleaving: times
-  1 + (p - 1) / (p v)); the head's stage adds the loss's fp32 log-probabilities. An MoE
-  layer's are `moe_activation_bytes` (its router's and combine's included); the zero-bubble
-  schedules add what an I holds for its W (`held_for_w`), and a V-shaped rank counts its two
-  chunks each with its own bytes (`chunk_held`).
+stage holds the embedding alone and the heaviest is the next): the tensors it holds and the
+activations each micro-batch stores (`reference.parallel.estimate_memory`, whose docstring
+gives the shapes and Korthikanti et al.'s terms), the gradients and optimizer state by ZeRO's
+formulas over the dp ranks (`reference.memory.model_state_bytes`), times the micro-batches the
+rank holds at its peak (`in_flight`; the zero-bubble schedules: `held_for_w`, `split_held`,
+`chunk_held`).
 
 `Estimate.total_bytes` is the step's peak: for ZeRO 0-2 (and ZeRO-3 by blocks) the model
 states plus the stored activations plus what a backward adds beside them (the gradient of
 the log-probabilities on the head's stage, 2 x theirs; with full recompute the stage's forward
 again, which this executor recomputes whole at the start of each backward). Composed ZeRO-3
-(`reference.zero.fsdp_param`) goes through three phases, `Estimate.phases`, and peaks in the
-largest: the gather (the shards, the (N, S) buffer received, the stage copied out whole), the
-pipeline (the stage whole, the stored activations and the whole gradients) and the
-reduce-scatter (the stage and its gradients whole and the (N, S) buffer they are packed
-into); `Estimate.held_in_step` is the stage's parameters and gradients held whole, (p + g) P.
-`tests/test_composed_peak.py` measures the three phases on 8 ranks: the estimate is an upper
-bound of every rank's peak within 10 %. With ``reshard_after_forward`` (`reference.zero.
-fsdp_reshard`) a stage is its shards and their gradients plus one unit whole at a time: one
-phase, the pipeline (`zero3_phases`; `tests/test_parallel_estimate.py`: above the measured
-peak by 15 and 22 %).
+(`reference.zero.fsdp_param`) peaks in the largest of its phases, `Estimate.phases`
+(`zero3_phases`: gather, pipeline, reduce-scatter; with ``reshard_after_forward`` the pipeline
+alone). `tests/test_composed_peak.py` measures the three phases on 8 ranks: the estimate is an
+upper bound of every rank's peak within 10 %; resharding's, `tests/test_parallel_estimate.py`:
+above the measured peak by 15 and 22 %.
 
 Bubble: (pp - 1) / (m + pp - 1), m micro-batches per step (interleaved: (pp - 1) / (v m + pp - 1)).
-
-Bytes each GPU sends per step, by link (tp, pp, dp): `reference.parallel.estimate_traffic`
-(its docstring gives every formula; `Estimate.dp_transfers` lists dp's with what each may hide
-under). The experts' all-to-all is not counted (it depends on the routing:
-`reference.expert_parallel.comms`).
+Bytes each GPU sends per step, by link (tp, pp, dp): `reference.parallel.estimate_traffic`.
 
 Step time (`step_time`, under `Hardware`'s assumptions, each shown in `Hardware.describe`):
 compute = the step's training FLOPs (`reference.profile.training_flops`, plus the forward
@@ -55,15 +36,11 @@ per token, on every tp rank) over the GPUs, at the peak FLOP/s; tp and pp traffi
 activation); dp traffic hides under the compute it runs beside (DDP's buckets and ZeRO-1's
 reduce-scatter under the last micro-batch's backward, ZeRO-2's under each backward, ZeRO-3's
 prefetched gathers under each micro-batch) and only what outlasts it is exposed; the
-parameters' all-gather after the optimizer step is exposed; the bubble idles (pp - 1) / (v m)
-of the busy time (compute + tp + pp), the zero-bubble schedules less (`idle_share`: ZB-H1
-(pp - 1) / (3 m), ZB-V (pp - 1) / (6 m) with F = I = W), for more memory: a micro-batch is
-held from its F to its W, and from its I on with what W needs (`held_for_w`, `split_held`).
-A link is NVLink when its group fits in one node (Megatron's order, tp innermost, then dp,
-then pp), else the GPU's share of the node's NICs; latency (alpha) is left out.
-
-The course's tests check these formulas against the tiny model's measured parameters, bytes
-and peaks (`tests/test_parallel_estimate.py`, `tests/test_composed_peak.py`).
+parameters' all-gather after the optimizer step is exposed; the bubble idles `idle_share`
+of the busy time (compute + tp + pp), (pp - 1) / (v m), the zero-bubble schedules less for
+more memory (a micro-batch held from its F to its W).
+A link is NVLink when its group fits in one node (`link_of`), else the GPU's share of the
+node's NICs; latency (alpha) is left out.
 """
 from __future__ import annotations
 
@@ -75,8 +52,8 @@ from reference.memory import MemoryBytes, Precision, human_bytes, model_state_by
 from reference.parallel.config import V_SHAPED, ParallelConfig
 from reference.parallel.estimate_memory import (activation_bytes_per_block, block_params, chunk_held,
                                                 in_flight, mlp_activation_bytes, moe_activation_bytes,
-                                                rank_specs, split_held, stage_params, stage_specs,
-                                                stage_tensors, zero3_phases)
+                                                rank_specs, split_held, stage_params, stage_tensors,
+                                                zero3_phases)
 from reference.parallel.estimate_traffic import dp_transfers, tp_bytes, transfer_link
 from reference.pipeline_parallel import (ZB_KINDS, build_schedule, held_bytes_of_head, held_bytes_per_block,
                                          zero_bubble_formula)
@@ -245,7 +222,7 @@ def estimate(model, config: ParallelConfig, **workload) -> Estimate:
     ``Workload(model, config, **workload)`` (its fields say what each option means)."""
     w = Workload(model, config, **workload)
     c, m = w.config, w.m
-    t, p, v = c.tp, c.pp, c.virtual_stages
+    t, p = c.tp, c.pp
     a1, work, first, later, peak = activations(w)
     acts = held_activations(w, a1)  # peak * a1 unless split
     states, phases, held = model_states(w, a1, first, later, work, acts)
@@ -314,8 +291,7 @@ def held_for_w(w: Workload, specs: Optional[tuple] = None) -> float:
 
 def logprob_bytes(w: Workload) -> float:
     """The loss's fp32 log-probabilities of one micro-batch, (s b, V_pad / tp)."""
-    t = w.config.tp
-    return 4 * w.seq_len * w.micro_batch * (-(-w.model.vocab_size // t) * t) / t
+    return 4 * w.seq_len * w.micro_batch * -(-w.model.vocab_size // w.config.tp)
 
 
 def stored_per_f(w: Workload, specs: tuple) -> float:

@@ -32,13 +32,9 @@ parallelism and s b h (10 + 24 / t + 5 a s / (h t)) with tp = t; sequence parall
 divides every term by t. Selective recompute drops the scores; full recompute keeps only
 each block's input, e s b h (/ t with SP). ``attention="fused"`` (PyTorch's
 `scaled_dot_product_attention`, FlashAttention) stores a log-sum-exp per head and token,
-4 a s b / t bytes, instead of the scores. An MoE layer in the MLP's place stores its input,
-the k copies it dispatches, each copy's two d_ff-wide activations, the k expert outputs the
-combine weighs, their weighted copy and the weights, e s b (h (1 + 3 k) + 2 k d_ff + k), and
-its router's fp32 logits, probabilities and top-k weights and int64 choices (E experts:
-4 s b (2 E + 2 k + 2) + 24 s b k + 4 b E bytes with k > 1), on every tp rank (under SP it
-routes the gathered sequence; `moe_activation_bytes`). The stage that holds
-the head also keeps the loss's fp32 log-probabilities, 4 s b V_pad / t (the paper's 4 s b v / t).
+4 a s b / t bytes, instead of the scores. An MoE layer in the MLP's place stores what
+`moe_activation_bytes` lists, on every tp rank. The stage that holds the head also keeps the
+loss's fp32 log-probabilities, 4 s b V_pad / t (the paper's 4 s b v / t).
 """
 from __future__ import annotations
 
@@ -106,10 +102,6 @@ class Tensors(tuple):
         return self._memo("units", group)
 
 
-def _pad(v: int, t: int) -> int:
-    return -(-v // t) * t
-
-
 def _block(c: int, d_ff: int, tp: int, bias: bool, unit: str, n_experts: Optional[int],
            ep: int) -> list[Tensor]:
     """One block's tensors on one tp rank (an MoE layer when ``n_experts``)."""
@@ -175,7 +167,7 @@ def stage_tensors(model, config, stage: int, n_experts: Optional[int] = None,
 
 def _stage_tensors(model, config, stage, n_experts, moe) -> list[Tensor]:
     tp, c = config.tp, model.n_embd
-    vocab = (_pad(model.vocab_size, tp) // tp, c)
+    vocab = (-(-model.vocab_size // tp), c)  # V_pad / tp rows: V padded to a multiple of tp
     out = []
     for spec in rank_specs(model, config, stage):
         if spec.embedding:

@@ -17,6 +17,7 @@ for any dotted key).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import threading
@@ -46,12 +47,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _overrides(args) -> dict:
-    out = {}
-    for key, value in (("parallelism.tensor", args.tensor), ("parallelism.pipeline", args.pipeline),
-                       ("parallelism.expert", args.expert), ("steps", args.steps),
-                       ("log.path", args.log_file), ("checkpoint.dir", args.checkpoint_dir)):
-        if value is not None:
-            out[key] = value
+    """The configuration's keys that the flags given and each ``--set KEY=VALUE`` override."""
+    flags = (("tensor", "parallelism.tensor"), ("pipeline", "parallelism.pipeline"),
+             ("expert", "parallelism.expert"), ("steps", "steps"), ("log_file", "log.path"),
+             ("checkpoint_dir", "checkpoint.dir"))
+    out = {key: getattr(args, flag) for flag, key in flags if getattr(args, flag, None) is not None}
     for item in args.set:
         if "=" not in item:
             raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
@@ -65,7 +65,7 @@ def _follow(log: Path, total: int, start: int, stop: threading.Event) -> None:
     printed rank by rank after the run, so a bar drawn inside a rank would not move)."""
     from tqdm.auto import tqdm
 
-    import json
+    from reference.train.loop import show_progress
 
     bar = tqdm(total=total, initial=start, desc="training", unit="step", dynamic_ncols=True)
     seen = 0
@@ -73,16 +73,11 @@ def _follow(log: Path, total: int, start: int, stop: threading.Event) -> None:
         lines = log.read_text().splitlines() if log.exists() else []
         for line in lines[seen:]:
             try:
-                r = json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError:
                 break  # a line being written: read it next time
             seen += 1
-            bar.n = r["step"]
-            post = dict(loss=f"{r['loss']:.4f}", lr=f"{r['lr']:.2e}", tok_s=f"{r['tokens_per_s']:.0f}")
-            if r.get("loss_scale") is not None:
-                post["scale"] = f"{r['loss_scale']:g}"
-            bar.set_postfix(post, refresh=False)
-            bar.refresh()
+            show_progress(bar, record)
         if stop.is_set():
             break
         time.sleep(0.2)
@@ -117,13 +112,11 @@ def _parity_main(argv) -> int:
     from reference.train.settings import settings
 
     records = read_log(args.log)
-    plan = settings(load_config(args.config, _overrides(argparse.Namespace(
-        tensor=None, pipeline=None, expert=None, steps=None, log_file=None, checkpoint_dir=None,
-        set=args.set))), args.world_size)
+    plan = settings(load_config(args.config, _overrides(args)), args.world_size)
     steps = max(r["step"] for r in records)
     reference = single_process_losses(plan, args.world_size, steps)
     held, worst = compare(records, reference, HELD), compare(records, reference)
-    tol = tolerance(plan.parallel_config(args.world_size).precision)
+    tol = tolerance(plan.config.precision)
     print(f"parity: {args.world_size} ranks against one process, largest relative loss difference "
           f"{held:.1e} over the first {min(HELD, steps)} steps (tolerance: {tol.summary()}); "
           f"{worst:.1e} over all {steps} (not held: AdamW's steps let last-bit differences grow, "
@@ -152,31 +145,29 @@ def main(argv=None) -> int:
         print(describe(cfg, world_size))
         return 0
     cfg.parallel_config(world_size)  # every degree checked before any rank starts
-    from reference.train.loop import run_rank
+    from reference.train.checkpoint import check_checkpoint, check_checkpoint_dir, latest_checkpoint
+    from reference.train.loop import prepare_log, run_rank
     from reference.train.settings import settings
 
-    from reference.train.checkpoint import check_checkpoint, check_checkpoint_dir, latest_checkpoint
-    from reference.train.loop import prepare_log
-
     plan = settings(cfg, world_size)
-    folder = plan.checkpoint_dir
+    folder = cfg.checkpoint.dir
     if folder is not None:
         check_checkpoint_dir(folder)  # not found at the first save, after training: one line, exit 2
     latest = latest_checkpoint(Path(folder)) if folder is not None else None
     if args.resume and latest is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {folder} (checkpoint.dir of "
                                 f"{args.config}); train without --resume first")
-    resuming = (args.resume or plan.resume_if_possible) and latest is not None
+    resuming = (args.resume or cfg.checkpoint.resume) and latest is not None
     start = check_checkpoint(latest) if resuming else 0  # a corrupt one: one line, exit 2
     stop, follower = threading.Event(), None
     lead = not under_torchrun() or int(os.environ.get("RANK", "0")) == 0
-    if not under_torchrun() and plan.log_path:
-        log = Path(plan.log_path)
+    if not under_torchrun() and cfg.log.path:
+        log = Path(cfg.log.path)
         moved = prepare_log(log, start if resuming else None)
         if moved is not None:
             print(f"the earlier log {log} was moved to {moved}")
         plan.log_prepared = True
-        follower = threading.Thread(target=_follow, args=(log, plan.steps, start, stop), daemon=True)
+        follower = threading.Thread(target=_follow, args=(log, cfg.steps, start, stop), daemon=True)
         follower.start()
     try:
         results = launch(run_rank, world_size, plan, world_size, args.resume, timeout=args.timeout)
@@ -189,7 +180,7 @@ def main(argv=None) -> int:
         if records:
             last = records[-1]
             print(f"step {last['step']}: loss {last['loss']:.4f}, {last['tokens_per_s']:.0f} tokens/s"
-                  + (f"; log {plan.log_path}" if plan.log_path else ""))
+                  + (f"; log {cfg.log.path}" if cfg.log.path else ""))
         if results[0]["sample"]:
             print("sample:", repr(results[0]["sample"]))
     return 0

@@ -11,25 +11,18 @@ Both are collective: every rank of the mesh calls them. Storage is DCP's (`dcp.s
     model/<name>               every parameter, under the plain GPT's name, shaped whole
     optim/<name>/<key>         the optimizer's per-parameter state (exp_avg, exp_avg_sq, step),
                                shaped as its parameter, also under ZeRO-1/2 and FSDP
-    meta/<what>                pickled bytes (DCP stores a non-tensor leaf with torch.save and
-                               reads it back with torch.load): step, extra, the optimizer's
-                               param-group hyper-parameters (lr, betas, initial_lr, ...) and
-                               the scheduler's per-group lists, both by parameter name
-                               (`reference.train.checkpoint_groups`), the rest of the
-                               scheduler's state and the scaler's state_dict, the layout
-                               (dp, tp, pp, ep), and every rank's RNG states as one list
-                               indexed by global rank
+    meta/<what>                pickled bytes (DCP saves a non-tensor leaf with torch.save):
+                               step, extra, the param groups and the schedule by parameter
+                               name (`reference.train.checkpoint_groups`), the scaler's
+                               state_dict, the layout (dp, tp, pp, ep), and every rank's RNG
+                               states as one list indexed by global rank
 
-No rank builds a whole tensor (`reference.train.checkpoint_shards`): each hands DCP views
-of what it holds, as boxes of the whole tensor (DCP's chunks: offsets and sizes), one copy
-of a replicated box is written, and loading reads into each rank's own parameters and
-optimizer buffers the parts of the stored chunks they overlap. So any (dp, tp, pp, ep,
-ZeRO stage) loads any checkpoint of the same model, holding only its shard; a load that
-fails part-way (a corrupt file) leaves the weights partly loaded. The param groups are the
-layout's (two with weight decay in a plain optimizer, one inner group under ZeRO-1/2, one on
-an embedding stage's ranks), so the optimizer's hyper-parameters and the schedule are stored
-by parameter and rebuilt for the loading optimizer's groups: any layout with weight decay
-and a schedule loads any other's and continues the run.
+No rank builds a whole tensor (`reference.train.checkpoint_shards`): each writes and reads
+only the boxes of the whole tensors it holds, so any (dp, tp, pp, ep, ZeRO stage) loads any
+checkpoint of the same model, holding only its shard; a load that fails part-way (a corrupt
+file) leaves the weights partly loaded. The optimizer's hyper-parameters and the schedule are
+stored by parameter (`reference.train.checkpoint_groups`): any layout with weight decay and a
+schedule loads any other's and continues the run.
 
 Same layout: everything is restored, the RNG states too (torch's CPU generator, the GPU's
 when a rank computes on one, Python's `random`, numpy's, the tensor-parallel dropout
@@ -37,13 +30,9 @@ streams), so training continues bit for bit. Another layout: the model, the opti
 the scheduler and the scaler are restored; the RNG states are not (a rank of the new
 layout has no counterpart in the old), and each rank keeps its current state.
 
-Atomic publish (`reference.train.checkpoint_publish`): a save writes `.step_000010.partial`
-inside the directory and renames it to `step_000010` only when every rank agrees, before
-writing on the step and after writing that every rank's write succeeded; otherwise nothing
-is published, the partial folder is cleared and every rank raises the same
-`CheckpointNotPublishedError`, naming the ranks, their steps and their errors. A save killed
-part-way leaves only a partial folder, which `latest_checkpoint` ignores and the next save
-of that step clears. Checkpoints are pickles: load only those you trust.
+A save is published atomically, only when every rank agrees that its write succeeded
+(`reference.train.checkpoint_publish`); otherwise every rank raises the same
+`CheckpointNotPublishedError`. Checkpoints are pickles: load only those you trust.
 """
 from __future__ import annotations
 
@@ -64,8 +53,8 @@ from reference.train.checkpoint_groups import local_groups, merge_groups, resolv
 from reference.train.checkpoint_publish import (CheckpointNotPublishedError,
                                                 UnwritableCheckpointDirError, agree,
                                                 check_checkpoint_dir, publish)
-from reference.train.checkpoint_planners import ShardLoadPlanner, ShardSavePlanner
-from reference.train.checkpoint_shards import check_shapes, load_boxes, save_boxes
+from reference.train.checkpoint_shards import (ShardLoadPlanner, ShardSavePlanner, check_shapes,
+                                               load_boxes, save_boxes)
 from reference.train.reshard import load_optimizer_local_state
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_checkpoint",
@@ -82,9 +71,6 @@ class CorruptCheckpointError(RuntimeError):
 
 
 # ---------------------------------------------------------------------- folders
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
 def _steps(directory: Path) -> list[tuple[int, Path]]:
     """(step, folder) of every published checkpoint in ``directory``, highest step first."""
     if not directory.is_dir():
@@ -266,9 +252,7 @@ def load_checkpoint(path, pm, optimizer, *, scheduler=None, scaler=None) -> dict
     Collective. Returns {"step": ..., "extra": ...}. RNG states are restored only when the
     layout (dp, tp, pp, ep) is the one that saved them; otherwise each rank keeps its own."""
     path = _resolve(Path(path))
-    why = _problems(path)
-    if why is not None:
-        raise _corrupt(path, why)
+    check_checkpoint(path)
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     layout = metadata.state_dict_metadata
     missing = [f"meta/{k}" for k in _META if f"meta/{k}" not in layout]
@@ -299,11 +283,11 @@ def load_checkpoint(path, pm, optimizer, *, scheduler=None, scaler=None) -> dict
         raise _corrupt(path, _read_error(err)) from None
     last_bytes.update(read=planner.read, allocated=allocated)
     if optimizer is not None:
-        load_optimizer_local_state(pm, optimizer, finish(), hyper, flat=True)
+        load_optimizer_local_state(pm, optimizer, finish(), hyper)
     if scheduler is not None:
         scheduler.load_state_dict(scheduler_state)
     if scaler is not None:
         scaler.load_state_dict(meta["scaler"])
     if meta["layout"] == _layout(pm):
-        _set_rng_state(pm, meta["rng"][_rank()])
+        _set_rng_state(pm, meta["rng"][dist.get_rank() if dist.is_initialized() else 0])
     return {"step": meta["step"], "extra": meta["extra"]}

@@ -74,6 +74,14 @@ def _per_group_keys(state: dict, n_groups: int) -> list[str]:
             if isinstance(state.get(k), (list, tuple)) and len(state[k]) == n_groups]
 
 
+def _records(groups: list[dict], state, keys: list[str]) -> tuple[list[dict], object]:
+    """Each group's record (its hyper-parameters, its entry of each of the scheduler's
+    per-group lists ``keys``), and the scheduler's ``state`` without those lists."""
+    records = [{"hyper": _hyper(g), "scheduler": {k: state[k][i] for k in keys}}
+               for i, g in enumerate(groups)]
+    return records, ({k: v for k, v in state.items() if k not in keys} if isinstance(state, dict) else state)
+
+
 def local_groups(pm, optimizer, scheduler) -> tuple[dict, Optional[dict]]:
     """This rank's part: ({name: record} of every parameter its optimizer updates, the
     scheduler's state without its per-group lists). The lists are taken apart only for a
@@ -82,12 +90,9 @@ def local_groups(pm, optimizer, scheduler) -> tuple[dict, Optional[dict]]:
     groups = optimizer.param_groups
     keys = (_per_group_keys(state, len(groups))
             if state is not None and getattr(scheduler, "optimizer", None) is optimizer else [])
-    by_name = {}
-    for i, (group, names) in enumerate(zip(groups, _group_names(pm, optimizer))):
-        record = {"hyper": _hyper(group), "scheduler": {k: state[k][i] for k in keys}}
-        by_name.update((name, record) for name in names)
-    rest = None if state is None else {k: v for k, v in state.items() if k not in keys}
-    return by_name, rest
+    records, rest = _records(groups, state, keys)
+    names = _group_names(pm, optimizer)
+    return {name: record for record, group in zip(records, names) for name in group}, rest
 
 
 def _same(a, b) -> bool:
@@ -126,10 +131,7 @@ def merge_groups(parts: list[dict]) -> dict:
 def _legacy(saved: list, scheduler_state) -> tuple[dict, Optional[dict]]:
     """The earlier form (a list of groups, the scheduler's state whole) as positional records."""
     keys = _per_group_keys(scheduler_state, len(saved)) if isinstance(scheduler_state, dict) else []
-    records = [{"hyper": _hyper(g), "scheduler": {k: scheduler_state[k][i] for k in keys}}
-               for i, g in enumerate(saved)]
-    rest = (scheduler_state if not isinstance(scheduler_state, dict)
-            else {k: v for k, v in scheduler_state.items() if k not in keys})
+    records, rest = _records(saved, scheduler_state, keys)
     return {"records": records, "of": None}, rest
 
 

@@ -18,11 +18,8 @@ disagree, or one failed, the partial folder is cleared (never published) and eve
 raises the same `CheckpointNotPublishedError`, naming each rank's step and error. After the
 rename, rank 0 sends its outcome to every rank (a rename can fail too), and nothing more is
 written. A save killed part-way leaves only a partial folder, which `latest_checkpoint`
-ignores and the next save of that step clears.
-
-`check_checkpoint_dir(directory)` says before any rank starts whether a save could write
-there at all (a file in the path, no permission): the trainer's command line refuses such a
-`checkpoint.dir` in one line.
+ignores and the next save of that step clears. `check_checkpoint_dir` says, before any rank
+starts, whether a save could write into a folder at all.
 """
 from __future__ import annotations
 

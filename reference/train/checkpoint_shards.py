@@ -22,25 +22,43 @@ the rank with the fewest bytes so far) and checks that the boxes tile each tenso
 Loading declares the same boxes over this rank's destinations (the parameters themselves,
 zeroed first, and zero optimizer buffers shaped as the optimizer keeps them), and DCP reads,
 for each, the overlapping parts of the stored chunks (`create_read_items_for_chunk_list`),
-whatever layout wrote them (`reference.train.checkpoint_planners`). A rank's memory is its
-shard, plus, one at a time, DCP's copy of a box that is a view into a larger buffer (saving)
-or of a stored chunk it needs part of (loading: at most the largest chunk the saving layout
-wrote; the whole tensor when one process saved it).
+whatever layout wrote them. A rank's memory is its shard, plus, one at a time, DCP's copy of
+a box that is a view into a larger buffer (saving) or of a stored chunk it needs part of
+(loading: at most the largest chunk the saving layout wrote; the whole tensor when one
+process saved it).
+
+The planners hand DCP these boxes:
+
+    dcp.save(plain, checkpoint_id=path, planner=ShardSavePlanner({fqn: (whole shape, boxes)}))
+    dcp.load(plain, checkpoint_id=path, planner=ShardLoadPlanner({fqn: boxes}))
+
+``plain`` holds what DCP's default planner handles as it is: the pickled meta bytes and the
+0-dim optimizer states. Saving, the local plan gets one `WriteItem` of type SHARD per box, with
+its `ChunkStorageMetadata(offsets, sizes)` and the whole tensor's size. Loading,
+`create_read_items_for_chunk_list` makes one `ReadItem` per stored chunk that overlaps a box
+(its offsets in the chunk and in the box), and DCP copies each piece into the view. Both
+planners count the bytes this rank writes or reads.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                    TensorProperties)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from reference.train.reshard import (Entry, entries, flat_groups, full_shape, full_shapes, is_head,
                                      is_sharded)
 
 __all__ = ["Holding", "weight_holdings", "state_holdings", "pieces", "check_shapes", "save_boxes",
-           "load_boxes"]
+           "load_boxes", "ShardSavePlanner", "ShardLoadPlanner"]
 
 Box = tuple[tuple[int, ...], torch.Tensor]  # (offsets in the whole tensor, a view of the data)
 
@@ -68,11 +86,16 @@ def _flat_boxes(shape, a: int, b: int, base: int = 0) -> list[tuple[tuple, tuple
     if not shape:
         return [((), (), base + a)]
     inner = math.prod(shape[1:])
-    out = []
-    if a % inner:  # a part of row a // inner
-        row, end = a // inner, min(b, (a // inner + 1) * inner)
-        out += [((row,) + o, (1,) + s, f) for o, s, f in
+
+    def part_of_row(a: int, end: int) -> list:  # numbers [a, end) of row a // inner
+        row = a // inner
+        return [((row,) + o, (1,) + s, f) for o, s, f in
                 _flat_boxes(shape[1:], a - row * inner, end - row * inner, base + row * inner)]
+
+    out = []
+    if a % inner:  # a part of the first row
+        end = min(b, (a // inner + 1) * inner)
+        out += part_of_row(a, end)
         a = end
     if b // inner > -(-a // inner):  # whole rows
         first, last = -(-a // inner), b // inner
@@ -80,9 +103,7 @@ def _flat_boxes(shape, a: int, b: int, base: int = 0) -> list[tuple[tuple, tuple
                     base + first * inner))
         a = last * inner
     if a < b:  # a part of the last row
-        row = a // inner
-        out += [((row,) + o, (1,) + s, f) for o, s, f in
-                _flat_boxes(shape[1:], a - row * inner, b - row * inner, base + row * inner)]
+        out += part_of_row(a, b)
     return out
 
 
@@ -279,3 +300,59 @@ def load_boxes(pm, optimizer, metadata) -> tuple[dict, dict, callable, int]:
         return out
 
     return boxes, scalars, finish, sum(t.nbytes for b in buffers.values() for t in b.values())
+
+
+# ---------------------------------------------------------------------- DCP planners
+class ShardSavePlanner(DefaultSavePlanner):
+    """DCP's planner, plus one write item per box: {fqn: (whole shape, [(offsets, view)])}."""
+
+    def __init__(self, boxes: dict[str, tuple[tuple, list[Box]]]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.boxes = boxes
+        self.data = {(k, tuple(o)): t for k, (_, bs) in boxes.items() for o, t in bs}
+        self.written = 0  # bytes of tensors this rank writes, once DCP kept one copy of each box
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()  # the meta bytes and the 0-dim states
+        items = [WriteItem(index=MetadataIndex(fqn, torch.Size(o)), type=WriteItemType.SHARD,
+                           tensor_data=TensorWriteData(
+                               chunk=ChunkStorageMetadata(torch.Size(o), t.shape),
+                               properties=TensorProperties.create_from_tensor(t),
+                               size=torch.Size(shape)))
+                 for fqn, (shape, bs) in self.boxes.items() for o, t in bs]
+        self.plan = dataclasses.replace(plan, items=plan.items + items)
+        return self.plan
+
+    def finish_plan(self, new_plan):
+        self.written = sum(math.prod(i.tensor_data.chunk.sizes) * i.tensor_data.properties.dtype.itemsize
+                           for i in new_plan.items if i.tensor_data is not None)  # the box's bytes
+        return super().finish_plan(new_plan)
+
+    def lookup_object(self, index: MetadataIndex):
+        found = self.data.get((index.fqn, tuple(index.offset or ())))  # index.index: a hint
+        return found.detach() if found is not None else super().lookup_object(index)
+
+
+class ShardLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, plus reads into this rank's boxes: {fqn: [(offsets, destination view)]}."""
+
+    def __init__(self, boxes: dict[str, list[Box]]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.boxes = boxes
+        self.read = 0  # bytes of tensors this rank reads
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        items = []
+        for fqn, bs in self.boxes.items():
+            md = self.metadata.state_dict_metadata[fqn]
+            chunks = [ChunkStorageMetadata(torch.Size(o), t.shape) for o, t in bs]
+            mine = create_read_items_for_chunk_list(fqn, md, chunks)  # dest_index.index: the box
+            self.read += sum(math.prod(i.lengths) for i in mine) * md.properties.dtype.itemsize
+            items += mine
+        return dataclasses.replace(plan, items=plan.items + items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        if index.fqn in self.boxes:
+            return self.boxes[index.fqn][index.index][1]
+        return super().lookup_tensor(index)

@@ -23,15 +23,13 @@ choices where DeepSpeed leaves the reader guessing:
   accepted and reported by `describe` as having no effect.
 
 The course's own blocks: `parallelism` {tensor, pipeline, expert, sequence_parallel,
-virtual_stages, schedule, embedding_stage, reshard_after_forward: composed ZeRO-3's FSDP2
-option, false by default where PyTorch's `fully_shard` defaults to None: true but for the root; loss_mean: "tokens", the step's loss as one process has it, the sum over counted tokens
-divided by their count, or "mean_of_means", `reference.loss`} (dp is what the
-world size leaves), `model`
-{preset tiny | small | debug, or sizes, `experts`}, `data` {source stdlib | arithmetic |
-synthetic | documents (variable-length arithmetic documents, each padded to seq_len, the
-padding's targets -100: `reference.data.padded_documents`), seq_len, seed}, `steps`, `seed`, `checkpoint` {dir, every, resume: continue from
-the latest checkpoint when there is one}, `log` {path,
-every, sample_tokens}. The pipeline's micro-batches are DeepSpeed's accumulation steps.
+virtual_stages, schedule, embedding_stage, reshard_after_forward, loss_mean: what each means is
+said beside its field below} (dp is what the world size leaves), `model` {preset tiny | small
+| debug, or sizes, `experts`}, `data` {source stdlib | arithmetic | synthetic | documents
+(variable-length arithmetic documents, each padded to seq_len, the padding's targets -100:
+`reference.data.padded_documents`), seq_len, seed}, `steps`, `seed`, `checkpoint` {dir,
+every, resume: continue from the latest checkpoint when there is one}, `log` {path, every,
+sample_tokens}. The pipeline's micro-batches are DeepSpeed's accumulation steps.
 
 JSON has no comments: keys starting with "_" are comments ("_about" says what a file is).
 Every error is a ValueError naming the dotted key and its value (a missing file is a
@@ -70,8 +68,12 @@ class ParallelismConfig:
     virtual_stages: int = spec(1, min=1)
     schedule: str = spec("1f1b", choices=SCHEDULES)
     embedding_stage: bool = False
-    reshard_after_forward: bool = False     # FSDP2's option (PyTorch's default None: True but for the root; the course's False)
-    loss_mean: str = spec("tokens", choices=LOSS_MEANS)   # reference.loss: "tokens" or "mean_of_means"
+    # composed ZeRO-3's FSDP2 option: False here, where PyTorch's fully_shard defaults to None
+    # (True for every module but the root)
+    reshard_after_forward: bool = False
+    # reference.loss: "tokens", the step's loss as one process has it (the sum over counted
+    # tokens divided by their count), or "mean_of_means"
+    loss_mean: str = spec("tokens", choices=LOSS_MEANS)
 
 
 @dataclass

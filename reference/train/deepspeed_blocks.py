@@ -29,8 +29,9 @@ ADAM_KEYS, SGD_KEYS = ("betas", "eps", "adam_w_mode"), ("momentum",)
 
 @dataclass
 class OptimizerParams:
-    """torch's keyword arguments; None is DeepSpeed's default (weight_decay 0, the rest
-    equal to torch's)."""
+    """torch's keyword arguments; None is DeepSpeed's default: weight_decay 0 (its FusedAdam's,
+    for "Adam" and "AdamW" alike; torch.optim.AdamW's is 0.01), the rest equal to torch's
+    (lr 1e-3, betas (0.9, 0.999), eps 1e-8)."""
     lr: Optional[float] = spec(None, min=0.0)
     betas: Optional[tuple[float, float]] = None
     eps: Optional[float] = spec(None, min=0.0)
@@ -60,11 +61,8 @@ class OptimizerConfig:
         return torch.optim.AdamW if adam_w else torch.optim.Adam
 
     def kwargs(self) -> dict:
-        """`torch_class()(params, **kwargs())`, or `pm.make_optimizer(torch_class(), **kwargs())`.
-
-        An unset `weight_decay` is DeepSpeed's default, 0 (its FusedAdam's, for "Adam" and
-        "AdamW" alike), not torch.optim.AdamW's 0.01; the other unset keys have the same
-        default in both (lr 1e-3, betas (0.9, 0.999), eps 1e-8)."""
+        """`torch_class()(params, **kwargs())`, or `pm.make_optimizer(torch_class(), **kwargs())`:
+        the keys given, and DeepSpeed's weight_decay 0 when it is unset."""
         out = {k: getattr(self.params, k) for k in ("lr", "eps", "weight_decay", "momentum")
                if getattr(self.params, k) is not None}
         out.setdefault("weight_decay", 0.0)

@@ -23,16 +23,13 @@ LARGE_MICRO_BATCH = 64
 _ZERO_SHARDS = {0: "nothing (plain data parallelism: each dp rank holds every model state)",
                 1: "the optimizer state (P_os)", 2: "the optimizer state and the gradients (P_os+g)",
                 3: "the optimizer state, the gradients and the parameters (P_os+g+p)"}
-_NO_EFFECT = [("zero_optimization", k) for k in ("overlap_comm", "contiguous_gradients",
-                                                 "reduce_scatter", "reduce_bucket_size",
-                                                 "allgather_bucket_size")] + [
-    ("fp16", "auto_cast"),
-    ("activation_checkpointing", "cpu_checkpointing"),
-    ("activation_checkpointing", "contiguous_memory_optimization"),
-    ("activation_checkpointing", "number_checkpoints"),
-    ("activation_checkpointing", "synchronize_checkpoint_boundary"),
-    ("activation_checkpointing", "profile"),
-    ("", "steps_per_print"), ("", "wall_clock_breakdown"), ("", "zero_allow_untested_optimizer")]
+_NO_EFFECT = {"zero_optimization": ("overlap_comm", "contiguous_gradients", "reduce_scatter",
+                                     "reduce_bucket_size", "allgather_bucket_size"),
+              "fp16": ("auto_cast",),
+              "activation_checkpointing": ("cpu_checkpointing", "contiguous_memory_optimization",
+                                           "number_checkpoints", "synchronize_checkpoint_boundary",
+                                           "profile"),
+              "": ("steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer")}
 
 
 def _try(issues: list, fn):
@@ -231,7 +228,7 @@ def _run_lines(config, line, issues, tp):
         issues.append("activation_checkpointing.partition_activations: no effect here"
                       + ("; at tensor=1 there is nothing to partition over" if tp == 1 else
                          "; parallelism.sequence_parallel is what splits each block's activations over tp"))
-    for block, key in _NO_EFFECT:
+    for block, key in ((block, key) for block, keys in _NO_EFFECT.items() for key in keys):
         value = getattr(getattr(config, block) if block else config, key)
         if value not in (None, False):
             issues.append(f"{block + '.' if block else ''}{key}={value!r}: DeepSpeed's, no effect here")

@@ -38,10 +38,6 @@ def _json_fields(cls) -> dict:
     return {f.name: f for f in fields(cls) if f.metadata.get("json", True)}
 
 
-def _hints(cls) -> dict:
-    return typing.get_type_hints(cls)
-
-
 def _unwrap_optional(tp):
     """(inner type, whether None is allowed)."""
     if typing.get_origin(tp) is Union:
@@ -53,7 +49,7 @@ def _unwrap_optional(tp):
 def known_paths(cls, prefix: str = "") -> list[str]:
     """Every dotted JSON key of a dataclass, blocks included."""
     out = []
-    hints = _hints(cls)
+    hints = typing.get_type_hints(cls)
     for name in _json_fields(cls):
         path = f"{prefix}{name}"
         out.append(path)
@@ -134,12 +130,10 @@ def _convert(tp, value, dotted: str, meta, where: str, root):
 
 
 def build(cls, raw: dict, *, where: str = "configuration", path: str = "", root=None):
-    """An instance of dataclass ``cls`` from the JSON object ``raw``, every key checked."""
+    """An instance of dataclass ``cls`` from the JSON object ``raw`` (a dict: the caller has
+    checked), every key checked."""
     root = root or cls
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: {path or 'the configuration'} must be a JSON object, got "
-                         f"{raw!r}")
-    known, hints, kwargs = _json_fields(cls), _hints(cls), {}
+    known, hints, kwargs = _json_fields(cls), typing.get_type_hints(cls), {}
     for key, value in raw.items():
         if key.startswith("_"):
             continue                      # a comment

@@ -1,7 +1,8 @@
 """The workshop trainer's loop, run on every rank: the 3D GPT from a `TrainConfig`.
 
-`run_rank(cfg, world_size, resume)` is what each rank executes, whether the ranks were
-started by `reference.runtime.launch` on a laptop or by torchrun on one or many nodes:
+`run_rank(plan, world_size, resume)` is what each rank executes, whether the ranks were
+started by `reference.runtime.launch` on a laptop or by torchrun on one or many nodes
+(``plan``: `reference.train.settings.RunPlan`, its configuration ``cfg``):
 
 1. the parallel layout from the config (`cfg.parallel_config(world_size)`), the mesh and
    its groups, the plain GPT built from `cfg.seed` on every rank and `parallelize`d;
@@ -9,14 +10,12 @@ started by `reference.runtime.launch` on a laptop or by torchrun on one or many 
    and, for fp16, the dynamic loss scaler with the config's settings;
 3. with `resume` (`--resume`: a checkpoint must exist) or `checkpoint.resume: true` in the
    JSON (the latest checkpoint if there is one, else a fresh start: what a job requeued by
-   SLURM wants), the latest checkpoint of `cfg.checkpoint.dir` (model, optimizer, schedule,
-   scaler, random states and the data position): the run continues exactly where it stopped,
-   and the log keeps its lines up to that step (`prepare_log`);
+   SLURM wants), the latest checkpoint of `cfg.checkpoint.dir`: the run continues exactly
+   where it stopped, and the log keeps its lines up to that step (`prepare_log`);
 4. per step: the global batch number `step` (the same on every rank: the data position is
-   the step), `train_step`, the schedule's step; every `cfg.log.every` steps rank 0 appends
-   a JSON line (loss, the counted tokens it is the mean over, grad norm, lr, loss scale,
-   tokens/s, bytes sent per group on rank 0, peak memory of every rank) to `cfg.log.path` (an earlier log is renamed, never deleted);
-   an fp16 step skipped for an overflow does not advance the schedule (DeepSpeed's rule); every `cfg.checkpoint.every` steps and at
+   the step), `train_step`, the schedule's step (not after an fp16 step skipped for an
+   overflow: DeepSpeed's rule); every `cfg.log.every` steps rank 0 appends the step's record
+   (`_one_step`) as a JSON line to `cfg.log.path`; every `cfg.checkpoint.every` steps and at
    the end, a checkpoint;
 5. at the end, a sample of generated text.
 
@@ -40,8 +39,9 @@ from reference.parallel.generate import generate
 from reference.parallel.golden import debug_data, text_windows
 from reference.parallel.scaler import DynamicLossScaler
 from reference.runtime import device
+from reference.train.lr_schedules import make_scheduler
 
-__all__ = ["run_rank", "batch_at", "peak_memory_bytes", "prepare_log"]
+__all__ = ["run_rank", "batch_at", "peak_memory_bytes", "prepare_log", "show_progress"]
 
 
 def _arithmetic_batch(batch, seq_len: int, step: int, seed: int):
@@ -100,45 +100,42 @@ def prepare_log(log: Path, resumed_at=None):
     return moved
 
 
-def _lr(optimizer) -> float:
-    return float(optimizer.param_groups[0]["lr"])
-
-
-def _build(cfg, world_size: int):
+def _build(plan, world_size: int):
     """Steps 1-2: this rank's part of the 3D GPT, its optimizer, the schedule and the scaler."""
+    cfg = plan.config
     pconfig = cfg.parallel_config(world_size)
     mesh = pconfig.mesh().build_groups()
     torch.manual_seed(cfg.seed)  # the same plain GPT on every rank
     model = GPT(cfg.gpt_config(), ffn_factory=cfg.ffn_factory()).to(device())
-    pm = parallelize(model, mesh, pconfig, batch=(cfg.train_batch_size, cfg.seq_len), seed=cfg.seed)
-    optimizer = pm.make_optimizer(cfg.optimizer_class, **cfg.optimizer_kwargs)
+    pm = parallelize(model, mesh, pconfig, batch=(plan.train_batch_size, plan.seq_len), seed=cfg.seed)
+    optimizer = pm.make_optimizer(cfg.optimizer.torch_class(), **cfg.optimizer.kwargs())
     if pconfig.precision == "fp16":
-        pm.scaler = DynamicLossScaler(**cfg.loss_scaler_kwargs())
-    return pm, optimizer, cfg.make_scheduler(optimizer)
+        pm.scaler = DynamicLossScaler(**cfg.fp16.scaler_kwargs())
+    return pm, optimizer, make_scheduler(optimizer, cfg)
 
 
 def _resume(cfg, pm, optimizer, scheduler, resume: bool) -> int:
     """Step 3: the step to start from, 0 or the latest checkpoint's (loaded)."""
     from reference.train.checkpoint import latest_checkpoint, load_checkpoint
 
-    ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
     path = latest_checkpoint(ckpt_dir) if ckpt_dir is not None else None
     if resume and path is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir} (checkpoint.dir of "
                                 f"the config); train without --resume first")
-    if (resume or cfg.resume_if_possible) and path is not None:
+    if (resume or cfg.checkpoint.resume) and path is not None:
         return load_checkpoint(path, pm, optimizer, scheduler=scheduler, scaler=pm.scaler)["step"]
     return 0
 
 
-def _one_step(cfg, pm, optimizer, scheduler, step: int, corpus, world_size: int) -> dict:
+def _one_step(plan, pm, optimizer, scheduler, step: int, corpus, world_size: int) -> dict:
     """Step 4 for global batch number ``step``: its record (what the log's line holds)."""
-    B, T = cfg.train_batch_size, cfg.seq_len
-    idx, tgt = batch_at(cfg.data_source, B, T, step, cfg.data_seed, corpus)
-    lr = _lr(optimizer)
+    cfg, B, T = plan.config, plan.train_batch_size, plan.seq_len
+    idx, tgt = batch_at(cfg.data.source, B, T, step, cfg.data.seed, corpus)
+    lr = float(optimizer.param_groups[0]["lr"])
     t0 = time.perf_counter()
     with comms.meter() as meter:
-        result = train_step(pm, optimizer, idx, tgt, max_norm=cfg.gradient_clipping)
+        result = train_step(pm, optimizer, idx, tgt, max_norm=cfg.gradient_clipping or None)
     if device().type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -149,36 +146,38 @@ def _one_step(cfg, pm, optimizer, scheduler, step: int, corpus, world_size: int)
                   tokens_per_s=round(B * T / seconds, 1),
                   grad_norm=None if result.grad_norm is None else float(result.grad_norm),
                   loss_scale=result.loss_scale, skipped=result.skipped)
-    if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+    if (step + 1) % cfg.log.every == 0 or step + 1 == cfg.steps:
         peaks = [peak_memory_bytes()]
         if world_size > 1:
             peaks = [None] * world_size
             dist.all_gather_object(peaks, peak_memory_bytes())
         record["peak_memory_bytes"] = peaks
-        sent: dict = {}
-        for r in meter.records():
-            sent[r["group"]] = sent.get(r["group"], 0) + r["sent_bytes"]
-        record["sent_bytes_rank0"] = sent
+        groups = sorted({r["group"] for r in meter.records()})
+        record["sent_bytes_rank0"] = {g: meter.sent_bytes(group=g) for g in groups}
     return record
 
 
-def _progress(bar, record: dict) -> None:
-    bar.update(1)
+def show_progress(bar, record: dict) -> None:
+    """Move the tqdm ``bar`` to the step of ``record`` (a log line) and show its loss, lr,
+    tokens/s and, under fp16, the loss scale."""
+    bar.n = record["step"]
     bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                    tok_s=f"{record['tokens_per_s']:.0f}",
-                    **({"scale": f"{record['loss_scale']:g}"} if record["loss_scale"] else {}))
+                    tok_s=f"{record['tokens_per_s']:.0f}", refresh=False,
+                    **({"scale": f"{record['loss_scale']:g}"} if record.get("loss_scale") else {}))
+    bar.refresh()
 
 
-def run_rank(cfg, world_size: int, resume: bool = False, sample_prompt: str = "12+7=") -> dict:
+def run_rank(plan, world_size: int, resume: bool = False, sample_prompt: str = "12+7=") -> dict:
     """Steps 1-5 on this rank (see the module's docstring); rank 0 writes the log."""
     from reference.runtime import under_torchrun
     from reference.train.checkpoint import save_checkpoint
 
-    pm, optimizer, scheduler = _build(cfg, world_size)
+    cfg = plan.config
+    pm, optimizer, scheduler = _build(plan, world_size)
     start = _resume(cfg, pm, optimizer, scheduler, resume)
-    corpus = ByteCorpus.load() if cfg.data_source == "stdlib" else None
-    log = Path(cfg.log_path) if (cfg.log_path and pm.mesh.rank == 0) else None
-    if log is not None and not cfg.log_prepared:
+    corpus = ByteCorpus.load() if cfg.data.source == "stdlib" else None
+    log = Path(cfg.log.path) if (cfg.log.path and pm.mesh.rank == 0) else None
+    if log is not None and not plan.log_prepared:
         prepare_log(log, start if start else None)
     bar = None
     if pm.mesh.rank == 0 and under_torchrun():  # torchrun shows rank 0's output live
@@ -187,23 +186,23 @@ def run_rank(cfg, world_size: int, resume: bool = False, sample_prompt: str = "1
         bar = tqdm(total=cfg.steps, initial=start, desc="training", unit="step")
     records = []
     for step in range(start, cfg.steps):
-        record = _one_step(cfg, pm, optimizer, scheduler, step, corpus, world_size)
+        record = _one_step(plan, pm, optimizer, scheduler, step, corpus, world_size)
         if log is not None and "peak_memory_bytes" in record:
             with log.open("a") as f:
                 f.write(json.dumps(record) + "\n")
         records.append(record)
         if bar is not None:
-            _progress(bar, record)
-        if cfg.checkpoint_dir and (step + 1 == cfg.steps or (
-                cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
-            save_checkpoint(Path(cfg.checkpoint_dir), step + 1, pm, optimizer, scheduler=scheduler,
+            show_progress(bar, record)
+        if cfg.checkpoint.dir and (step + 1 == cfg.steps or (
+                cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0)):
+            save_checkpoint(Path(cfg.checkpoint.dir), step + 1, pm, optimizer, scheduler=scheduler,
                             scaler=pm.scaler, extra={"data_position": step + 1})
     if bar is not None:
         bar.close()
     sample = ""
-    if cfg.sample_tokens:
+    if cfg.log.sample_tokens:
         prompt = torch.tensor([list(sample_prompt.encode())])
-        tokens = generate(pm, prompt, cfg.sample_tokens, temperature=0.8,
+        tokens = generate(pm, prompt, cfg.log.sample_tokens, temperature=0.8,
                           generator=torch.Generator().manual_seed(cfg.seed))
         sample = decode(tokens[0].cpu())
     return dict(rank=pm.mesh.rank, records=records, sample=sample, start=start)

@@ -33,9 +33,7 @@ import torch
 
 from reference.train.jsonconfig import spec
 
-# DeepSpeed's WarmupLR and WarmupDecayLR: the peak is 0.001 unless warmup_max_lr is given,
-# whatever lr the optimizer block says (the schedule owns the lr).
-DEFAULT_WARMUP_MAX_LR = 0.001
+DEFAULT_WARMUP_MAX_LR = 0.001  # WarmupLR's and WarmupDecayLR's peak, whatever the optimizer's lr
 
 __all__ = ["DEFAULT_WARMUP_MAX_LR", "SCHEDULERS", "SchedulerParams", "SchedulerConfig", "make_scheduler", "lr_factor"]
 
@@ -51,9 +49,7 @@ SCHEDULERS = {
 
 @dataclass
 class SchedulerParams:
-    """None: DeepSpeed's default (warmup_min_lr 0, warmup_max_lr 0.001 whatever the optimizer's lr,
-    warmup_num_steps 1000, warmup_type "log", warmup_min_ratio 0, cos_min_ratio 1e-4,
-    total_num_steps the run's steps)."""
+    """None: DeepSpeed's default, which `SchedulerConfig.resolved` fills in."""
     warmup_min_lr: Optional[float] = spec(None, min=0.0)
     warmup_max_lr: Optional[float] = spec(None, min=0.0)
     warmup_num_steps: Optional[int] = spec(None, min=1)

@@ -33,22 +33,24 @@ def single_process_losses(plan, world_size: int, steps: int | None = None) -> li
     from reference.data import ByteCorpus
     from reference.parallel.scaler import DynamicLossScaler
     from reference.train.loop import batch_at
+    from reference.train.lr_schedules import make_scheduler
     from reference.train.single import accumulated_step
 
-    pconfig = plan.parallel_config(world_size)
-    torch.manual_seed(plan.seed)
-    model = GPT(plan.gpt_config(), ffn_factory=plan.ffn_factory())
-    optimizer = plan.optimizer_class(model.parameters(), **plan.optimizer_kwargs)
-    scheduler = plan.make_scheduler(optimizer)
-    scaler = DynamicLossScaler(**plan.loss_scaler_kwargs()) if pconfig.precision == "fp16" else None
-    corpus = ByteCorpus.load() if plan.data_source == "stdlib" else None
+    cfg = plan.config
+    pconfig = cfg.parallel_config(world_size)
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.gpt_config(), ffn_factory=cfg.ffn_factory())
+    optimizer = cfg.optimizer.torch_class()(model.parameters(), **cfg.optimizer.kwargs())
+    scheduler = make_scheduler(optimizer, cfg)
+    scaler = DynamicLossScaler(**cfg.fp16.scaler_kwargs()) if pconfig.precision == "fp16" else None
+    corpus = ByteCorpus.load() if cfg.data.source == "stdlib" else None
     losses = []
-    for step in range(steps or plan.steps):
-        idx, tgt = batch_at(plan.data_source, plan.train_batch_size, plan.seq_len, step,
-                            plan.data_seed, corpus)
+    for step in range(steps or cfg.steps):
+        idx, tgt = batch_at(cfg.data.source, plan.train_batch_size, plan.seq_len, step,
+                            cfg.data.seed, corpus)
         loss, skipped = accumulated_step(model, optimizer, idx, tgt, pconfig.dp * pconfig.microbatches,
                                          precision=pconfig.precision, scaler=scaler,
-                                         max_norm=plan.gradient_clipping or None,
+                                         max_norm=cfg.gradient_clipping or None,
                                          loss_mean=pconfig.loss_mean)
         if scheduler is not None and not skipped:
             scheduler.step()

@@ -11,10 +11,8 @@ parameter's whole shape:
                              plain-GPT name (experts by global id), the owning module
     full_shape(pm, e, shape) the whole tensor's shape, from this rank's slice of it
     full_shapes(pm)          every parameter's whole shape, on every rank (collective)
-    flat_groups / load_optimizer_local_state
-                             ZeRO-1/2 and FSDP's flat shard (S,) and its layout, and giving an
-                             optimizer per-parameter states: flattened into its layout, this
-                             rank's shard kept (per-parameter ZeRO-3: its dim-0 rows)
+    flat_groups              ZeRO-1/2 and FSDP's flat shard (S,) and its layout
+    load_optimizer_local_state   an optimizer's states and hyper-parameters, given back
 
 `reference.train.checkpoint_shards` maps each slice to its box (offsets and sizes) in the
 whole tensor with these, and `reference.train.checkpoint` saves and loads the boxes with
@@ -103,57 +101,21 @@ def flat_groups(pm, optimizer):
     return []
 
 
-def _flat_state(per_param: dict, params, layout, rank: int, what: str) -> dict:
-    """The flat shard state (S,) of `params` from their per-parameter states (ZeRO's layout)."""
-    states = [per_param.get(id(p), {}) for p in params]
-    keys = sorted({k for s in states for k in s})
-    out = {}
-    for key in keys:
-        if any(key not in s for s in states):
-            raise ValueError(f"{what}: state {key!r} exists for some of its parameters only; a "
-                             f"flat shard needs it for all {len(params)}")
-        values = [s[key] for s in states]
-        if values[0].dim() == 0:  # step: one count for the shard, so every parameter must agree
-            if any(not torch.equal(v, values[0]) for v in values):
-                raise ValueError(f"{what}: {key!r} differs between parameters "
-                                 f"({sorted({float(v) for v in values})}); one flat shard has one")
-            out[key] = values[0].clone()
-            continue
-        flat = torch.zeros(layout.padded_numel, dtype=values[0].dtype)  # the padding stays 0
-        layout.flatten(values, flat)
-        out[key] = layout.shard(flat, rank).clone()  # (S,)
-    return out
-
-
-def load_optimizer_local_state(pm, optimizer, per_param: dict, hyper: list[dict],
-                                flat: bool = False) -> None:
-    """Give ``optimizer`` the per-parameter states ``per_param`` ({id(p): {key: local tensor}}),
-    flattened into its own layout under ZeRO / FSDP (``flat``: already its flat shards'
-    states, by id of the shard), and the hyper-parameters ``hyper`` (one dict per param
-    group, already matched to this optimizer's groups: `reference.train.checkpoint_groups`),
-    through its own `load_state_dict`."""
+def load_optimizer_local_state(pm, optimizer, per_param: dict, hyper: list[dict]) -> None:
+    """Give ``optimizer`` the states ``per_param`` ({id(p): {key: tensor}}, by id of each of its
+    own parameters: under ZeRO-1/2 and FSDP its flat shards) and the hyper-parameters
+    ``hyper`` (one dict per param group, already matched to this optimizer's groups:
+    `reference.train.checkpoint_groups`), through its own `load_state_dict`."""
     if len(hyper) != len(optimizer.param_groups):
         raise ValueError(f"{len(hyper)} param groups' hyper-parameters for an optimizer of "
                          f"{len(optimizer.param_groups)}")
-    groups = flat_groups(pm, optimizer)
-    if groups and not flat:  # ZeRO / FSDP: the optimizer's parameters are the flat shards
-        per_param = {id(shard): _flat_state(per_param, params, layout, dist.get_rank(group),
-                                            f"flat shard of {len(params)} tensors")
-                     for shard, layout, params, _, group in groups}
-    state, param_groups, index = {}, [], 0
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {i: per_param[id(p)] for i, p in enumerate(params) if per_param.get(id(p))}
+    param_groups, index = [], 0  # torch's state_dict numbers the parameters across the groups
     for group, saved in zip(optimizer.param_groups, hyper):
-        ids = []
-        for p in group["params"]:
-            found = per_param.get(id(p))
-            if found:
-                state[index] = found
-            ids.append(index)
-            index += 1
-        param_groups.append({**saved, "params": ids})
+        param_groups.append({**saved, "params": list(range(index, index + len(group["params"])))})
+        index += len(group["params"])
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
-
-
-# ---------------------------------------------------------------------- what a checkpoint holds
 
 
 def full_shapes(pm) -> dict[str, tuple[int, ...]]:
@@ -165,5 +127,3 @@ def full_shapes(pm) -> dict[str, tuple[int, ...]]:
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, shapes)  # the other stages' and experts' names
     return {k: v for part in parts for k, v in part.items()}
-
-

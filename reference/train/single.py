@@ -27,13 +27,8 @@ LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, U
 __all__ = ["make_optimizer", "train_step", "accumulate_gradients", "accumulated_step", "evaluate", "train"]
 
 
-def make_optimizer(
-    model: nn.Module,
-    lr: float,
-    weight_decay: float = 0.0,
-    betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
-) -> torch.optim.AdamW:
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.0,
+                   betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> torch.optim.AdamW:
     """AdamW over the model's parameters (those with ``requires_grad``).
 
     With ``weight_decay=0`` (the default) there is a single parameter group,
@@ -52,14 +47,8 @@ def make_optimizer(
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
 
 
-def train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    grad_clip: Optional[float] = None,
-    mesh=None,
-) -> float:
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+               grad_clip: Optional[float] = None, mesh=None) -> float:
     """One optimizer step on the batch (x, y); returns the loss (lm loss + aux losses) as a float.
 
     ``grad_clip`` clips the gradients' norm. In one process that is torch's
@@ -160,13 +149,8 @@ def accumulated_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx: to
 
 
 @torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    data: torch.Tensor,
-    batch_size: int,
-    num_batches: int = 4,
-    seed: int = 0,
-) -> float:
+def evaluate(model: nn.Module, data: torch.Tensor, batch_size: int, num_batches: int = 4,
+             seed: int = 0) -> float:
     """Mean language-model loss (no aux losses) over ``num_batches`` fixed batches of ``data``.
 
     The batches are the same on every call; runs in eval mode (no dropout) and restores the mode.
@@ -184,19 +168,10 @@ def evaluate(
     return sum(losses) / len(losses)
 
 
-def train(
-    model: nn.Module,
-    steps: int,
-    batch_size: int,
-    lr: float = 1e-3,
-    data: Optional[Union[ByteCorpus, torch.Tensor]] = None,
-    seed: int = 0,
-    progress: bool = True,
-    eval_every: int = 0,
-    on_eval: Optional[Callable[[int, float], None]] = None,
-    weight_decay: float = 0.0,
-    grad_clip: Optional[float] = None,
-) -> list[float]:
+def train(model: nn.Module, steps: int, batch_size: int, lr: float = 1e-3,
+          data: Optional[Union[ByteCorpus, torch.Tensor]] = None, seed: int = 0, progress: bool = True,
+          eval_every: int = 0, on_eval: Optional[Callable[[int, float], None]] = None,
+          weight_decay: float = 0.0, grad_clip: Optional[float] = None) -> list[float]:
     """Train ``model`` in place for ``steps`` AdamW steps; returns the loss of every step.
 
     ``data`` is a :class:`ByteCorpus` (default: ``ByteCorpus.load()``) or a
@@ -213,10 +188,7 @@ def train(
         raise ValueError(f"steps={steps} must be >= 0 and batch_size={batch_size} positive")
     if data is None:
         data = ByteCorpus.load()
-    if isinstance(data, ByteCorpus):
-        train_data, val_data = data.train, data.val
-    else:
-        train_data, val_data = data, None
+    train_data, val_data = (data.train, data.val) if isinstance(data, ByteCorpus) else (data, None)
     if eval_every > 0 and val_data is None:
         raise ValueError("eval_every > 0 needs validation data: pass a ByteCorpus as data")
 
