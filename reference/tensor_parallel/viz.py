@@ -1,15 +1,7 @@
 """Pictures of tensor parallelism: where the shards of a split GEMM live, and activation memory.
 
-A linear layer computes Y = X A, with X (T, K) the input (T tokens), A (K, N)
-the weight (``nn.Linear`` stores A^T) and Y (T, N) the output. Megatron splits A
-across the tp ranks in one of two ways (`reference.tensor_parallel.layers`):
-
-* **by columns**: rank r holds A_r = A[:, r N/tp : (r+1) N/tp], reads the whole
-  X and writes its own columns of Y, Y_r = X A_r. Nothing is summed.
-* **by rows**: rank r holds A_r = A[r K/tp : (r+1) K/tp, :] and the matching
-  columns X_r of the input; X_r A_r is a whole (T, N) matrix, but only a
-  *partial sum*: Y = sum_r X_r A_r, an all-reduce (Megatron's g).
-
+Y = X A, with X (T, K) the input (T tokens), A (K, N) the weight and Y (T, N)
+the output, split by columns or by rows of A (`reference.tensor_parallel.layers`).
 `split_layout` says which block of X, A and Y each rank holds; `plot_matrix_split`
 draws exactly that layout, so a notebook can check the picture against the
 shards a real layer holds. `plot_activation_memory` draws measured activation
@@ -180,14 +172,12 @@ def plot_activation_memory(tps: Sequence[int], measured: Mapping[str, Sequence[f
         raise ValueError("tps is empty: give at least one tensor-parallel size")
     if not measured:
         raise ValueError("measured is empty: give at least one mode")
-    for label, values in measured.items():
-        if len(values) != len(tps):
-            raise ValueError(f"measured[{label!r}] has {len(values)} values for {len(tps)} tp sizes {tps}")
-    for label, values in (predicted or {}).items():
-        if label not in measured:
-            raise ValueError(f"predicted[{label!r}] has no measured bars; modes are {list(measured)}")
-        if len(values) != len(tps):
-            raise ValueError(f"predicted[{label!r}] has {len(values)} values for {len(tps)} tp sizes {tps}")
+    for kind, values_of in (("measured", measured), ("predicted", predicted or {})):
+        for label, values in values_of.items():
+            if label not in measured:
+                raise ValueError(f"predicted[{label!r}] has no measured bars; modes are {list(measured)}")
+            if len(values) != len(tps):
+                raise ValueError(f"{kind}[{label!r}] has {len(values)} values for {len(tps)} tp sizes {tps}")
     scale = float(unit_bytes) if unit_bytes else 1.0
     modes = list(measured)
     width = 0.8 / len(modes)
