@@ -17,8 +17,8 @@ Two versions, the second built from the first:
   soon as its last gradient is accumulated, so the all-reduce of the last
   layers runs while backward is still computing the first layers' gradients.
 
-Every collective goes through `reference.comms`, so `comms.meter()` counts it:
-per step a rank sends 2(N-1)/N times the gradient bytes, in one call per bucket.
+Per step a rank sends 2(N-1)/N times the gradient bytes, in one call per bucket
+(every collective goes through `reference.comms`, so `comms.meter()` counts it).
 """
 from __future__ import annotations
 
@@ -75,16 +75,10 @@ class DDP(nn.Module):
 
     * Wrapping broadcasts every parameter (frozen ones too) and buffer from the
       group's first rank, so all replicas start equal.
-    * The module must already be on the device the group communicates:
-      ``reference.runtime.device()``, the rank's GPU under NCCL, the CPU under
-      gloo (``DDP(model.to(device()))``); anything else is an error naming the
-      tensor (see `reference.data_parallel.device`).
-    * Buckets of at most `bucket_cap_mb` MiB (2**20 bytes), last parameter
-      first; ``ddp.buckets`` lists each bucket's parameter names and sizes.
-      As in PyTorch, bucket 0 is capped at `first_bucket_cap_mb` (1 MiB) so
-      that the first all-reduce starts early in backward, and a cap of 0
-      gives every parameter a bucket of its own. Frozen parameters get no
-      bucket and are never communicated.
+    * The module must already be on the device the group communicates
+      (``DDP(model.to(device()))``, `reference.data_parallel.device`).
+    * Buckets of at most `bucket_cap_mb` MiB (2**20 bytes), bucket 0 of at most
+      `first_bucket_cap_mb` (`plan_buckets`); ``ddp.buckets`` lists them.
     * A hook on each parameter (``register_post_accumulate_grad_hook``) marks
       its gradient ready; it fires once per backward even for a tied weight
       used twice, after both uses are summed. Buckets are launched strictly in
@@ -113,9 +107,8 @@ class DDP(nn.Module):
       hidden behind backward. The pair measures what overlap alone is worth.
     * ``ddp.trace`` records the last synchronised step: when forward ended, when
       each bucket's all-reduce was launched, when backward ended, and when each
-      wait started and ended (``time.perf_counter`` seconds). On a GPU these
-      are the moments the GPU reached those points (CUDA events, resolved with
-      one synchronisation per step); ``trace=False`` records nothing.
+      wait started and ended (``time.perf_counter`` seconds; on a GPU the moments
+      the GPU reached them, `StepClock`); ``trace=False`` records nothing.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, group=None,
