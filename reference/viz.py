@@ -122,9 +122,10 @@ def _draw_rank_rows(ax, rows: Sequence[Sequence], palette: _Palette, width: int,
 
 
 def fmt_bytes(n: float) -> str:
-    # Decimal units, as network bandwidths are quoted (1 GB/s = 1e9 bytes per second).
-    for unit in ("B", "kB", "MB", "GB"):
-        if float(f"{n:.3g}") < 1000 or unit == "GB":  # so 999.99... MB reads "1 GB"
+    # Decimal units, as network bandwidths are quoted (1 GB/s = 1e9 bytes per second), up to
+    # TB: model states of large models run into terabytes.
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if float(f"{n:.3g}") < 1000 or unit == "TB":  # so 999.99... MB reads "1 GB"
             return f"{n:.3g} {unit}"
         n /= 1000
 

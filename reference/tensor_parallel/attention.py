@@ -1,12 +1,4 @@
-"""Megatron's parallel self-attention: the heads split across the TP group.
-
-Attention is a column-parallel / row-parallel pair like the MLP, with heads as
-the unit of the split: heads attend independently of each other, so a rank that
-holds whole heads runs the dense attention on them and nothing else.
-The fused [q | k | v] projection is split so that rank r holds [q_r | k_r | v_r]
-(`column_shard(..., chunks=3)`), and the output projection sums the heads'
-contributions over the ranks (g).
-"""
+"""Megatron's parallel self-attention: the heads split across the TP group."""
 from __future__ import annotations
 
 import contextlib
@@ -26,11 +18,13 @@ __all__ = ["ParallelCausalSelfAttention"]
 class ParallelCausalSelfAttention(nn.Module):
     """Megatron's parallel attention: each rank holds ``n_head // tp`` whole heads.
 
-    c_attn is column-parallel with q, k and v each split by heads, so this rank's
-    (B, T, 3 C // tp) output holds its heads' [q_r | k_r | v_r]; the heads attend
-    independently, so the rank runs the dense attention on its own heads; c_proj
-    is row-parallel and sums the heads' contributions (g). One all-reduce forward
-    and one backward, as in the MLP. The math is `CausalSelfAttention`'s, with the
+    Attention is a column-parallel / row-parallel pair like the MLP, with heads as
+    the unit of the split. c_attn is column-parallel with q, k and v each split by
+    heads (`column_shard(..., chunks=3)`), so this rank's (B, T, 3 C // tp) output
+    holds its heads' [q_r | k_r | v_r]; the heads attend independently, so the rank
+    runs the dense attention on its own heads and nothing else; c_proj is
+    row-parallel and sums the heads' contributions (g). One all-reduce forward and
+    one backward, as in the MLP. The math is `CausalSelfAttention`'s, with the
     sequence length read from c_attn's output, which is the whole sequence even
     when the input is a sequence shard.
 

@@ -18,10 +18,10 @@ Attention is the same pair with heads as the columns
 (`reference.tensor_parallel.attention`).
 
 With ``sequence_parallel=True`` the input of a column layer and the output of a
-row layer are sequence shards (B, T // tp, C): f becomes an all-gather (reduce-
-scatter backward) and g a reduce-scatter (all-gather backward). A row layer's bias
-then meets only this rank's tokens, so its gradient must be summed over the TP
-group after backward, like a LayerNorm's: it is marked ``sequence_parallel``.
+row layer are sequence shards (B, T // tp, C), f and g split in two
+(`reference.tensor_parallel.comms`). A row layer's bias then meets only this
+rank's tokens: it is marked ``sequence_parallel``, its gradient summed over the TP
+group after backward, like a LayerNorm's.
 
 ``regather_input=True`` is Megatron's memory-saving form of the sequence-parallel
 column layer: it keeps only the (B, T // tp, C) shard of its input for backward
