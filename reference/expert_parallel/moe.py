@@ -88,7 +88,6 @@ class MoELayer(nn.Module):
                  z_coef: float = 0.001, bias: bool = True, n_local_experts: Optional[int] = None,
                  bias_update_rate: float = 0.0):
         super().__init__()
-        check_routing_args(n_experts, k, capacity_factor)
         # Everything needed to build the same layer again (from_dense uses it).
         self.hparams = dict(d_model=d_model, d_ff=d_ff, n_experts=n_experts, k=k,
                             capacity_factor=capacity_factor, shared_expert=shared_expert,

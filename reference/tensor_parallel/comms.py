@@ -20,8 +20,7 @@ followed by an all-gather, so f and g split in two:
     g -> reduce-scatter in forward, all-gather in backward  (TP region -> sequence shards)
     f -> all-gather in forward, reduce-scatter in backward  (sequence shards -> TP region)
 
-and the bytes each rank sends are unchanged: 2 (N-1)/N S for an all-reduce,
-(N-1)/N S for each half.
+and the bytes each rank sends are unchanged (the table in `reference.tensor_parallel`).
 
 Also here: gather/scatter along the last (hidden) dimension, used when a
 column-parallel layer must hand back its whole output, and the sequence split
