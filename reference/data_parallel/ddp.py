@@ -84,9 +84,8 @@ class DDP(nn.Module):
       used twice, after both uses are summed. Buckets are launched strictly in
       bucket order, so every rank issues the same all-reduces in the same order
       even if autograd finishes gradients in a different order on another rank.
-    * At the end of backward (a callback queued on the autograd engine) the
-      remaining buckets are launched, all of them are waited for, and the
-      averaged gradients are copied back into ``p.grad``.
+    * At the end of backward (a callback queued on the autograd engine)
+      `finish_gradient_synchronization` runs.
     * ``with ddp.no_sync():`` forward and backward accumulate gradients locally
       without communicating; the next synchronised backward all-reduces the
       accumulated sum. As in PyTorch, a backward is synchronised when its
@@ -160,9 +159,7 @@ class DDP(nn.Module):
     # ------------------------------------------------------------------ set-up
     @torch.no_grad()
     def _broadcast_module_states(self) -> None:
-        """Every parameter (frozen ones too) and buffer from the group's first rank."""
-        tensors = list(self.module.parameters()) + list(self.module.buffers())
-        for t in tensors:
+        for t in list(self.module.parameters()) + list(self.module.buffers()):
             comms.broadcast(t.detach(), group=self.group, group_src=0)
 
     def remove_hooks(self) -> None:
@@ -248,11 +245,8 @@ class DDP(nn.Module):
         self.finish_gradient_synchronization()
 
     def finish_gradient_synchronization(self) -> None:
-        """Launch what is left, wait for every bucket, write the means into ``p.grad``.
-
-        Called automatically at the end of every synchronised backward; calling
-        it again (or after a ``no_sync`` backward) does nothing.
-        """
+        """Launch what is left, wait for every bucket, write the means into ``p.grad``; calling
+        it again (or after a ``no_sync`` backward) does nothing."""
         if not self._step_open:
             return
         for pending in self._pending:  # parameters unused on this rank

@@ -57,14 +57,9 @@ class TensorParallelRNG:
     def __init__(self, seed: int, tp_rank: int, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.seed = seed + TP_SEED_OFFSET + tp_rank
-        # Build the stream's first state without disturbing the default generator.
-        saved = _get_state(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.manual_seed(self.seed)
-        else:
-            torch.manual_seed(self.seed)
         self._state = _get_state(self.device)
-        _set_state(self.device, saved)
+        with self.fork():  # seeded in place of the default generator, which fork() gives back
+            (torch.cuda.manual_seed if self.device.type == "cuda" else torch.manual_seed)(self.seed)
 
     @contextmanager
     def fork(self):

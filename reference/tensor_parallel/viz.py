@@ -122,14 +122,12 @@ def plot_matrix_split(kind: str, tp: int = 2, t: int = 4, k: int = 8, n: int = 8
     titles = {"X": f"X  ({t} × {k})", "A": f"A = weightᵀ  ({k} × {n})", "Y": f"Y = X A  ({t} × {n})"}
     for j, m in enumerate(shapes):
         _draw_matrix(axes[0, j], *shapes[m], "whole: " + titles[m])
-    # Whole product: every rank's block in its colour, or one grey block shared by all.
+    # Whole product: every rank's block in its colour (A and Y split by columns, X and A by
+    # rows), or one grey block shared by all.
     for r, held in enumerate(layout):
-        if kind == "column":
-            _draw_block(axes[0, 1], held.a, shapes["A"], f"$A_{r}$", _rank_colour(r), f"whole: A_{r}")
-            _draw_block(axes[0, 2], held.y, shapes["Y"], f"$Y_{r}$", _rank_colour(r), f"whole: Y_{r}")
-        else:
-            _draw_block(axes[0, 0], held.x, shapes["X"], f"$X_{r}$", _rank_colour(r), f"whole: X_{r}")
-            _draw_block(axes[0, 1], held.a, shapes["A"], f"$A_{r}$", _rank_colour(r), f"whole: A_{r}")
+        for m in ("A", "Y") if kind == "column" else ("X", "A"):
+            _draw_block(axes[0, "XAY".index(m)], getattr(held, m.lower()), shapes[m], f"${m}_{r}$",
+                        _rank_colour(r), f"whole: {m}_{r}")
     every = (slice(None), slice(None))
     if kind == "column":
         _draw_block(axes[0, 0], every, shapes["X"], "$X$\n(every rank)", _SHARED, "whole: X")
