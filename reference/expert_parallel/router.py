@@ -164,10 +164,7 @@ class Router(nn.Module):
             top_probs = probs.gather(-1, expert_idx)
             if torch.is_grad_enabled():  # once per micro-batch (a recompute's first run has no grad)
                 self.step_tokens_per_expert += torch.bincount(expert_idx.reshape(-1), minlength=E)
-        if self.normalize_weights:
-            weights = top_probs / top_probs.sum(dim=-1, keepdim=True)
-        else:
-            weights = top_probs
+        weights = top_probs / top_probs.sum(dim=-1, keepdim=True) if self.normalize_weights else top_probs
 
         # Slots in GShard's order: choice-major, then position. Reorder the
         # assignments to (G, k * T) so a cumulative count gives each its slot.

@@ -242,7 +242,5 @@ def allreduce_sequence_parallel_grads(model: nn.Module, tp_group) -> None:
         return
     flat = torch.cat([gr.reshape(-1) for gr in grads])
     comms.all_reduce(flat, group=tp_group)
-    offset = 0
-    for gr in grads:
-        gr.copy_(flat[offset: offset + gr.numel()].view_as(gr))
-        offset += gr.numel()
+    for gr, summed in zip(grads, flat.split([gr.numel() for gr in grads])):
+        gr.copy_(summed.view_as(gr))
