@@ -41,8 +41,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT", "init_weights", "lm_loss",
-           "sample_next_token"]
+__all__ = ["GPTConfig", "causal_attention", "CausalSelfAttention", "MLP", "Block", "GPT", "init_weights",
+           "lm_loss", "sample_next_token"]
 
 
 @dataclass
@@ -92,6 +92,23 @@ class GPTConfig:
         return cls(**{**dict(block_size=128, n_layer=4, n_head=4, n_embd=128), **overrides})
 
 
+def causal_attention(qkv: torch.Tensor, head_dim: int, dropout_p: float = 0.0) -> torch.Tensor:
+    """The heads of a fused projection's output [q | k | v] attend: (B, T, 3 C) -> (B, T, C).
+
+    The number of heads is read from the projection's width, not the config, so a
+    tensor-parallel c_attn that holds only some heads (Megatron's column split:
+    3 * C // tp wide) runs through this same code.
+    """
+    B, T, _ = qkv.shape
+    q, k, v = qkv.chunk(3, dim=-1)  # each (B, T, C)
+    n_head = q.shape[-1] // head_dim
+    q, k, v = (t.view(B, T, n_head, head_dim).transpose(1, 2) for t in (q, k, v))
+    # q, k, v: (B, n_head, T, head_dim); softmax(q k^T / sqrt(head_dim)) v
+    # with position t attending only to positions <= t.
+    y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)  # (B, n_head, T, head_dim)
+    return y.transpose(1, 2).reshape(B, T, n_head * head_dim)  # (B, T, C)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with a fused q, k, v projection."""
 
@@ -106,19 +123,8 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
         qkv = self.c_attn(x)  # (B, T, 3 * C)
-        # The number of heads is read from the projection's width, not the
-        # config, so a tensor-parallel c_attn that holds only some heads
-        # (Megatron's column split: 3 * C // tp wide) runs through this same code.
-        q, k, v = qkv.chunk(3, dim=-1)  # each (B, T, C)
-        n_head = q.shape[-1] // self.head_dim
-        q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        # q, k, v: (B, n_head, T, head_dim); softmax(q k^T / sqrt(head_dim)) v
-        # with position t attending only to positions <= t.
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=True)  # (B, n_head, T, head_dim)
-        y = y.transpose(1, 2).reshape(B, T, n_head * self.head_dim)  # (B, T, C)
+        y = causal_attention(qkv, self.head_dim, self.dropout if self.training else 0.0)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 
 

@@ -6,9 +6,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
-from reference.model import CausalSelfAttention
+from reference.model import CausalSelfAttention, causal_attention
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from reference.tensor_parallel.rng import ShardedDropout, TensorParallelRNG
 
@@ -24,7 +23,7 @@ class ParallelCausalSelfAttention(nn.Module):
     holds its heads' [q_r | k_r | v_r]; the heads attend independently, so the rank
     runs the dense attention on its own heads and nothing else; c_proj is
     row-parallel and sums the heads' contributions (g). One all-reduce forward and
-    one backward, as in the MLP. The math is `CausalSelfAttention`'s, with the
+    one backward, as in the MLP. The math is `causal_attention`'s, with the
     sequence length read from c_attn's output, which is the whole sequence even
     when the input is a sequence shard.
 
@@ -65,14 +64,7 @@ class ParallelCausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.c_attn(x)  # (B, T, 3 C // tp), T whole even when x is a sequence shard
-        B, T, _ = qkv.shape
-        q, k, v = qkv.chunk(3, dim=-1)  # each (B, T, C // tp)
-        n_head = q.shape[-1] // self.head_dim  # this rank's n_head // tp heads
-        q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
         fork = self.rng.fork() if self.rng is not None else contextlib.nullcontext()
-        with fork:  # dropout on this rank's heads: its own random stream
-            y = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-            )  # (B, n_head // tp, T, head_dim)
-        y = y.transpose(1, 2).reshape(B, T, n_head * self.head_dim)  # (B, T, C // tp)
+        with fork:  # dropout on this rank's n_head // tp heads: its own random stream
+            y = causal_attention(qkv, self.head_dim, self.dropout if self.training else 0.0)  # (B, T, C // tp)
         return self.resid_dropout(self.c_proj(y))  # (B, T, C), or (B, T // tp, C) under SP
