@@ -28,11 +28,10 @@ that it equals exactly what `measure` finds in a live run; without padding
 (every unit divisible by N) it is the paper's formula.
 
 `measure(model, optimizer)` adds up the bytes of the distinct storages actually
-held: parameters, their `.grad`, and the optimizer's state. A storage is counted
-once, even when many tensors view it (ZeRO-1's module gradients and its shard
-gradient share one buffer). Optimizer state of a parameter's own shape (Adam's
-moments: the K of the formula) is `optimizer_state`; anything else (Adam's
-`step` counter, one number per tensor) is reported apart as `other`.
+held: a storage is counted once, even when many tensors view it (ZeRO-1's module
+gradients and its shard gradient share one buffer). Optimizer state of a
+parameter's own shape (Adam's moments: the K of the formula) is `optimizer_state`;
+anything else (Adam's `step` counter, one number per tensor) is `other`.
 
 The table above is what a rank holds between steps. Inside a step the gradients
 peak higher: `zero_peak_grad_bytes` is that peak for `ZeroOptimizer` (stage 1
@@ -138,8 +137,7 @@ def model_state_bytes(num_params: int, dp: int, stage: int,
     `stage` 0 is plain data parallelism, 1 to 3 the ZeRO stages. `precision`
     defaults to fp32 Adam (4 + 4 + 8). `units` lists the numel of each flat
     buffer sharded separately (FSDP: one per block; ZeRO-1/2: one buffer of all
-    parameters): each is padded to a multiple of `dp`. Without `units` the
-    count is the paper's: one buffer, and exact when `dp` divides `num_params`.
+    parameters), each padded to a multiple of `dp`; without it, one buffer.
     """
     if stage not in STAGE_NAMES:
         raise ValueError(f"stage must be 0 (data parallel), 1, 2 or 3, got {stage!r}")

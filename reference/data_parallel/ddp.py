@@ -177,7 +177,6 @@ class DDP(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally: backwards of forwards run inside communicate nothing."""
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
@@ -205,7 +204,7 @@ class DDP(nn.Module):
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _mark_ready(self, bucket_index: int, position: int) -> None:
-        """Hook: the gradient at `position` of bucket `bucket_index` is fully accumulated."""
+        """The gradient at `position` of bucket `bucket_index` is fully accumulated."""
         if not self._sync_this_backward:
             return
         if not self._step_open:
