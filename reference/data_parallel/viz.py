@@ -79,10 +79,6 @@ def summarize_overlap(trace) -> OverlapSummary:
     )
 
 
-def _is_one_trace(traces) -> bool:
-    return bool(traces) and isinstance(traces[0], dict)
-
-
 def plot_overlap(traces, title: str | None = None, same_clock: bool = False):
     """The timeline of a DDP step: one panel per rank, time in ms.
 
@@ -100,7 +96,8 @@ def plot_overlap(traces, title: str | None = None, same_clock: bool = False):
     the ranks drift apart; only meaningful when the ranks share one clock
     (``time.perf_counter`` of processes on one machine), not across machines.
     """
-    per_rank = [traces] if _is_one_trace(traces) else list(traces)
+    one_trace = bool(traces) and isinstance(traces[0], dict)
+    per_rank = [traces] if one_trace else list(traces)
     if not per_rank:
         raise ValueError("no traces: pass ddp.trace, or a list of one trace per rank")
     parsed = [_parse(tr) for tr in per_rank]

@@ -74,11 +74,6 @@ def split_layout(kind: str, tp: int, t: int, k: int, n: int) -> list[HeldBlocks]
     return blocks
 
 
-def _extent(sl: slice, size: int) -> tuple[int, int]:
-    start, stop, _ = sl.indices(size)
-    return start, stop
-
-
 def _draw_matrix(ax, rows: int, cols: int, title: str) -> None:
     """A rows x cols grid of empty cells, row 0 on top."""
     for i in range(rows):
@@ -97,7 +92,7 @@ def _draw_matrix(ax, rows: int, cols: int, title: str) -> None:
 
 def _draw_block(ax, sl: tuple[slice, slice], shape: tuple[int, int], label: str, colour, gid: str,
                 hatch: str = "") -> None:
-    (r0, r1), (c0, c1) = _extent(sl[0], shape[0]), _extent(sl[1], shape[1])
+    (r0, r1, _), (c0, c1, _) = sl[0].indices(shape[0]), sl[1].indices(shape[1])
     patch = Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=colour, edgecolor="black", lw=1.0,
                       hatch=hatch)
     patch.set_gid(gid)
