@@ -83,22 +83,6 @@ def _vocab_embedding(m: nn.Embedding, c: _Context) -> nn.Module:
     return c.embedding
 
 
-def _attention(m, c: _Context) -> nn.Module:
-    return ParallelCausalSelfAttention.from_dense(
-        m, c.group, sequence_parallel=c.sequence_parallel, regather_input=c.regather_input, rng=c.rng)
-
-
-def _column(m: nn.Linear, c: _Context) -> nn.Module:
-    return ColumnParallelLinear.from_dense(m, c.group, gather_output=False,
-                                           sequence_parallel=c.sequence_parallel,
-                                           regather_input=c.regather_input)
-
-
-def _row(m: nn.Linear, c: _Context) -> nn.Module:
-    return RowParallelLinear.from_dense(m, c.group, input_is_parallel=True,
-                                        sequence_parallel=c.sequence_parallel)
-
-
 def _vocab_head(m: nn.Linear, c: _Context) -> nn.Module:
     # The output layer C -> V_pad, split like the embedding; logits stay (B, T, V_pad / tp).
     head = VocabParallelLMHead.from_dense_head(m, c.group, sequence_parallel=c.sequence_parallel,
@@ -108,24 +92,25 @@ def _vocab_head(m: nn.Linear, c: _Context) -> nn.Module:
     return head
 
 
-def _sequence_scatter(m: nn.Dropout, c: _Context) -> nn.Module:
-    return SequenceParallelScatter(c.group, ShardedDropout(m.p, c.rng))
-
-
 def _sequence_norm(m: nn.LayerNorm, c: _Context) -> nn.Module:
     for p in m.parameters():
         p.sequence_parallel = True  # found by allreduce_sequence_parallel_grads
     return m
 
 
-def _sharded_dropout(m: nn.Dropout, c: _Context) -> nn.Module:
-    return ShardedDropout(m.p, c.rng)
-
-
+# What each style of the plans builds from the dense module m.
 STYLES: dict[str, Callable[[nn.Module, _Context], nn.Module]] = {
-    "vocab_embedding": _vocab_embedding, "attention": _attention, "column": _column,
-    "row": _row, "vocab_head": _vocab_head, "sequence_scatter": _sequence_scatter,
-    "sequence_norm": _sequence_norm, "sharded_dropout": _sharded_dropout,
+    "vocab_embedding": _vocab_embedding,
+    "attention": lambda m, c: ParallelCausalSelfAttention.from_dense(
+        m, c.group, sequence_parallel=c.sequence_parallel, regather_input=c.regather_input, rng=c.rng),
+    "column": lambda m, c: ColumnParallelLinear.from_dense(
+        m, c.group, gather_output=False, sequence_parallel=c.sequence_parallel, regather_input=c.regather_input),
+    "row": lambda m, c: RowParallelLinear.from_dense(
+        m, c.group, input_is_parallel=True, sequence_parallel=c.sequence_parallel),
+    "vocab_head": _vocab_head,
+    "sequence_scatter": lambda m, c: SequenceParallelScatter(c.group, ShardedDropout(m.p, c.rng)),
+    "sequence_norm": _sequence_norm,
+    "sharded_dropout": lambda m, c: ShardedDropout(m.p, c.rng),
 }
 
 
