@@ -24,17 +24,8 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-__all__ = [
-    "DEFAULT_MAX_BYTES",
-    "stdlib_source_files",
-    "corpus",
-    "split",
-    "ByteCorpus",
-    "get_batch",
-    "synthetic_batch",
-    "encode",
-    "decode",
-]
+__all__ = ["DEFAULT_MAX_BYTES", "stdlib_source_files", "corpus", "split", "ByteCorpus", "get_batch",
+           "synthetic_batch", "encode", "decode"]
 
 DEFAULT_MAX_BYTES = 2_000_000
 
@@ -68,10 +59,8 @@ def _corpus_bytes(max_bytes: int) -> bytes:
         chunks.append(chunk)
         total += len(chunk)
     if total == 0:
-        raise RuntimeError(
-            f"no .py source found under {sysconfig.get_paths()['stdlib']!r}; "
-            "this Python keeps its standard library elsewhere (zipped?)"
-        )
+        raise RuntimeError(f"no .py source found under {sysconfig.get_paths()['stdlib']!r}; "
+                           "this Python keeps its standard library elsewhere (zipped?)")
     return b"".join(chunks)[:max_bytes]
 
 
@@ -116,14 +105,13 @@ def _rng(seed: int, step: int) -> np.random.Generator:
     return np.random.default_rng([int(seed), int(step)])
 
 
-def get_batch(
-    data: torch.Tensor,
-    batch_size: int,
-    block_size: int,
-    step: int,
-    seed: int = 0,
-    device: Optional[Union[str, torch.device]] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_sizes(batch_size: int, block_size: int) -> None:
+    if batch_size <= 0 or block_size <= 0:
+        raise ValueError(f"batch_size={batch_size} and block_size={block_size} must be positive")
+
+
+def get_batch(data: torch.Tensor, batch_size: int, block_size: int, step: int, seed: int = 0,
+              device: Optional[Union[str, torch.device]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch number ``step``: x, y int64 (batch_size, block_size), y[b, t] = x[b, t + 1] in ``data``.
 
     Each row is a window of ``block_size + 1`` consecutive bytes starting at a
@@ -132,14 +120,11 @@ def get_batch(
     """
     if data.dim() != 1:
         raise ValueError(f"data must be 1-D, got shape {tuple(data.shape)}")
-    if batch_size <= 0 or block_size <= 0:
-        raise ValueError(f"batch_size={batch_size} and block_size={block_size} must be positive")
+    _check_sizes(batch_size, block_size)
     n_windows = len(data) - block_size  # offsets 0 .. len - block_size - 1 leave room for y
     if n_windows <= 0:
-        raise ValueError(
-            f"data holds {len(data)} tokens: too few for block_size={block_size} "
-            f"(needs at least block_size + 1)"
-        )
+        raise ValueError(f"data holds {len(data)} tokens: too few for block_size={block_size} "
+                         f"(needs at least block_size + 1)")
     offsets = torch.from_numpy(_rng(seed, step).integers(0, n_windows, size=batch_size, dtype=np.int64))  # (B,)
     index = offsets[:, None] + torch.arange(block_size + 1)  # (B, T + 1)
     windows = data[index].to(torch.int64)  # (B, T + 1)
@@ -150,13 +135,8 @@ def get_batch(
     return x, y
 
 
-def synthetic_batch(
-    batch_size: int,
-    block_size: int,
-    vocab_size: int = 256,
-    seed: int = 0,
-    step: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_batch(batch_size: int, block_size: int, vocab_size: int = 256, seed: int = 0,
+                    step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Uniformly random tokens for tests: x, y int64 (batch_size, block_size), y = x shifted by one."""
     tokens = torch.from_numpy(
         _rng(seed, step).integers(0, vocab_size, size=(batch_size, block_size + 1), dtype=np.int64)
@@ -167,13 +147,8 @@ def synthetic_batch(
 PAD = 0  # the NUL byte: what a padded position's input holds (its target is -100)
 
 
-def padded_documents(
-    data: torch.Tensor,
-    batch_size: int,
-    block_size: int,
-    step: int,
-    seed: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_documents(data: torch.Tensor, batch_size: int, block_size: int, step: int,
+                     seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch number ``step`` of variable-length documents, one per row, each padded to
     ``block_size``: x, y int64 (batch_size, block_size).
 
@@ -185,8 +160,7 @@ def padded_documents(
     if data.dim() != 1 or len(data) <= block_size:
         raise ValueError(f"data must be 1-D with more than block_size={block_size} tokens, "
                          f"got shape {tuple(data.shape)}")
-    if batch_size <= 0 or block_size <= 0:
-        raise ValueError(f"batch_size={batch_size} and block_size={block_size} must be positive")
+    _check_sizes(batch_size, block_size)
     rng = _rng(seed, step)
     lengths = rng.integers(1, block_size + 1, size=batch_size)  # (B,): counted tokens per row
     offsets = rng.integers(0, len(data) - block_size, size=batch_size)

@@ -47,12 +47,9 @@ def counted_tokens(targets: torch.Tensor) -> int:
 
 
 class TokenMean:
-    """The step's loss as one process has it: every counted token's loss, summed over the
-    micro-batches and ranks, divided by the step's count ``count`` of counted tokens.
-
-    ``share`` is one piece's part: its sum over its counted tokens times ``replicas / count``
-    (``replicas``: how many ranks the gradient reduction averages over). A piece with no
-    counted token contributes 0, with a gradient of 0."""
+    """The step's loss as one process has it. ``share`` is one piece's part: its sum over its
+    counted tokens times ``replicas / count``; a piece with no counted token contributes 0,
+    with a gradient of 0."""
 
     def __init__(self, count: int, replicas: int = 1):
         if count < 1:
@@ -68,9 +65,8 @@ class TokenMean:
 
 
 class MeanOfMeans:
-    """Each micro-batch's mean over its own counted tokens, divided by the ``microbatches``
-    of the step (and, by the gradient average, by the dp x cp ranks): the mean of the
-    pieces' means. Right only when every piece counts as many tokens."""
+    """The mean of the pieces' means: each micro-batch's mean over its own counted tokens,
+    divided by the step's ``microbatches`` (and by the gradient average over dp x cp)."""
 
     def __init__(self, microbatches: int):
         self.microbatches = int(microbatches)

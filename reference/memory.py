@@ -28,11 +28,10 @@ that it equals exactly what `measure` finds in a live run; without padding
 (every unit divisible by N) it is the paper's formula.
 
 `measure(model, optimizer)` adds up the bytes of the distinct storages actually
-held: parameters, their `.grad`, and the optimizer's state. A storage is counted
-once, even when many tensors view it (ZeRO-1's module gradients and its shard
-gradient share one buffer). Optimizer state of a parameter's own shape (Adam's
-moments: the K of the formula) is `optimizer_state`; anything else (Adam's
-`step` counter, one number per tensor) is reported apart as `other`.
+held: a storage is counted once, even when many tensors view it (ZeRO-1's module
+gradients and its shard gradient share one buffer). Optimizer state of a
+parameter's own shape (Adam's moments: the K of the formula) is `optimizer_state`;
+anything else (Adam's `step` counter, one number per tensor) is `other`.
 
 The table above is what a rank holds between steps. Inside a step the gradients
 peak higher: `zero_peak_grad_bytes` is that peak for `ZeroOptimizer` (stage 1
@@ -80,12 +79,9 @@ class Precision:
         """Device bytes of mixed-precision Adam with the optimizer offloaded to the CPU
         (ZeRO-Offload, DeepSpeed's ``offload_optimizer``): 2 + 0 + 0.
 
-        Only the fp16/bf16 weights stay on the device. The optimizer step runs on
-        the CPU, so each gradient, once reduced (ZeRO-2: bucket by bucket during
-        backward; ZeRO-3: unit by unit), is copied to host memory, where the fp32
-        master copy and Adam's moments (12 bytes) live as well. The buckets a
-        gradient passes through on its way are buffers, not model states, and are
-        not counted (nor are they in the other rows)."""
+        The optimizer step runs on the CPU, so each gradient, once reduced (ZeRO-2:
+        bucket by bucket during backward; ZeRO-3: unit by unit), is copied to host
+        memory; the buckets it passes through are buffers, not model states."""
         return cls(2, 0, 0)
 
     @classmethod
@@ -126,6 +122,13 @@ def human_bytes(n: float) -> str:
         n /= 1024
 
 
+def _check_counts(num_params: int, dp: int) -> None:
+    if not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp must be a positive int, got {dp!r}")
+    if num_params < 0:
+        raise ValueError(f"num_params must be >= 0, got {num_params!r}")
+
+
 def model_state_bytes(num_params: int, dp: int, stage: int,
                       precision: Precision | None = None,
                       units: Sequence[int] | None = None) -> MemoryBytes:
@@ -134,15 +137,11 @@ def model_state_bytes(num_params: int, dp: int, stage: int,
     `stage` 0 is plain data parallelism, 1 to 3 the ZeRO stages. `precision`
     defaults to fp32 Adam (4 + 4 + 8). `units` lists the numel of each flat
     buffer sharded separately (FSDP: one per block; ZeRO-1/2: one buffer of all
-    parameters): each is padded to a multiple of `dp`. Without `units` the
-    count is the paper's: one buffer, and exact when `dp` divides `num_params`.
+    parameters), each padded to a multiple of `dp`; without it, one buffer.
     """
     if stage not in STAGE_NAMES:
         raise ValueError(f"stage must be 0 (data parallel), 1, 2 or 3, got {stage!r}")
-    if not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"dp must be a positive int, got {dp!r}")
-    if num_params < 0:
-        raise ValueError(f"num_params must be >= 0, got {num_params!r}")
+    _check_counts(num_params, dp)
     precision = precision or Precision.fp32_adam()
     if units is None:
         units = [num_params]
@@ -180,10 +179,7 @@ def zero_peak_grad_bytes(num_params: int, dp: int, stage: int, bucket_numel: int
     """
     if stage not in (1, 2):
         raise ValueError(f"zero_peak_grad_bytes covers ZeroOptimizer's stages 1 and 2, got stage={stage!r}")
-    if not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"dp must be a positive int, got {dp!r}")
-    if num_params < 0:
-        raise ValueError(f"num_params must be >= 0, got {num_params!r}")
+    _check_counts(num_params, dp)
     shard = -(-num_params // dp)  # S
     padded = dp * shard           # P
     if stage == 1:

@@ -154,26 +154,23 @@ class Mesh:
         if self.world_size is not None and not _is_positive_int(self.world_size):
             bad.append("world_size")
         if bad:
-            raise ValueError(f"degrees must be positive integers, got "
-                             f"{self._describe(world_size=self.world_size)} (bad: {', '.join(bad)})")
+            raise ValueError(f"degrees must be positive integers, got {self._describe()} (bad: {', '.join(bad)})")
         self.dp, self.pp, self.tp, self.ep, self.cp, self.dp_replicate = (int(v) for v in degrees.values())
         product = self.dp * self.cp * self.pp * self.tp
-        if self.world_size is None:
-            self.world_size = product
-        self.world_size = int(self.world_size)
+        self.world_size = product if self.world_size is None else int(self.world_size)
         if product != self.world_size:
             raise ValueError(f"{self._product()} does not equal world_size={self.world_size} "
                              f"(ep={self.ep}, cp={self.cp})")
         if self.dp % self.ep != 0:
             raise ValueError(f"ep={self.ep} must divide dp={self.dp} (experts are sharded inside the "
-                             f"data-parallel group); mesh {self._describe(world_size=self.world_size)}")
+                             f"data-parallel group); mesh {self._describe()}")
         if self.ep > 1 and self.cp > 1:
             raise ValueError(f"ep={self.ep} with cp={self.cp} is not supported (a router counts capacity "
-                             f"per whole sequence); mesh {self._describe(world_size=self.world_size)}")
+                             f"per whole sequence); mesh {self._describe()}")
         if self.dp % self.dp_replicate or (self.dp_replicate > 1 and (self.ep > 1 or self.cp > 1)):
             raise ValueError(f"dp_replicate={self.dp_replicate} must divide dp={self.dp}, with ep = cp = 1 "
                              f"(HSDP splits the dense data-parallel ranks only); mesh "
-                             f"{self._describe(world_size=self.world_size)}")
+                             f"{self._describe()}")
 
     @classmethod
     def from_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> "Mesh":
@@ -187,8 +184,8 @@ class Mesh:
         return cls(dp=world_size // (tp * pp * cp), pp=pp, tp=tp, ep=ep, cp=cp, world_size=world_size)
 
     # ------------------------------------------------------------------ text
-    def _describe(self, world_size) -> str:
-        return f"pp={self.pp}, dp={self.dp}, cp={self.cp}, tp={self.tp}, ep={self.ep}, world_size={world_size}"
+    def _describe(self) -> str:
+        return f"pp={self.pp}, dp={self.dp}, cp={self.cp}, tp={self.tp}, ep={self.ep}, world_size={self.world_size}"
 
     def _product(self) -> str:
         cp = f" x cp={self.cp}" if self.cp > 1 else ""

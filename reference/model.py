@@ -41,8 +41,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT", "init_weights", "lm_loss",
-           "sample_next_token"]
+__all__ = ["GPTConfig", "causal_attention", "CausalSelfAttention", "MLP", "Block", "GPT", "init_weights",
+           "lm_loss", "sample_next_token"]
 
 
 @dataclass
@@ -71,10 +71,8 @@ class GPTConfig:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
         if self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head} "
-                f"(each head gets n_embd // n_head channels)"
-            )
+            raise ValueError(f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head} "
+                             f"(each head gets n_embd // n_head channels)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
 
@@ -86,16 +84,29 @@ class GPTConfig:
     def tiny(cls, **overrides) -> "GPTConfig":
         """For tests: trains a step in a few milliseconds on a CPU."""
         # 4 heads, d_ff 128 and vocab 256 all split evenly over 2 or 4 ranks.
-        args = dict(block_size=32, n_layer=2, n_head=4, n_embd=32)
-        args.update(overrides)
-        return cls(**args)
+        return cls(**{**dict(block_size=32, n_layer=2, n_head=4, n_embd=32), **overrides})
 
     @classmethod
     def small(cls, **overrides) -> "GPTConfig":
         """For demos: about 0.8M parameters, learns visible structure in minutes on a CPU."""
-        args = dict(block_size=128, n_layer=4, n_head=4, n_embd=128)
-        args.update(overrides)
-        return cls(**args)
+        return cls(**{**dict(block_size=128, n_layer=4, n_head=4, n_embd=128), **overrides})
+
+
+def causal_attention(qkv: torch.Tensor, head_dim: int, dropout_p: float = 0.0) -> torch.Tensor:
+    """The heads of a fused projection's output [q | k | v] attend: (B, T, 3 C) -> (B, T, C).
+
+    The number of heads is read from the projection's width, not the config, so a
+    tensor-parallel c_attn that holds only some heads (Megatron's column split:
+    3 * C // tp wide) runs through this same code.
+    """
+    B, T, _ = qkv.shape
+    q, k, v = qkv.chunk(3, dim=-1)  # each (B, T, C)
+    n_head = q.shape[-1] // head_dim
+    q, k, v = (t.view(B, T, n_head, head_dim).transpose(1, 2) for t in (q, k, v))
+    # q, k, v: (B, n_head, T, head_dim); softmax(q k^T / sqrt(head_dim)) v
+    # with position t attending only to positions <= t.
+    y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)  # (B, n_head, T, head_dim)
+    return y.transpose(1, 2).reshape(B, T, n_head * head_dim)  # (B, T, C)
 
 
 class CausalSelfAttention(nn.Module):
@@ -112,20 +123,8 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
         qkv = self.c_attn(x)  # (B, T, 3 * C)
-        # The number of heads is read from the projection's width, not the
-        # config, so a tensor-parallel c_attn that holds only some heads
-        # (Megatron's column split: 3 * C // tp wide) runs through this same code.
-        q, k, v = qkv.chunk(3, dim=-1)  # each (B, T, C)
-        n_head = q.shape[-1] // self.head_dim
-        q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        # q, k, v: (B, n_head, T, head_dim); softmax(q k^T / sqrt(head_dim)) v
-        # with position t attending only to positions <= t.
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )  # (B, n_head, T, head_dim)
-        y = y.transpose(1, 2).reshape(B, T, n_head * self.head_dim)  # (B, T, C)
+        y = causal_attention(qkv, self.head_dim, self.dropout if self.training else 0.0)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 
 
@@ -220,9 +219,7 @@ class GPT(nn.Module):
         self.last_aux_loss: Optional[torch.Tensor] = None
 
     @classmethod
-    def from_config_seed(
-        cls, config: GPTConfig, seed: int, ffn_factory: Optional[FFNFactory] = None
-    ) -> "GPT":
+    def from_config_seed(cls, config: GPTConfig, seed: int, ffn_factory: Optional[FFNFactory] = None) -> "GPT":
         """Build the model with weights drawn from ``seed``; the global RNG is left as it was."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -246,9 +243,7 @@ class GPT(nn.Module):
         """Token ids (B, T) -> the residual stream entering block 0, (B, T, C)."""
         T = idx.size(1)
         if T > self.config.block_size:
-            raise ValueError(
-                f"sequence length {T} is longer than block_size={self.config.block_size}"
-            )
+            raise ValueError(f"sequence length {T} is longer than block_size={self.config.block_size}")
         pos = torch.arange(T, device=idx.device)  # (T,)
         return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
 
@@ -265,9 +260,8 @@ class GPT(nn.Module):
             aux_loss = aux_loss + block_aux
         return self.head(x), aux_loss  # (B, T, V)
 
-    def forward(
-        self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Returns (logits (B, T, V), loss): loss = lm_loss + sum of aux losses, or None without targets."""
         logits, aux_loss = self.logits_and_aux(idx)
         self.last_aux_loss = aux_loss.detach()
@@ -279,14 +273,8 @@ class GPT(nn.Module):
         return logits, loss + aux_loss
 
     @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: Optional[int] = None,
-        generator: Optional[torch.Generator] = None,
-    ) -> torch.Tensor:
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T); returns (B, T + max_new_tokens).
 
         ``temperature=0`` picks the most likely token (greedy); ``top_k``

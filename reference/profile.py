@@ -41,7 +41,7 @@ __all__ = ["ProfileSummary", "profile_step", "training_flops", "measure_matmul_p
            "plot_profile", "plot_comm_shares", "COMM_KINDS"]
 
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv")
-_BACKEND_EVENT = re.compile(r"^(gloo|nccl):(\w+)")
+_COMM_EVENT = re.compile(r"^(?:c10d::|gloo:|nccl:)(\w+)")
 # Top-level events that are not computation: the collectives' own records and profiler markers.
 _NOT_COMPUTE = ("c10d::", "gloo:", "nccl:", "record_param_comms", "ProfilerStep", "[memory]",
                 "ncclDevKernel", "cuda")
@@ -77,14 +77,10 @@ class ProfileSummary:
 def _kind(name: str) -> Optional[str]:
     """The kind of collective an event belongs to: a backend event (`gloo:all_reduce`,
     `nccl:...`) or the process group's own call (`c10d::allreduce_`), else None."""
-    if name.startswith("c10d::"):
-        op = name[len("c10d::"):].strip("_").lower()
-    else:
-        m = _BACKEND_EVENT.match(name)
-        if not m:
-            return None
-        op = m.group(2).lower()
-    op = op.replace("_base", "").replace("_", "")
+    m = _COMM_EVENT.match(name)
+    if not m:
+        return None
+    op = m.group(1).lower().replace("_base", "").replace("_", "")
     for key, kind in (("allreduce", "all_reduce"), ("allgather", "all_gather"),
                       ("reducescatter", "reduce_scatter"), ("broadcast", "broadcast"),
                       ("alltoall", "all_to_all"), ("send", "send"), ("recv", "recv")):

@@ -122,9 +122,10 @@ def _draw_rank_rows(ax, rows: Sequence[Sequence], palette: _Palette, width: int,
 
 
 def fmt_bytes(n: float) -> str:
-    # Decimal units, as network bandwidths are quoted (1 GB/s = 1e9 bytes per second).
-    for unit in ("B", "kB", "MB", "GB"):
-        if float(f"{n:.3g}") < 1000 or unit == "GB":  # so 999.99... MB reads "1 GB"
+    # Decimal units, as network bandwidths are quoted (1 GB/s = 1e9 bytes per second), up to
+    # TB: model states of large models run into terabytes.
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if float(f"{n:.3g}") < 1000 or unit == "TB":  # so 999.99... MB reads "1 GB"
             return f"{n:.3g} {unit}"
         n /= 1000
 
@@ -133,6 +134,20 @@ def fmt_seconds(t: float) -> str:
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
         if t >= scale or unit == "µs":
             return f"{t / scale:.3g} {unit}"
+
+
+def _grid_shape(n: int) -> tuple[int, int]:
+    """(columns, rows) of a grid of `n` panels, at most 4 a row."""
+    ncols = min(n, 4)
+    return ncols, math.ceil(n / ncols)
+
+
+def _panels(fig, n: int, ncols: int, nrows: int) -> list:
+    """The first `n` axes of an nrows x ncols grid, the unused cells removed."""
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for extra in axes[n:]:
+        fig.delaxes(extra)
+    return list(axes[:n])
 
 
 # ---------------------------------------------------------------- pictures
@@ -144,17 +159,13 @@ def plot_mesh(mesh) -> Figure:
     With ep > 1, dashed lines cut each column into EP groups of ``ep`` rows; the
     rows at the same place in every block form an EDP group.
     """
-    ncols = min(mesh.pp, 4)
-    nrows = math.ceil(mesh.pp / ncols)
+    ncols, nrows = _grid_shape(mesh.pp)
     cell_w, cell_h = 1.25, 0.75 if mesh.ep == 1 else 0.95
     fig = NotebookFigure(figsize=(max(5.0, ncols * (mesh.tp * cell_w + 1.0)),
-                          max(2.5, nrows * (mesh.dp * cell_h + 1.0) + 0.6)),
-                 layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    for extra in axes[mesh.pp:]:
-        fig.delaxes(extra)
+                                  max(2.5, nrows * (mesh.dp * cell_h + 1.0) + 0.6)), layout="constrained")
+    axes = _panels(fig, mesh.pp, ncols, nrows)
     tints = [lighten(c, 0.55) for c in colormaps["tab10"].colors]
-    for pp_rank, ax in enumerate(axes[:mesh.pp]):
+    for pp_rank, ax in enumerate(axes):
         for dp_rank in range(mesh.dp):
             tint = tints[dp_rank % len(tints)]  # one tint per TP group (a row)
             for tp_rank in range(mesh.tp):
@@ -220,12 +231,9 @@ def plot_ring_steps(states: Sequence[tuple]) -> Figure:
         snapshots.append((str(label), [_as_values(r) for r in per_rank]))
     width = max([len(row) for _, rows in snapshots for row in rows] + [1])
     world = max(len(rows) for _, rows in snapshots)
-    ncols = min(len(snapshots), 4)
-    nrows = math.ceil(len(snapshots) / ncols)
+    ncols, nrows = _grid_shape(len(snapshots))
     fig = NotebookFigure(figsize=(ncols * (0.55 * width + 1.2), nrows * (0.4 * world + 0.9)), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    for extra in axes[len(snapshots):]:
-        fig.delaxes(extra)
+    axes = _panels(fig, len(snapshots), ncols, nrows)
     palette = _Palette()
     for ax, (label, rows) in zip(axes, snapshots):
         _draw_rank_rows(ax, rows, palette, width, label)

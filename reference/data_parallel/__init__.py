@@ -6,27 +6,18 @@
 
 Where each part lives:
 
-* `reference.data_parallel.ddp`: `naive_all_reduce_gradients` (one blocking
-  all-reduce per gradient, after backward) and `DDP` (gradients packed into
-  buckets, each bucket all-reduced asynchronously from inside backward, `no_sync`
-  for gradient accumulation, an overlap trace of each step);
-* `reference.data_parallel.buckets`: how gradients are grouped into buckets, the
-  layout alone (`plan_buckets`, `format_buckets`), testable without processes;
-* `reference.data_parallel.compression`: sending fewer bytes per step:
-  `CompressedDDP` (buckets all-reduced in bf16, half the bytes), PyTorch's DDP
-  comm hooks measured with `metered_comm_hook` (bf16, PowerSGD's low-rank
-  P and Q), `powersgd_bytes`, PowerSGD's bytes per step, and
-  `gpt_gradient_shapes`, a GPT's gradient shapes without building it;
-* `reference.data_parallel.device`: the wrapped module must sit on the device its
-  process group communicates (`reference.runtime.device()`: the GPU under NCCL,
-  the CPU under gloo), and the step's clock on that device (CUDA events on a GPU,
-  where ``work.wait()`` returns before the all-reduce has run);
+* `reference.data_parallel.ddp`: `naive_all_reduce_gradients` and `DDP` (buckets
+  all-reduced from inside backward, `no_sync`, an overlap trace of each step);
+* `reference.data_parallel.buckets`: the bucket layout alone (`plan_buckets`,
+  `format_buckets`), testable without processes;
+* `reference.data_parallel.compression`: fewer bytes per step: `CompressedDDP`
+  (bf16 buckets), PyTorch's comm hooks measured (`metered_comm_hook`),
+  `powersgd_bytes`, `gpt_gradient_shapes`;
+* `reference.data_parallel.device`: the device the wrapped module must sit on,
+  and the step's clock on that device;
 * `reference.data_parallel.viz`: one step drawn, the overlap of all-reduces with
-  backward from a real trace, and why data parallelism alone stops scaling.
-
-Per step a rank sends 2(N-1)/N times the gradient bytes, in one call per bucket;
-every collective goes through `reference.comms`, so a meter counts it. Pictures
-are imported from `reference.data_parallel.viz` (matplotlib stays out of the ranks).
+  backward from a real trace, and why data parallelism alone stops scaling
+  (imported from there: matplotlib stays out of the ranks).
 """
 from reference.data_parallel.buckets import Bucket, format_buckets, plan_buckets
 from reference.data_parallel.compression import (

@@ -101,8 +101,5 @@ def format_buckets(buckets: list[Bucket]) -> str:
     """A text table of the layout: one line per bucket, its bytes and its parameters."""
     if not buckets:
         return "(no trainable parameters: no buckets)"
-    lines = []
-    for b in buckets:
-        names = ", ".join(b.names)
-        lines.append(f"bucket {b.index}: {b.nbytes:>12,} bytes  {len(b.names):>3} params  [{names}]")
-    return "\n".join(lines)
+    return "\n".join(f"bucket {b.index}: {b.nbytes:>12,} bytes  {len(b.names):>3} params  "
+                     f"[{', '.join(b.names)}]" for b in buckets)

@@ -7,8 +7,7 @@ per rank in fp32. Two ways to send less:
   and back to fp32 after it: exactly half the bytes. bf16 keeps fp32's exponent
   (no overflow) but 8 bits of significand, so each rank's g / N is rounded to
   2^-8 of itself, and the sum is rounded again. `CompressedDDP` does it for the
-  course's `DDP` (it overrides the one method that all-reduces a bucket);
-  PyTorch's DDP does it with the comm hook
+  course's `DDP`; PyTorch's DDP does it with the comm hook
   ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook``.
   The two round the same numbers: PyTorch casts g then divides by N, this module
   divides then casts, the same bits when N is a power of two.
@@ -27,9 +26,7 @@ per rank in fp32. Two ways to send less:
 
 PyTorch's hooks call ``torch.distributed`` directly, not `reference.comms`, so
 `metered_comm_hook(hook)` wraps a hook to record the all-reduces it issues in
-the open `CommMeter`s: the bytes are counted, not assumed. (The wrapper waits
-for the hook's result before returning, so that the all-reduces issued from
-its callbacks are counted too: measurement gives up the overlap.)
+the open `CommMeter`s: the bytes are counted, not assumed (and the overlap given up).
 
 Compression changes the gradient, so unlike everything else in this package it
 does not reproduce single-process training: `tests/test_compression.py`
@@ -69,11 +66,8 @@ class CompressedDDP(DDP):
 
         ddp = CompressedDDP(model.to(device()), bucket_cap_mb=1)   # any DDP argument
 
-    Everything else is `DDP`'s: buckets, hooks, overlap, ``no_sync``. Only the
-    wire changes: the packed fp32 bucket (each rank's g / N) is cast to `dtype`,
-    all-reduced through `reference.comms` (so the meter sees 2 bytes a number),
-    and cast back once the all-reduce completes. The cast copy lives only
-    while its bucket is in flight.
+    Everything else is `DDP`'s; it overrides the one method that all-reduces a
+    bucket. The cast copy lives only while its bucket is in flight.
     """
 
     def __init__(self, module, dtype: torch.dtype = torch.bfloat16, **ddp_kwargs):

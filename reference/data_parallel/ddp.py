@@ -17,8 +17,8 @@ Two versions, the second built from the first:
   soon as its last gradient is accumulated, so the all-reduce of the last
   layers runs while backward is still computing the first layers' gradients.
 
-Every collective goes through `reference.comms`, so `comms.meter()` counts it:
-per step a rank sends 2(N-1)/N times the gradient bytes, in one call per bucket.
+Per step a rank sends 2(N-1)/N times the gradient bytes, in one call per bucket
+(every collective goes through `reference.comms`, so `comms.meter()` counts it).
 """
 from __future__ import annotations
 
@@ -75,24 +75,17 @@ class DDP(nn.Module):
 
     * Wrapping broadcasts every parameter (frozen ones too) and buffer from the
       group's first rank, so all replicas start equal.
-    * The module must already be on the device the group communicates:
-      ``reference.runtime.device()``, the rank's GPU under NCCL, the CPU under
-      gloo (``DDP(model.to(device()))``); anything else is an error naming the
-      tensor (see `reference.data_parallel.device`).
-    * Buckets of at most `bucket_cap_mb` MiB (2**20 bytes), last parameter
-      first; ``ddp.buckets`` lists each bucket's parameter names and sizes.
-      As in PyTorch, bucket 0 is capped at `first_bucket_cap_mb` (1 MiB) so
-      that the first all-reduce starts early in backward, and a cap of 0
-      gives every parameter a bucket of its own. Frozen parameters get no
-      bucket and are never communicated.
+    * The module must already be on the device the group communicates
+      (``DDP(model.to(device()))``, `reference.data_parallel.device`).
+    * Buckets of at most `bucket_cap_mb` MiB (2**20 bytes), bucket 0 of at most
+      `first_bucket_cap_mb` (`plan_buckets`); ``ddp.buckets`` lists them.
     * A hook on each parameter (``register_post_accumulate_grad_hook``) marks
       its gradient ready; it fires once per backward even for a tied weight
       used twice, after both uses are summed. Buckets are launched strictly in
       bucket order, so every rank issues the same all-reduces in the same order
       even if autograd finishes gradients in a different order on another rank.
-    * At the end of backward (a callback queued on the autograd engine) the
-      remaining buckets are launched, all of them are waited for, and the
-      averaged gradients are copied back into ``p.grad``.
+    * At the end of backward (a callback queued on the autograd engine)
+      `finish_gradient_synchronization` runs.
     * ``with ddp.no_sync():`` forward and backward accumulate gradients locally
       without communicating; the next synchronised backward all-reduces the
       accumulated sum. As in PyTorch, a backward is synchronised when its
@@ -113,9 +106,8 @@ class DDP(nn.Module):
       hidden behind backward. The pair measures what overlap alone is worth.
     * ``ddp.trace`` records the last synchronised step: when forward ended, when
       each bucket's all-reduce was launched, when backward ended, and when each
-      wait started and ended (``time.perf_counter`` seconds). On a GPU these
-      are the moments the GPU reached those points (CUDA events, resolved with
-      one synchronisation per step); ``trace=False`` records nothing.
+      wait started and ended (``time.perf_counter`` seconds; on a GPU the moments
+      the GPU reached them, `StepClock`); ``trace=False`` records nothing.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, group=None,
@@ -167,9 +159,7 @@ class DDP(nn.Module):
     # ------------------------------------------------------------------ set-up
     @torch.no_grad()
     def _broadcast_module_states(self) -> None:
-        """Every parameter (frozen ones too) and buffer from the group's first rank."""
-        tensors = list(self.module.parameters()) + list(self.module.buffers())
-        for t in tensors:
+        for t in list(self.module.parameters()) + list(self.module.buffers()):
             comms.broadcast(t.detach(), group=self.group, group_src=0)
 
     def remove_hooks(self) -> None:
@@ -187,7 +177,6 @@ class DDP(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally: backwards of forwards run inside communicate nothing."""
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
@@ -215,7 +204,7 @@ class DDP(nn.Module):
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _mark_ready(self, bucket_index: int, position: int) -> None:
-        """Hook: the gradient at `position` of bucket `bucket_index` is fully accumulated."""
+        """The gradient at `position` of bucket `bucket_index` is fully accumulated."""
         if not self._sync_this_backward:
             return
         if not self._step_open:
@@ -255,11 +244,8 @@ class DDP(nn.Module):
         self.finish_gradient_synchronization()
 
     def finish_gradient_synchronization(self) -> None:
-        """Launch what is left, wait for every bucket, write the means into ``p.grad``.
-
-        Called automatically at the end of every synchronised backward; calling
-        it again (or after a ``no_sync`` backward) does nothing.
-        """
+        """Launch what is left, wait for every bucket, write the means into ``p.grad``; calling
+        it again (or after a ``no_sync`` backward) does nothing."""
         if not self._step_open:
             return
         for pending in self._pending:  # parameters unused on this rank

@@ -56,12 +56,9 @@ def check_module_device(module: nn.Module, group=None, wrapper: str = "DDP") -> 
 
 
 class StepClock:
-    """Moments of a step: ``perf_counter`` seconds on the CPU, CUDA events on a GPU.
+    """Moments of a step (`now()`), turned into ``perf_counter`` seconds by `resolve(trace)`.
 
-    `now()` gives a moment; `resolve(trace)` turns the events in the trace's ``"time"``
-    entries into ``perf_counter`` seconds (a no-op on the CPU). `event` is the event
-    class (``torch.cuda.Event``; a test may pass a stand-in with the same methods).
-    """
+    `event` is the event class (``torch.cuda.Event``; a test may pass a stand-in)."""
 
     def __init__(self, device: torch.device, event=None):
         self.on_gpu = device.type == "cuda"

@@ -1,15 +1,7 @@
-"""Pictures of data parallelism: one step, the overlap of all-reduces with backward,
-and what a replica costs as the model grows.
-
-* `plot_data_parallel_step(world_size)`: the scheme of one step, every rank a
-  full copy of the model fed its own slice of the batch, gradients averaged by
-  one all-reduce.
-* `plot_overlap(traces)`: the timeline of a `reference.data_parallel.DDP` step
-  drawn from ``ddp.trace`` (one rank's, or a list of every rank's): backward as
-  a bar, and each bucket's all-reduce from its launch to the end of the wait
-  for its result. `summarize_overlap(trace)` gives the same facts as numbers.
-* `plot_dp_scaling(names, psis, world_size)`: bytes of model state per rank
-  and bytes each rank sends per step, against the model size.
+"""Pictures of data parallelism: one step (`plot_data_parallel_step`), the overlap of
+all-reduces with backward drawn from ``ddp.trace`` (`plot_overlap`; `summarize_overlap`
+gives the same facts as numbers), and what a replica costs as the model grows
+(`plot_dp_scaling`).
 
 Every function returns a ``matplotlib.figure.Figure`` and touches no pyplot state.
 """
@@ -20,7 +12,7 @@ from dataclasses import dataclass
 
 from matplotlib.patches import FancyBboxPatch, Patch
 
-from reference.viz import CATEGORICAL, NotebookFigure, fmt_seconds, lighten
+from reference.viz import CATEGORICAL, NotebookFigure, fmt_bytes, fmt_seconds, lighten
 
 __all__ = ["OverlapSummary", "summarize_overlap", "plot_overlap", "plot_data_parallel_step",
            "plot_dp_scaling"]
@@ -87,10 +79,6 @@ def summarize_overlap(trace) -> OverlapSummary:
     )
 
 
-def _is_one_trace(traces) -> bool:
-    return bool(traces) and isinstance(traces[0], dict)
-
-
 def plot_overlap(traces, title: str | None = None, same_clock: bool = False):
     """The timeline of a DDP step: one panel per rank, time in ms.
 
@@ -108,7 +96,8 @@ def plot_overlap(traces, title: str | None = None, same_clock: bool = False):
     the ranks drift apart; only meaningful when the ranks share one clock
     (``time.perf_counter`` of processes on one machine), not across machines.
     """
-    per_rank = [traces] if _is_one_trace(traces) else list(traces)
+    one_trace = bool(traces) and isinstance(traces[0], dict)
+    per_rank = [traces] if one_trace else list(traces)
     if not per_rank:
         raise ValueError("no traces: pass ddp.trace, or a list of one trace per rank")
     parsed = [_parse(tr) for tr in per_rank]
@@ -200,14 +189,6 @@ def plot_data_parallel_step(world_size: int = 4):
 
 
 # ------------------------------------------------------------- cost of a replica
-def _bytes_label(n: float) -> str:
-    """Decimal units up to TB: model states of large models run into terabytes."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if float(f"{n:.3g}") < 1000 or unit == "TB":
-            return f"{n:.3g} {unit}"
-        n /= 1000
-
-
 def plot_dp_scaling(names: Sequence[str], psis: Sequence[int], world_size: int,
                     state_bytes_per_param: int = 16, grad_bytes_per_param: int = 4,
                     device_bytes: float = 80e9, cost=None):
@@ -233,14 +214,14 @@ def plot_dp_scaling(names: Sequence[str], psis: Sequence[int], world_size: int,
     fits = [s <= device_bytes for s in states]
     ax_mem.bar(x, states, color=[_HIDDEN if f else _EXPOSED for f in fits])
     ax_mem.axhline(device_bytes, color="black", ls="--", lw=1)
-    ax_mem.text(-0.4, device_bytes, f"one device: {_bytes_label(device_bytes)}",
+    ax_mem.text(-0.4, device_bytes, f"one device: {fmt_bytes(device_bytes)}",
                 ha="left", va="bottom", fontsize=8)
     ax_mem.set_title(f"model states per rank: {state_bytes_per_param}Ψ bytes (any N)", fontsize=10)
     ax_net.bar(x, sent, color=lighten(CATEGORICAL[4], 0.3))
     ax_net.set_title(f"sent per rank per step: 2(N-1)/N·{grad_bytes_per_param}Ψ bytes, N = {n}", fontsize=10)
     for i, (s, b) in enumerate(zip(states, sent)):
-        ax_mem.text(i, s, _bytes_label(s), ha="center", va="bottom", fontsize=7)
-        label = _bytes_label(b) + (f"\n{fmt_seconds(cost.time('all_reduce', grad_bytes_per_param * psis[i], n))}"
+        ax_mem.text(i, s, fmt_bytes(s), ha="center", va="bottom", fontsize=7)
+        label = fmt_bytes(b) + (f"\n{fmt_seconds(cost.time('all_reduce', grad_bytes_per_param * psis[i], n))}"
                                  if cost is not None else "")
         ax_net.text(i, b, label, ha="center", va="bottom", fontsize=7)
     for ax in (ax_mem, ax_net):

@@ -8,12 +8,10 @@ with E while each token still pays for only k MLPs.
 * `MoE` is the single-process layer: the oracle every parallel version is
   checked against. It fills the GPT's feed-forward slot (`moe_factory`).
 * `ExpertParallelMoE` splits the experts over the ranks of an expert-parallel
-  (``ep``) group, E / P consecutive experts per rank, so each rank stores 1/P
-  of the expert weights. Each rank routes its own tokens, sends them to the
-  ranks holding their experts with an all-to-all, runs its experts on what it
-  received and sends the results back (`reference.comms.functional.all_to_all`, `reference.expert_parallel.comms`).
-  ``ExpertParallelMoE.from_dense(moe, group)`` copies a `MoE`'s weights, so its
-  results equal the oracle's.
+  (``ep``) group, so each rank stores 1/P of the expert weights. Each rank routes
+  its own tokens, sends them to the ranks holding their experts with an
+  all-to-all, runs its experts on what it received and sends the results back
+  (`reference.expert_parallel.comms`).
 
 Both return ``(output, aux_loss)`` and keep a `MoEStats` of the last forward in
 ``layer.last_stats`` (``layer.last_dropped`` is the number of dropped
@@ -90,7 +88,6 @@ class MoELayer(nn.Module):
                  z_coef: float = 0.001, bias: bool = True, n_local_experts: Optional[int] = None,
                  bias_update_rate: float = 0.0):
         super().__init__()
-        check_routing_args(n_experts, k, capacity_factor)
         # Everything needed to build the same layer again (from_dense uses it).
         self.hparams = dict(d_model=d_model, d_ff=d_ff, n_experts=n_experts, k=k,
                             capacity_factor=capacity_factor, shared_expert=shared_expert,
@@ -155,7 +152,8 @@ class ExpertParallelMoE(MoELayer):
 
     Group rank r holds experts ``r * E / P ... (r + 1) * E / P - 1`` (``expert_ids``);
     the router and the shared expert are whole on every rank. Same arguments as
-    `MoE`, plus ``group`` and ``seed``; `from_dense` copies an existing `MoE`.
+    `MoE`, plus ``group`` and ``seed``; `from_dense` copies an existing `MoE`, so
+    its results equal the oracle's.
 
     Built directly, it holds the router, shared expert and experts ``expert_ids`` of
     the `MoE` built on the CPU after `torch.manual_seed(seed)` (Megatron's

@@ -43,16 +43,12 @@ decides which, and with what weight:
 
    ``aux_loss = balance_coef * balance_loss + z_coef * z_loss``.
 
-5. **Balancing without an auxiliary loss** (DeepSeek-V3, Wang et al. 2024, "Auxiliary-
-   Loss-Free Load Balancing Strategy for Mixture-of-Experts"): with
+5. **Balancing without an auxiliary loss** (DeepSeek-V3, Wang et al. 2024): with
    ``bias_update_rate`` u > 0 the router keeps a per-expert bias b (a buffer, not a
-   parameter) added to the probabilities *for choosing* the top-k only; the combine
-   weights stay the chosen experts' own probabilities, so the bias never enters the
-   gradient. Every forward with autograd on counts the assignments each expert got
-   (before capacity) into ``step_tokens_per_expert``: once per micro-batch, since a
-   recomputed chunk's first forward runs without autograd. After the step
-   (`reference.expert_parallel.bias_balance`) the counts, summed over the step's
-   micro-batches and its data-parallel ranks, move b by u * sign(mean load - load).
+   parameter) added to the probabilities *for choosing* the top-k only, and counts
+   the assignments each expert got (before capacity) into ``step_tokens_per_expert``,
+   once per micro-batch (a recomputed chunk's first forward runs without autograd);
+   `reference.expert_parallel.bias_balance` moves b after the step.
 
 `sort_by_expert` lays the kept assignments out expert by expert: the layout
 that both the single-process layer and the all-to-all dispatch use.
@@ -168,10 +164,7 @@ class Router(nn.Module):
             top_probs = probs.gather(-1, expert_idx)
             if torch.is_grad_enabled():  # once per micro-batch (a recompute's first run has no grad)
                 self.step_tokens_per_expert += torch.bincount(expert_idx.reshape(-1), minlength=E)
-        if self.normalize_weights:
-            weights = top_probs / top_probs.sum(dim=-1, keepdim=True)
-        else:
-            weights = top_probs
+        weights = top_probs / top_probs.sum(dim=-1, keepdim=True) if self.normalize_weights else top_probs
 
         # Slots in GShard's order: choice-major, then position. Reorder the
         # assignments to (G, k * T) so a cumulative count gives each its slot.

@@ -74,10 +74,7 @@ def _is_moe(module: nn.Module) -> bool:
 def sequence_parallel_experts(model: nn.Module, group) -> int:
     """Make every MoE layer of `model` take and return this tp rank's sequence shard.
 
-    In place, by hooks (parameter names stay the model's own): before the layer the
-    ``(B, T/tp, C)`` shard is all-gathered over `group` (reduce-scatter backward); after it
-    this rank's T/tp rows of the output are kept and the aux loss's gradient is scaled by
-    1/tp; every parameter of the layer is marked ``sequence_parallel``. Call it after
+    In place, by hooks (parameter names stay the model's own). Call it after
     `shard_experts` (the `ExpertParallelMoE` layers it builds are new modules), as
     `reference.parallel.parallelize` does; a layer already handled is skipped. Returns the
     number of layers handled now; a no-op when the group has one rank.

@@ -17,10 +17,6 @@ The pieces live in the package's modules and are all importable from here:
 * `reference.tensor_parallel.plan`: `apply_tensor_parallel`, `TP_PLAN`, `SP_PLAN`;
 * `reference.tensor_parallel.viz`: the split GEMM and activation memory, drawn.
 
-The plan turns the plain GPT of `reference.model` into its TP version by
-swapping modules from outside, following `TP_PLAN` (and `SP_PLAN` with sequence
-parallelism); the model's code is untouched.
-
 Communication per transformer block (S = B * T * C * element bytes, the size of
 one activation; N = tp). "payload" is the size of the tensor each collective
 reduces or produces, "sent" what each rank sends on a ring, as

@@ -1,12 +1,4 @@
-"""Megatron's parallel self-attention: the heads split across the TP group.
-
-Attention is a column-parallel / row-parallel pair like the MLP, with heads as
-the unit of the split: heads attend independently of each other, so a rank that
-holds whole heads runs the dense attention on them and nothing else.
-The fused [q | k | v] projection is split so that rank r holds [q_r | k_r | v_r]
-(`column_shard(..., chunks=3)`), and the output projection sums the heads'
-contributions over the ranks (g).
-"""
+"""Megatron's parallel self-attention: the heads split across the TP group."""
 from __future__ import annotations
 
 import contextlib
@@ -14,9 +6,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
-from reference.model import CausalSelfAttention
+from reference.model import CausalSelfAttention, causal_attention
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from reference.tensor_parallel.rng import ShardedDropout, TensorParallelRNG
 
@@ -26,11 +17,13 @@ __all__ = ["ParallelCausalSelfAttention"]
 class ParallelCausalSelfAttention(nn.Module):
     """Megatron's parallel attention: each rank holds ``n_head // tp`` whole heads.
 
-    c_attn is column-parallel with q, k and v each split by heads, so this rank's
-    (B, T, 3 C // tp) output holds its heads' [q_r | k_r | v_r]; the heads attend
-    independently, so the rank runs the dense attention on its own heads; c_proj
-    is row-parallel and sums the heads' contributions (g). One all-reduce forward
-    and one backward, as in the MLP. The math is `CausalSelfAttention`'s, with the
+    Attention is a column-parallel / row-parallel pair like the MLP, with heads as
+    the unit of the split. c_attn is column-parallel with q, k and v each split by
+    heads (`column_shard(..., chunks=3)`), so this rank's (B, T, 3 C // tp) output
+    holds its heads' [q_r | k_r | v_r]; the heads attend independently, so the rank
+    runs the dense attention on its own heads and nothing else; c_proj is
+    row-parallel and sums the heads' contributions (g). One all-reduce forward and
+    one backward, as in the MLP. The math is `causal_attention`'s, with the
     sequence length read from c_attn's output, which is the whole sequence even
     when the input is a sequence shard.
 
@@ -71,14 +64,7 @@ class ParallelCausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.c_attn(x)  # (B, T, 3 C // tp), T whole even when x is a sequence shard
-        B, T, _ = qkv.shape
-        q, k, v = qkv.chunk(3, dim=-1)  # each (B, T, C // tp)
-        n_head = q.shape[-1] // self.head_dim  # this rank's n_head // tp heads
-        q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
         fork = self.rng.fork() if self.rng is not None else contextlib.nullcontext()
-        with fork:  # dropout on this rank's heads: its own random stream
-            y = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-            )  # (B, n_head // tp, T, head_dim)
-        y = y.transpose(1, 2).reshape(B, T, n_head * self.head_dim)  # (B, T, C // tp)
+        with fork:  # dropout on this rank's n_head // tp heads: its own random stream
+            y = causal_attention(qkv, self.head_dim, self.dropout if self.training else 0.0)  # (B, T, C // tp)
         return self.resid_dropout(self.c_proj(y))  # (B, T, C), or (B, T // tp, C) under SP

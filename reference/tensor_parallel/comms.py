@@ -20,13 +20,11 @@ followed by an all-gather, so f and g split in two:
     g -> reduce-scatter in forward, all-gather in backward  (TP region -> sequence shards)
     f -> all-gather in forward, reduce-scatter in backward  (sequence shards -> TP region)
 
-and the bytes each rank sends are unchanged: 2 (N-1)/N S for an all-reduce,
-(N-1)/N S for each half.
+and the bytes each rank sends are unchanged (the table in `reference.tensor_parallel`).
 
 Also here: gather/scatter along the last (hidden) dimension, used when a
 column-parallel layer must hand back its whole output, and the sequence split
 that enters the sequence-parallel region without communicating.
-
 Every collective goes through `reference.comms`, so a `comms.meter()` counts it.
 With a group of one rank every operator is the identity and sends nothing.
 The activations are batch-first, (B, T, C), so the sequence dimension is 1.
@@ -42,7 +40,7 @@ from reference.comms.functional import all_gather_along
 __all__ = [
     "SEQ_DIM",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region", "f", "g",
-    "CopyToRegion", "ReduceFromRegion",
+    "CopyToRegion", "ReduceFromRegion", "AlongDim",
     "gather_from_tensor_parallel_region", "scatter_to_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
@@ -56,10 +54,6 @@ SEQ_DIM = 1  # activations are (B, T, C)
 # The collectives along one dimension (no autograd; used by the functions below; the
 # all-gather, which context parallelism uses too, is `reference.comms.functional`'s)
 # ---------------------------------------------------------------------------
-def _size(group) -> int:
-    return dist.get_world_size(group)
-
-
 def _check_divisible(x: torch.Tensor, dim: int, n: int, what: str) -> None:
     if x.shape[dim] % n:
         raise ValueError(
@@ -71,7 +65,7 @@ def _check_divisible(x: torch.Tensor, dim: int, n: int, what: str) -> None:
 
 def reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Sum `x` over the ranks and keep this rank's slice along `dim`: (.., n, ..) -> (.., n // tp, ..)."""
-    n = _size(group)
+    n = dist.get_world_size(group)
     if n == 1:
         return x
     _check_divisible(x, dim, n, "reduce-scatter")
@@ -83,7 +77,7 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def split_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """This rank's slice of `x` along `dim` (no communication): (.., n, ..) -> (.., n // tp, ..)."""
-    n = _size(group)
+    n = dist.get_world_size(group)
     if n == 1:
         return x
     _check_divisible(x, dim, n, "split")
@@ -91,7 +85,7 @@ def split_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if _size(group) == 1:
+    if dist.get_world_size(group) == 1:
         return x
     # A fresh buffer: the all-reduce writes in place, and x may be needed by autograd.
     out = x.contiguous().clone()
@@ -128,12 +122,12 @@ class ReduceFromRegion(torch.autograd.Function):
 
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    """Megatron's f, placed where a replicated tensor enters a TP region: (..) -> (..)."""
+    """Megatron's f, where a replicated tensor enters a TP region: (..) -> (..)."""
     return CopyToRegion.apply(x, group)
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    """Megatron's g, placed where partial sums leave a TP region: (..) -> (..) summed."""
+    """Megatron's g, where partial sums leave a TP region: (..) -> (..) summed."""
     return ReduceFromRegion.apply(x, group)
 
 
@@ -142,94 +136,49 @@ g = reduce_from_tensor_parallel_region
 
 
 # ---------------------------------------------------------------------------
-# Gather and scatter along the hidden (last) dimension
+# Gather, scatter and reduce-scatter along one dimension, each with its conjugate
+# in backward: along the hidden (last) dimension, and along the sequence
 # ---------------------------------------------------------------------------
-class _GatherLastDim(torch.autograd.Function):
+class AlongDim(torch.autograd.Function):
+    """`forward_op(x, dim, group)` in forward, `backward_op(grad, dim, group)` in backward."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_along(x, -1, group)
+    def forward(ctx, x, group, dim, forward_op, backward_op):
+        ctx.group, ctx.dim, ctx.backward_op = group, dim, backward_op
+        return forward_op(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return split_along(grad, -1, ctx.group), None
-
-
-class _ScatterLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split_along(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_along(grad, -1, ctx.group), None
+        return ctx.backward_op(grad, ctx.dim, ctx.group), None, None, None, None
 
 
 def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """All-gather along the last dim forward, split backward: (.., C // tp) -> (.., C)."""
-    return _GatherLastDim.apply(x, group)
+    return AlongDim.apply(x, group, -1, all_gather_along, split_along)
 
 
 def scatter_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Split along the last dim forward, all-gather backward: (.., C) -> (.., C // tp)."""
-    return _ScatterLastDim.apply(x, group)
-
-
-# ---------------------------------------------------------------------------
-# Sequence parallelism: along the sequence dimension
-# ---------------------------------------------------------------------------
-class _ScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return split_along(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_along(grad, ctx.dim, ctx.group), None, None
-
-
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather_along(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # Each rank's TP region used the whole sequence; the gradient of this
-        # rank's tokens is the sum over ranks of their rows: a reduce-scatter.
-        return reduce_scatter_along(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter_along(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_along(grad, ctx.dim, ctx.group), None, None
+    return AlongDim.apply(x, group, -1, split_along, all_gather_along)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
     """Enter the sequence-parallel region: keep this rank's tokens, (B, T, C) -> (B, T // tp, C).
 
     No communication forward (every rank holds the whole tensor); all-gather backward."""
-    return _ScatterSeq.apply(x, group, dim)
+    return AlongDim.apply(x, group, dim, split_along, all_gather_along)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
     """f under sequence parallelism: all-gather forward, reduce-scatter backward.
 
-    (B, T // tp, C) -> (B, T, C)."""
-    return _GatherSeq.apply(x, group, dim)
+    (B, T // tp, C) -> (B, T, C). Each rank's TP region used the whole sequence; the gradient of this rank's
+    tokens is the sum over ranks of their rows: a reduce-scatter."""
+    return AlongDim.apply(x, group, dim, all_gather_along, reduce_scatter_along)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
     """g under sequence parallelism: reduce-scatter forward, all-gather backward.
 
     (B, T, C) partial sums -> (B, T // tp, C) summed."""
-    return _ReduceScatterSeq.apply(x, group, dim)
+    return AlongDim.apply(x, group, dim, reduce_scatter_along, all_gather_along)

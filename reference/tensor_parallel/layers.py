@@ -18,10 +18,10 @@ Attention is the same pair with heads as the columns
 (`reference.tensor_parallel.attention`).
 
 With ``sequence_parallel=True`` the input of a column layer and the output of a
-row layer are sequence shards (B, T // tp, C): f becomes an all-gather (reduce-
-scatter backward) and g a reduce-scatter (all-gather backward). A row layer's bias
-then meets only this rank's tokens, so its gradient must be summed over the TP
-group after backward, like a LayerNorm's: it is marked ``sequence_parallel``.
+row layer are sequence shards (B, T // tp, C), f and g split in two
+(`reference.tensor_parallel.comms`). A row layer's bias then meets only this
+rank's tokens: it is marked ``sequence_parallel``, its gradient summed over the TP
+group after backward, like a LayerNorm's.
 
 ``regather_input=True`` is Megatron's memory-saving form of the sequence-parallel
 column layer: it keeps only the (B, T // tp, C) shard of its input for backward
@@ -29,10 +29,13 @@ and all-gathers it again there, one more all-gather per column layer in backward
 in exchange for never keeping a full (B, T, C) activation.
 
 Initialisation. A layer built directly (not with ``from_dense``) follows
-Megatron's master-weight init: each rank draws the *whole* dense weight from a
-generator seeded with the layer's ``seed``, identical on every rank, and keeps
-its slice. The ranks then hold different slices of one weight, and the TP layer
-is exactly the dense ``nn.Linear`` that seed gives, for any tp.
+Megatron's master-weight init: each rank draws the *whole* dense weight on a CPU
+generator of its own seeded with the layer's ``seed`` (the default stream is not
+moved), identical on every rank, and keeps its slice. The ranks then hold
+different slices of one weight, and the TP layer is exactly the dense
+``nn.Linear`` built after ``torch.manual_seed(seed)``, for any tp. ``seed`` must
+be the same on every rank of the group (the default 0 is); give each layer of a
+model its own.
 """
 from __future__ import annotations
 
@@ -84,10 +87,6 @@ def row_shard(weight: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
     return weight.chunk(tp, dim=1)[tp_rank]
 
 
-def _place(group) -> tuple[int, int]:
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
 def _keep_frozen(layer: nn.Module, dense: nn.Module) -> None:
     """A frozen dense parameter stays frozen in its shard (requires_grad copied by name)."""
     dense_params = dict(dense.named_parameters())
@@ -118,13 +117,8 @@ def linear_init_(weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def _master_linear(in_features: int, out_features: int, bias: bool, seed: int, dtype):
-    """The dense layer's whole weight (out, in) and bias (out,), drawn from `seed`.
-
-    Megatron's master-weight init: every rank of the group draws the same full
-    weight on a CPU generator of its own (the default stream is not moved) and
-    keeps its slice, so the TP layer is the dense `nn.Linear` built on the CPU
-    after `torch.manual_seed(seed)`, cut up, whatever tp is. The full weight lives
-    only for the duration of the constructor."""
+    """The dense layer's whole weight (out, in) and bias (out,), drawn from `seed` on the CPU
+    (the master weight: it lives only for the duration of the constructor)."""
     weight = torch.empty(out_features, in_features, dtype=dtype, device="cpu")
     full_bias = torch.empty(out_features, dtype=dtype, device="cpu") if bias else None
     linear_init_(weight, full_bias, torch.Generator().manual_seed(seed))
@@ -160,18 +154,13 @@ class ColumnParallelLinear(nn.Module):
 
     Input (.., in) replicated, or (B, T // tp, in) with ``sequence_parallel``.
     Output (.., out // tp), or (.., out) with ``gather_output=True``.
-
-    Built directly, the layer holds its slice of the weights `torch.manual_seed(seed)`
-    then ``nn.Linear(in, out)`` would draw (Megatron's master-weight init).
-    ``seed`` must be the same on every rank of the group (the default 0 is);
-    give each layer of a model its own. `from_dense` copies a dense layer instead.
     """
 
     def __init__(self, in_features: int, out_features: int, group, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  regather_input: bool = False, chunks: int = 1, seed: int = 0):
         super().__init__()
-        tp, self.tp_rank = _place(group)
+        tp, self.tp_rank = dist.get_world_size(group), dist.get_rank(group)
         if out_features % (tp * chunks):
             raise ValueError(f"ColumnParallelLinear: out_features={out_features} must divide by "
                              f"tp={tp} x chunks={chunks} = {tp * chunks}")
@@ -184,11 +173,7 @@ class ColumnParallelLinear(nn.Module):
         self.regather_input = regather_input
         self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))  # (out // tp, in)
         self.bias = nn.Parameter(torch.empty(out_features // tp)) if bias else None
-        weight, full_bias = _master_linear(in_features, out_features, bias, seed, self.weight.dtype)
-        with torch.no_grad():  # this rank's rows of the master weight ([q_r | k_r | v_r] with chunks=3)
-            self.weight.copy_(column_shard(weight, self.tp_rank, tp, chunks))
-            if bias:
-                self.bias.copy_(column_shard(full_bias, self.tp_rank, tp, chunks))
+        self.copy_shard(*_master_linear(in_features, out_features, bias, seed, self.weight.dtype))
         for p in self.parameters(recurse=False):  # rows cut, block by block: recorded where cut
             record_cut(p, 0, tp, self.tp_rank, out_features, blocks=chunks)
 
@@ -200,12 +185,17 @@ class ColumnParallelLinear(nn.Module):
         layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
                     gather_output=gather_output, sequence_parallel=sequence_parallel,
                     regather_input=regather_input, chunks=chunks)
-        with torch.no_grad():
-            layer.weight.copy_(column_shard(linear.weight, layer.tp_rank, layer.tp, chunks))
-            if linear.bias is not None:
-                layer.bias.copy_(column_shard(linear.bias, layer.tp_rank, layer.tp, chunks))
+        layer.copy_shard(linear.weight, linear.bias)
         _keep_frozen(layer, linear)
         return layer.to(linear.weight.device)
+
+    @torch.no_grad()
+    def copy_shard(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Copy in this rank's rows of a dense weight (out, in) and bias (out,): [q_r | k_r | v_r]
+        with chunks=3."""
+        self.weight.copy_(column_shard(weight, self.tp_rank, self.tp, self.chunks))
+        if bias is not None:
+            self.bias.copy_(column_shard(bias, self.tp_rank, self.tp, self.chunks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel and self.regather_input:
@@ -237,15 +227,12 @@ class RowParallelLinear(nn.Module):
     Input (.., in // tp) with ``input_is_parallel=True`` (a column layer's output),
     else (.., in) replicated and split here. Output (.., out) replicated, or
     (B, T // tp, out) with ``sequence_parallel``.
-
-    Built directly, it holds its slice of the weights of the ``nn.Linear(in, out)``
-    built after `torch.manual_seed(seed)`, as `ColumnParallelLinear` does.
     """
 
     def __init__(self, in_features: int, out_features: int, group, *, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, seed: int = 0):
         super().__init__()
-        tp, self.tp_rank = _place(group)
+        tp, self.tp_rank = dist.get_world_size(group), dist.get_rank(group)
         if in_features % tp:
             raise ValueError(f"RowParallelLinear: in_features={in_features} must divide by tp={tp}")
         check_init_seed("RowParallelLinear", seed)
@@ -255,11 +242,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))  # (out, in // tp)
         # The bias is whole on every rank and added once, after the reduction.
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        weight, full_bias = _master_linear(in_features, out_features, bias, seed, self.weight.dtype)
-        with torch.no_grad():  # this rank's columns of the master weight, the bias whole
-            self.weight.copy_(row_shard(weight, self.tp_rank, tp))
-            if bias:
-                self.bias.copy_(full_bias)
+        self.copy_shard(*_master_linear(in_features, out_features, bias, seed, self.weight.dtype))
         record_cut(self.weight, 1, tp, self.tp_rank, in_features)  # columns cut; the bias whole
         if self.bias is not None and sequence_parallel:
             self.bias.sequence_parallel = True  # its gradient sees only this rank's tokens
@@ -267,15 +250,19 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_dense(cls, linear: nn.Linear, group, input_is_parallel: bool = True, *,
                    sequence_parallel: bool = False) -> "RowParallelLinear":
-        """This rank's rows of `linear`'s A (columns of its weight), copied; the bias copied whole."""
+        """This rank's rows of `linear`'s A, copied, so the TP layer computes the same function."""
         layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
                     input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel)
-        with torch.no_grad():
-            layer.weight.copy_(row_shard(linear.weight, layer.tp_rank, layer.tp))
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
+        layer.copy_shard(linear.weight, linear.bias)
         _keep_frozen(layer, linear)
         return layer.to(linear.weight.device)
+
+    @torch.no_grad()
+    def copy_shard(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Copy in this rank's columns of a dense weight (out, in), and the bias (out,) whole."""
+        self.weight.copy_(row_shard(weight, self.tp_rank, self.tp))
+        if bias is not None:
+            self.bias.copy_(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

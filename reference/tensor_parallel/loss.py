@@ -54,7 +54,7 @@ from reference.tensor_parallel.comms import (
     gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
 )
 from reference.tensor_parallel.cut import record_cut
-from reference.tensor_parallel.layers import ColumnParallelLinear
+from reference.tensor_parallel.layers import ColumnParallelLinear, check_init_seed
 
 __all__ = ["VocabParallelEmbedding", "VocabParallelLMHead", "vocab_parallel_cross_entropy",
            "VocabParallelCrossEntropy", "padded_vocab_size"]
@@ -76,15 +76,13 @@ def _check_ids(ids: torch.Tensor, vocab_size: int, what: str, ignore_index: int 
 class VocabParallelEmbedding(nn.Module):
     """Token ids (B, T) -> embeddings (B, T, C), this rank holding V_pad / tp rows of the table.
 
-    Built directly, the table is Megatron's master-weight init: every rank draws the whole
-    (V, C) table from ``seed`` on a generator of its own (the N(0, 1) of
-    ``torch.manual_seed(seed); nn.Embedding(V, C)``) and keeps its rows, so the tp ranks hold
-    different rows of one table, equal to the dense one for the same seed."""
+    Built directly, the table is Megatron's master-weight init
+    (`reference.tensor_parallel.layers`): the N(0, 1) of ``torch.manual_seed(seed);
+    nn.Embedding(V, C)``, this rank's rows of it."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group, seed: int = 0):
         super().__init__()
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise TypeError(f"VocabParallelEmbedding: seed must be an int, got {seed!r}")
+        check_init_seed("VocabParallelEmbedding", seed)
         tp, tp_rank = dist.get_world_size(group), dist.get_rank(group)
         self.group, self.tp = group, tp
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -93,24 +91,25 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start_index = tp_rank * per_rank
         self.vocab_end_index = self.vocab_start_index + per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim))  # (V_pad / tp, C)
-        with torch.no_grad():
-            full = torch.empty(num_embeddings, embedding_dim)  # (V, C), only for this constructor
-            nn.init.normal_(full, generator=torch.Generator().manual_seed(seed))  # nn.Embedding's N(0, 1)
-            rows = full[self.vocab_start_index:self.vocab_end_index]
-            self.weight.zero_()  # padding rows (ids >= V) stay zero
-            self.weight[: rows.shape[0]].copy_(rows)
+        full = torch.empty(num_embeddings, embedding_dim)  # (V, C), only for this constructor
+        nn.init.normal_(full, generator=torch.Generator().manual_seed(seed))  # nn.Embedding's N(0, 1)
+        self.copy_shard(full)
         record_cut(self.weight, 0, tp, tp_rank, self.num_embeddings_padded, real=num_embeddings)
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, group) -> "VocabParallelEmbedding":
         """This rank's rows of `embedding`'s table, copied (padding rows zero)."""
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, group)
-        with torch.no_grad():
-            rows = embedding.weight[layer.vocab_start_index:layer.vocab_end_index]
-            layer.weight.zero_()
-            layer.weight[: rows.shape[0]].copy_(rows)
+        layer.copy_shard(embedding.weight)
         layer.weight.requires_grad_(embedding.weight.requires_grad)
         return layer.to(embedding.weight.device)
+
+    @torch.no_grad()
+    def copy_shard(self, table: torch.Tensor) -> None:
+        """Copy in this rank's rows of a dense table (V, C); the padding rows (ids >= V) stay zero."""
+        rows = table[self.vocab_start_index:self.vocab_end_index]
+        self.weight.zero_()
+        self.weight[: rows.shape[0]].copy_(rows)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         _check_ids(idx, self.num_embeddings, "token ids")
@@ -169,14 +168,11 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
                                  ignore_index: int = -100) -> torch.Tensor:
     """Cross-entropy of vocab-sharded logits (.., V_pad / tp) against global target ids (..).
 
-    `vocab_size` is the true vocabulary V when V_pad > V: the padding columns are
-    left out of the softmax (default: no padding). Targets equal to
-    `ignore_index` count for nothing, as in `F.cross_entropy`. ``reduction="mean"``
-    gives the mean over the other tokens (as `reference.model.lm_loss`; NaN when
-    every target is ignored), ``"sum"`` their sum, ``"none"`` the loss of every token
-    (0 where ignored).
-    Computed in fp32 and returned in fp32 whatever the logits' dtype; the gradient
-    comes back in the logits' dtype. The same value on every rank of the group.
+    `vocab_size` is the true vocabulary V when V_pad > V (default: no padding).
+    ``reduction="mean"`` gives the mean over the counted tokens (as
+    `reference.model.lm_loss`; NaN when every target is ignored), ``"sum"`` their
+    sum, ``"none"`` the loss of every token (0 where ignored). The same fp32 value
+    on every rank of the group.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
@@ -207,9 +203,7 @@ class VocabParallelLMHead(ColumnParallelLinear):
     """The output layer C -> V split over the vocabulary: (.., C) -> logits (.., V_pad / tp).
 
     A column-parallel linear whose columns are the token ids [r * V_pad / tp, ...);
-    its rows past V (the padding) are zero. It knows the true V, so it can score
-    its own logits (`loss`) and put them together (`gather`). Build it with
-    `from_dense_head`.
+    its rows past V (the padding) are zero. Build it with `from_dense_head`.
     """
 
     vocab_size: int

@@ -3,14 +3,9 @@
 `apply_tensor_parallel(model, mesh)` swaps modules following `TP_PLAN` (and
 `SP_PLAN` with sequence parallelism); `allreduce_sequence_parallel_grads` sums the
 gradients of the parameters that see only this rank's tokens under SP. The
-communication per block is tabled in `reference.tensor_parallel`.
-
-The model's forward is left as it is; two hooks around it adapt what it returns.
-In training, the logits stay split over the vocabulary and the loss is the
-vocab-parallel cross-entropy. In eval mode without targets (generation,
-evaluation) the logits are gathered whole, so that sampling draws the same token
-on every rank: ranks that sampled from their own shards would feed different ids
-to the vocab-parallel embedding, and their copies would drift apart silently.
+communication per block is tabled in `reference.tensor_parallel`. The model's
+forward is left as it is; two hooks around it adapt what it returns
+(`_route_loss_to_vocab_parallel`).
 """
 from __future__ import annotations
 
@@ -88,22 +83,6 @@ def _vocab_embedding(m: nn.Embedding, c: _Context) -> nn.Module:
     return c.embedding
 
 
-def _attention(m, c: _Context) -> nn.Module:
-    return ParallelCausalSelfAttention.from_dense(
-        m, c.group, sequence_parallel=c.sequence_parallel, regather_input=c.regather_input, rng=c.rng)
-
-
-def _column(m: nn.Linear, c: _Context) -> nn.Module:
-    return ColumnParallelLinear.from_dense(m, c.group, gather_output=False,
-                                           sequence_parallel=c.sequence_parallel,
-                                           regather_input=c.regather_input)
-
-
-def _row(m: nn.Linear, c: _Context) -> nn.Module:
-    return RowParallelLinear.from_dense(m, c.group, input_is_parallel=True,
-                                        sequence_parallel=c.sequence_parallel)
-
-
 def _vocab_head(m: nn.Linear, c: _Context) -> nn.Module:
     # The output layer C -> V_pad, split like the embedding; logits stay (B, T, V_pad / tp).
     head = VocabParallelLMHead.from_dense_head(m, c.group, sequence_parallel=c.sequence_parallel,
@@ -113,24 +92,25 @@ def _vocab_head(m: nn.Linear, c: _Context) -> nn.Module:
     return head
 
 
-def _sequence_scatter(m: nn.Dropout, c: _Context) -> nn.Module:
-    return SequenceParallelScatter(c.group, ShardedDropout(m.p, c.rng))
-
-
 def _sequence_norm(m: nn.LayerNorm, c: _Context) -> nn.Module:
     for p in m.parameters():
         p.sequence_parallel = True  # found by allreduce_sequence_parallel_grads
     return m
 
 
-def _sharded_dropout(m: nn.Dropout, c: _Context) -> nn.Module:
-    return ShardedDropout(m.p, c.rng)
-
-
+# What each style of the plans builds from the dense module m.
 STYLES: dict[str, Callable[[nn.Module, _Context], nn.Module]] = {
-    "vocab_embedding": _vocab_embedding, "attention": _attention, "column": _column,
-    "row": _row, "vocab_head": _vocab_head, "sequence_scatter": _sequence_scatter,
-    "sequence_norm": _sequence_norm, "sharded_dropout": _sharded_dropout,
+    "vocab_embedding": _vocab_embedding,
+    "attention": lambda m, c: ParallelCausalSelfAttention.from_dense(
+        m, c.group, sequence_parallel=c.sequence_parallel, regather_input=c.regather_input, rng=c.rng),
+    "column": lambda m, c: ColumnParallelLinear.from_dense(
+        m, c.group, gather_output=False, sequence_parallel=c.sequence_parallel, regather_input=c.regather_input),
+    "row": lambda m, c: RowParallelLinear.from_dense(
+        m, c.group, input_is_parallel=True, sequence_parallel=c.sequence_parallel),
+    "vocab_head": _vocab_head,
+    "sequence_scatter": lambda m, c: SequenceParallelScatter(c.group, ShardedDropout(m.p, c.rng)),
+    "sequence_norm": _sequence_norm,
+    "sharded_dropout": lambda m, c: ShardedDropout(m.p, c.rng),
 }
 
 
@@ -151,10 +131,8 @@ def _check_divisible(model: GPT, mesh, sequence_parallel: bool = False,
     for i, block in enumerate(model.h):
         # A mixture of experts (an ffn with .experts) stays whole on every tp rank: its input
         # is the replicated residual stream, so each tp rank computes the same experts (expert
-        # parallelism, not TP, splits them). Under SP its input is a sequence shard, and a
-        # router counts capacity per whole sequence: refused unless the caller gathers the
-        # sequence for each MoE layer (`reference.expert_parallel.sequence_parallel_experts`,
-        # as the composed GPT, `reference.parallel.parallelize`, does).
+        # parallelism, not TP, splits them). Under SP a router, which counts capacity per
+        # whole sequence, would see a shard.
         experts = getattr(block.ffn, "experts", None) is not None
         if experts and sequence_parallel and tp > 1 and not experts_gathered:
             raise ValueError(f"block {i} has a mixture of experts, which routes whole sequences, "
@@ -174,9 +152,10 @@ def _route_loss_to_vocab_parallel(model: GPT, c: _Context) -> None:
     The dense forward would hand the (B, T, V_pad / tp) logits to a dense
     cross-entropy; a pre-hook takes the targets away from it, and a hook after
     the forward computes `vocab_parallel_cross_entropy` instead. In eval mode
-    without targets (`GPT.generate`, `reference.train.evaluate`) the caller
-    wants the logits themselves: the hook gathers them whole, (B, T, V), the
-    same on every rank, so every rank samples the same next token.
+    without targets (`GPT.generate`, `reference.train.evaluate`) the hook gathers
+    the logits whole, (B, T, V), the same on every rank: ranks that sampled from
+    their own shards would feed different ids to the vocab-parallel embedding,
+    and their copies would drift apart silently.
     """
     held = {}
 
@@ -207,16 +186,14 @@ def apply_tensor_parallel(model: GPT, mesh, sequence_parallel: bool = False, *,
     Every rank of the TP group calls this on a model with the same weights.
     Afterwards, in training mode, ``model(idx)`` returns this rank's vocab shard
     of the logits, (B, T, V_pad / tp), and ``model(idx, targets)`` the same loss
-    as the dense model (`vocab_parallel_cross_entropy`, -100 targets ignored).
-    In eval mode ``model(idx)`` returns the whole logits (B, T, V), gathered, so
-    ``model.generate(...)`` with the same seeded generator on every rank draws
-    the dense model's tokens on every rank; under sequence parallelism eval mode
-    also pads a length that tp does not divide. With
+    as the dense model. In eval mode ``model(idx)`` returns the whole logits
+    (B, T, V), so ``model.generate(...)`` with the same seeded generator on every
+    rank draws the dense model's tokens on every rank. With
     ``sequence_parallel=True`` call `allreduce_sequence_parallel_grads` after
     each backward. `seed` seeds the dropout stream of sharded regions
-    (``seed + 2718 + tp_rank``); the default stream is the caller's. A no-op
-    when ``mesh.tp == 1``. A mixture of experts under sequence parallelism is refused
-    unless ``experts_gathered``: the caller then gathers the sequence for each MoE layer
+    (`reference.tensor_parallel.rng`). A no-op when ``mesh.tp == 1``. A mixture of
+    experts under sequence parallelism is refused unless ``experts_gathered``: the
+    caller then gathers the sequence for each MoE layer
     (`reference.expert_parallel.sequence_parallel_experts`, after any `shard_experts`).
     """
     if not isinstance(model, GPT):
@@ -240,20 +217,15 @@ def apply_tensor_parallel(model: GPT, mesh, sequence_parallel: bool = False, *,
 
 
 def allreduce_sequence_parallel_grads(model: nn.Module, tp_group) -> None:
-    """Sum over the TP group the gradients of parameters marked ``sequence_parallel``.
-
-    Under sequence parallelism a LayerNorm (and a row-parallel bias) meets only
-    this rank's tokens, so its gradient is this rank's part of the sum. One
-    all-reduce of all of them, flattened together. Call after backward, before
-    the optimizer (and before clipping).
-    """
+    """Sum over the TP group the gradients of parameters marked ``sequence_parallel``
+    (a LayerNorm, a row-parallel bias: they meet only this rank's tokens), in one
+    all-reduce of all of them flattened together. Call after backward, before the
+    optimizer (and before clipping)."""
     grads = [p.grad for p in model.parameters()
              if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if not grads or torch.distributed.get_world_size(tp_group) == 1:
         return
     flat = torch.cat([gr.reshape(-1) for gr in grads])
     comms.all_reduce(flat, group=tp_group)
-    offset = 0
-    for gr in grads:
-        gr.copy_(flat[offset: offset + gr.numel()].view_as(gr))
-        offset += gr.numel()
+    for gr, summed in zip(grads, flat.split([gr.numel() for gr in grads])):
+        gr.copy_(summed.view_as(gr))

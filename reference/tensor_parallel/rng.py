@@ -40,9 +40,7 @@ TP_SEED_OFFSET = 2718  # Megatron-LM's offset between the default and the TP see
 
 
 def _get_state(device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    return torch.get_rng_state()
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
 def _set_state(device: torch.device, state: torch.Tensor) -> None:
@@ -53,23 +51,15 @@ def _set_state(device: torch.device, state: torch.Tensor) -> None:
 
 
 class TensorParallelRNG:
-    """The random stream of sharded regions: seeded ``seed + 2718 + tp_rank``.
-
-    ``with rng.fork(): ...`` draws from this rank's own stream inside the block;
-    on exit the default generator is back to the state it had on entry.
-    """
+    """The random stream of sharded regions, seeded ``seed + 2718 + tp_rank``: ``with
+    rng.fork(): ...`` draws from it inside the block, the default generator untouched."""
 
     def __init__(self, seed: int, tp_rank: int, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.seed = seed + TP_SEED_OFFSET + tp_rank
-        # Build the stream's first state without disturbing the default generator.
-        saved = _get_state(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.manual_seed(self.seed)
-        else:
-            torch.manual_seed(self.seed)
         self._state = _get_state(self.device)
-        _set_state(self.device, saved)
+        with self.fork():  # seeded in place of the default generator, which fork() gives back
+            (torch.cuda.manual_seed if self.device.type == "cuda" else torch.manual_seed)(self.seed)
 
     @contextmanager
     def fork(self):

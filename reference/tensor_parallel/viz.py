@@ -1,15 +1,7 @@
 """Pictures of tensor parallelism: where the shards of a split GEMM live, and activation memory.
 
-A linear layer computes Y = X A, with X (T, K) the input (T tokens), A (K, N)
-the weight (``nn.Linear`` stores A^T) and Y (T, N) the output. Megatron splits A
-across the tp ranks in one of two ways (`reference.tensor_parallel.layers`):
-
-* **by columns**: rank r holds A_r = A[:, r N/tp : (r+1) N/tp], reads the whole
-  X and writes its own columns of Y, Y_r = X A_r. Nothing is summed.
-* **by rows**: rank r holds A_r = A[r K/tp : (r+1) K/tp, :] and the matching
-  columns X_r of the input; X_r A_r is a whole (T, N) matrix, but only a
-  *partial sum*: Y = sum_r X_r A_r, an all-reduce (Megatron's g).
-
+Y = X A, with X (T, K) the input (T tokens), A (K, N) the weight and Y (T, N)
+the output, split by columns or by rows of A (`reference.tensor_parallel.layers`).
 `split_layout` says which block of X, A and Y each rank holds; `plot_matrix_split`
 draws exactly that layout, so a notebook can check the picture against the
 shards a real layer holds. `plot_activation_memory` draws measured activation
@@ -82,11 +74,6 @@ def split_layout(kind: str, tp: int, t: int, k: int, n: int) -> list[HeldBlocks]
     return blocks
 
 
-def _extent(sl: slice, size: int) -> tuple[int, int]:
-    start, stop, _ = sl.indices(size)
-    return start, stop
-
-
 def _draw_matrix(ax, rows: int, cols: int, title: str) -> None:
     """A rows x cols grid of empty cells, row 0 on top."""
     for i in range(rows):
@@ -105,7 +92,7 @@ def _draw_matrix(ax, rows: int, cols: int, title: str) -> None:
 
 def _draw_block(ax, sl: tuple[slice, slice], shape: tuple[int, int], label: str, colour, gid: str,
                 hatch: str = "") -> None:
-    (r0, r1), (c0, c1) = _extent(sl[0], shape[0]), _extent(sl[1], shape[1])
+    (r0, r1, _), (c0, c1, _) = sl[0].indices(shape[0]), sl[1].indices(shape[1])
     patch = Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=colour, edgecolor="black", lw=1.0,
                       hatch=hatch)
     patch.set_gid(gid)
@@ -130,14 +117,12 @@ def plot_matrix_split(kind: str, tp: int = 2, t: int = 4, k: int = 8, n: int = 8
     titles = {"X": f"X  ({t} × {k})", "A": f"A = weightᵀ  ({k} × {n})", "Y": f"Y = X A  ({t} × {n})"}
     for j, m in enumerate(shapes):
         _draw_matrix(axes[0, j], *shapes[m], "whole: " + titles[m])
-    # Whole product: every rank's block in its colour, or one grey block shared by all.
+    # Whole product: every rank's block in its colour (A and Y split by columns, X and A by
+    # rows), or one grey block shared by all.
     for r, held in enumerate(layout):
-        if kind == "column":
-            _draw_block(axes[0, 1], held.a, shapes["A"], f"$A_{r}$", _rank_colour(r), f"whole: A_{r}")
-            _draw_block(axes[0, 2], held.y, shapes["Y"], f"$Y_{r}$", _rank_colour(r), f"whole: Y_{r}")
-        else:
-            _draw_block(axes[0, 0], held.x, shapes["X"], f"$X_{r}$", _rank_colour(r), f"whole: X_{r}")
-            _draw_block(axes[0, 1], held.a, shapes["A"], f"$A_{r}$", _rank_colour(r), f"whole: A_{r}")
+        for m in ("A", "Y") if kind == "column" else ("X", "A"):
+            _draw_block(axes[0, "XAY".index(m)], getattr(held, m.lower()), shapes[m], f"${m}_{r}$",
+                        _rank_colour(r), f"whole: {m}_{r}")
     every = (slice(None), slice(None))
     if kind == "column":
         _draw_block(axes[0, 0], every, shapes["X"], "$X$\n(every rank)", _SHARED, "whole: X")
@@ -180,14 +165,12 @@ def plot_activation_memory(tps: Sequence[int], measured: Mapping[str, Sequence[f
         raise ValueError("tps is empty: give at least one tensor-parallel size")
     if not measured:
         raise ValueError("measured is empty: give at least one mode")
-    for label, values in measured.items():
-        if len(values) != len(tps):
-            raise ValueError(f"measured[{label!r}] has {len(values)} values for {len(tps)} tp sizes {tps}")
-    for label, values in (predicted or {}).items():
-        if label not in measured:
-            raise ValueError(f"predicted[{label!r}] has no measured bars; modes are {list(measured)}")
-        if len(values) != len(tps):
-            raise ValueError(f"predicted[{label!r}] has {len(values)} values for {len(tps)} tp sizes {tps}")
+    for kind, values_of in (("measured", measured), ("predicted", predicted or {})):
+        for label, values in values_of.items():
+            if label not in measured:
+                raise ValueError(f"predicted[{label!r}] has no measured bars; modes are {list(measured)}")
+            if len(values) != len(tps):
+                raise ValueError(f"{kind}[{label!r}] has {len(values)} values for {len(tps)} tp sizes {tps}")
     scale = float(unit_bytes) if unit_bytes else 1.0
     modes = list(measured)
     width = 0.8 / len(modes)
