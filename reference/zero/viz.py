@@ -25,25 +25,16 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter
 
 from reference.memory import STAGE_NAMES, MemoryBytes, Precision, model_state_bytes
-from reference.viz import NotebookFigure, lighten
+from reference.viz import NotebookFigure, fmt_bytes, lighten
 
 __all__ = ["KINDS", "plot_zero_stages", "plot_memory_per_rank", "plot_memory_calculator",
-           "plot_unit_residency", "fmt_bytes"]
+           "plot_unit_residency"]
 
 # (attribute of MemoryBytes, label, colour), in the order bars are stacked.
 KINDS = (("params", "parameters", "tab:blue"),
          ("grads", "gradients", "tab:orange"),
          ("optimizer_state", "optimizer state", "tab:green"))
 _SHORT_STAGE = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
-
-
-def fmt_bytes(n: float) -> str:
-    """Decimal units up to TB: 1.04e12 -> '1.04 TB'."""
-    for unit in ("B", "kB", "MB", "GB"):
-        if float(f"{n:.3g}") < 1000:
-            return f"{n:.3g} {unit}"
-        n /= 1000
-    return f"{n:.3g} TB"
 
 
 def _byte_axis(ax) -> None:

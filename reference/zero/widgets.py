@@ -20,7 +20,8 @@ from typing import Optional
 import ipywidgets as widgets
 
 from reference.memory import STAGE_NAMES, Precision, model_state_bytes
-from reference.zero.viz import fmt_bytes, plot_memory_calculator
+from reference.viz import fmt_bytes
+from reference.zero.viz import plot_memory_calculator
 
 __all__ = ["PRECISIONS", "DEVICES", "MemoryCalculator", "memory_calculator"]
 
