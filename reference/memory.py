@@ -37,7 +37,8 @@ The table above is what a rank holds between steps. Inside a step the gradients
 peak higher: `zero_peak_grad_bytes` is that peak for `ZeroOptimizer` (stage 1
 holds its full buffer, stage 2 its shard plus one bucket being reduced), and
 `PeakMemory` measures a peak: the most bytes alive at once among the tensors
-created inside a block of code.
+created inside a block of code; `SavedBytes`, what autograd saves for backward inside
+one (a pipeline stage's and a context-parallel rank's activations).
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["Precision", "MemoryBytes", "model_state_bytes", "measure", "human_bytes", "STAGE_NAMES",
-           "zero_peak_grad_bytes", "PeakMemory"]
+           "zero_peak_grad_bytes", "PeakMemory", "SavedBytes"]
 
 STAGE_NAMES = {0: "data parallel", 1: "ZeRO-1 (P_os)", 2: "ZeRO-2 (P_os+g)", 3: "ZeRO-3 (P_os+g+p)"}
 
@@ -249,6 +250,43 @@ class PeakMemory(TorchDispatchMode):
 
 
 # ---------------------------------------------------------------------------- measured
+
+class SavedBytes:
+    """Bytes of the distinct storages autograd saves for backward inside the block.
+
+    Parameters are left out (they are stored whatever the schedule), and so is
+    anything in ``exclude`` (storage pointers already counted elsewhere). ``params``,
+    when given, are looked at as each tensor is saved: parameters whose storage an
+    action hook frees and regathers (ZeRO-3 resharding) move between actions."""
+
+    def __init__(self, param_ptrs: set, exclude: Sequence[torch.Tensor] = (), params=None):
+        self.skip = set(param_ptrs) | {t.untyped_storage().data_ptr() for t in exclude}
+        self.params = params
+        self.storages: dict[int, int] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        if st.data_ptr() in self.skip or (self.params is not None and st.data_ptr() in
+                                          {p.untyped_storage().data_ptr() for p in self.params}):
+            return
+        self.storages[st.data_ptr()] = st.nbytes()
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def __enter__(self):
+        def pack(t):
+            self.add(t)
+            return t
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
 
 def _storage_key(t: torch.Tensor):
     s = t.untyped_storage()

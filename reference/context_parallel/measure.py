@@ -25,13 +25,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from reference.pipeline_parallel.accounting import SavedBytes
+from reference.memory import SavedBytes
 
 __all__ = ["SavedTensorBytes", "LargestTensor"]
 
 
 class SavedTensorBytes(SavedBytes):
-    """The pipeline's meter of a stage's activations (`reference.pipeline_parallel.accounting`),
+    """The core's meter of what autograd saves (`reference.memory.SavedBytes`, the pipeline's too),
     leaving out only the storages of ``exclude`` (the parameters, say)."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):

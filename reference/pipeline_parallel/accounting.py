@@ -6,8 +6,8 @@ Measured, not assumed. A `Recorder` watches each step of the executor's loop
 * the trace: every action's start and end, in seconds from a common start (the
   ranks meet at a barrier just before their first step);
 * the bytes each F leaves stored for its B, counted by a saved-tensors hook
-  (`SavedBytes`): every tensor autograd saves, parameters excluded and each storage
-  counted once, plus the input and output the F keeps itself. They are held until
+  (`reference.memory.SavedBytes`): every tensor autograd saves, parameters excluded
+  and each storage counted once, plus the input and output the F keeps itself. They are held until
   the micro-batch's B (or, split, its W); its I holds more, the gradients it caught
   for W (`reference.pipeline_parallel.split_backward`) and, checkpointed, the forward
   run again. ``peak_activation_bytes`` is the most held at once, a recomputing B's
@@ -22,11 +22,12 @@ from typing import Optional, Sequence
 
 import torch
 
+from reference.memory import SavedBytes
 from reference.pipeline_parallel.check import TraceEvent
 from reference.pipeline_parallel.executor import run_schedule
 from reference.pipeline_parallel.schedules import Schedule
 
-__all__ = ["run_pipeline", "PipelineResult", "Recorder", "SavedBytes"]
+__all__ = ["run_pipeline", "PipelineResult", "Recorder"]
 
 
 @dataclass
@@ -51,43 +52,6 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module], inputs: 
     recorder = Recorder(stages, moving=options.get("action_hook") is not None)
     recorder.result.loss = run_schedule(schedule.validate(), stages, inputs, targets, recorder=recorder, **options)
     return recorder.result
-
-
-class SavedBytes:
-    """Bytes of the distinct storages autograd saves for backward inside the block.
-
-    Parameters are left out (they are stored whatever the schedule), and so is
-    anything in ``exclude`` (storage pointers already counted elsewhere). ``params``,
-    when given, are looked at as each tensor is saved: parameters whose storage an
-    action hook frees and regathers (ZeRO-3 resharding) move between actions."""
-
-    def __init__(self, param_ptrs: set, exclude: Sequence[torch.Tensor] = (), params=None):
-        self.skip = set(param_ptrs) | {t.untyped_storage().data_ptr() for t in exclude}
-        self.params = params
-        self.storages: dict[int, int] = {}
-
-    def add(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        if st.data_ptr() in self.skip or (self.params is not None and st.data_ptr() in
-                                          {p.untyped_storage().data_ptr() for p in self.params}):
-            return
-        self.storages[st.data_ptr()] = st.nbytes()
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
-
-    def __enter__(self):
-        def pack(t):
-            self.add(t)
-            return t
-
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
 
 
 class Recorder:

@@ -44,7 +44,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from reference.model import GPTConfig, lm_loss
-from reference.pipeline_parallel.accounting import SavedBytes
+from reference.memory import SavedBytes
 from reference.pipeline_parallel.stage import StageSpec
 
 __all__ = ["StageCost", "stage_costs", "stored_bytes_formula", "held_bytes_formula", "held_bytes_per_block",
