@@ -1,17 +1,11 @@
 """`run_pipeline`: the executor's run, its schedule checked first and every step measured.
 
-Measured, not assumed. A `Recorder` watches each step of the executor's loop
-(`reference.pipeline_parallel.executor.run_schedule`) and writes into a `PipelineResult`:
-
-* the trace: every action's start and end, in seconds from a common start (the
-  ranks meet at a barrier just before their first step);
-* the bytes each F leaves stored for its B, counted by a saved-tensors hook
-  (`reference.memory.SavedBytes`): every tensor autograd saves, parameters excluded
-  and each storage counted once, plus the input and output the F keeps itself. They are held until
-  the micro-batch's B (or, split, its W); its I holds more, the gradients it caught
-  for W (`reference.pipeline_parallel.split_backward`) and, checkpointed, the forward
-  run again. ``peak_activation_bytes`` is the most held at once, a recomputing B's
-  extra bytes included.
+A `Recorder` watches each step of the executor's loop and writes into a `PipelineResult` the
+trace (every action's start and end, in seconds from a barrier before the first step) and the
+bytes each F leaves stored (`reference.memory.SavedBytes`: every tensor autograd saves,
+parameters excluded, each storage once, plus the input and output F keeps), held until the
+micro-batch's B or W; an I holds more, the gradients it caught for W and, checkpointed, the
+forward run again.
 """
 from __future__ import annotations
 
@@ -44,11 +38,7 @@ class PipelineResult:
 
 def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module], inputs: Optional[torch.Tensor] = None,
                  targets: Optional[torch.Tensor] = None, **options) -> PipelineResult:
-    """`run_schedule` (its options: ``group``, ``checkpoint``, ``tied_group``, ``loss_mean``, ...)
-    of ``schedule``, validated first (`Schedule.validate`), with every step recorded.
-
-    Returns a `PipelineResult`; its ``loss`` is the sum of this rank's micro-batches' shares
-    (unscaled): by default their mean loss."""
+    """`run_schedule` (and its ``options``) of ``schedule``, validated first, every step recorded."""
     recorder = Recorder(stages, moving=options.get("action_hook") is not None)
     recorder.result.loss = run_schedule(schedule.validate(), stages, inputs, targets, recorder=recorder, **options)
     return recorder.result
@@ -56,10 +46,8 @@ def run_pipeline(schedule: Schedule, stages: Sequence[torch.nn.Module], inputs: 
 
 class Recorder:
     """The executor's ``recorder``: each step timed into ``result.trace``, and the bytes each
-    micro-batch holds on this rank, keyed by (micro-batch, chunk), from its F to its B or W.
-
-    ``moving``: the stages' parameters may be freed and regathered between actions (an
-    action hook), so a saved tensor is checked against their storages as it is saved."""
+    (micro-batch, chunk) holds from its F to its B or W. ``moving``: parameters may be freed and
+    regathered between actions (an action hook), so a saved tensor is checked as it is saved."""
 
     def __init__(self, stages: Sequence[torch.nn.Module], moving: bool = False):
         params = [p for st in stages for p in st.parameters()]

@@ -1,11 +1,9 @@
 """The vocabulary of pipeline schedules: the actions a rank can take, and the error a wrong
 schedule raises. Shared by the schedules, the checker and the executor.
 
-Compute: F (forward), B (the full backward), and B's two halves, which zero-bubble
-schedules run apart: I, the gradient of the stage's input (what the previous stage
-waits for), and W, the gradients of the weights (which nobody waits for). The letters
-are torch.distributed.pipelining's (``_ComputationType``: F, I = BACKWARD_INPUT,
-W = BACKWARD_WEIGHT, B = FULL_BACKWARD). Messages: the four SEND/RECV.
+Compute: F (forward), B (the full backward), and B's halves that zero-bubble schedules run
+apart: I, the gradient of the stage's input, and W, the weights'. The letters are
+torch.distributed.pipelining's (``_ComputationType``). Messages: the four SEND/RECV.
 """
 from __future__ import annotations
 
@@ -23,10 +21,8 @@ class ScheduleError(ValueError):
 
 
 class Action(NamedTuple):
-    """One thing a rank does: ``op`` on micro-batch ``mb`` of its chunk ``chunk``.
-
-    ``peer`` is the pipeline rank at the other end of a SEND/RECV (None for compute).
-    """
+    """One thing a rank does: ``op`` on micro-batch ``mb`` of its chunk ``chunk``; ``peer`` the rank at
+    the other end of a SEND/RECV (None for compute)."""
 
     op: str
     mb: int

@@ -1,17 +1,11 @@
 """The zero-bubble schedules' messages: sends waited for at the end, and the V's turn in memory.
 
-`AsyncMailbox` is the executor's `Mailbox` with two differences, both for the schedules of
-`reference.pipeline_parallel.zero_bubble`:
+`AsyncMailbox` is the executor's `Mailbox` with two differences:
 
-* a step posts its sends and waits only for its receives; the sends are waited for once,
-  after the last step (`finish`). A rank goes on to its W's while its activation or
-  gradient travels, which is what lets W fill the time a send would otherwise wait for its
-  receiver, and ZB-V's two chunks, which send to the same neighbour in both directions,
-  cannot wait on each other's sends (the deadlock check lets only a receive wait,
-  `Schedule.strict`). A send's tensor stays alive until then (its work holds it);
+* a step waits only for its receives; the sends are waited for once, after the last step
+  (`finish`), so a rank goes on to its W's while its message travels (`ZeroBubbleSchedule`);
 * a message from a rank to itself (ZB-V's turn: the last rank holds stages p - 1 and p) is
-  handed over in memory, first sent first received, as a copy (what a receive would make,
-  so its bytes count as a message's do), without ``torch.distributed``.
+  handed over in memory as a copy, first sent first received, without ``torch.distributed``.
 """
 from __future__ import annotations
 

@@ -2,27 +2,19 @@
 
 `validate(schedule)` checks, without starting a process:
 
-1. every rank's list is complete: each F and B of every (micro-batch, chunk)
-   exactly once (or, for a backward split in two, its I and its W), each with the
-   receives and sends its stage needs, in an order that can work (receive before
-   F, F before its send and before B, I before W, ...), each message addressed to
-   the rank that holds the neighbouring stage (`Schedule.rank_of`);
-2. every message has a partner: the k-th send from rank a to rank b is the
-   k-th receive on b from a (point-to-point messages between two ranks arrive
-   in the order they were sent), and it carries what the receiver expects;
-3. no deadlock: all ranks are simulated together. A rank runs its steps in
-   order; a communication step (consecutive SEND/RECV, issued together) finishes
-   only once every partner has *reached* its own matching step (in a schedule that
-   is not strict, `Schedule.strict`, a send never waits: only its receive does). Counting a send
-   as finished only when its receiver is there is the strict rule (large
-   messages under NCCL and gloo do wait for the receiver), so a schedule that
-   passes cannot hang whatever the library buffers. If no rank can move, the
-   error names each stuck rank, its action and the action it waits for.
+1. every rank's list is complete: each F and B (or a split B's I and W) of every (micro-batch,
+   chunk) exactly once, with the receives and sends its stage needs, in an order that can work,
+   each message addressed to the rank of the neighbouring stage (`Schedule.rank_of`);
+2. every message has a partner: the k-th send from rank a to rank b is the k-th receive on b
+   from a (messages between two ranks arrive in the order sent), carrying what b expects;
+3. no deadlock: all ranks are simulated together, a communication step finishing only once
+   every partner has *reached* its own matching step. That is the strict rule (large messages
+   under NCCL and gloo do wait for the receiver), so a schedule that passes cannot hang
+   whatever the library buffers; in a schedule that is not strict (`Schedule.strict`) only a
+   receive waits. If no rank can move, the error names each stuck rank and what it waits for.
 
-The same simulation, with F taking ``t_f``, B ``t_b`` (split: I ``t_b - t_w``, W
-``t_w``) and messages free,
-gives the ideal timeline that `Schedule.plot` draws and `bubble_of` measures;
-the executor's measured trace has the same form (`TraceEvent` lists per rank).
+The same simulation, with costs per action and messages free, is the ideal timeline that
+`Schedule.plot` draws and `bubble_of` measures (a `TraceEvent` list per rank, as measured).
 """
 from __future__ import annotations
 
@@ -31,8 +23,7 @@ from typing import NamedTuple, Optional
 
 from reference.pipeline_parallel.actions import COMM, COMPUTE, OPS, Action, ScheduleError
 
-# `Schedule` (reference.pipeline_parallel.schedules) appears only in annotations, as a
-# string: that module imports this one to validate, so importing it back would be a cycle.
+# `Schedule` appears only in annotations, as a string: schedules.py plugs this module in.
 
 __all__ = ["TraceEvent", "validate", "simulate", "bubble_of"]
 
@@ -189,12 +180,9 @@ def simulate(s: "Schedule", t_f: float = 1.0, t_b: float = 2.0,
              t_w: Optional[float] = None) -> list[list[TraceEvent]]:
     """The ideal timeline of a valid schedule: a list per rank of `TraceEvent`.
 
-    A chunk's F takes ``t_f / virtual`` and its B ``t_b / virtual`` (it holds
-    1/virtual of the rank's layers); a B split in two takes as long: its W
-    ``t_w / virtual`` (``t_b / 2`` unless given: dW = X^T dY costs what dX = dY W^T
-    does), its I the rest. A message costs nothing but waiting: for its partner to
-    reach it, or, in a schedule that is not strict (`Schedule.strict`, the zero-bubble
-    ones, whose sends the executor waits for only at the end), a receive for its send."""
+    A chunk's F takes ``t_f / virtual``, its B ``t_b / virtual``, a split B's W ``t_w / virtual``
+    (``t_b / 2`` unless given: dW = X^T dY costs what dX = dY W^T does) and its I the rest. A
+    message costs nothing but waiting for its partner (not strict: a receive for its send)."""
     t_w = t_b / 2 if t_w is None else t_w
     if t_f <= 0 or not 0 < t_w < t_b:
         raise ValueError(f"need t_f > 0 and 0 < t_w < t_b, got t_f={t_f}, t_b={t_b}, t_w={t_w}")
@@ -204,11 +192,8 @@ def simulate(s: "Schedule", t_f: float = 1.0, t_b: float = 2.0,
 
 
 def bubble_of(timeline) -> float:
-    """Idle share of a timeline (simulated or measured): 1 - busy / (ranks * makespan).
-
-    Busy time is the time spent computing (F, B, I, W); everything else, waiting for a
-    message included, is bubble. The makespan runs from the first event on any
-    rank to the last."""
+    """Idle share of a timeline (simulated or measured): 1 - busy / (ranks * makespan), busy the
+    time spent computing (F, B, I, W), the makespan from the first event on any rank to the last."""
     events = [e for rank in timeline for e in rank]
     if not events:
         raise ValueError("the timeline has no events")

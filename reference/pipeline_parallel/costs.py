@@ -1,39 +1,15 @@
 """What each pipeline stage costs: compute (time) and memory, measured and counted.
 
-A pipeline runs at the pace of its slowest stage, so *time balance* is about each
-stage's compute: the flops of its forward and backward. *Memory balance* is about
-what a stage holds: its parameters with their gradients and optimizer state, and
-the activations its micro-batches leave stored for their backward. The two part
-ways at the ends of the model: the embedding is V x C parameters but a table
-lookup (no flops), while the head is as many parameters, a (C x V) product, and
-the logits it keeps for the loss's backward.
+A pipeline runs at the pace of its slowest stage (*time balance*: the flops of each stage's
+forward and backward), and each stage holds its parameters, their gradients and optimizer
+state, and the activations its micro-batches leave stored (*memory balance*). The two part
+ways at the ends: the embedding is V x C parameters but a table lookup, while the head is as
+many parameters, a (C x V) product, and the logits it keeps for the loss's backward.
 
-* `stage_costs(stages, idx, targets)` runs one micro-batch through the stages in
-  this process, forward then backward, and measures each stage: its parameters,
-  the flops of its forward and backward (`torch.utils.flop_counter`, which counts
-  matrix products; CPU attention kernels are not counted) and the bytes its
-  forward leaves stored, counted the way `run_pipeline` counts them (saved
-  tensors, parameters left out, plus the output kept until its gradient arrives:
-  a cost of this executor, which Megatron-LM avoids by freeing the output's data
-  after the send, since backward needs only its grad_fn).
-* `stored_bytes_formula(config, micro_batch, spec)` is that last count in closed
-  form, part by part, for the plain GPT in fp32 without dropout: a block keeps
-  16 S + 4 s + ℓ (S = b T C * 4 bytes, s = b T * 4, ℓ = b n_head T * 4: the
-  LayerNorm inputs, outputs and statistics, q, k, v, the attention output and
-  log-sum-exp, the MLP's hidden layer; no T x T scores, the flash kernel
-  recomputes them), the embedding its token ids and positions, the head its
-  LayerNorm, the log-probabilities (b, T, V) and the targets, and every stage
-  but the last its output.
-* `held_bytes_formula(config, micro_batch, spec)`: what a zero-bubble schedule's I holds
-  beyond that until its W, the gradients caught at the split points
-  (`reference.pipeline_parallel.split_backward`): 11 S a block, S + b T V * 4 the head; an
-  MoE block (``n_experts``) (6 C + E + k (C + d_ff)) b T * 4 (`held_bytes_per_block`, which
-  `reference.parallel.estimate` counts with too, at any tp).
-* `stage_flops_formula(config, micro_batch, spec)`: the weight GEMMs, 72 C^2 per
-  token and block, 6 C V per token for the head, nothing for the embedding.
-* `lateness(timeline, cost)` and `idle_margin(late, cost)`: when stages take fixed times
-  (`DelayedStage`, or sleeps around each action), how late a run's actions were, and how far
-  that lets its measured idle share stray from the ideal timeline's.
+`stage_costs` measures each stage on one micro-batch; `stage_flops_formula` and
+`stored_bytes_formula` count the same in closed form, and `held_bytes_formula` what a zero-bubble
+schedule's I holds until its W. `lateness` and `idle_margin` bound how far a run with stages of
+fixed times (`DelayedStage`) may stray from its ideal timeline.
 """
 from __future__ import annotations
 
@@ -62,7 +38,11 @@ class StageCost:
 
 
 def stage_costs(stages: Sequence[torch.nn.Module], idx: torch.Tensor, targets: torch.Tensor) -> list[StageCost]:
-    """Measure every stage of a whole pipeline (`split_stages`) on one micro-batch ``idx`` -> ``targets`` (b, T)."""
+    """Measure every stage of a whole pipeline (`split_stages`) on one micro-batch ``idx`` -> ``targets`` (b, T).
+
+    Flops by `torch.utils.flop_counter` (matrix products; CPU attention kernels are not counted);
+    stored bytes as `run_pipeline` counts them: saved tensors, parameters left out, plus the output
+    kept until its gradient arrives (Megatron-LM frees the output's data after the send)."""
     params = {p.untyped_storage().data_ptr() for s in stages for p in s.parameters()}
     # copies, so that the ids and targets count their own bytes, not those of a batch they view
     x, targets, runs = idx.clone(), targets.clone(), []
@@ -89,7 +69,11 @@ def stage_costs(stages: Sequence[torch.nn.Module], idx: torch.Tensor, targets: t
 
 
 def stored_bytes_formula(config: GPTConfig, micro_batch: int, spec: StageSpec) -> dict[str, int]:
-    """Bytes one micro-batch's forward leaves stored on the stage ``spec``, by part (fp32, no dropout)."""
+    """Bytes one micro-batch's forward leaves stored on the stage ``spec``, by part (fp32, no dropout).
+
+    A block keeps 16 S + 4 s + ℓ (S = b T C * 4 bytes, s = b T * 4, ℓ = b n_head T * 4: the
+    LayerNorms' inputs, outputs and statistics, q, k, v, the attention output and log-sum-exp, the
+    MLP's hidden layer; no T x T scores, the flash kernel recomputes them)."""
     b, T, C, V = micro_batch, config.block_size, config.n_embd, config.vocab_size
     S, s, lse = b * T * C * 4, b * T * 4, b * config.n_head * T * 4
     parts = {}
@@ -109,15 +93,9 @@ def held_bytes_formula(config: GPTConfig, micro_batch: int, spec: StageSpec, n_e
                        k: int = 2, moe_layers: Optional[Iterable[int]] = None,
                        shared_expert: bool = False) -> int:
     """Bytes one micro-batch's I holds on the stage ``spec`` until its W, beside what its F stored:
-    the gradients caught at the split points (fp32, the plain GPT, no tensor parallelism).
-
-    A dense block has six: its two LayerNorms (b T C each) and its four linear layers (3, 1, 4
-    and 1 times b T C), 11 S in all with S = b T C * 4 bytes; the head its LayerNorm (S) and
-    the lm_head (b T V * 4). With ``n_experts`` the layers ``moe_layers`` (default all, as
-    `reference.expert_parallel.moe_factory`) are MoE layers routing k of E experts per token,
-    ``shared_expert`` one more that every token goes through: each counted by
-    `held_bytes_per_block` (exact when no assignment is dropped at capacity; a drop holds less).
-    The first stage's I has nothing to compute: it holds nothing more."""
+    the gradients caught at the split points (fp32, no tensor parallelism), 11 b T C * 4 a dense
+    block. With ``n_experts`` the layers ``moe_layers`` (default all) route k of E experts per
+    token, plus a ``shared_expert``. The first stage's I computes nothing and holds nothing."""
     if spec.stage == 0:
         return 0
     moe = set(range(config.n_layer) if moe_layers is None else moe_layers) if n_experts else set()
@@ -133,22 +111,14 @@ def held_bytes_formula(config: GPTConfig, micro_batch: int, spec: StageSpec, n_e
 def held_bytes_per_block(s: int, b: int, h: int, tp: int = 1, sequence_parallel: bool = False,
                          act_bytes: int = 2, d_ff: Optional[int] = None, n_experts: Optional[int] = None,
                          k: int = 2, shared_experts: int = 0, bias: bool = True) -> float:
-    """What a zero-bubble schedule's I holds for its W, per block and micro-batch of b sequences
-    of s tokens, on one tp rank: the gradient caught at each split point (`split_backward`), the
-    output gradient of each LayerNorm and linear layer.
+    """What a zero-bubble schedule's I holds for its W, per block and micro-batch of b sequences of
+    s tokens, on one tp rank: the output gradient of each LayerNorm and linear layer (`split_backward`).
 
-    Attention: the LayerNorms' (s b h each, split by SP), q|k|v's (3 h, column-parallel: / tp),
-    the projection's (h, row-parallel: whole). A dense MLP: c_fc's (d_ff / tp) and c_proj's (h,
-    whole); 11 s b h at tp = 1 and d_ff = 4 h. An MoE layer (``n_experts`` = E): tp splits none
-    of it and it routes the whole sequence (gathered under SP), so on every tp rank the router's
-    logits (E a token), and for each of the s b k routed copies and each token's pass through a
-    shared expert c_fc's (d_ff) and c_proj's (h) output gradients: s b (E + (k + shared) (d_ff
-    + h)). That assumes no assignment dropped at capacity (a dropped one holds nothing) and,
-    with expert parallelism, that an ep rank's experts receive the k s b rows it dispatches
-    (routing decides how many they do). Under SP (tp > 1) a row-parallel layer with a
-    ``bias`` adds it after the reduce-scatter, so its bias catches its own (s b h / tp)
-    gradient beside the product's gathered one: the attention's projection and a dense MLP's
-    c_proj (without SP the two are one tensor, the all-reduce's backward passing it on)."""
+    11 s b h at tp = 1 and d_ff = 4 h; column-parallel layers' split by tp, the LayerNorms' by SP.
+    An MoE layer (``n_experts`` = E) is not split by tp and routes the whole sequence: s b (E +
+    (k + shared) (d_ff + h)), assuming no assignment dropped at capacity and, under expert
+    parallelism, that an ep rank's experts receive the k s b rows it dispatches. Under SP a
+    row-parallel ``bias``, added after the reduce-scatter, catches its own (s b h / tp) gradient."""
     d_ff = d_ff or 4 * h
     ln = tp if sequence_parallel and tp > 1 else 1
     row_bias = h / tp if bias and ln > 1 else 0  # a row-parallel bias's own gradient, (s b / tp, h)
@@ -176,10 +146,8 @@ def stage_flops_formula(config: GPTConfig, micro_batch: int, spec: StageSpec) ->
 
 
 def lateness(timeline, cost: dict) -> float:
-    """The mean time an action took beyond its injected cost (``cost``: seconds per op, the
-    actions it names), over every such action of every rank's events: the sleep's own
-    overshoot (the OS wakes a sleeping process late), a tiny model's compute, and the
-    runtime's code around the action."""
+    """The mean time an action took beyond its injected cost (``cost``: seconds per op, for the ops it
+    names): the sleep's overshoot, a tiny model's compute, and the runtime's code around the action."""
     over = [e.end - e.start - cost[e.action.op] for rank in timeline for e in rank if e.action.op in cost]
     return sum(over) / len(over)
 
@@ -187,12 +155,8 @@ def lateness(timeline, cost: dict) -> float:
 def idle_margin(late: float, cost: dict) -> float:
     """How far a measured idle share may stray from the simulated one, as a share of the span.
 
-    Every action takes its cost plus a lateness e >= 0, and every hand-off to the next action
-    (the next on its rank, or a message's receiver) a wake-up h >= 0. The real timeline keeps
-    each rank's order, so its span S' is at least the ideal S and exceeds it by the e + h along
-    the critical path, a chain of at most S / c actions (c the smallest cost: the chain tiles
-    the ideal span without gaps); busy time grows by the e's. So the idle share moves by at
-    most (e + h) / c either way. A blocked receive wakes as late as a sleep does (both are the
-    OS waking a process), so h is taken as e: margin = 2 e / c, with e the run's mean
-    lateness per action."""
+    Every action takes its cost plus a lateness e, every hand-off a wake-up h. The span grows by
+    the e + h along the critical path, at most S / c actions (c the smallest cost), so the idle
+    share moves by at most (e + h) / c; a blocked receive wakes as late as a sleep, so h = e and
+    the margin is 2 e / c, e the run's mean lateness."""
     return 2 * late / min(cost.values())

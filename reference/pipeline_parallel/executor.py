@@ -1,22 +1,9 @@
 """One executor for every pipeline schedule: a rank walks its steps and does what they say.
 
-`run_schedule(schedule, stages, inputs, targets, group=pp_group)` takes this rank's
-steps of the schedule (`Schedule.steps`) one after the other, each kind of action
-done by a part of its own:
-
-* F and B: `reference.pipeline_parallel.forward_backward` (the loss on the last
-  stage, as the micro-batch's share of the step's loss, `reference.loss`; activation
-  checkpointing, ``checkpoint=True`` or one flag per local chunk, in
-  `reference.pipeline_parallel.recompute`);
-* a run of SEND/RECV: one ``batch_isend_irecv`` holding all of them, waited on
-  together, metered (`reference.pipeline_parallel.messages`, which sizes what a
-  message holds from the stage's actual output, never assumed).
-
-A new kind of compute action (a backward split into its input and weight halves,
-as zero-bubble schedules do) is one more entry of `COMPUTE`. What a run measures is
-not the loop's business: a ``recorder`` watches every step, and `run_pipeline`
-(`reference.pipeline_parallel.accounting`) is this loop with the schedule checked
-first and the time and bytes of every step measured.
+`run_schedule` takes this rank's steps (`Schedule.steps`) one after the other: F and B by
+`reference.pipeline_parallel.forward_backward`, a run of SEND/RECV by
+`reference.pipeline_parallel.messages`. A new kind of compute action (the split backward's I and
+W) is one more entry of `COMPUTE`; a ``recorder`` watches every step (`run_pipeline` measures with it).
 """
 from __future__ import annotations
 
@@ -45,25 +32,16 @@ def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],
                  recorder=None) -> Optional[torch.Tensor]:
     """Run this rank's part of a valid ``schedule`` on the full batch ``inputs`` (B, T) -> ``targets`` (B, T).
 
-    ``stages``: this rank's stage modules indexed by chunk (`local_stages`).
-    ``group``: the pipeline group (``mesh.group("pp")``); pipeline rank = rank in it.
-    The first stage needs ``inputs``, the last ``targets``; a rank with neither
-    passes ``batch_shape=(B, T)``. Gradients accumulate into the stages'
-    ``.grad`` (zero them before); with ``tied_group`` (`build_embedding_group`) the
-    tied embedding's gradient is summed over its two copies at the end.
-    ``loss_fn(logits, targets)``: the last stage's loss; by default the stage's
-    own ``loss`` method (`GPTStage.loss`), else `lm_loss`. ``loss_scale`` multiplies
-    what backward starts from (fp16's loss scaling; the gradients come out scaled by it).
-    ``loss_mean`` (`reference.loss`) makes each micro-batch's loss its share of the step's:
-    `TokenMean` (its sum over counted tokens over the step's count) or, by default,
-    `MeanOfMeans` (its mean over m, right only when every micro-batch counts as many tokens).
-    ``action_hook(when, action)``, if given, is called with "before" and "after" around
-    every F and B (composed ZeRO-3 resharding between micro-batches,
-    `reference.zero.fsdp_reshard`, gathers and frees parameters there).
-    ``recorder.step(step, rank_state)``, if given, is a context manager around every step
-    (`reference.pipeline_parallel.accounting.Recorder`: the trace and the bytes held).
-    Returns the sum of this rank's micro-batches' shares of the loss (unscaled; by default
-    their mean loss) on the rank of the last stage, None elsewhere.
+    ``stages``: this rank's stages by chunk (`local_stages`); ``group``: the pipeline group. The
+    first stage needs ``inputs``, the last ``targets``, a rank with neither ``batch_shape=(B, T)``.
+    ``checkpoint``: True, or one flag per chunk (`recompute`). Gradients accumulate into ``.grad``;
+    ``tied_group`` sums the tied embedding's gradient over its two copies at the end.
+    ``loss_fn``: by default the stage's own ``loss``; ``loss_scale`` multiplies what
+    backward starts from (fp16); ``loss_mean`` (`reference.loss`) makes each micro-batch's loss its
+    share of the step's (default `MeanOfMeans`, its mean over m). ``action_hook(when, action)`` is
+    called "before" and "after" every compute action (ZeRO-3 resharding, `reference.zero.fsdp_reshard`);
+    ``recorder.step(step, rank_state)`` is a context manager around every step.
+    Returns the sum of this rank's shares of the loss (unscaled) on the last stage, None elsewhere.
     """
     if not loss_scale > 0:
         raise ValueError(f"loss_scale must be positive, got {loss_scale!r}")

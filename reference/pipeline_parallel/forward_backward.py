@@ -1,20 +1,11 @@
 """What the executor does for an F and a B: one micro-batch through one chunk's stage.
 
-* F (`forward`): take the micro-batch's input (token ids on the first stage, the
-  received activation elsewhere), run the chunk's stage and keep what B needs; on
-  the last stage compute the micro-batch's loss with the stage's own ``loss``
-  (`GPTStage.loss`: the vocab-parallel cross-entropy when the head is split over
-  the vocabulary by tensor parallelism), as the step's share of it (`reference.loss`:
-  the micro-batch's sum over its counted tokens divided by the step's count, or its
-  mean divided by m), so the gradients add up to those of the whole batch's loss;
-  hand the output on to be sent to the next stage.
-* B (`backward`): backward from the received output gradient (or from the loss on
-  the last stage), and hand the input's gradient on to be sent back.
-
-A checkpointed chunk keeps only the input and runs its forward again in B
-(`reference.pipeline_parallel.recompute`). `RankState` is what one rank carries
-from action to action: its micro-batches, its mailbox, what each F keeps (``kept``,
-from the F to its B).
+F runs the chunk's stage on the micro-batch's input (token ids on the first stage, the received
+activation elsewhere), keeps what B needs and posts the output; on the last stage it computes
+the micro-batch's share of the step's loss (`reference.loss`) with the stage's own ``loss``, so
+the gradients add up to those of the whole batch's loss. B runs backward from the received
+output gradient (or the loss) and posts the input's gradient. A checkpointed chunk keeps only
+its input (`reference.pipeline_parallel.recompute`).
 """
 from __future__ import annotations
 

@@ -1,24 +1,12 @@
 """The executor's point-to-point messages: what waits to be sent, what arrived, and their sizes.
 
-A pipeline message is an activation going down (F) or its gradient coming back
-(B). Each run of SEND/RECV actions of a schedule is one ``batch_isend_irecv``
-holding all of them, waited on together, and every message is recorded in the
-open communication meters as a "send" or "recv" on the pipeline group.
-
-A receive needs a buffer of the right shape and dtype before the message
-arrives. Neither is assumed: (B / m, T, C) for a plain GPT, (B / m, T / tp, C)
-under sequence parallelism, bf16 when a stage computes under autocast and hands
-on bf16. Instead micro-batch 0's activation of each chunk is preceded by a
-handshake, 8 integers (dtype, number of dims, sizes; "send_meta" / "recv_meta"
-in the meters); the receiver sizes every activation of that chunk from it (all
-micro-batches have the same shape). A gradient coming back has the shape and
-dtype of the activation this rank sent, which it remembers.
-
-Between two ranks, messages are matched in the order they are posted. The
-handshake goes right before its activation on both sides, so the order of the
-messages is the schedule's, as without it. Each step waits for its sends too; the
-zero-bubble schedules' mailbox (`reference.pipeline_parallel.async_messages`) waits for
-them only at the end (`finish`).
+Each run of SEND/RECV actions is one ``batch_isend_irecv``, waited on together and recorded in
+the open communication meters. A receive needs a buffer of the right shape and dtype, which is
+not assumed ((B / m, T / tp, C) under sequence parallelism, bf16 under autocast): micro-batch 0's
+activation of each chunk is preceded by a handshake of 8 integers (dtype, dims, sizes) that sizes
+every activation of that chunk, and a gradient coming back has the shape of the activation sent.
+The handshake goes right before its activation on both sides, so messages between two ranks stay
+matched in the schedule's order.
 """
 from __future__ import annotations
 
@@ -74,14 +62,9 @@ class Mailbox:
         """Wait for what is still on its way after the last step: nothing, here."""
 
     def exchange(self, step) -> None:
-        """Run one step of SEND/RECV actions, all posted before any is waited on.
-
-        Every send is posted at once, a handshake just before micro-batch 0's
-        activation. The receives are posted in the step's order; at a micro-batch
-        0 activation the handshake is received first (the only wait inside the
-        step: its sender posts it with its sends, whatever it receives), then the
-        buffers it sizes. Each peer thus sees the messages in the order it posts
-        them, handshakes included."""
+        """Run one step of SEND/RECV actions: every send posted at once, then the receives in order,
+        a handshake received and waited for (its sender posts it with its sends) before the buffers
+        it sizes."""
         works, sends = [], []
         for a in step:
             if a.op.startswith("SEND"):

@@ -1,17 +1,9 @@
 """Activation checkpointing in the pipeline: F keeps only its input, B runs the forward again.
 
-A checkpointed F runs the stage without building the autograd graph, so nothing
-but the stage's input is stored until its B. B runs the forward again, this time
-with the graph, and backpropagates through it: one more forward per micro-batch,
-for stored bytes that fall from the whole stage's activations to its input.
-
-The forward run again must be the forward that was sent on, so it draws the same
-dropout masks: F captures the random state and B restores it. "The random state"
-is every stream the stage draws from: the default generator (and the GPU's), and
-under tensor parallelism the per-rank stream of sharded regions
-(`reference.tensor_parallel.rng.RNGStates`). A recomputation with other masks
-would differentiate another network than the one whose output was sent on. After
-it, the streams go on as if nothing had been drawn again.
+One more forward per micro-batch, for stored bytes that fall from the whole stage's activations
+to its input. The forward run again must draw the same dropout masks as the one whose output was
+sent on, so F captures every random stream the stage draws from (`RNGStates`: the default
+generators and tensor parallelism's per-rank stream) and B restores it.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Pipeline schedules as plain data: for every rank, the ordered list of its actions.
 
-A pipeline of ``pp`` ranks runs ``m`` micro-batches through ``pp * virtual``
-model stages. Rank ``r`` holds the chunks ``c = 0 .. virtual-1``, chunk ``c``
-being model stage ``s = c * pp + r`` (Megatron-LM's interleaved layout; with
-``virtual = 1`` rank r simply holds stage r). A schedule says, for every rank,
-in which order to do six kinds of action:
+A pipeline of ``pp`` ranks runs ``m`` micro-batches through ``pp * virtual`` model stages; rank
+``r``'s chunk ``c`` is model stage ``c * pp + r`` (Megatron-LM's interleaved layout). A schedule
+says, for every rank, in which order to do six kinds of action:
 
     F       forward of micro-batch mb on chunk c
     B       backward of micro-batch mb on chunk c
@@ -13,32 +11,24 @@ in which order to do six kinds of action:
     RECV_B  receive the gradient of F's output from the next stage
     SEND_B  send the gradient of F's input to the previous stage
 
-Nothing else is decided at run time: the executor walks the list. Consecutive
-communication actions form one *step* and are issued together (one
-``batch_isend_irecv``), which is how a rank can send its activation forward and
-receive a gradient back at the same moment without either pair of ranks waiting
-on the other (Megatron's ``send_forward_recv_backward``).
+Nothing else is decided at run time: the executor walks the list. Consecutive communication
+actions form one *step*, issued together (one ``batch_isend_irecv``), so a rank can send its
+activation forward and receive a gradient back at once without either pair of ranks waiting on
+the other (Megatron's ``send_forward_recv_backward``). The schedules:
 
-The schedules (the order of F and B; the communication follows from it):
-
-* ``naive``: one micro-batch at a time, forward through every stage and back
-  before the next starts. With m = 1 this is a model merely split over ranks:
-  only one rank works at any moment, a bubble of (p - 1) / p.
+* ``naive``: one micro-batch at a time, forward through every stage and back: a bubble of
+  (p - 1) / p, only one rank working at any moment.
 * ``gpipe`` (Huang et al., 2019): all m forwards, then all m backwards. Bubble
   (p - 1) / (m + p - 1), but every stage holds the activations of all m.
-* ``1f1b`` (PipeDream-Flush, Narayanan et al., 2021): stage r runs p - r - 1
-  warm-up forwards, then alternates one forward and one backward, then drains
-  the backwards. Same bubble as GPipe, but stage r holds at most p - r.
-* ``interleaved`` 1F1B (Narayanan et al., 2021, section 2.2): each rank holds
-  ``virtual`` chunks; forwards go round in groups of p micro-batches per chunk
-  (all m when m < p). The bubble shrinks to (p - 1) / (v m + p - 1) when m is
-  a multiple of p, for v times more messages.
+* ``1f1b`` (PipeDream-Flush, Narayanan et al., 2021): stage r runs p - r - 1 warm-up forwards,
+  then alternates one forward and one backward, then drains the backwards. Same bubble as
+  GPipe, but stage r holds at most p - r.
+* ``interleaved`` 1F1B (Narayanan et al., 2021, section 2.2): ``virtual`` chunks per rank,
+  forwards going round in groups of p micro-batches per chunk. The bubble shrinks to
+  (p - 1) / (v m + p - 1) when m is a multiple of p, for v times more messages.
 
-The zero-bubble schedules (ZB-H1, ZB-V, DualPipeV), which split B into I and W, are built in
-`reference.pipeline_parallel.zero_bubble` and reached through the same
-`build_schedule` (the package registers them in `BUILDERS`). The checker
-(`Schedule.validate`) and the simulated timeline live in
-`reference.pipeline_parallel.check`, which the package plugs in (`Schedule.checker`).
+The zero-bubble schedules (`reference.pipeline_parallel.zero_bubble`) join `BUILDERS`, and the
+checker (`reference.pipeline_parallel.check`) `Schedule.checker`, when the package is imported.
 """
 from __future__ import annotations
 
@@ -94,16 +84,12 @@ def _compute_groups(kind: str, pp: int, m: int, virtual: int, rank: int) -> list
         c = within // g  # forwards go up the chunks, backwards down
         return (op, (k // (g * virtual)) * g + within % g, c if op == "F" else virtual - 1 - c)
 
-    # Warm-up: the forwards of the other chunks of the first round, plus two per
-    # stage still ahead of this rank (the activation going there and its
-    # gradient coming back), as in Megatron-LM and torch.distributed.pipelining.
+    # Warm-up: the other chunks' forwards of the first round, plus two per stage still ahead of
+    # this rank (the activation going there, its gradient coming back), as in Megatron-LM.
     warmup = min((virtual - 1) * g + 2 * (pp - 1 - rank), total)
-    # In the steady state a forward and a backward run back to back and their
-    # four messages (two sends, the next two receives) travel in one step, as
-    # Megatron's send_forward_backward_recv_forward_backward does. Exchanging
-    # between the two instead lets two neighbours each wait, in a send, for the
-    # other's receive: with chunks the activations and gradients of different
-    # chunks cross between the same two ranks in both directions.
+    # Steady state: a forward and a backward back to back, their four messages in one step (as
+    # Megatron's send_forward_backward_recv_forward_backward): exchanged between the two, chunks
+    # crossing between the same two ranks both ways could each wait in a send for the other.
     return ([[nth("F", k)] for k in range(warmup)]
             + [[nth("F", warmup + k), nth("B", k)] for k in range(total - warmup)]
             + [[nth("B", k)] for k in range(total - warmup, total)])
@@ -134,11 +120,8 @@ def _with_comms(groups, pp: int, virtual: int, rank: int) -> list[Action]:
 
 
 class Schedule:
-    """Every rank's action list, plus what can be read from it without running it.
-
-    Build one with :func:`build_schedule`, or from hand-written lists with
-    ``Schedule(pp, m, {rank: [Action, ...]}, virtual=..., kind="custom")``.
-    """
+    """Every rank's action list, plus what can be read from it without running it: from
+    `build_schedule`, or hand-written, ``Schedule(pp, m, {rank: [Action, ...]}, virtual, "custom")``."""
 
     strict = True  # a send waits for its receive, in its step (the zero-bubble ones: at the end)
     mailbox = None  # the executor's messages (`Mailbox` unless a schedule brings its own)
@@ -185,22 +168,17 @@ class Schedule:
             peak = max(peak, held)
         return peak
 
-    # The checks and the ideal timeline live in check.py, plugged in by the package, the picture in viz.py.
-    checker = None  # `reference.pipeline_parallel.check`: validate, simulate, bubble_of
+    checker = None  # `reference.pipeline_parallel.check` (validate, simulate, bubble_of), plugged in by the package
 
     def validate(self) -> "Schedule":
-        """Prove every rank's list complete and the whole schedule free of deadlock.
-
-        Raises `ScheduleError` naming the rank and the action; returns the schedule."""
+        """Prove every rank's list complete and the schedule free of deadlock (or raise `ScheduleError`)."""
         if not self._validated:
             self.checker.validate(self)
             self._validated = True
         return self
 
     def simulate(self, t_f: float = 1.0, t_b: float = 2.0, t_w: Optional[float] = None):
-        """The ideal timeline: F takes ``t_f / virtual``, B ``t_b / virtual`` (a split B's W
-        ``t_w``, by default t_b / 2, its I the rest), messages are free. A list per rank of
-        `TraceEvent`; see `reference.pipeline_parallel.check`."""
+        """The ideal timeline, a list per rank of `TraceEvent` (`reference.pipeline_parallel.check.simulate`)."""
         return self.checker.simulate(self, t_f, t_b, t_w)
 
     def bubble_fraction(self, t_f: float = 1.0, t_b: float = 2.0, t_w: Optional[float] = None) -> float:
@@ -228,15 +206,9 @@ def build_schedule(kind: str, pp: int, m: int, virtual: int = 1) -> Schedule:
 
 
 def bubble_formula(kind: str, pp: int, m: int, virtual: int = 1) -> float:
-    """The textbook bubble fraction: idle time over total time, when F and B of
-    every stage take the same time on every rank and messages are free.
-
-    naive: (p - 1) / p, whatever m. gpipe and 1f1b: (p - 1) / (m + p - 1).
-    interleaved: (p - 1) / (v m + p - 1) when m is a multiple of p. With fewer
-    micro-batches than ranks (m < p) a micro-batch comes back to rank 0 for its
-    next chunk before rank 0 has anything else to do, and the bubble is
-    1 - v m / (v p + m - 1): interleaving pays only once m >= p.
-    """
+    """The textbook bubble fraction (F and B equal on every stage, messages free): the module's
+    formulas, and for interleaved with m < p 1 - v m / (v p + m - 1), a micro-batch coming back to
+    rank 0 for its next chunk before rank 0 has anything else to do."""
     _check_args(kind, pp, m, virtual)
     if kind == "naive":
         return (pp - 1) / pp

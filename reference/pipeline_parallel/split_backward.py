@@ -1,46 +1,26 @@
 """A backward in two halves, as zero-bubble schedules run it: I now, W later.
 
-A linear layer Y = X A^T has two products in its backward: the input's gradient
-dX = dY A, which the previous stage waits for, and the weight's gradient
-dA = dY^T X, which nobody waits for. Qi et al. (2024, "Zero Bubble Pipeline
-Parallelism", ICLR 2024) split a stage's backward along that line:
+A linear layer Y = X A^T has two products in its backward: dX = dY A, which the previous stage
+waits for, and dA = dY^T X, which nobody waits for. Qi et al. (2024, "Zero Bubble Pipeline
+Parallelism") split a stage's backward along that line (the letters are torch.distributed.pipelining's):
 
-* I (`backward_input`): the gradient of the stage's input only. It runs
-  ``torch.autograd.grad(outputs, inputs=[stage input], retain_graph=True)``:
-  autograd computes only what leads to the input (for every linear layer dX, not
-  dA; a tensor-parallel layer's collectives are on this path), and the gradient
-  is posted to the previous stage at once;
-* W (`backward_weight`), later: the weights' gradients, accumulated into
-  ``.grad``. It starts where I left off, not from the stage's output: I caught,
-  on its way, the gradient arriving at each *split point*, an autograd node on
-  the input's path with a branch to parameters that leads nowhere near the input
-  (the matmul of a linear layer, whose branch is its weight and bias; a layer
-  norm). W runs, from each split point with its caught gradient, the backward
-  of that branch alone (``torch.autograd.backward`` of gradient edges, with
-  ``inputs`` its parameters): dA = dY^T X and no more. Nothing on the input's
-  path runs twice, so no collective of tensor parallelism (f's all-reduce, the
-  sequence-parallel reduce-scatter) runs in W. The one exception is a layer
-  whose autograd function computes both halves at once (the sequence-parallel
-  column GEMM that gathers its input again, ``regather_input``): it runs whole in
-  I and again in W, the gradient still counted once.
+* I (`backward_input`): ``torch.autograd.grad`` of the stage's input alone, with
+  ``retain_graph=True``: autograd computes only what leads to the input (a tensor-parallel
+  layer's collectives are on that path), and the gradient is posted to the previous stage at once.
+  On its way I catches the gradient arriving at each *split point*, an autograd node on the
+  input's path with a branch to parameters that leads nowhere near the input (a linear layer's
+  matmul, a layer norm).
+* W (`backward_weight`), later: from each split point with its caught gradient, the backward of
+  that branch alone (``torch.autograd.backward`` of gradient edges, ``inputs`` its parameters):
+  dA = dY^T X and no more, so no collective of tensor parallelism runs in W. The exception is an
+  autograd function that computes both halves at once (the sequence-parallel column GEMM that
+  gathers its input again): it runs whole in I and again in W, the gradient still counted once.
 
-Every path from the output to a parameter leaves the input's path once and for
-all (a node that reaches a node on it is on it), at one split point: the sum over
-the split points is the whole gradient, each path once. (A parameter used twice in
-one stage, on two branches one below the other, would break that; the check
-refuses it.) On the first stage the input is token ids: I has nothing to compute
-and W is the whole backward, run from the output. A checkpointed chunk runs its
-forward again in I and keeps that graph until W.
-
-What is held between I and W (measured by `reference.pipeline_parallel.accounting`,
-into ``PipelineResult.peak_activation_bytes``): ``retain_graph=True`` keeps everything
-F stored (nothing is freed at I), plus the gradients caught at the split points,
-about one output gradient per weight-bearing layer, plus, when checkpointed, the
-recomputed forward. All of it is freed by W. The zero-bubble schedules hold a
-micro-batch from its F to its W, later than 1F1B's B.
-
-The letters are torch.distributed.pipelining's (I = BACKWARD_INPUT,
-W = BACKWARD_WEIGHT); this module is the course's own way to split the backward.
+Every path from the output to a parameter leaves the input's path once and for all, at one split
+point, so the split points' sum is the whole gradient (a parameter on two branches of one stage
+would break that; `WeightPass` refuses it). On the first stage I has nothing to compute and W is
+the whole backward. Between I and W a micro-batch holds what F stored, the caught gradients, and,
+checkpointed, the forward run again (`reference.pipeline_parallel.accounting` measures it).
 """
 from __future__ import annotations
 

@@ -1,28 +1,17 @@
 """Cutting the plain GPT into pipeline stages.
 
-The GPT is a chain: embedding -> block 0 -> ... -> block L-1 -> head (ln_f and
-lm_head). A pipeline stage is a contiguous piece of that chain. `plan_stages`
-decides the cut, as plain data (`StageSpec`), without building anything;
-`split_stages` builds one `GPTStage` module per stage, each *sharing* its
-layers with the model it was cut from (no copy), so that a stage's gradients
-and an optimizer over its parameters act on the model itself.
+The GPT is a chain: embedding -> block 0 -> ... -> block L-1 -> head (ln_f and lm_head); a stage
+is a contiguous piece of it. `plan_stages` decides the cut as plain data (`StageSpec`);
+`split_stages` builds one `GPTStage` per stage, *sharing* its layers with the model (no copy).
 
-Two ways to cut:
+* ``balance="layers"``: the blocks dealt out evenly, any extra ones to the later stages, where 1F1B
+  stores the fewest micro-batches.
+* ``balance="params"``: the contiguous cut whose largest stage holds the fewest parameters (the
+  lm_head counted even when tied: its stage holds a copy).
 
-* ``balance="layers"``: the blocks are dealt out evenly; when they do not divide,
-  the later stages get one more. The first stage also embeds and the last also
-  scores (the lm_head's GEMM is the largest in a small GPT), so the extra
-  blocks go where the 1F1B schedule stores the fewest micro-batches.
-* ``balance="params"``: the contiguous cut whose largest stage holds the fewest
-  parameters. The lm_head is counted even when tied: its stage holds a copy.
-
-``embedding_stage=True`` (``head_stage=True``) gives the embedding (the head) a
-stage of its own: with a large vocabulary it is as heavy as several blocks,
-and a stage holding it and blocks is the slowest link of the pipeline.
-
-Tied weights. With ``tie_weights`` the token embedding ``wte`` (stage 0) and the
-``lm_head`` (the last stage) are one matrix; split over two ranks each holds a copy
-(``GPTStage.tied``), kept equal by `reference.pipeline_parallel.tied`.
+``embedding_stage=True`` (``head_stage=True``) gives the embedding (the head) a stage of its own:
+with a large vocabulary it is as heavy as several blocks. Tied ``wte`` and ``lm_head`` on two ranks
+are two copies (``GPTStage.tied``), kept equal by `reference.pipeline_parallel.tied`.
 """
 from __future__ import annotations
 
@@ -146,12 +135,8 @@ def plan_stages(model_or_config, n_stages: int, balance: str = "layers",
 class GPTStage(nn.Module):
     """One stage of the GPT: optionally the embedding, some blocks, optionally the head.
 
-    ``forward(x)`` takes token ids (B, T) on the embedding stage and the residual
-    stream (B, T, C) elsewhere; it returns ``(out, aux_loss)`` with ``out`` the
-    logits (B, T, V) on the head stage and the residual stream (B, T, C) elsewhere,
-    and ``aux_loss`` the sum of its blocks' auxiliary losses (0-dim).
-    Parameter names are the model's own (``h.5.attn.c_attn.weight``).
-    """
+    ``forward(x)`` returns ``(out, aux_loss)``, aux_loss the sum of its blocks' auxiliary losses.
+    Parameter names are the model's own (``h.5.attn.c_attn.weight``)."""
 
     def __init__(self, model: GPT, spec: StageSpec):
         super().__init__()
@@ -178,10 +163,8 @@ class GPTStage(nn.Module):
         return x, aux
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        """The head stage's loss (``reduction`` "mean" or "sum" over the counted tokens):
-        `lm_loss`, or the vocab-parallel cross-entropy when `apply_tensor_parallel` split
-        lm_head over the vocabulary (the logits are then this rank's columns, and a dense
-        loss on them would be wrong)."""
+        """The head stage's loss: `lm_loss`, or the vocab-parallel cross-entropy when tensor
+        parallelism split lm_head over the vocabulary (the logits are then this rank's columns)."""
         head = getattr(self, "lm_head", None)
         if isinstance(head, VocabParallelLMHead):
             return head.loss(logits, targets, reduction=reduction)
@@ -193,9 +176,7 @@ class GPTStage(nn.Module):
 
 def split_stages(model: GPT, pp: int, virtual: int = 1, balance: str = "layers",
                  embedding_stage: bool = False, head_stage: bool = False) -> list[GPTStage]:
-    """All ``pp * virtual`` stages of ``model``, in model order, sharing its layers.
-
-    Rank r runs stages r, r + pp, ... (see `local_stages`)."""
+    """All ``pp * virtual`` stages of ``model``, in model order; rank r runs r, r + pp, ... (`local_stages`)."""
     if not isinstance(pp, int) or not isinstance(virtual, int) or pp < 1 or virtual < 1:
         raise ValueError(f"pp and virtual must be positive ints, got pp={pp!r}, virtual={virtual!r}")
     try:
@@ -232,12 +213,9 @@ class _Sleep(torch.autograd.Function):
 
 
 class DelayedStage(nn.Module):
-    """A stage whose forward takes ``forward_s`` seconds more and its backward ``backward_s``.
-
-    Stands for a device busy for that long: the process sleeps, leaving the CPU
-    to the other ranks, so a timeline measured on a laptop with fewer free cores
-    than ranks still shows the schedule, not the competition for cores. Results
-    are those of the wrapped stage."""
+    """A stage whose forward takes ``forward_s`` seconds more and its backward ``backward_s``: the
+    process sleeps, leaving the CPU to the other ranks, so a timeline measured with fewer cores
+    than ranks still shows the schedule, not the competition for cores."""
 
     def __init__(self, stage: nn.Module, forward_s: float, backward_s: float):
         super().__init__()

@@ -1,12 +1,9 @@
 """Tied weights across the pipeline: the embedding and the lm_head kept equal on two ranks.
 
-With ``tie_weights`` the token embedding ``wte`` (stage 0) and the ``lm_head`` (the
-last stage) are one matrix. Split over two ranks each holds a copy, and each copy
-gets only its half of the gradient. `build_embedding_group` makes the process
-group of the first and last pipeline ranks (Megatron-LM's "embedding group") and
-`sync_tied_grads` all-reduces the two halves there, so both copies take the same
-optimizer step and stay equal. Alternatively build the model with
-``tie_weights=False``.
+With ``tie_weights`` the token embedding ``wte`` (stage 0) and the ``lm_head`` (the last stage)
+are one matrix; split over two ranks, each copy gets only its half of the gradient.
+`build_embedding_group` makes the group of the first and last pipeline ranks (Megatron-LM's
+"embedding group") and `sync_tied_grads` all-reduces the two halves there.
 """
 from __future__ import annotations
 
@@ -39,12 +36,8 @@ def build_embedding_group(mesh) -> Optional[object]:
 
 
 def sync_tied_grads(stages: Union[nn.Module, Sequence[nn.Module]], group) -> int:
-    """Sum the gradient of the tied embedding / lm_head over its two copies.
-
-    ``stages``: this rank's `GPTStage` modules (or one). Call on every rank of the
-    embedding group after the backward pass; the first and last stage each all-reduce
-    their copy's gradient. Returns the number of tensors reduced here (0 where nothing
-    is tied or shared)."""
+    """Sum the gradient of the tied embedding / lm_head over its two copies, after the backward, on
+    every rank of the group; ``stages``: this rank's `GPTStage` (or one). Returns the tensors reduced."""
     stages = [stages] if isinstance(stages, nn.Module) else list(stages)
     if group is None or not stages or not stages[0].tied:
         return 0

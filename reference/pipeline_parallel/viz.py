@@ -1,15 +1,8 @@
 """Pictures of pipeline schedules: timelines and the bubble against its formula.
 
-A timeline (simulated by `Schedule.simulate` or measured by `run_pipeline`) is
-a list per rank of `TraceEvent`. `plot_timeline` draws one row per rank, rank 0
-on top, and one box per forward (light) or backward (dark) labelled with its
-micro-batch, in that micro-batch's colour, so a reader can follow micro-batch 3
-down the stages and back up. In an interleaved schedule the chunk is the
-hatching. White space is the bubble. `plot_schedule` draws a schedule's ideal
-timeline so (`Schedule.plot`).
-
-`plot_stage_balance` draws the two balances of a cut into stages side by side:
-each stage's compute (time) and what it holds (memory).
+`plot_timeline` draws one row per rank, rank 0 on top, and one box per forward (light) or
+backward (dark) in its micro-batch's colour, the chunk as hatching: white space is the bubble.
+`plot_stage_balance` draws each stage's compute (time) and what it holds (memory).
 """
 from __future__ import annotations
 

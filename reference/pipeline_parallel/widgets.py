@@ -1,17 +1,8 @@
 """The pipeline schedule explorer: pp, m, schedule and virtual stages -> timeline and bubble.
 
-An ``ipywidgets.VBox`` of controls, a summary line and the picture. Every
-change of a control calls `ScheduleExplorer.update()`, which builds the
-schedule (`reference.pipeline_parallel.schedules.build_schedule`, validated: complete
-and free of deadlock), simulates its ideal timeline and draws it. Nothing runs
-on processes: the timeline is the schedule's own, with a forward taking 1 and
-a backward 2 time units on every stage and messages free, so its bubble is the
-textbook one.
-
-The picture travels as PNG bytes in an ``Image`` widget, not through pyplot or
-an ``Output`` widget, so building the explorer and calling `update()` draws it
-with no frontend at all (in a test, or in a notebook executed headless);
-``.figure`` is the figure of the current settings:
+Every change of a control rebuilds the schedule (validated), simulates its ideal timeline (F 1, B 2,
+messages free) and draws it. The picture travels as PNG bytes in an ``Image`` widget, so it draws
+with no frontend at all (a test, a notebook executed headless):
 
     explorer = schedule_explorer(kind="1f1b", pp=4, m=8)
     explorer                           # the live widget in JupyterLab
@@ -34,8 +25,7 @@ MAX_PP, MAX_M, MAX_VIRTUAL = 8, 16, 4
 
 
 def _formula_text(kind: str, pp: int, m: int) -> str:
-    """The textbook bubble of a schedule, as `bubble_formula` computes it (zero-bubble ones:
-    `zero_bubble_formula` with F = I = W, idle over idle plus busy)."""
+    """The textbook bubble of a schedule as text (zero-bubble ones: `zero_bubble_formula` at F = I = W)."""
     if kind in ZB_KINDS:
         return "(p-1)/(3m+p-1)" if kind == "zb-h1" else "(p-1)/(6m+p-1)"
     if kind == "naive":
@@ -52,15 +42,9 @@ def _check(name: str, value, low: int, high: int) -> None:
 
 
 class ScheduleExplorer(widgets.VBox):
-    """Pick a schedule (`kind`), the pipeline size (`pp`), the micro-batches (`m`)
-    and, for the interleaved schedule, the chunks per rank (`virtual`); see its
-    timeline, its bubble against the formula, the micro-batches each rank holds
-    at its peak and the messages it sends.
-
-    A combination the schedule cannot run (interleaved with pp = 1, or with m
-    not a multiple of pp when m >= pp) is not an exception: the summary says
-    why, and ``.schedule`` and ``.figure`` are None until the controls change.
-    """
+    """Controls `kind`, `pp`, `m` and `virtual` (interleaved only); the timeline, the bubble against
+    its formula, the micro-batches each rank holds at its peak and the messages sent. A combination
+    that cannot run is no exception: the summary says why, ``.schedule`` and ``.figure`` are None."""
 
     def __init__(self, kind: str = "1f1b", pp: int = 4, m: int = 8, virtual: int = 2):
         if kind not in KINDS + ZB_KINDS:
@@ -139,6 +123,5 @@ class ScheduleExplorer(widgets.VBox):
 
 
 def schedule_explorer(kind: str = "1f1b", pp: int = 4, m: int = 8, virtual: int = 2) -> ScheduleExplorer:
-    """The schedule explorer widget, drawn for its starting values (``virtual`` is
-    used by the interleaved schedule only)."""
+    """The schedule explorer widget, drawn for its starting values."""
     return ScheduleExplorer(kind, pp, m, virtual)

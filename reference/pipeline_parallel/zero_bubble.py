@@ -1,66 +1,41 @@
 """Zero-bubble pipeline schedules: the backward split into I and W, and W put where 1F1B idles.
 
-Qi, Wan, Huang and Lin (2024), "Zero Bubble Pipeline Parallelism" (ICLR 2024),
-observe that only half of a backward is on the pipeline's critical path: I, the
-gradient of the stage's input, which the previous stage waits for; W, the
-weights' gradients, can run any time before the optimizer step. Run I at once,
-keep W for later, and the idle time at the end of 1F1B fills with W's
-(`reference.pipeline_parallel.split_backward` runs them). Built here as plain
-data, reached through `build_schedule` like the others, checked by the same
-deadlock checker:
+Qi, Wan, Huang and Lin (2024), "Zero Bubble Pipeline Parallelism" (ICLR 2024): only I, the
+gradient of the stage's input, is on the critical path (the previous stage waits for it); W,
+the weights' gradients, can run any time before the optimizer step. Run I at once and the idle
+time of 1F1B fills with W's (`reference.pipeline_parallel.split_backward` runs them). Built as
+plain data, reached through `build_schedule`, checked by the same deadlock checker:
 
-* ``zb-h1`` (the paper's ZB-H1, "handcrafted 1"): 1F1B's order with each B split
-  into I then W, rank r putting off its first r W's (W of micro-batch i comes
-  after I of micro-batch i + r, and in the cool-down one W after each I, the
-  rest at the end). A rank holds at most p micro-batches from F to W, 1F1B's
-  peak on rank 0 (rank r now holds min(p, m) instead of p - r). The bubble
-  shrinks from (p - 1)(F + B) to (p - 1)(F + I - W): with F = I = W it is a third
-  of 1F1B's.
-* ``zb-v`` (the paper's ZB-V, section 6; torch's ``ScheduleZBVZeroBubble``): two
-  chunks per rank placed in a V: rank r holds model stages r and 2p - 1 - r, so
-  the last rank turns a micro-batch round from stage p - 1 to stage p itself
-  (a message to itself) and the first rank holds both the first and the last
-  stage (the loss, and the tied embedding's two ends, in one process). Rank r
-  runs 2(p - r) - 1 forwards of its first chunk, then r pairs (F of chunk 1,
-  F of chunk 0), then p - r times F, I, W of chunk 1; in the steady state F, I, W
-  of chunk 0 then of chunk 1; in the cool-down r pairs of I (chunk 0, chunk 1),
-  then p - r times I and W of chunk 0, then the W's left, chunk 1's first. With
-  F = I = W a rank idles only (p - 1) I / 2 in all, half of ZB-H1's, for the fill
-  at the start and the drain at the end; it holds at most 2p chunk micro-batches
-  (p whole-stage micro-batches, 1F1B's peak), fewer when m < 2p - 1.
-* ``dualpipev`` (DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024: DualPipe; its
-  V-shaped half, DualPipeV, as torch's ``ScheduleDualPipeV`` lays it out): the same V,
-  m >= 2p. After its warm-up each rank runs pairs, the forward of one chunk with the
-  whole backward B of the other, alternating the two chunks; the last backwards split
-  into I and W from the middle on. DeepSeek overlaps the two halves of a pair (one's
-  computation under the other's all-to-all of experts); here, as in torch's runtime
-  without an overlap callback, they run one after the other, so its ideal timeline has
-  ZB-V's bubble (at F = I = W) and holds one chunk micro-batch more (2p + 1).
+* ``zb-h1`` (the paper's "handcrafted 1"): 1F1B's order with each B split into I then W, rank r
+  putting off its first r W's. Every rank holds min(p, m) micro-batches from F to W, 1F1B's
+  peak on rank 0. The bubble shrinks from (p - 1)(F + B) to (p - 1)(F + I - W): with F = I = W
+  a third of 1F1B's.
+* ``zb-v`` (the paper's section 6; torch's ``ScheduleZBVZeroBubble``): two chunks per rank in a
+  V, rank r holding model stages r and 2p - 1 - r, so the last rank turns a micro-batch round by
+  a message to itself and the first rank holds both the first and the last stage. With
+  F = I = W a rank idles only (p - 1) I / 2, half of ZB-H1's; rank r holds min(2p, m + r + 1, 2m)
+  chunk micro-batches, each half a stage: at most p whole stages, 1F1B's peak.
+* ``dualpipev`` (DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024: DualPipe's V-shaped half, as
+  torch's ``ScheduleDualPipeV`` lays it out), m >= 2p: after its warm-up each rank runs pairs,
+  the forward of one chunk with the whole backward B of the other. DeepSeek overlaps a pair's
+  halves (one's computation under the other's all-to-all of experts); here, as in torch without
+  an overlap callback, they run one after the other, so it has ZB-V's bubble (at F = I = W) and
+  holds one chunk micro-batch more (2p + 1).
 
-The bubble (`zero_bubble_formula`), with F, I and W the times of a whole stage's
-forward, input-gradient and weight-gradient halves (B = I + W; a chunk of ZB-V takes
-half of each), messages free and sends not waited for, is the idle time per rank
-over the makespan, idle / (m (F + B) + idle), with
+The bubble (`zero_bubble_formula`), with F, I and W the times of a whole stage's halves
+(B = I + W; a chunk of the V takes half of each) and messages free, is idle / (m (F + B) + idle):
 
     zb-h1      idle = (p - 1) (F + max(I - W, 0))    for m >= p and W <= F
     zb-v       idle = (p - 1) max(I - W, I / 2)      for m >= 2p - 1 and W, F <= I
     dualpipev  idle = (p - 1) I / 2                  for m >= 2p and F = I = W
 
-(outside these ranges the timeline is simulated, not given in closed form)
-
-against 1F1B's (p - 1)(F + B). `Schedule.bubble_fraction(t_f, t_b, t_w)` measures
-it on the simulated timeline, and the test holds the two equal. With F = I = W at
-p = 4, m = 8: 1F1B idles 27.3 %, interleaved (v = 2) 15.8 %, zb-h1 11.1 %, zb-v and
+(elsewhere only the simulated timeline, `Schedule.bubble_fraction`, gives it). With F = I = W
+at p = 4, m = 8: 1F1B idles 27.3 %, interleaved (v = 2) 15.8 %, zb-h1 11.1 %, zb-v and
 dualpipev 5.9 % (3.0 % at m = 16).
 
-The memory (`Schedule.peak_in_flight`, micro-batches from F to W, per chunk):
-zb-h1 holds min(p, m) on every rank (1F1B: min(p - r, m) on rank r), zb-v
-min(2p, m + r + 1, 2m) chunk-micro-batches on rank r, each half a stage: at most p
-whole stages, 1F1B's rank 0; dualpipev 2p + 1 chunk-micro-batches. Between its I and
-its W a micro-batch holds, beside what its F stored, the gradients caught at the split
-points (`reference.pipeline_parallel.costs.held_bytes_formula`: 11 b T C floats a
-dense block, b T (6 C + E + k (C + d_ff)) an MoE block); `peak_bytes` walks a rank's
-actions with both and gives the peak the executor measures, exactly.
+Between its I and its W a micro-batch holds, beside what its F stored, the gradients caught at
+the split points (`reference.pipeline_parallel.costs.held_bytes_formula`); `peak_bytes` gives
+the peak of both that the executor measures, exactly.
 """
 from __future__ import annotations
 
@@ -77,12 +52,9 @@ ZB_KINDS = ("zb-h1", "zb-v", "dualpipev")
 
 
 class ZeroBubbleSchedule(Schedule):
-    """A schedule whose sends the executor posts and waits for only at the end (`AsyncMailbox`),
-    not strict: a rank goes on to its W's while its activation or gradient travels. With sends
-    that waited for their receivers, a W between a send and the receive that pairs with it
-    would hold up the neighbour (ZB-H1 would idle as 1F1B does), and ZB-V's two chunks, which
-    send to the same neighbour in both directions, would deadlock. The deadlock check (and the
-    ideal timeline) then let only a receive wait, for its send."""
+    """A schedule whose sends are waited for only at the end (`AsyncMailbox`), so a rank goes on
+    to its W's while its message travels. Sends that waited for their receivers would make ZB-H1
+    idle as 1F1B does, and deadlock ZB-V's two chunks, which send to the same neighbour both ways."""
 
     strict = False
     mailbox = AsyncMailbox
