@@ -19,11 +19,8 @@ __all__ = ["default_threads", "resolve_backend", "device", "under_torchrun", "in
 
 
 def default_threads(world_size: int) -> int:
-    """Intra-op threads per rank: the cores shared out, at least one.
-
-    With more ranks than cores every rank gets one thread (as torchrun does);
-    more would only oversubscribe the cores. ``COURSE_RANK_THREADS=n`` in the environment
-    sets n instead (`make numerics` runs the parity tests at 1 and 2 threads)."""
+    """Intra-op threads per rank: the cores shared out, at least one (more would oversubscribe them).
+    ``COURSE_RANK_THREADS=n`` in the environment sets n (`make numerics` runs at 1 and 2 threads)."""
     forced = os.environ.get("COURSE_RANK_THREADS")
     if forced:
         return max(1, int(forced))
@@ -37,12 +34,8 @@ def default_threads(world_size: int) -> int:
 def resolve_backend(backend: str, world_size: int, start_method: str = "forkserver") -> str:
     """"auto" -> NCCL with one GPU per rank when there are at least `world_size` GPUs, else gloo.
 
-    With ``start_method="fork"`` the caller's CUDA state is copied into the ranks,
-    and asking for the GPUs (`torch.cuda.is_available()`) starts the CUDA driver
-    in the caller, after which no forked rank can use CUDA. So for fork the GPUs
-    are counted only when CUDA is already initialised here (asking then costs
-    nothing more, and NCCL is refused below); otherwise "auto" is gloo without
-    asking, and "nccl" is refused."""
+    Counting the GPUs starts CUDA in the caller, after which no forked rank can use it: with
+    ``start_method="fork"`` "auto" is gloo without asking (unless CUDA already runs here)."""
     if backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
     if start_method == "fork" and not torch.cuda.is_initialized():
@@ -82,9 +75,8 @@ def under_torchrun() -> bool:
 
 
 def init_from_env(backend: str = "auto") -> tuple[int, int]:
-    """Join the process group torchrun describes in the environment; returns (rank, world_size).
-
-    Under NCCL each process takes the GPU LOCAL_RANK. Idempotent."""
+    """Join the process group torchrun describes in the environment (under NCCL on the GPU
+    LOCAL_RANK), once; returns (rank, world_size)."""
     if not dist.is_initialized():
         world_size = int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -105,11 +97,8 @@ def _destroy_process_group():
 
 
 def launch_under_torchrun(fn, world_size, args, backend, seed=None):
-    """torchrun started the ranks: run fn here and share every rank's result.
-
-    An int `seed` seeds this rank as `launch` seeds its own ranks (`seed_rank`);
-    with None the generators stay as the script left them (a torchrun rank is a
-    fresh process, and the script may have seeded it on purpose)."""
+    """torchrun started the ranks: run fn here and share every rank's result. An int `seed` seeds
+    this rank as `launch` does; with None the generators stay as the script left them."""
     rank, size = init_from_env(backend)
     if size != world_size:
         raise ValueError(f"launch asked for world_size={world_size}, but torchrun started "

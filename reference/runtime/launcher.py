@@ -2,10 +2,8 @@
 
     results = launch(fn, 4, x)        # fn(x) on 4 processes, torch.distributed ready
 
-`launch` gives every rank a process group (gloo on CPU, NCCL with one GPU per rank
-when there are enough GPUs), runs `fn(*args)` on each, and returns the list of
-per-rank return values. Under `torchrun` the same call runs `fn` on the ranks
-torchrun started, so one notebook or script serves a laptop and a GPU node.
+Under `torchrun` the same call runs `fn` on the ranks torchrun started, so one notebook or
+script serves a laptop and a GPU node.
 
 How the ranks are started, and why. `python bench/launch_methods.py` launches 2
 ranks from a caller that already used OpenMP (as a kernel has), each rank running
@@ -26,26 +24,21 @@ a matmul on two threads; on a 2-core CPU machine it printed:
 * `forkserver` (chosen) forks each rank from a small clean server process that
   imported torch but never ran an op or touched CUDA: neither problem can occur,
   and after the first launch a rank starts in a fraction of a second. The
-  function travels as a cloudpickle payload, which serialises functions defined
-  in `__main__` (a notebook cell) by value (`reference.runtime.payload`), and
-  each rank reseeds the generators it inherited (`reference.runtime.seeds`).
+  function travels by value (`reference.runtime.payload`), and each rank reseeds
+  the generators it inherited (`reference.runtime.seeds`).
 
-Rendezvous uses a `FileStore` in a fresh temporary folder per launch, so launches
-running side by side never share a port or a store. Each rank's stdout and
-stderr (C++ logs included: the file descriptors are redirected) go to a file and
-are printed by the caller after the run, rank by rank, each line prefixed with
-`[rank r]`, so notebook output never interleaves at random.
+Rendezvous uses a `FileStore` in a fresh temporary folder per launch, so launches side by
+side never share a port. Each rank's stdout and stderr (C++ logs included) go to a file,
+printed by the caller after the run with each line prefixed `[rank r]`.
 
-Failure handling. A rank that raises writes its traceback and exits; the caller
-stops every other rank within a second and raises one `RankError` showing the
-first failure that is not a communication error (a peer's "connection closed"
-is a consequence, not a cause). A rank that finishes waits for the caller's
-release before tearing down its connections, so a rank that skips a collective
-leaves its peers hanging there instead of failing them; at `timeout` the caller
-dumps every unfinished rank's Python stack, kills it and raises
-`RankTimeoutError` naming the ranks that did not finish. Ranks stay in the
-caller's process group (Jupyter's interrupt signals the whole group) and are
-killed in a `finally`, so an interrupted kernel leaves nothing behind.
+Failure handling. A rank that raises writes its traceback and exits; the caller stops every
+other rank within a second and raises one `RankError` showing the first failure that is not
+a communication error (a peer's "connection closed" is a consequence, not a cause). A rank
+that finishes waits for the caller's release before tearing down its connections, so a rank
+that skips a collective leaves its peers hanging instead of failing them; at `timeout` the
+caller dumps every unfinished rank's Python stack, kills it and raises `RankTimeoutError`.
+Ranks stay in the caller's process group (Jupyter's interrupt reaches them) and are killed in
+a `finally`, so an interrupted kernel leaves nothing behind.
 """
 from __future__ import annotations
 
@@ -82,12 +75,9 @@ _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.te
 
 
 def preload(*modules: str) -> None:
-    """Have every rank start with ``modules`` already imported: the fork server imports them
-    once and each rank is forked from it, instead of each rank of each launch importing them
-    again (matplotlib and the parallel packages cost a few tenths of a second of CPU per
-    rank). Takes effect only before the server's first start, the first `launch` of the
-    process: a package calls it when it is imported. A preloaded module must not touch CUDA
-    at import time (a rank forked after that could not use its GPU)."""
+    """Have every rank start with ``modules`` already imported by the fork server, instead of each
+    rank importing them again. Takes effect only before the first `launch` of the process (a
+    package calls it when imported); a preloaded module must not touch CUDA at import time."""
     for module in modules:
         if module not in _PRELOAD:
             _PRELOAD.append(module)
@@ -97,13 +87,9 @@ _START_LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def _without_main_module():
-    """Start processes that do not re-import the caller's `__main__`.
-
-    multiprocessing makes each new process import the parent's main module (as
-    `__mp_main__`) so that pickled references into it resolve. Ranks need none:
-    their function travels by value. Skipping it saves every rank a re-import
-    (pytest, a grader, a training script) and makes launch work where `__main__`
-    is no file at all (`python -c`, `python -`)."""
+    """Start processes that do not re-import the caller's `__main__` (as multiprocessing does, for
+    pickled references into it; a rank's function travels by value): it saves every rank a
+    re-import and makes launch work where `__main__` is no file (`python -c`, `python -`)."""
     original = mp_spawn.get_preparation_data
 
     def without_main(name):
@@ -175,11 +161,8 @@ _DYNAMIC_FRAME = re.compile(r'File "<dynamic-code>", line (\d+)(,?) in (\w+)(\n|
 
 
 def _with_source_lines(err, fn):
-    """Point the ranks' traceback frames back at the caller's source.
-
-    cloudpickle renames the file of every function it sends by value (a notebook
-    cell's, say) to "<dynamic-code>", so the rank's traceback has no source lines.
-    The caller still has the code objects: match frames by function name."""
+    """Point the ranks' traceback frames back at the caller's source: cloudpickle names the file of a
+    function sent by value "<dynamic-code>", and the caller's code objects match them by name."""
     codes = {}
 
     def add(code):
@@ -256,20 +239,15 @@ def _wait(fn, procs, writers, workdir: str, timeout: float) -> None:
 def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 300.0,
            threads: int | None = None, quiet: bool = False, safe_results: bool = False,
            start_method: str = "forkserver", seed: int | None = None):
-    """Run `fn(*args)` on `world_size` ranks with torch.distributed initialised.
+    """Run `fn(*args)` on `world_size` ranks with torch.distributed initialised; the ranks' return
+    values, index = rank.
 
-    Returns the list of the ranks' return values (index = rank). Raises `RankError`
-    when a rank fails and `RankTimeoutError` when ranks are still running after
-    `timeout` seconds. `threads`: intra-op threads per rank (default: `default_threads`).
-    `quiet=True` hides the ranks' output.
-    `safe_results=True` reads results with `torch.load(weights_only=True)`, so ranks
-    running untrusted code can only return tensors, numbers, strings and containers.
-
-    `seed` seeds each rank's default generators before `fn` runs: fresh entropy with
-    None, rank r from `rank_seed(seed, r)` with an int (`reference.runtime.seeds`). Under
-    torchrun an int seed is applied the same way; None leaves the generators as the script
-    set them. A CUDA tensor among `args` arrives on the rank's own GPU, and results come
-    back with every tensor on the CPU (`reference.runtime.payload`).
+    `threads`: intra-op threads per rank (default: `default_threads`). `quiet=True` hides the
+    ranks' output. `safe_results=True` reads results with `torch.load(weights_only=True)`, so
+    ranks running untrusted code can only return tensors, numbers, strings and containers.
+    `seed`: fresh entropy with None, rank r from `rank_seed(seed, r)` with an int (under
+    torchrun None leaves the generators as the script set them). A CUDA tensor among `args`
+    arrives on the rank's own GPU; results come back with every tensor on the CPU.
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")

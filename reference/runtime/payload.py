@@ -1,14 +1,11 @@
 """What travels between the caller and its ranks: the function out, the results back.
 
-* Out: the function and its arguments as one cloudpickle payload, which carries
-  functions defined in `__main__` (a notebook cell) by value. A CUDA tensor among
-  them travels as its CPU copy and is rebuilt on the rank's *current* CUDA device,
-  which under NCCL the rank has set to its own GPU before unpickling. (Pickled the
-  ordinary way, a tensor remembers its device index: every rank would rebuild it
-  on cuda:0.) Tensors that share storage in the caller arrive as separate copies.
-* Back: each rank's return value, read in the caller with every tensor mapped to
-  the CPU, so reading a result never initialises CUDA in the caller (a notebook
-  kernel would otherwise create a context on every GPU the ranks returned from).
+* Out: the function and its arguments as one cloudpickle payload, which carries functions
+  defined in `__main__` (a notebook cell) by value. A CUDA tensor travels as its CPU copy and
+  is rebuilt on the rank's *current* device, its own GPU under NCCL (pickled the ordinary way
+  it would land on cuda:0 on every rank). Tensors that share storage arrive as separate copies.
+* Back: each rank's return value, every tensor mapped to the CPU, so reading a result never
+  initialises CUDA in the caller (a kernel would create a context on every GPU returned from).
 """
 from __future__ import annotations
 
@@ -43,14 +40,9 @@ def on_rank_device(data: torch.Tensor, requires_grad: bool, parameter: bool) -> 
 
 
 class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, plus two rules.
-
-    * Module objects of a ModuleType subclass travel by name. torch registers some
-      config modules (torch.distributed.config, say) as instances of a ModuleType
-      subclass; cloudpickle would try to copy them by value and fail on any
-      function that uses `dist` and reads an attribute that happens to share such
-      a module's name (`stage.config`).
-    * CUDA tensors travel as CPU copies rebuilt by `on_rank_device`."""
+    """cloudpickle, plus two rules: CUDA tensors travel as CPU copies rebuilt by `on_rank_device`, and
+    modules of a ModuleType subclass (torch's config modules, such as torch.distributed.config) by
+    name, which cloudpickle would try to copy by value and fail on."""
 
     def reducer_override(self, obj):
         if (isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType

@@ -35,11 +35,8 @@ _COMM_PATTERNS = (
 
 
 def process_group_backend(backend: str) -> str:
-    """The backend string handed to init_process_group.
-
-    Under NCCL, CPU tensors still go through gloo ("cpu:gloo,cuda:nccl"), so a
-    notebook whose ranks build small CPU tensors runs unchanged on a GPU node, and
-    tensors moved to `device()` take NCCL."""
+    """The backend string handed to init_process_group: under NCCL, CPU tensors still go through gloo
+    ("cpu:gloo,cuda:nccl"), so a notebook whose ranks build small CPU tensors runs on a GPU node."""
     return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
@@ -50,10 +47,8 @@ def is_comm_error(exc: BaseException) -> bool:
 
 
 def load_payload(rank, payload, backend, seed):
-    """This rank's device and random state, then its function and arguments (in this order).
-
-    Under NCCL the GPU is set first: a CUDA tensor of the payload, and the CUDA context,
-    are created on the current device (`reference.runtime.payload`), cuda:0 before it."""
+    """This rank's device and random state, then its function and arguments: the GPU is set first,
+    since the payload's CUDA tensors are created on the current device (`reference.runtime.payload`)."""
     if backend == "nccl":
         torch.cuda.set_device(rank)
     seed_rank(seed, rank)  # fresh entropy, or rank_seed(seed, rank)

@@ -1,21 +1,12 @@
 """Each rank's random state: its own, and reproducible on request.
 
-A process forked from another inherits its generators' states. The ranks of a
-launch are all forked from one fork server, so without reseeding every rank
-would draw the same `torch.rand` numbers, in every launch, as long as the server
-lives: "random" per-rank batches would all be one batch, and a model built in
-each rank without a seed would be the same model everywhere by accident. So
-every rank reseeds its default generators before running the function:
-
-* torch's CPU generator and (lazily, without initialising CUDA) every GPU's;
-* Python's `random` and numpy's global state (`np.random.rand` and friends).
-
-``launch(fn, n)`` seeds them from fresh operating-system entropy: different
-on every rank and in every launch, like a fresh process.
-``launch(fn, n, seed=s)`` seeds rank r with ``rank_seed(s, r)``: the same
-numbers in every launch with that seed, different on every rank. Code that
-needs the *same* numbers on several ranks (the replicas of a model, a shared
-batch) seeds a generator of its own with the same value on those ranks.
+The ranks of a launch are all forked from one fork server and inherit its generators' states:
+without reseeding every rank would draw the same `torch.rand` numbers, in every launch. So every
+rank reseeds torch's CPU generator and (lazily) every GPU's, Python's `random` and numpy's global
+state before running the function: from fresh entropy with ``launch(fn, n)``, like a fresh
+process; with ``rank_seed(s, r)`` under ``launch(fn, n, seed=s)``, the same numbers in every
+launch with that seed. Code that needs the *same* numbers on several ranks (the replicas of a
+model, a shared batch) seeds a generator of its own with the same value on those ranks.
 """
 from __future__ import annotations
 
@@ -38,19 +29,15 @@ def check_seed(seed) -> None:
 
 
 def rank_seed(seed: int, rank: int) -> int:
-    """The seed of rank `rank` in a launch with `seed`: a hash of both.
-
-    The first 8 bytes of SHA-256 of the text ``"{seed}:{rank}"``, read big-endian,
-    keeping the low 63 bits. A hash rather than ``seed + rank``: launches with
-    seeds 1 and 2 then share no rank's stream."""
+    """The seed of rank `rank` in a launch with `seed`: the low 63 bits of SHA-256 of ``"{seed}:{rank}"``
+    (a hash rather than ``seed + rank``, so that launches with seeds 1 and 2 share no rank's stream)."""
     digest = hashlib.sha256(f"{seed}:{rank}".encode()).digest()
     return int.from_bytes(digest[:8], "big") & ((1 << _SEED_BITS) - 1)
 
 
 def seed_rank(seed: int | None, rank: int) -> int:
-    """Seed this process's default generators (the module's list) for rank `rank` from
-    `rank_seed(seed, rank)`, or os.urandom with ``seed=None``; returns the value used, which
-    `torch.initial_seed()` also tells."""
+    """Seed this process's default generators from `rank_seed(seed, rank)`, or os.urandom with
+    ``seed=None``; returns the value used (`torch.initial_seed()` tells it too)."""
     value = (int.from_bytes(os.urandom(8), "big") & ((1 << _SEED_BITS) - 1) if seed is None
              else rank_seed(seed, rank))
     torch.manual_seed(value)
