@@ -93,9 +93,9 @@ def held_bytes_formula(config: GPTConfig, micro_batch: int, spec: StageSpec, n_e
                        k: int = 2, moe_layers: Optional[Iterable[int]] = None,
                        shared_expert: bool = False) -> int:
     """Bytes one micro-batch's I holds on the stage ``spec`` until its W, beside what its F stored:
-    the gradients caught at the split points (fp32, no tensor parallelism), 11 b T C * 4 a dense
-    block. With ``n_experts`` the layers ``moe_layers`` (default all) route k of E experts per
-    token, plus a ``shared_expert``. The first stage's I computes nothing and holds nothing."""
+    the gradients caught at the split points (fp32, no tensor parallelism): 11 b T C * 4 a dense
+    block, (b T C + b T V) * 4 the head. With ``n_experts`` the layers ``moe_layers`` (default all)
+    route k of E experts per token, plus a ``shared_expert``. The first stage's I holds nothing."""
     if spec.stage == 0:
         return 0
     moe = set(range(config.n_layer) if moe_layers is None else moe_layers) if n_experts else set()

@@ -207,7 +207,7 @@ def build_schedule(kind: str, pp: int, m: int, virtual: int = 1) -> Schedule:
 
 def bubble_formula(kind: str, pp: int, m: int, virtual: int = 1) -> float:
     """The textbook bubble fraction (F and B equal on every stage, messages free): the module's
-    formulas, and for interleaved with m < p 1 - v m / (v p + m - 1), a micro-batch coming back to
+    formulas; interleaved with m < p idles 1 - v m / (v p + m - 1), a micro-batch coming back to
     rank 0 for its next chunk before rank 0 has anything else to do."""
     _check_args(kind, pp, m, virtual)
     if kind == "naive":
