@@ -133,10 +133,8 @@ def plan_stages(model_or_config, n_stages: int, balance: str = "layers",
 
 
 class GPTStage(nn.Module):
-    """One stage of the GPT: optionally the embedding, some blocks, optionally the head.
-
-    ``forward(x)`` returns ``(out, aux_loss)``, aux_loss the sum of its blocks' auxiliary losses.
-    Parameter names are the model's own (``h.5.attn.c_attn.weight``)."""
+    """One stage of the GPT: optionally the embedding, some blocks, optionally the head; ``forward``
+    returns ``(out, aux_loss)``. Parameter names are the model's own (``h.5.attn.c_attn.weight``)."""
 
     def __init__(self, model: GPT, spec: StageSpec):
         super().__init__()

@@ -19,10 +19,8 @@ __all__ = ["build_embedding_group", "sync_tied_grads"]
 
 
 def build_embedding_group(mesh) -> Optional[object]:
-    """The group of the first and last rank of this rank's pipeline (None if not in one).
-
-    Every rank must call it (``new_group`` is collective), after ``mesh.build_groups()``.
-    With pp = 1 both ends live in one process and share the weight: returns None."""
+    """The group of the first and last rank of this rank's pipeline (None if not in one, or pp = 1).
+    Every rank calls it (``new_group`` is collective), after ``mesh.build_groups()``."""
     if mesh.pp == 1:
         return None
     mine = None

@@ -29,10 +29,8 @@ def _new_axes(ax, size):
 
 def plot_timeline(timeline, title: Optional[str] = None, ax=None, xlabel: str = "time",
                   show_comm: bool = False):
-    """Ranks as rows, each F and B a coloured box from its start to its end.
-
-    ``show_comm=True`` also draws, as a thin grey bar, the time a rank spent in
-    a communication step (waiting for its partner included)."""
+    """Ranks as rows, each F and B a coloured box from its start to its end; ``show_comm=True`` also
+    draws a thin grey bar for the time a rank spent in a communication step."""
     n_ranks = len(timeline)
     events = [e for row in timeline for e in row]
     if not events:

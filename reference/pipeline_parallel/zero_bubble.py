@@ -82,13 +82,9 @@ def _message(s: Schedule, rank: int, op: str, mb: int, c: int):
 
 
 def _with_messages(s: Schedule, orders: dict) -> dict:
-    """Every rank's compute ``orders`` (op, mb, chunk) with their messages.
-
-    Each send goes right after the action that produced it, each receive right before
-    the action that needs it (after any W, which sends and waits for nothing: W's fill
-    the wait), together with every message sent before it on the same channel and not
-    yet received: between two ranks messages arrive in the order they are sent, which
-    ZB-V's two chunks do not keep by themselves. Consecutive messages form one step."""
+    """Every rank's compute ``orders`` (op, mb, chunk) with their messages: each send right after
+    its action, each receive right before the action that needs it (W's fill the wait), with every
+    message sent before it on the same channel, so that messages arrive in the order sent."""
     channel = {}  # (sender, receiver) -> the receiver's RECV actions, in the order sent
     for r, order in orders.items():
         for op, mb, c in order:
@@ -159,10 +155,8 @@ def _zb_v_order(pp: int, m: int, rank: int) -> list[tuple]:
 
 
 def _dualpipev_order(pp: int, m: int, rank: int) -> list[tuple]:
-    """DualPipeV on one rank, in the order torch's ``ScheduleDualPipeV`` lays it out (after
-    DeepSeek's open DualPipe): the pairs (F of one chunk, B of the other) that DualPipe
-    overlaps run one after the other here; the last backwards split into I and W from the
-    middle on, their W's run last."""
+    """DualPipeV on one rank, in the order torch's ``ScheduleDualPipeV`` lays it out; the last
+    backwards split into I and W from the middle on, their W's run last."""
     if m < 2 * pp:
         raise ValueError(f"'dualpipev' needs at least as many micro-batches as stages: m={m} < "
                          f"2 pp = {2 * pp} (its steady state pairs a forward of each chunk with a "
