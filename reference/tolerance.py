@@ -233,9 +233,8 @@ def adamw_weights(steps: int, lr: float, betas: tuple[float, float] = (0.9, 0.99
     any weight within 2 lr (rho_1 + ... + rho_k), their mean within a share of that (section 3)."""
     if steps < 1 or lr <= 0:
         raise ValueError(f"adamw_weights(steps={steps}, lr={lr}): at least one step, lr > 0")
-    _check_dtype(dtype)
+    base = forward(dtype)  # refuses a dtype without a tolerance
     bound = 2 * lr * sum(adamw_ratio_bound(k, betas) for k in range(1, steps + 1))
-    base = forward(dtype)
     return Tolerance(base.rtol, bound + base.atol,
                      f"{steps} AdamW steps at lr {lr:g}: a near-zero gradient can take the whole step "
                      f"either way; the mean is held to {MEAN_SHARE[dtype]:g} of that (section 3)",
