@@ -217,12 +217,10 @@ class PeakMemory(TorchDispatchMode):
 
 
 class SavedBytes:
-    """Bytes of the distinct storages autograd saves for backward inside the block.
-
-    Parameters are left out (they are stored whatever the schedule), and so is
-    anything in ``exclude`` (storage pointers already counted elsewhere). ``params``,
-    when given, are looked at as each tensor is saved: parameters whose storage an
-    action hook frees and regathers (ZeRO-3 resharding) move between actions."""
+    """Bytes of the distinct storages autograd saves for backward inside the block. Parameters are
+    left out, being stored whatever the schedule (`param_ptrs`, and ``params`` looked up as each
+    tensor is saved: ZeRO-3 frees and regathers their storage between actions), and so is
+    ``exclude`` (counted elsewhere)."""
 
     def __init__(self, param_ptrs: set, exclude: Sequence[torch.Tensor] = (), params=None):
         self.skip = set(param_ptrs) | {t.untyped_storage().data_ptr() for t in exclude}

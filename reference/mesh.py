@@ -63,7 +63,7 @@ HSDP (FSDP2's 2D mesh, torchtitan's ``dp_replicate x dp_shard``) splits the dp r
 way, ``dp_rank = dp_replicate_rank * dp_shard + dp_shard_rank``: ZeRO-3 shards inside a
 ``dp_shard`` group of consecutive dp ranks (a node) and all-reduces across the ``dp_replicate``
 group (same dp_shard rank: the same rows). Those groups exist when dp_replicate > 1
-(`HSDP_DIMS`); with experts or cp > 1 HSDP is refused.
+(`HSDP_DIMS`); HSDP is refused with cp > 1 or experts (they have their own ``edp``).
 
 Everything but :meth:`Mesh.build_groups` is arithmetic that needs no process started.
 """
