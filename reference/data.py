@@ -1,15 +1,10 @@
 """Byte-level training data that every machine already has, and reproducible batches.
 
-The corpus is the Python standard library's own ``.py`` source, read as bytes
-(so the vocabulary is the 256 byte values and nothing is downloaded). Files
-are taken in sorted path order, leaving out ``site-packages`` and test
-directories, and concatenated up to a byte limit. The same Python version
-therefore gives the same corpus on every machine.
-
-Batches are reproducible: ``get_batch(data, B, T, step, seed)`` draws its
-offsets from a generator seeded by ``(seed, step)`` alone, so every process
-that asks for step ``s`` gets the same global batch, whatever it did before.
-Data-parallel ranks later take their slices of that one global batch.
+The corpus is the Python standard library's own ``.py`` source read as bytes (the vocabulary is
+the 256 byte values; nothing is downloaded), files in sorted path order without ``site-packages``
+and tests: the same Python version gives the same corpus on every machine. A batch depends on
+``(seed, step)`` alone, so every process that asks for step ``s`` gets the same global batch,
+whatever it did before; data-parallel ranks take their slices of it.
 """
 
 from __future__ import annotations
@@ -39,13 +34,11 @@ def stdlib_source_files() -> list[Path]:
     root = sysconfig.get_paths()["stdlib"]
     relative = []
     for dirpath, dirnames, filenames in os.walk(root):
-        # Prune in place so os.walk never descends into skipped directories
-        # (site-packages alone can hold far more files than the stdlib).
+        # Pruned in place: os.walk never descends into them (site-packages can dwarf the stdlib).
         dirnames[:] = [d for d in dirnames if d not in _SKIPPED_DIRS]
         rel_dir = Path(dirpath).relative_to(root)
         relative += [(rel_dir / f).as_posix() for f in filenames if f.endswith(".py")]
-    # Sorted by the path relative to the stdlib root, so the order does not
-    # depend on where Python is installed.
+    # Sorted relative to the stdlib root, so the order does not depend on where Python lives.
     return [Path(root, rel) for rel in sorted(relative)]
 
 
@@ -65,10 +58,7 @@ def _corpus_bytes(max_bytes: int) -> bytes:
 
 
 def corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
-    """The corpus as a 1-D ``torch.uint8`` tensor of at most ``max_bytes`` bytes.
-
-    Read once per process and per ``max_bytes``; each call returns a fresh copy.
-    """
+    """The corpus as a 1-D ``torch.uint8`` tensor of at most ``max_bytes`` bytes (read once, copied)."""
     if not isinstance(max_bytes, int) or max_bytes <= 0:
         raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
     raw = _corpus_bytes(max_bytes)
@@ -96,9 +86,8 @@ class ByteCorpus:
 
 
 def _rng(seed: int, step: int) -> np.random.Generator:
-    # numpy's SeedSequence mixes the pair (seed, step) into the full 128-bit
-    # PCG64 state, so distinct pairs give distinct streams. (A torch CPU
-    # generator would keep only the low 32 bits of a combined seed.)
+    # numpy's SeedSequence mixes (seed, step) into the full 128-bit PCG64 state, so distinct
+    # pairs give distinct streams (a torch CPU generator keeps 32 bits of a combined seed).
     for name, value in (("seed", seed), ("step", step)):
         if not isinstance(value, (int, np.integer)) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
@@ -112,12 +101,8 @@ def _check_sizes(batch_size: int, block_size: int) -> None:
 
 def get_batch(data: torch.Tensor, batch_size: int, block_size: int, step: int, seed: int = 0,
               device: Optional[Union[str, torch.device]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch number ``step``: x, y int64 (batch_size, block_size), y[b, t] = x[b, t + 1] in ``data``.
-
-    Each row is a window of ``block_size + 1`` consecutive bytes starting at a
-    random offset; x is its first ``block_size`` bytes and y, the targets, its
-    last ``block_size``. The offsets depend only on ``(seed, step)``.
-    """
+    """Batch number ``step``: x, y int64 (batch_size, block_size), each row a window of ``data`` at
+    an offset drawn from ``(seed, step)``, y the next bytes: y[b, t] = x[b, t + 1] in ``data``."""
     if data.dim() != 1:
         raise ValueError(f"data must be 1-D, got shape {tuple(data.shape)}")
     _check_sizes(batch_size, block_size)
@@ -149,14 +134,12 @@ PAD = 0  # the NUL byte: what a padded position's input holds (its target is -10
 
 def padded_documents(data: torch.Tensor, batch_size: int, block_size: int, step: int,
                      seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch number ``step`` of variable-length documents, one per row, each padded to
-    ``block_size``: x, y int64 (batch_size, block_size).
+    """Batch number ``step`` of documents padded to ``block_size``: x, y int64 (batch_size, block_size).
 
-    Row b is a document of L_b + 1 consecutive tokens of ``data`` (L_b drawn uniformly from
-    1 .. block_size, its offset at random): x[b, :L_b] its first L_b tokens and y[b, :L_b]
-    its last L_b, then x holds `PAD` and y holds -100, the target that counts for nothing
-    (`reference.loss.IGNORE_INDEX`). Rows count different numbers of tokens, as a real
-    batch of padded documents or masked prompts does. Depends only on ``(seed, step)``."""
+    Row b is a document of L_b + 1 tokens of ``data`` (L_b uniform in 1 .. block_size, its offset
+    random, both from ``(seed, step)``): x[b, :L_b] its first L_b tokens, y[b, :L_b] its last L_b,
+    then x holds `PAD` and y -100, the target that counts for nothing (`reference.loss`). Rows
+    count different numbers of tokens, as padded documents or masked prompts do."""
     if data.dim() != 1 or len(data) <= block_size:
         raise ValueError(f"data must be 1-D with more than block_size={block_size} tokens, "
                          f"got shape {tuple(data.shape)}")

@@ -1,32 +1,26 @@
 """The step's loss: what one process's mean becomes when the batch is cut.
 
-One process computes ``F.cross_entropy`` over the whole batch: the sum of the counted
-tokens' losses divided by how many tokens count (targets equal to ``IGNORE_INDEX``, such as
-padding or a masked prompt, count for nothing). A parallel step cuts the batch into
-micro-batches and over dp x cp ranks, and each piece computes its loss on its own. How the
-pieces' losses are put back together is one of two parts, chosen once per step:
+One process computes ``F.cross_entropy`` over the whole batch: the sum of the counted tokens'
+losses over how many count (a target equal to ``IGNORE_INDEX``, padding or a masked prompt,
+counts for nothing). A parallel step cuts the batch into micro-batches and over dp x cp ranks;
+each piece computes its loss on its own, and the pieces combine in one of two ways:
 
-* `TokenMean` (the default): each piece's *sum* over its counted tokens, divided by the
-  step's count N of counted tokens in the whole global batch. Summed over the micro-batches
-  and the ranks this is exactly one process's loss, however unevenly padding falls. N is
-  computed once per step before any backward, from the global batch that every rank is
-  handed (`reference.parallel.train_step` takes the global batch), so it costs no
-  communication; a loader that handed each rank only its own rows would need one
-  all-reduce of a scalar here instead. Knowing N before the backward, rather than folding
-  it in afterwards, keeps the gradients right as they are made, which fp16's loss scaler
-  and gradient clipping both read.
+* `TokenMean` (the default): each piece's *sum* over its counted tokens, divided by the count N
+  of the whole global batch. Summed over micro-batches and ranks this is exactly one process's
+  loss, however unevenly padding falls. Every rank is handed the global batch
+  (`reference.parallel.train_step`), so N costs no communication (a loader handing each rank
+  its own rows would need one all-reduce of a scalar). N is known before the backward, so the
+  gradients are right as they are made, which fp16's loss scaler and gradient clipping read.
+  The gradient reduction averages over the dp x cp replicas, so a share is multiplied by
+  ``replicas = dp * cp``.
 * `MeanOfMeans`: each micro-batch's *mean* over its own counted tokens, averaged over the
-  micro-batches and (by the gradient average) over the dp x cp ranks. Equal to one process
-  only when every piece counts as many tokens; kept to show what goes wrong otherwise.
+  micro-batches and (by the gradient average) the ranks. Equal to one process only when every
+  piece counts as many tokens; kept to show what goes wrong otherwise.
 
-The data-parallel gradient reduction averages over the dp x cp replicas (divides by
-dp x cp), so a `TokenMean` piece multiplies its share by ``replicas = dp * cp``: after the
-average the gradient is that of sum / N. Experts' auxiliary (balance) losses keep their own
-normalisation in both: each micro-batch's balance loss over the tokens it routed (every
-position, padding included: the router routes them all), averaged over the micro-batches
-and the dp x cp replicas.
+Experts' balance losses keep their own normalisation in both: each micro-batch's over the
+tokens it routed (padding included: the router routes every position), averaged like a mean.
 
-    mean = token_mean(targets, replicas=dp * cp)          # N counted in the global batch
+    mean = step_mean("tokens", targets, microbatches, replicas=dp * cp)   # N of the global batch
     share = mean.share(loss_fn, logits, targets_of_one_micro_batch)
 """
 from __future__ import annotations
@@ -47,9 +41,8 @@ def counted_tokens(targets: torch.Tensor) -> int:
 
 
 class TokenMean:
-    """The step's loss as one process has it. ``share`` is one piece's part: its sum over its
-    counted tokens times ``replicas / count``; a piece with no counted token contributes 0,
-    with a gradient of 0."""
+    """The step's loss as one process has it: a piece's ``share`` is its sum over its counted tokens
+    times ``replicas / count`` (0, with a gradient of 0, when it counts none)."""
 
     def __init__(self, count: int, replicas: int = 1):
         if count < 1:
@@ -79,8 +72,8 @@ class MeanOfMeans:
 
 
 def step_mean(kind: str, targets: torch.Tensor, microbatches: int, replicas: int):
-    """The step's loss mean of ``kind`` ("tokens" or "mean_of_means") for the global
-    ``targets`` cut into ``microbatches`` per rank over ``replicas`` = dp x cp ranks."""
+    """The step's mean of ``kind`` (`LOSS_MEANS`) for the global ``targets`` cut into
+    ``microbatches`` per rank over ``replicas`` = dp x cp ranks."""
     if kind == "tokens":
         return TokenMean(counted_tokens(targets), replicas)
     if kind == "mean_of_means":

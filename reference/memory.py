@@ -16,29 +16,15 @@ each rank holds for the model states:
     stage 2  (P_os+g)        p Psi      g Psi / N  K Psi / N
     stage 3  (P_os+g+p)      p Psi / N  g Psi / N  K Psi / N
 
-The paper's example: Psi = 7.5B, mixed precision, N = 64 gives 120 GB, 31.4 GB,
-16.6 GB and 1.9 GB per rank. (Activations, buffers and temporary all-gathered
-parameters are not model states and are not counted.)
+The paper's example: Psi = 7.5B, mixed precision, N = 64 gives 120 GB, 31.4 GB, 16.6 GB and
+1.9 GB per rank. Activations, buffers and temporary all-gathered parameters are not model states.
 
-An implementation shards flat buffers padded to a multiple of N (see
-`reference.zero.shard`): a buffer of Psi numbers becomes N shards of
-S = ceil(Psi / N), and what is kept whole is held as the padded P = N * S.
-`model_state_bytes(..., units=...)` applies that padding, per flat buffer, so
-that it equals exactly what `measure` finds in a live run; without padding
-(every unit divisible by N) it is the paper's formula.
-
-`measure(model, optimizer)` adds up the bytes of the distinct storages actually
-held: a storage is counted once, even when many tensors view it (ZeRO-1's module
-gradients and its shard gradient share one buffer). Optimizer state of a
-parameter's own shape (Adam's moments: the K of the formula) is `optimizer_state`;
-anything else (Adam's `step` counter, one number per tensor) is `other`.
-
-The table above is what a rank holds between steps. Inside a step the gradients
-peak higher: `zero_peak_grad_bytes` is that peak for `ZeroOptimizer` (stage 1
-holds its full buffer, stage 2 its shard plus one bucket being reduced), and
-`PeakMemory` measures a peak: the most bytes alive at once among the tensors
-created inside a block of code; `SavedBytes`, what autograd saves for backward inside
-one (a pipeline stage's and a context-parallel rank's activations).
+An implementation shards flat buffers padded to a multiple of N (`reference.zero.shard`): a
+buffer of Psi numbers becomes N shards of S = ceil(Psi / N), and one kept whole holds the padded
+P = N * S. `model_state_bytes(..., units=...)` applies that padding so that it equals what
+`measure` finds in a live run. The table is what a rank holds between steps; inside a step the
+gradients peak higher (`zero_peak_grad_bytes`). `PeakMemory` measures a peak, `SavedBytes` what
+autograd saves for backward (a pipeline stage's or a context-parallel rank's activations).
 """
 from __future__ import annotations
 
@@ -77,12 +63,8 @@ class Precision:
 
     @classmethod
     def mixed_adam_offload(cls) -> "Precision":
-        """Device bytes of mixed-precision Adam with the optimizer offloaded to the CPU
-        (ZeRO-Offload, DeepSpeed's ``offload_optimizer``): 2 + 0 + 0.
-
-        The optimizer step runs on the CPU, so each gradient, once reduced (ZeRO-2:
-        bucket by bucket during backward; ZeRO-3: unit by unit), is copied to host
-        memory; the buckets it passes through are buffers, not model states."""
+        """Device bytes of mixed-precision Adam with the optimizer offloaded to the CPU (ZeRO-Offload):
+        2 + 0 + 0. Each gradient, once reduced, is copied to host memory, where the step runs."""
         return cls(2, 0, 0)
 
     @classmethod
@@ -133,13 +115,9 @@ def _check_counts(num_params: int, dp: int) -> None:
 def model_state_bytes(num_params: int, dp: int, stage: int,
                       precision: Precision | None = None,
                       units: Sequence[int] | None = None) -> MemoryBytes:
-    """The ZeRO formula: bytes per rank of `num_params` parameters over `dp` ranks at `stage`.
-
-    `stage` 0 is plain data parallelism, 1 to 3 the ZeRO stages. `precision`
-    defaults to fp32 Adam (4 + 4 + 8). `units` lists the numel of each flat
-    buffer sharded separately (FSDP: one per block; ZeRO-1/2: one buffer of all
-    parameters), each padded to a multiple of `dp`; without it, one buffer.
-    """
+    """The ZeRO formula: bytes per rank of `num_params` parameters over `dp` ranks at `stage` (0: plain
+    data parallelism), fp32 Adam by default. `units`: the numel of each flat buffer sharded
+    separately (FSDP: one per block; ZeRO-1/2: one of all parameters), each padded; default one."""
     if stage not in STAGE_NAMES:
         raise ValueError(f"stage must be 0 (data parallel), 1, 2 or 3, got {stage!r}")
     _check_counts(num_params, dp)
@@ -162,21 +140,16 @@ def model_state_bytes(num_params: int, dp: int, stage: int,
 
 def zero_peak_grad_bytes(num_params: int, dp: int, stage: int, bucket_numel: int | None = None,
                          grad_bytes: int = 4) -> int:
-    """Peak bytes of gradient a rank of `ZeroOptimizer` holds through backward and step.
+    """Peak bytes of gradient a rank of `ZeroOptimizer` holds through backward and step, with
+    S = ceil(Psi / N) and P = N * S:
 
-    With S = ceil(Psi / N) and P = N * S (one flat buffer, padded):
+    * stage 1, g (P + S): the full gradient buffer (the module's `.grad` are views of it) and
+      the (S,) output of the reduce-scatter in `step()`;
+    * stage 2, g (S + B): its shard and the one bucket of B numbers being reduce-scattered during
+      backward (`bucket_numel`, the largest bucket; default P, a single bucket).
 
-    * stage 1, g (P + S): the full gradient buffer, which the module's `.grad`
-      are views of, and the (S,) output of the reduce-scatter in `step()`;
-    * stage 2, g (S + B): its shard of the gradient and the one bucket of B
-      numbers being filled and reduce-scattered during backward
-      (`bucket_numel`, the largest bucket; default P, a single bucket).
-
-    Not counted: autograd's own working memory at the same moment, i.e. the
-    gradient just computed and not yet copied into the bucket (one parameter's)
-    and the activations' gradients. Reducing everything once in `step()`
-    instead, after backward, would hold every module gradient (Psi), a flat
-    copy of them (P) and the shard (S) together: about g (2P + S).
+    Autograd's own working memory (the gradient not yet copied into the bucket, the activations'
+    gradients) is not counted. Reducing everything once after backward would hold about g (2P + S).
     """
     if stage not in (1, 2):
         raise ValueError(f"zero_peak_grad_bytes covers ZeroOptimizer's stages 1 and 2, got stage={stage!r}")
@@ -201,20 +174,14 @@ class PeakMemory(TorchDispatchMode):
         peak.peak_bytes     # the maximum, over the block, of the bytes below
         peak.live_bytes     # bytes created in the block and still alive
 
-    Every operator that runs inside the block (forward, backward, optimizer,
-    collectives; a dispatch mode sees them all) is watched: a result whose
-    storage is new (not one of the operator's inputs' storages, which views and
-    in-place results share) is counted until that storage is freed. What existed
-    before the block is not counted, even when it is freed inside it: the peak
-    is of the new tensors alone, not of the whole process. Memory an operator
-    takes and gives back inside itself (a kernel's workspace, a collective's
-    internal buffers) is not seen. The device does not matter: the bytes are
-    the tensors' own.
+    A dispatch mode sees every operator in the block (forward, backward, optimizer, collectives):
+    a result whose storage is new (not an input's, as views and in-place results are) counts
+    until that storage is freed. What existed before the block never counts, and memory an
+    operator takes and gives back inside itself (a kernel's workspace) is not seen.
 
-    `also`, a function returning a number of bytes, adds memory that no
-    operator creates: FSDP's gathered units, whose storage is grown back in
-    place by `gather()`. It is sampled after every operator, and the peak is
-    then of the sum; `peak_parts` gives (new tensors, `also`) at that moment.
+    `also`, a function returning bytes, adds memory no operator creates (FSDP's units, regrown in
+    place by `gather()`): sampled after every operator, it joins the peak, and `peak_parts` gives
+    (new tensors, `also`) at that moment.
     """
 
     def __init__(self, also: Callable[[], int] | None = None):
@@ -249,15 +216,11 @@ class PeakMemory(TorchDispatchMode):
         return out
 
 
-# ---------------------------------------------------------------------------- measured
-
 class SavedBytes:
-    """Bytes of the distinct storages autograd saves for backward inside the block.
-
-    Parameters are left out (they are stored whatever the schedule), and so is
-    anything in ``exclude`` (storage pointers already counted elsewhere). ``params``,
-    when given, are looked at as each tensor is saved: parameters whose storage an
-    action hook frees and regathers (ZeRO-3 resharding) move between actions."""
+    """Bytes of the distinct storages autograd saves for backward inside the block. Parameters are
+    left out, being stored whatever the schedule (`param_ptrs`, and ``params`` looked up as each
+    tensor is saved: ZeRO-3 frees and regathers their storage between actions), and so is
+    ``exclude`` (counted elsewhere)."""
 
     def __init__(self, param_ptrs: set, exclude: Sequence[torch.Tensor] = (), params=None):
         self.skip = set(param_ptrs) | {t.untyped_storage().data_ptr() for t in exclude}
@@ -309,11 +272,11 @@ def _optimizers(obj) -> list[torch.optim.Optimizer]:
 def measure(model: torch.nn.Module | Iterable[torch.Tensor], optimizer=None) -> MemoryBytes:
     """Bytes this process holds for `model`'s parameters and gradients and `optimizer`'s state.
 
-    `model`: a module (every `nn.Parameter` registered anywhere in it, FSDP's
-    shards and the module's own, whole or freed) or an iterable of tensors.
-    `optimizer`: a torch optimizer, a `ZeroOptimizer`, or a list of them; its
-    parameters count as parameters too. Each storage is counted once, under the
-    first kind it is found in (params, then grads, then state).
+    `model`: a module (every `nn.Parameter` registered in it, FSDP's shards included) or tensors;
+    `optimizer`: a torch optimizer, a `ZeroOptimizer` or a list of them, whose parameters count
+    too. Each storage counts once (ZeRO-1's module gradients view its shard's buffer), under the
+    first kind it is found in: params, grads, then state of a parameter's shape (Adam's moments,
+    the K), then `other` (Adam's `step`).
     """
     if isinstance(model, torch.nn.Module):
         params = [p for m in model.modules() for p in m._parameters.values() if p is not None]

@@ -1,27 +1,23 @@
 """The device mesh: the one place where ranks are computed.
 
-A parallel training run arranges its ``world_size`` processes on a grid with one
-axis per kind of parallelism:
+A run arranges its ``world_size = pp * dp * cp * tp`` processes on a grid, one axis per kind
+of parallelism:
 
 * ``tp``  tensor parallelism: the ranks that split each weight matrix between them,
 * ``dp``  data parallelism: the ranks that hold the same weights and see different data,
 * ``pp``  pipeline parallelism: the ranks that hold successive stages of the layers,
 * ``cp``  context parallelism: the ranks that hold the same weights and split each
-  sequence between them (`reference.context_parallel`); 1 unless asked for,
+  sequence between them (`reference.context_parallel`); 1 unless asked for.
 
-so that ``world_size = pp * dp * cp * tp``. Every rank has one coordinate on each axis,
-and a *group* of a dimension is the set of ranks whose coordinates differ on that
-axis only.
-
+A *group* of a dimension is the set of ranks whose coordinates differ on that axis only.
 Layout (Megatron-LM's order: TP innermost, then CP, then DP, then PP outermost)::
 
     rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
-TP is innermost so that a TP group is a block of consecutive ranks: on a GPU node
-consecutive ranks share the fastest links, and TP communicates inside every layer.
-PP is outermost because it sends the least (one activation per micro-batch). CP sits
-between DP and TP (as in Megatron-LM and torchtitan): it communicates in every attention,
-more often than DP's once-a-step gradients. With cp = 1 all is the 3D mesh's below.
+TP communicates inside every layer, so a TP group is a block of consecutive ranks (on a GPU
+node they share the fastest links); PP sends the least (one activation per micro-batch), so
+it is outermost. CP communicates in every attention, more often than DP's once-a-step
+gradients, so it sits between them (as in Megatron-LM and torchtitan).
 
 Worked example, world 8 = pp2 x dp2 x tp2::
 
@@ -39,17 +35,15 @@ With cp (world 8 = dp2 x cp2 x tp2): cp groups [[0, 2], [1, 3], [4, 6], [5, 7]] 
 the sequence, dp groups are [[0, 4], [1, 5], [2, 6], [3, 7]]; weights are replicated over
 dp *and* cp, so gradients are averaged over ``dp_cp`` [[0, 2, 4, 6], [1, 3, 5, 7]].
 
-Expert parallelism is carved out of data parallelism, as in Megatron-LM and
-DeepSpeed-MoE: the ``dp`` ranks of one stage and one TP slice are split into
-``dp // ep`` blocks of ``ep`` ranks, ``ep`` innermost::
+Expert parallelism is carved out of data parallelism (Megatron-LM, DeepSpeed-MoE): the ``dp``
+ranks of one stage and one TP slice form ``dp // ep`` blocks of ``ep`` ranks, ``ep`` innermost::
 
     dp_rank = edp_rank * ep + ep_rank          (ep must divide dp)
 
-* the ``ep`` group holds the ranks whose experts differ (same pp, tp and edp): the
-  all-to-all that dispatches tokens to experts runs inside it;
-* the ``edp`` (expert-data-parallel) group holds the ranks that hold replicas of the
-  same experts (same pp, tp and ep): expert gradients are averaged inside it, while
-  the dense (non-expert) gradients are averaged over the whole ``dp`` group.
+The all-to-all that dispatches tokens to experts runs inside an ``ep`` group (same pp, tp and
+edp: different experts). An ``edp`` (expert-data-parallel) group holds replicas of the same
+experts (same pp, tp and ep) and averages their gradients; dense gradients are averaged over
+the whole ``dp`` group.
 
 Worked example, world 8 = dp4 x tp2 with ep=2 (so edp = 4 // 2 = 2)::
 
@@ -65,20 +59,13 @@ Worked example, world 8 = dp4 x tp2 with ep=2 (so edp = 4 // 2 = 2)::
 
 ep > 1 with cp > 1 is refused: a router counts capacity per whole sequence.
 
-HSDP (hybrid sharding, FSDP2's 2D mesh, torchtitan's ``dp_replicate x dp_shard``) splits
-the data-parallel ranks the same way: ``dp_replicate`` blocks of ``dp_shard = dp //
-dp_replicate`` consecutive dp ranks, ``dp_shard`` innermost::
+HSDP (FSDP2's 2D mesh, torchtitan's ``dp_replicate x dp_shard``) splits the dp ranks the same
+way, ``dp_rank = dp_replicate_rank * dp_shard + dp_shard_rank``: ZeRO-3 shards inside a
+``dp_shard`` group of consecutive dp ranks (a node) and all-reduces across the ``dp_replicate``
+group (same dp_shard rank: the same rows). Those groups exist when dp_replicate > 1
+(`HSDP_DIMS`); HSDP is refused with cp > 1 or experts (they have their own ``edp``).
 
-    dp_rank = dp_replicate_rank * dp_shard + dp_shard_rank
-
-ZeRO-3 shards inside a ``dp_shard`` group (a node, when a node holds consecutive dp ranks)
-and all-reduces across the ``dp_replicate`` group (same dp_shard rank: the same rows).
-Those two groups are built when dp_replicate > 1 (`HSDP_DIMS`); with experts or cp > 1
-they are refused (experts have a data-parallel group of their own, ``edp``).
-
-Everything except :meth:`Mesh.build_groups` is pure arithmetic and works without
-any process started. ``build_groups`` is called on every rank after
-``torch.distributed`` is initialised and makes the real process groups.
+Everything but :meth:`Mesh.build_groups` is arithmetic that needs no process started.
 """
 
 from __future__ import annotations
@@ -130,11 +117,8 @@ _BUILT: dict = {}
 
 @dataclass
 class Mesh:
-    """Degrees of parallelism and the rank arithmetic they imply.
-
-    ``Mesh(dp=2, tp=2)`` is a 4-rank mesh. ``world_size`` defaults to
-    ``pp * dp * cp * tp``; when given it is checked against that product.
-    """
+    """Degrees of parallelism and their rank arithmetic: ``Mesh(dp=2, tp=2)`` is a 4-rank mesh.
+    ``world_size``, when given, is checked against ``pp * dp * cp * tp``."""
 
     dp: int = 1
     pp: int = 1
@@ -258,11 +242,7 @@ class Mesh:
 
     def rank_of(self, *, pp: int = 0, dp: Optional[int] = None, tp: int = 0,
                 ep: Optional[int] = None, edp: Optional[int] = None, cp: int = 0) -> int:
-        """The rank at the given coordinates.
-
-        The data-parallel coordinate is given either as ``dp`` or as the pair
-        ``ep``, ``edp`` (then ``dp = edp * ep_degree + ep``); missing ones are 0.
-        """
+        """The rank at the given coordinates, missing ones 0; ``dp`` or the pair ``ep``, ``edp``."""
         if ep is not None or edp is not None:
             ep_rank = self._check_coord("ep", 0 if ep is None else ep, self.ep)
             edp_rank = self._check_coord("edp", 0 if edp is None else edp, self.edp)
@@ -277,10 +257,7 @@ class Mesh:
         return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def group_ranks(self, dim: str) -> list[list[int]]:
-        """Every group of ``dim``, each a sorted list of ranks, ordered by first rank.
-
-        The groups of one dimension partition the world.
-        """
+        """Every group of ``dim`` (they partition the world), each sorted, ordered by first rank."""
         fixed = _FIXED[self._check_dim(dim)]
         groups: dict[tuple, list[int]] = {}
         for rank in range(self.world_size):  # increasing, so each group comes out sorted
@@ -295,20 +272,13 @@ class Mesh:
 
     # -------------------------------------------------------- process groups
     def build_groups(self) -> "Mesh":
-        """Create the process group of every dimension; call on every rank.
+        """Create the process group of every dimension; every rank calls it, after torch.distributed starts.
 
-        ``torch.distributed.new_group`` must be called by all ranks for every group,
-        members or not, in the same order; each rank keeps the groups it belongs to.
-        Groups of size 1 are real groups too, so that code can call a collective on
-        ``mesh.group("tp")`` whatever the degree (it is then a no-op). The groups of
-        `CP_DIMS` are built when cp > 1 only (with cp = 1 ``group("dp_cp")`` is the dp group).
-        Returns the mesh, so ``mesh = Mesh(dp=2, tp=2).build_groups()`` reads well.
-
-        A process builds the groups of each set of degrees once: a later mesh of the same
-        degrees takes them again. A group lives as long as the process (nothing frees what
-        ``new_group`` built), and with a few hundred gloo groups alive every collective slows
-        down (a launch that tries one configuration after another ran its last ones four times
-        slower). Every rank makes the same calls in the same order, so every rank reuses alike.
+        All ranks call ``new_group`` for every group, members or not, in the same order. A group
+        of size 1 is a real group too, so a collective on ``mesh.group("tp")`` works whatever the
+        degree; with cp = 1 ``group("dp_cp")`` is the dp group. A process builds the groups of one
+        set of degrees once and reuses them: nothing frees a group, and hundreds of live gloo
+        groups slow every collective down. Returns the mesh: ``Mesh(dp=2, tp=2).build_groups()``.
         """
         import torch.distributed as dist
 

@@ -1,34 +1,17 @@
 """The plain GPT every parallel version in the course is compared with.
 
-A GPT-2 style decoder (pre-LayerNorm blocks, learned positions, tied output
-layer), small enough to train on a laptop CPU. It knows nothing of
-distribution: data, tensor, pipeline and expert parallelism are applied to it
-from outside, and each is checked against this single-process model.
+A GPT-2 style decoder (pre-LayerNorm blocks, learned positions, tied output layer), small
+enough to train on a laptop CPU. It knows nothing of distribution: each parallelism is applied
+to it from outside and checked against it. Module names follow nanoGPT and Megatron
+(``c_attn``, ``c_proj``, ``c_fc``, ``wte``, ``wpe``, ``h``, ``ln_f``, ``lm_head``) so that
+parallel code finds the layers it splits by name.
 
-Module names follow nanoGPT and Megatron (``c_attn``, ``c_proj``, ``c_fc``,
-``wte``, ``wpe``, ``h``, ``ln_f``, ``lm_head``) so that parallel code can find
-the layers it splits by name.
-
-The feed-forward slot
----------------------
-``GPT(config, ffn_factory=fn)`` builds each block's ``ffn`` with
-``fn(config, layer_index)`` instead of the dense :class:`MLP`; a mixture of
-experts fills the slot this way. The contract:
-
-* the ffn maps ``(B, T, C) -> (B, T, C)`` and returns either that tensor or a
-  tuple ``(tensor, aux_loss)`` with ``aux_loss`` a 0-dim tensor (for example a
-  load-balancing loss, already multiplied by its coefficient);
-* :meth:`Block.forward` returns ``(x, aux_loss)``, with a zero ``aux_loss``
-  when the ffn gave none;
-* :meth:`GPT.forward` returns ``(logits, loss)`` where ``loss`` is the
-  token-mean cross-entropy plus the sum of every block's aux loss. The two
-  parts of the last forward are kept, detached, for logging in
-  ``model.last_lm_loss`` and ``model.last_aux_loss``;
-* GPT does not re-initialise a module the factory built; the factory may call
-  :func:`init_weights` on it to get the same initialisation as the dense MLP.
-
-Reproducible weights: ``GPT.from_config_seed(config, seed)`` (or
-``torch.manual_seed(seed)`` right before ``GPT(config)``).
+The feed-forward slot: ``GPT(config, ffn_factory=fn)`` builds each block's ``ffn`` with
+``fn(config, layer_index)`` instead of the dense :class:`MLP`; a mixture of experts fills the
+slot this way. The ffn maps ``(B, T, C) -> (B, T, C)`` and returns that tensor or
+``(tensor, aux_loss)``, ``aux_loss`` 0-dim (a load-balancing loss, already multiplied by its
+coefficient); :meth:`GPT.forward`'s loss adds every block's aux loss to the cross-entropy. GPT does not re-initialise a module the
+factory built; the factory may call :func:`init_weights` on it to match the dense MLP.
 """
 
 from __future__ import annotations
@@ -47,11 +30,8 @@ __all__ = ["GPTConfig", "causal_attention", "CausalSelfAttention", "MLP", "Block
 
 @dataclass
 class GPTConfig:
-    """Shape of the model. ``d_ff=None`` means ``4 * n_embd`` (set at creation).
-
-    Note that ``dataclasses.replace(cfg, n_embd=...)`` keeps the old, already
-    resolved ``d_ff``; pass ``d_ff=None`` as well to get ``4 * n_embd`` again.
-    """
+    """Shape of the model. ``d_ff=None`` means ``4 * n_embd``, resolved at creation: so
+    ``dataclasses.replace(cfg, n_embd=...)`` keeps the old ``d_ff`` unless given ``d_ff=None``."""
 
     vocab_size: int = 256  # byte-level: every byte is a token
     block_size: int = 128  # longest sequence (number of learned positions)
@@ -95,10 +75,8 @@ class GPTConfig:
 def causal_attention(qkv: torch.Tensor, head_dim: int, dropout_p: float = 0.0) -> torch.Tensor:
     """The heads of a fused projection's output [q | k | v] attend: (B, T, 3 C) -> (B, T, C).
 
-    The number of heads is read from the projection's width, not the config, so a
-    tensor-parallel c_attn that holds only some heads (Megatron's column split:
-    3 * C // tp wide) runs through this same code.
-    """
+    The number of heads comes from the width, so a tensor-parallel c_attn holding only some
+    heads (Megatron's column split: 3 * C // tp wide) runs through this same code."""
     B, T, _ = qkv.shape
     q, k, v = qkv.chunk(3, dim=-1)  # each (B, T, C)
     n_head = q.shape[-1] // head_dim
@@ -165,14 +143,10 @@ class Block(nn.Module):
 
 
 def init_weights(module: nn.Module, config: GPTConfig) -> None:
-    """GPT-2 initialisation of every Linear and Embedding inside ``module``.
-
-    Weights ~ N(0, 0.02), biases 0. The projections that write into the
-    residual stream (names ending in ``c_proj``) get std 0.02 / sqrt(2 n_layer):
-    each of the 2 n_layer residual branches adds to the same stream, and this
-    keeps its variance from growing with depth (GPT-2 paper, section 2.3).
-    LayerNorms keep PyTorch's gain 1 and bias 0.
-    """
+    """GPT-2 initialisation of every Linear and Embedding inside ``module``: weights ~ N(0, 0.02),
+    biases 0; the projections into the residual stream (``c_proj``) get std 0.02 / sqrt(2 n_layer),
+    so that the 2 n_layer branches adding to the stream keep its variance from growing with depth
+    (GPT-2 paper, section 2.3). LayerNorms keep PyTorch's gain 1 and bias 0."""
     proj_std = 0.02 / math.sqrt(2 * config.n_layer)
     for name, sub in module.named_modules():
         if isinstance(sub, nn.Linear):
@@ -226,12 +200,9 @@ class GPT(nn.Module):
             return cls(config, ffn_factory)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Number of parameters, a tied matrix counted once.
-
-        ``exclude_embeddings=True`` leaves out the token and position tables
-        and an untied lm_head, as in Kaplan et al.'s "non-embedding" count
-        (about 12 * n_layer * n_embd**2 with d_ff = 4 * n_embd).
-        """
+        """Number of parameters, a tied matrix counted once. ``exclude_embeddings=True`` leaves out
+        the token and position tables and an untied lm_head: Kaplan et al.'s "non-embedding" count
+        (about 12 * n_layer * n_embd**2 with d_ff = 4 * n_embd)."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
             n -= self.wte.weight.numel() + self.wpe.weight.numel()
@@ -262,7 +233,8 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Returns (logits (B, T, V), loss): loss = lm_loss + sum of aux losses, or None without targets."""
+        """Returns (logits (B, T, V), loss): loss = lm_loss + sum of aux losses, or None without targets.
+        Both parts of the last forward are kept, detached, in ``last_lm_loss`` and ``last_aux_loss``."""
         logits, aux_loss = self.logits_and_aux(idx)
         self.last_aux_loss = aux_loss.detach()
         if targets is None:
@@ -275,12 +247,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T); returns (B, T + max_new_tokens).
-
-        ``temperature=0`` picks the most likely token (greedy); ``top_k``
-        samples only among the k most likely; ``generator`` makes sampling
-        reproducible. Runs in eval mode (no dropout) and restores the mode.
-        """
+        """Append ``max_new_tokens`` tokens drawn by `sample_next_token` to ``idx`` (B, T); returns
+        (B, T + max_new_tokens). Runs in eval mode (no dropout) and restores the mode."""
         was_training = self.training
         self.eval()
         try:

@@ -4,27 +4,25 @@
     plot_profile([s for s in summaries])          # one bar per rank: compute, collectives, idle
 
 `profile_step` runs one step under `torch.profiler` on this rank, writes its Chrome/Perfetto
-trace (`traces/rank3.json`: open it at https://ui.perfetto.dev or chrome://tracing) and
-sorts the step's wall time into:
+trace (`traces/rank3.json`: open it at https://ui.perfetto.dev or chrome://tracing) and sorts
+the step's wall time into:
 
-* **compute**: the top-level operators of the rank's main thread (`aten::...` forward ops and
-  autograd's backward functions), whatever is not a collective's own record;
-* **communication**, by kind (all_reduce, all_gather, reduce_scatter, send, recv, broadcast,
-  all_to_all): the backend's own events (`gloo:all_reduce`, `nccl:...`), from the moment the
-  operation starts to its end, so *waiting for a slower peer is included* (a collective cannot
-  finish before its last rank arrives: a long bar on one rank often means a late rank elsewhere);
-* **idle**: the rest of the step, when the main thread ran nothing the profiler saw (Python
-  between operators, the optimizer's bookkeeping).
+* **compute**: the main thread's top-level operators (`aten::...` forward ops, autograd's
+  backward functions), other than a collective's own record;
+* **communication**, by kind (`COMM_KINDS`): the backend's own events (`gloo:all_reduce`,
+  `nccl:...`) from start to end, so *waiting for a slower peer is included* (a long bar on one
+  rank often means a late rank elsewhere);
+* **idle**: the rest, when the main thread ran nothing the profiler saw (Python between
+  operators, the optimizer's bookkeeping).
+
 Overlapping intervals are merged first, so a collective running under a computation (DDP's
 buckets during backward) counts as communication only where nothing was computing; the part
-that ran under a computation is `hidden` (seconds), and `overlap` is the fraction of all the
-communication that was hidden (0 when every collective blocked the step).
+under a computation is `hidden`, and `overlap` the fraction of all communication hidden.
 
-MFU (model FLOPs utilisation) is the usual ratio: the training FLOPs of the tokens of the step,
-6 N per token for the weights plus 12 L T C per token for attention's two matmuls (PaLM,
-Chowdhery et al., 2022, appendix B), divided by the step time and by the machine's peak, here
-*measured* (`measure_matmul_peak`: a large fp32 matmul on every core) rather than read from a
-datasheet.
+MFU (model FLOPs utilisation): the step's training FLOPs, 6 N per token for the weights plus
+12 L T C per token for attention's two matmuls (PaLM, Chowdhery et al., 2022, appendix B),
+divided by the step time and the machine's peak, *measured* (`measure_matmul_peak`: a large fp32
+matmul on every core) rather than read from a datasheet.
 """
 from __future__ import annotations
 
@@ -75,8 +73,8 @@ class ProfileSummary:
 
 
 def _kind(name: str) -> Optional[str]:
-    """The kind of collective an event belongs to: a backend event (`gloo:all_reduce`,
-    `nccl:...`) or the process group's own call (`c10d::allreduce_`), else None."""
+    """The kind of collective of a backend event (`gloo:all_reduce`) or a process group's call
+    (`c10d::allreduce_`), else None."""
     m = _COMM_EVENT.match(name)
     if not m:
         return None
@@ -156,9 +154,8 @@ def profile_step(step: Callable[[], object], trace_dir=None, rank: Optional[int]
     # functions), minus the time they spent blocked in a collective.
     compute = _minus(_merge([[to_s(e.time_range.start), to_s(e.time_range.end)] for e in ops
                              if main_thread is None or e.thread == main_thread]), blocked)
-    # Asynchronous communication (the backend's own events, e.g. DDP's buckets during backward
-    # or a receive being waited for): counted where the main thread was neither computing nor
-    # blocked, i.e. where it is not hidden behind work.
+    # Asynchronous communication (the backend's own events: DDP's buckets, a receive waited for)
+    # counts where the main thread was neither computing nor blocked.
     comm = {k: _merge(v) for k, v in blocking.items()}
     for e in events:
         if not e.name.startswith("c10d::") and (kind := _kind(e.name)):
@@ -206,10 +203,8 @@ def mfu(flops_per_step: float, step_seconds: float, peak_flops: float) -> float:
 
 
 def plot_profile(summaries, title: Optional[str] = None, labels=None):
-    """One horizontal bar per summary: compute, each kind of communication, idle.
-
-    `labels` names the bars (default "rank r"), e.g. one configuration per bar. Each bar ends
-    with its communication share; the legend sits below the bars, clear of those labels."""
+    """One horizontal bar per summary (`labels`, default "rank r"): compute, each kind of
+    communication, idle, and its communication share at the end."""
     from reference.viz import CATEGORICAL, NotebookFigure
 
     kinds = [k for k in COMM_KINDS if any(k in s.communication for s in summaries)]

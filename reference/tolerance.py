@@ -8,18 +8,15 @@
     exact().assert_close(a, b)                                # bit for bit, where a run is exact
 
 Every comparison of a parallel run with one process (the tests, the all-pairs sweep, the
-homework judges and the notebooks' own asserts) takes its numbers from here, so that a
-machine whose kernels round differently moves every check the same way, and each number's
-reason stands once, below. A run that does the same arithmetic in the same order is held to
-`exact()`: bit for bit stays bit for bit.
+homework judges, the notebooks' asserts) takes its numbers from here, so a machine whose kernels
+round differently moves every check the same way. A run that does the same arithmetic in the
+same order is held to `exact()`: bit for bit stays bit for bit.
 
-Why machines differ. A parallel run computes the sums one process computes, in another order
-(a tensor-parallel partial sum added over ranks, a gradient summed over data-parallel ranks or
-micro-batches, a loss split over vocabulary shards). The order inside one matrix product
-depends on the CPU too: ATen picks AVX-512, AVX2 or plain kernels (`ATEN_CPU_CAPABILITY`) and
-MKL, which does the CPU's matrix products, picks its code path by vendor and instruction set
-(`MKL_CBWR`). So the bounds below are about reordered sums, never about what one machine
-printed.
+Why machines differ. A parallel run computes one process's sums in another order (a
+tensor-parallel partial sum added over ranks, a gradient summed over ranks or micro-batches, a
+loss split over vocabulary shards), and the order inside one matrix product depends on the CPU
+too (ATen's AVX-512/AVX2 kernels, `ATEN_CPU_CAPABILITY`; MKL's code path, `MKL_CBWR`). So the
+bounds below are about reordered sums, never about what one machine printed.
 
 Units. A float's unit roundoff u is half the distance from 1 to the next number: 2^-24 (fp32),
 2^-11 (fp16), 2^-8 (bf16). One rounding moves a result by at most u relative.
@@ -28,41 +25,38 @@ Units. A float's unit roundoff u is half the distance from 1 to the next number:
    1e-6. Adding n terms in two orders gives results within 2(n-1)u of each other relative to
    the sum of the terms' magnitudes (each order is within (n-1)u of the exact sum; Higham,
    "Accuracy and Stability of Numerical Algorithms", section 4.2). That worst case assumes
-   every rounding goes the same way; rounding errors of different additions are independent,
-   and their sum grows as sqrt(n) u (Higham and Mary, "A New Approach to Probabilistic Rounding
-   Error Analysis", 2019). The course's reductions add at most a few thousand terms (n <= 4096
-   gives sqrt(n) u = 3.8e-6 per reduction), through a few layers: rtol 1e-5, 168 u, covers it.
-   The atol covers results near zero, whose error is relative to the terms, not the result:
-   the course's activations and gradients are at most of order 1, so 1e-6 is 17 u of them.
-   `gradient(n)` adds the 2(n-1)u a sum over n ranks or micro-batches can add on top (n = 8
-   adds 8e-7). Values of order s rather than 1 take `tol.at_scale(s)`: the atol grows with the
-   terms. float64 takes the same reasoning with its own u (rtol 1.9e-14, atol 1.9e-15).
+   every rounding goes the same way; independent roundings add up as sqrt(n) u (Higham and
+   Mary, "A New Approach to Probabilistic Rounding Error Analysis", 2019). The course's
+   reductions add at most a few thousand terms (n <= 4096 gives sqrt(n) u = 3.8e-6 per
+   reduction), through a few layers: rtol 1e-5, 168 u, covers it. The atol covers results
+   near zero, whose error is relative to the terms: the course's activations and gradients are
+   at most of order 1, so 1e-6 is 17 u of them. `gradient(n)` adds the 2(n-1)u of a sum over n
+   ranks or micro-batches (n = 8 adds 8e-7). Values of order s take `tol.at_scale(s)`: the atol
+   grows with the terms. float64: the same reasoning with its own u (rtol 1.9e-14, atol 1.9e-15).
 2. bf16 and fp16 against one process in the same precision (`forward(dtype)`, `loss(dtype)`):
-   each result is rounded once in each run, to the format's u, above sums that were rounded at
-   other places: rtol 2.5 u of the format (1e-2 for bf16, 1.2e-3 for fp16), atol a tenth of
-   that. A loss is a mean over thousands of roundings that do not line up, so it moves far
-   less: `loss(dtype)` is rtol 1e-3 for both.
+   each result is rounded once in each run, to the format's u, above sums rounded at other
+   places: rtol 2.5 u of the format (1e-2 for bf16, 1.2e-3 for fp16), atol a tenth of that. A
+   loss, a mean over thousands of roundings that do not line up, moves far less: rtol 1e-3.
 3. Weights after k AdamW steps (`adamw_weights`). AdamW moves a weight by lr m/(sqrt(v) + eps)
-   (bias-corrected moments), and that ratio is at most rho_k in size whatever the gradients
-   are (Cauchy-Schwarz on the two moments' weights; rho_1 = 1, rho_3 = 1.0036 for the
-   default betas). A gradient that is near zero (its terms cancel, or it is smaller than
-   eps) can take that whole step either way on a last-bit difference: the ratio's
-   derivative there is 1/eps. So the one bound that holds on every machine is the largest
-   difference 2 lr (rho_1 + ... + rho_k) (decoupled weight decay multiplies a difference by
-   1 - lr wd <= 1, so it never grows one): 6.0e-3 for three steps at lr 1e-3. Such gradients
-   are not rare: the bias of attention's keys has a gradient of exactly zero (softmax ignores
-   a shift common to every key of a query), so what it receives is rounding alone, and AdamW
-   divides it by eps. That bound only catches a weight gone astray; a wrong reduction (no
-   all-reduce, a LayerNorm's gradient not summed over tp, a tied copy not synchronised) moves
-   most weights of the tensors it touches by a good fraction of lr. So the *mean* difference
-   is held to a share of the bound: 1/1000 in fp32 (a correct run has far fewer than one
-   weight in a thousand whose gradient is within its rounding of zero), 1/50 in fp16 and 1/10
-   in bf16 (whose roundings, 2^13 and 2^16 times coarser, put many more gradients within
-   reach of zero); over all the compared weights, and over each tensor with one weight's whole
-   step allowed on top (so a 32-weight LayerNorm is held too).
-4. Weights after k SGD steps (`sgd_weights`): SGD moves a weight by lr times its gradient,
-   so a gradient difference within `gradient(n)` (gradients of order 1 at most, as in section
-   1) moves it by at most lr (atol + rtol) each step.
+   (bias-corrected moments), a ratio at most rho_k in size whatever the gradients (Cauchy-Schwarz
+   on the two moments' weights; rho_1 = 1, rho_3 = 1.0036 for the default betas). A gradient
+   near zero (its terms cancel, or it is smaller than eps) can take that whole step either way
+   on a last-bit difference: the ratio's derivative there is 1/eps. So the one bound that holds
+   on every machine is the largest difference 2 lr (rho_1 + ... + rho_k) (decoupled weight
+   decay multiplies a difference by 1 - lr wd <= 1): 6.0e-3 for three steps at lr 1e-3. Such
+   gradients are not rare: the bias of attention's keys has a gradient of exactly zero (softmax
+   ignores a shift common to every key of a query), so it receives rounding alone, divided by
+   eps. That bound only catches a weight gone astray; a wrong reduction (no all-reduce, a
+   LayerNorm's gradient not summed over tp, a tied copy not synchronised) moves most weights of
+   the tensors it touches by a good fraction of lr. So the *mean* difference is held to a share
+   of the bound: 1/1000 in fp32 (a correct run has far fewer than one weight in a thousand whose
+   gradient is within its rounding of zero), 1/50 in fp16 and 1/10 in bf16 (roundings 2^13 and
+   2^16 times coarser put many more gradients within reach of zero); over all the compared
+   weights, and over each tensor with one weight's whole step allowed on top (so a 32-weight
+   LayerNorm is held too).
+4. Weights after k SGD steps (`sgd_weights`): SGD moves a weight by lr times its gradient, so a
+   gradient difference within `gradient(n)` (gradients of order 1 at most, as in section 1)
+   moves it by at most lr (atol + rtol) each step.
 """
 from __future__ import annotations
 
@@ -84,11 +78,8 @@ MEAN_SHARE = {torch.float64: 1e-3, torch.float32: 1e-3, torch.float16: 2e-2, tor
 
 @dataclass(frozen=True)
 class Tolerance:
-    """How far `got` may be from `want`: |got - want| <= atol + rtol |want| for every element,
-    and, where `mean_atol` is set, the mean |got - want| over all of them <= mean_atol.
-
-    It unpacks as keyword arguments (`torch.testing.assert_close(a, b, **tol)`,
-    `torch.allclose(a, b, **tol)`); `why` is the reason, printed with any failure."""
+    """|got - want| <= atol + rtol |want| for every element and, where `mean_atol` is set, their
+    mean |got - want| <= mean_atol. Unpacks as rtol=, atol=; `why` is printed with any failure."""
 
     rtol: float
     atol: float
@@ -141,10 +132,8 @@ class Tolerance:
 
     def assert_weights(self, got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor],
                        what: str = "") -> None:
-        """Every tensor of `want` within the tolerance in `got`; where `mean_atol` is set, the
-        mean over all of them within it, and each tensor's mean within it plus the share one
-        weight taking the largest step would add (atol / numel: a small tensor, a LayerNorm's
-        weight, is held too, and one near-zero gradient in it is allowed)."""
+        """Every tensor of `want` within the tolerance in `got`; where `mean_atol` is set, the mean
+        over all of them within it, and each tensor's within it plus atol / numel (section 3)."""
         missing = sorted(set(want) - set(got))
         if missing:
             raise AssertionError(f"{what}: missing {missing[:5]}")
@@ -164,8 +153,7 @@ class Tolerance:
                                  f"beyond {self.mean_atol:.3g} ({self.why})")
 
     def at_scale(self, scale: float) -> "Tolerance":
-        """The same tolerance for values of order `scale` rather than of order 1: the atol,
-        which stands for roundings relative to the terms of a sum, grows with them."""
+        """The same tolerance for values of order `scale` rather than 1: the atol grows with them."""
         if not scale > 0:
             raise ValueError(f"at_scale({scale}): a scale is a positive magnitude")
         mean = None if self.mean_atol is None else self.mean_atol * scale
@@ -225,11 +213,9 @@ def loss(dtype: torch.dtype = torch.float32) -> Tolerance:
 
 
 def adamw_ratio_bound(step: int, betas: tuple[float, float] = (0.9, 0.999)) -> float:
-    """The largest |m_hat / sqrt(v_hat)| AdamW can take at `step` (1-based), over all gradients.
-
+    """The largest |m_hat / sqrt(v_hat)| AdamW can take at `step` (1-based), over all gradients:
     m_hat = sum_i a_i g_i and v_hat = sum_i b_i g_i^2 with a_i = (1-b1) b1^(k-i) / (1-b1^k),
-    b_i = (1-b2) b2^(k-i) / (1-b2^k); by Cauchy-Schwarz |m_hat| <= sqrt(sum a_i^2 / b_i) sqrt(v_hat).
-    """
+    b_i = (1-b2) b2^(k-i) / (1-b2^k); by Cauchy-Schwarz |m_hat| <= sqrt(sum a_i^2 / b_i) sqrt(v_hat)."""
     if step < 1:
         raise ValueError(f"adamw_ratio_bound(step={step}): steps count from 1")
     b1, b2 = betas
@@ -247,9 +233,8 @@ def adamw_weights(steps: int, lr: float, betas: tuple[float, float] = (0.9, 0.99
     any weight within 2 lr (rho_1 + ... + rho_k), their mean within a share of that (section 3)."""
     if steps < 1 or lr <= 0:
         raise ValueError(f"adamw_weights(steps={steps}, lr={lr}): at least one step, lr > 0")
-    _check_dtype(dtype)
+    base = forward(dtype)  # refuses a dtype without a tolerance
     bound = 2 * lr * sum(adamw_ratio_bound(k, betas) for k in range(1, steps + 1))
-    base = forward(dtype)
     return Tolerance(base.rtol, bound + base.atol,
                      f"{steps} AdamW steps at lr {lr:g}: a near-zero gradient can take the whole step "
                      f"either way; the mean is held to {MEAN_SHARE[dtype]:g} of that (section 3)",

@@ -1,12 +1,8 @@
 """Pictures for the course: the mesh, collectives, ring all-reduce, the cost model.
 
-Every function builds and returns a ``matplotlib.figure.Figure`` directly (no
-pyplot state, no ``show``), so it works headless and in tests. In a notebook, a
-figure that is the last expression of a cell is drawn once; ``fig.savefig(path)``
-writes it to a file.
-
-Cells are coloured by the value they print: equal values share a colour within
-one figure, so a reader can follow a piece of data from one rank to another.
+Every function returns a ``matplotlib.figure.Figure`` built without pyplot, so it works headless
+and in tests; ``fig.savefig(path)`` writes it to a file. Cells are coloured by the value they
+print, equal values alike, so a reader can follow a piece of data from one rank to another.
 """
 
 from __future__ import annotations
@@ -30,12 +26,8 @@ _EMPTY = "#eeeeee"
 
 
 class NotebookFigure(Figure):
-    """A plain Figure that a notebook can draw without pyplot.
-
-    Jupyter shows a Figure as an image only once pyplot has set up the inline
-    backend; this one carries its own PNG form, so ``viz.plot_mesh(mesh)`` as the
-    last line of a cell draws the picture exactly once either way.
-    """
+    """A Figure that carries its own PNG form: as the last line of a cell it is drawn exactly once,
+    with or without pyplot's inline backend."""
 
     def _repr_png_(self) -> bytes:
         buf = io.BytesIO()
@@ -101,7 +93,7 @@ class _Palette:
 
 
 def _draw_rank_rows(ax, rows: Sequence[Sequence], palette: _Palette, width: int, title: str):
-    """Draw one row of cells per rank (rank 0 on top), each cell holding its value."""
+    """One row of cells per rank (rank 0 on top), each cell holding its value."""
     fontsize = 9 if width <= 8 else 7
     for rank, row in enumerate(rows):
         for i, value in enumerate(row):
@@ -152,13 +144,8 @@ def _panels(fig, n: int, ncols: int, nrows: int) -> list:
 
 # ---------------------------------------------------------------- pictures
 def plot_mesh(mesh) -> Figure:
-    """The mesh as one panel per pipeline stage, one box per rank.
-
-    Inside a stage, rows are data-parallel ranks and columns tensor-parallel ranks:
-    each row is one TP group (tinted, consecutive ranks), each column one DP group.
-    With ep > 1, dashed lines cut each column into EP groups of ``ep`` rows; the
-    rows at the same place in every block form an EDP group.
-    """
+    """The mesh as one panel per pipeline stage, one box per rank: each row a TP group (tinted),
+    each column a DP group; with ep > 1 dashed lines cut each column into EP groups of ``ep`` rows."""
     ncols, nrows = _grid_shape(mesh.pp)
     cell_w, cell_h = 1.25, 0.75 if mesh.ep == 1 else 0.95
     fig = NotebookFigure(figsize=(max(5.0, ncols * (mesh.tp * cell_w + 1.0)),
@@ -196,11 +183,8 @@ def plot_mesh(mesh) -> Figure:
 
 
 def plot_collective(name: str, before: Sequence, after: Sequence) -> Figure:
-    """Before and after of one collective, drawn from the ranks' real data.
-
-    ``before`` and ``after`` hold one entry per rank: a 1-D tensor or a list of
-    numbers (lengths may differ between ranks, and a receiver may be empty).
-    """
+    """Before and after of one collective from the ranks' real data: ``before`` and ``after`` hold
+    one 1-D tensor or list of numbers per rank (lengths may differ, a receiver may be empty)."""
     if len(before) != len(after):
         raise ValueError(f"before has {len(before)} ranks but after has {len(after)}: give one entry per rank in each")
     rows_before = [_as_values(x) for x in before]
@@ -216,11 +200,8 @@ def plot_collective(name: str, before: Sequence, after: Sequence) -> Figure:
 
 
 def plot_ring_steps(states: Sequence[tuple]) -> Figure:
-    """Ring all-reduce (or any chunked algorithm) one snapshot per panel.
-
-    ``states`` is a list of ``(label, chunks_per_rank)``: ``chunks_per_rank[r]`` is
-    rank r's list of chunks, each a number, a short tensor/list, or None (unknown).
-    """
+    """Ring all-reduce (or any chunked algorithm), one panel per ``(label, chunks_per_rank)`` of
+    ``states``: ``chunks_per_rank[r]`` holds rank r's chunks (numbers, short lists, None: unknown)."""
     if not states:
         raise ValueError("states is empty: give at least one (label, chunks_per_rank) snapshot")
     snapshots = []
@@ -242,14 +223,11 @@ def plot_ring_steps(states: Sequence[tuple]) -> Figure:
 
 def plot_cost_model(sizes_bytes: Sequence[float], measured_seconds: Optional[Sequence[float]] = None, *,
                     alpha: float = 2e-5, beta: float = 1e-9, world_size: int = 4) -> Figure:
-    """The alpha-beta model of ring all-reduce against message size, log-log.
-
-    ``T(n) = 2(N-1) alpha + 2(N-1)/N n beta``: 2(N-1) steps each paying the latency
-    alpha, and every rank sending 2(N-1)/N of the n bytes at beta seconds per byte.
-    The first term dominates small messages, the second large ones; they are equal
-    at ``n* = N alpha / beta``. ``measured_seconds`` (optional) are timings at
-    ``sizes_bytes``. Defaults: alpha = 20 µs, beta = 1 ns/byte (1 GB/s), N = 4.
-    """
+    """The alpha-beta model of ring all-reduce against message size n, log-log:
+    ``T(n) = 2(N-1) alpha + 2(N-1)/N n beta`` (2(N-1) steps each paying the latency alpha, every
+    rank sending 2(N-1)/N of the n bytes at beta s/byte). The first term dominates small messages,
+    the second large ones; they are equal at ``n* = N alpha / beta``. ``measured_seconds``: timings
+    at ``sizes_bytes``. Defaults: alpha = 20 µs, beta = 1 ns/byte (1 GB/s), N = 4."""
     sizes = np.asarray([float(s) for s in sizes_bytes])
     if sizes.size == 0 or not np.all(sizes > 0):
         raise ValueError(f"sizes_bytes must be positive message sizes, got {list(sizes_bytes)}")
@@ -294,14 +272,9 @@ def plot_cost_model(sizes_bytes: Sequence[float], measured_seconds: Optional[Seq
 
 def plot_latency_vs_ranks(cost, sizes_bytes: Sequence[float], ranks: Sequence[int], *,
                           mark: Optional[int] = None) -> Figure:
-    """The two terms of a ring all-reduce's time against the number of ranks N, log-log.
-
-    ``cost`` is a `reference.comms.CostModel`. The latency term, 2(N-1) alpha
-    (``cost.time("all_reduce", 0, N)``), grows in proportion to N whatever the
-    message; the bandwidth term of each message size in ``sizes_bytes``,
-    2(N-1)/N n beta, hardly moves. They cross at N = n beta / alpha. ``mark``
-    draws a vertical line at that many ranks.
-    """
+    """The two terms of a ring all-reduce's time (`reference.comms.CostModel` ``cost``) against
+    the number of ranks N, log-log: the latency term 2(N-1) alpha grows with N, the bandwidth term
+    2(N-1)/N n beta of each size in ``sizes_bytes`` hardly moves; ``mark`` draws a line at N ranks."""
     ranks = [int(n) for n in ranks]
     if not ranks or min(ranks) < 2:
         raise ValueError(f"ranks must be numbers of ranks >= 2, got {list(ranks)}")

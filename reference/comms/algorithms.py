@@ -13,22 +13,18 @@ latency alpha) and how many bytes (each paying 1 / bandwidth beta) a rank needs:
   best for large messages;
 * the **binomial tree** reduces to rank 0 in ceil(log2 N) rounds (in round k ranks with bit k
   set send their partial sum to the rank 2^k below and drop out) and broadcasts back the same
-  way. log N latencies, but whole-tensor messages: best for small messages on many ranks. (NCCL
-  uses a *double* binary tree: the tensor is split in two halves sent through two trees in which
-  every rank is a leaf in one and an inner node in the other, so every rank's links carry data
-  and the bandwidth matches the ring's; a single binomial tree, built here because its rounds
-  are easy to follow, sends S per child and is slower for large messages);
+  way: log N latencies, but whole-tensor messages, best for small messages on many ranks. NCCL's
+  *double* binary tree sends each half of the tensor through one of two trees, every rank a leaf
+  in one and an inner node in the other, and matches the ring's bandwidth; a single one is easier
+  to follow;
 * **recursive halving-doubling** (Rabenseifner): reduce-scatter by exchanging halves with the
   partner at distance 1, 2, 4, ..., N/2 (nearest first: with nodes of consecutive ranks the
-  large halves stay inside a node), then all-gather the same way back: the ring's bytes in
-  log N steps; N must be a power of two;
-* **hierarchical**: with the ranks grouped into nodes of g consecutive ranks (fast links inside
-  a node, slow ones across), reduce-scatter inside each node, all-reduce each 1/g piece across
-  the nodes (between the ranks with the same place in their node), all-gather inside: only
-  S / g per rank crosses the slow links.
+  large halves stay inside a node), then all-gather the same way back;
+* **hierarchical**: with nodes of g consecutive ranks (fast links inside, slow across),
+  reduce-scatter inside each node, all-reduce each 1/g piece across the nodes, all-gather
+  inside: only S / g per rank crosses the slow links.
 
-`two_level_time` prices each with two link classes (`reference.comms.links`) and NICs per node:
-where the tree beats the ring, and what the hierarchical all-reduce saves over the ring.
+`two_level_time` prices each with two link classes (`reference.comms.links`) and NICs per node.
 """
 from __future__ import annotations
 
@@ -158,42 +154,28 @@ def algorithm_steps(algorithm: str, n: int, node_size: int = 1) -> int:
 
 
 def _nic_share(nics: int, transfers: int) -> float:
-    """The fraction of one NIC's bandwidth each of `transfers` simultaneous transfers leaving a
-    node gets when the node has `nics` NICs (1 while there are at least as many NICs)."""
+    """The share of one NIC's bandwidth each of `transfers` transfers leaving a node of `nics` NICs gets."""
     return min(1.0, nics / transfers) if transfers else 1.0
 
 
 def two_level_time(algorithm: str, nbytes: float, n: int, node_size: int,
                    intra=NVLINK, inter=NIC, nics_per_node: int | None = None) -> float:
     """Seconds of one all-reduce of ``nbytes`` on ``n`` ranks, ``node_size`` a node, in the
-    alpha-beta model with two link classes: ``intra`` (GPU to GPU inside a node) and ``inter``
-    (one NIC to another node), each (alpha seconds, bandwidth bytes/s), by default
-    `reference.comms.links`' NVLINK and NIC.
+    alpha-beta model with two `reference.comms.links` ``(alpha, bandwidth)``: ``intra`` (GPU to
+    GPU inside a node) and ``inter`` (one NIC to another node). A node has ``nics_per_node`` NICs
+    (default one per GPU); k transfers leaving a node through m NICs each get min(1, m / k) of one.
 
-    ``nics_per_node`` (default: one per GPU, ``node_size``, as on current training nodes) is how
-    many network cards a node has. Simultaneous transfers that leave a node share its NICs:
-    k of them through m NICs each get min(1, m / k) of one NIC's bandwidth. So:
-
-    * ring: run, as NCCL does, as ``nics_per_node`` parallel rings (channels), each carrying
-      1/nics of the data and crossing every node boundary on a NIC of its own; a step is as
-      slow as its slowest link: max(S/n over NVLink, S/(n nics) over one NIC). With one NIC per
-      node this is the single ring through one NIC;
-    * tree (binomial): its cross-node rounds send the whole tensor from one GPU of a node, one
-      NIC, whatever ``nics_per_node`` is (NCCL's trees also run several channels; this one
-      does not);
-    * halving-doubling: partners nearest first, so the large halves go over NVLink and only
-      the last log2(nodes) steps, with S/g and less, cross the nodes; in such a step all
-      ``node_size`` GPUs of a node send at once;
-    * hierarchical: ``node_size`` rings cross the nodes at once, one per local rank, each with
-      S / node_size bytes.
-
-    The ring pays the NIC's latency on its 2 (nodes-1) steps across nodes and NVLink's on the
-    2 (n - nodes) others (NCCL's tuning model, its nInterSteps); its bandwidth term is
-    2 (n-1)/n S over min(NVLink, nics x NIC). The hierarchical all-reduce sends 2 (nodes-1)/nodes S out of each node instead (8/7 fewer bytes on 8 nodes,
-    almost the same on many) through the same NICs, and adds its passes inside the node: what
-    it saves is latencies (2 (g-1) + 2 (nodes-1) steps instead of 2 (n-1)), not bandwidth.
-    (The old single-NIC ring against a hierarchical all-reduce given a NIC per GPU compares
-    two different machines.)"""
+    * ring: as NCCL, ``nics_per_node`` parallel rings (channels), each with 1/nics of the data and
+      a NIC of its own; a step is as slow as its slowest link, max(S/n over NVLink, S/(n nics)
+      over one NIC). It pays the NIC's latency on its 2 (nodes-1) steps across nodes and
+      NVLink's on the 2 (n - nodes) others (NCCL's tuning model, its nInterSteps);
+    * tree: its cross-node rounds send the whole tensor from one GPU, through one NIC;
+    * halving-doubling: only the last log2(nodes) steps, with S/g and less, cross the nodes, all
+      ``node_size`` GPUs of a node sending at once;
+    * hierarchical: ``node_size`` rings cross the nodes at once, each with S / node_size bytes.
+      It sends 2 (nodes-1)/nodes S out of each node against the ring's 2 (n-1)/n S, through the
+      same NICs, and adds passes inside the node: it saves latencies (2 (g-1) + 2 (nodes-1)
+      steps instead of 2 (n-1)), not bandwidth."""
     a_in, b_in = intra
     a_out, b_out = inter
     nodes = n // node_size

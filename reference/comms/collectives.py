@@ -1,12 +1,9 @@
 """Thin wrappers of torch.distributed's collectives that record each call in the open meters.
 
-Same signatures as torch.distributed; each records the call in every open `CommMeter`,
-then calls torch.distributed. S, the `payload_bytes` of a call, is the whole tensor the
-collective reduces or produces (for all-gather the output, for reduce-scatter the input,
-otherwise the tensor handed to the op). `sent_bytes`, given in each wrapper's docstring, is
-what this rank would send in the ring algorithm (exactly: `reference.comms.ring.ring_sent_bytes`);
-torch (gloo, NCCL) may choose another algorithm, but the ring's count is the one the
-course's formulas teach.
+Same signatures as torch.distributed. S, a call's `payload_bytes`, is the whole tensor the
+collective reduces or produces (all-gather's output, reduce-scatter's input). `sent_bytes` is
+what this rank sends in the ring algorithm (`reference.comms.ring.ring_sent_bytes`): gloo or NCCL
+may choose another, but the ring's count is the one the course's formulas teach.
 """
 from __future__ import annotations
 
@@ -21,8 +18,7 @@ __all__ = ["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "bro
 
 ReduceOp = dist.ReduceOp
 
-# torch 2.13 renamed the tensor-in, tensor-out forms (`*_into_tensor`, `*_tensor`,
-# now deprecated) to `*_single`; older releases have only the old names.
+# The tensor-in, tensor-out forms are `*_single` from torch 2.13, `*_into_tensor`/`*_tensor` before.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -69,8 +65,7 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op=False):
-    """torch.distributed.all_to_all_single, recording the bytes of the rows sent to other ranks
-    (exact, from the split sizes; the rows this rank keeps are free)."""
+    """torch.distributed.all_to_all_single, recording the bytes of the rows sent to other ranks."""
     n, i = dist.get_world_size(group), dist.get_rank(group)
     rows = input.shape[0] if input.dim() > 0 else 1
     if input_split_sizes is None:

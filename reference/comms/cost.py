@@ -15,9 +15,8 @@ of the whole tensor in bytes:
     broadcast       (N-2+k)(alpha + n/k beta)           (pipelined chain, k pieces)
     send                   alpha +         n beta
 
-With one rank every collective is free (0 s). The bandwidth term of all-reduce
-tends to 2n beta as N grows: it hardly depends on the number of ranks, which is
-why the ring is the algorithm of choice for large gradients.
+With one rank every collective is free. All-reduce's bandwidth term tends to 2n beta as N
+grows, hardly depending on the number of ranks: why the ring suits large gradients.
 """
 from __future__ import annotations
 
@@ -96,10 +95,8 @@ class CostModel:
 
     # -- the model -------------------------------------------------------
     def time(self, op: str, nbytes: float, world_size: int, num_chunks: int | None = None) -> float:
-        """Seconds the ring version of `op` takes on `world_size` ranks for a tensor of `nbytes`.
-
-        `num_chunks` only matters for "broadcast" (pieces in the pipeline; default N).
-        """
+        """Seconds the ring version of `op` takes on `world_size` ranks for a tensor of `nbytes`
+        (`num_chunks`: broadcast's pieces in the pipeline, default N)."""
         a, b = _coefficients(op, world_size, num_chunks)
         return a * self.alpha + b * float(nbytes) * self.beta
 
@@ -109,13 +106,10 @@ class CostModel:
             relative: bool = True) -> "CostModel":
         """Least-squares alpha and beta from measured `times` (s) of `op` on tensors of `sizes` (bytes).
 
-        time = a * alpha + b * size * beta is linear in (alpha, beta), so this is
-        ordinary least squares on the columns [a, b * size]. With `relative` (the
-        default) each row is divided by its measured time, so the fit minimises
-        relative errors: timings spanning orders of magnitude then all count, not
-        only the largest. Columns are scaled to unit norm before solving, since
-        alpha ~ 1e-5 and beta ~ 1e-10 differ by many orders of magnitude. Negative
-        estimates (noise) are clipped to 0.
+        time = a * alpha + b * size * beta is linear in (alpha, beta): least squares on the columns
+        [a, b * size], each scaled to unit norm (alpha ~ 1e-5 and beta ~ 1e-10). `relative` divides
+        each row by its time, so timings spanning orders of magnitude all count. Negative estimates
+        (noise) are clipped to 0.
         """
         x = np.asarray(sizes, dtype=np.float64)
         y = np.asarray(times, dtype=np.float64)

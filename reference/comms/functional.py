@@ -3,14 +3,11 @@
     y = all_gather_along(x, dim=1, group=tp_group)            # (B, T / n, C) -> (B, T, C)
     rows = all_to_all(x, recv_splits, send_splits, ep_group)  # differentiable, uneven splits
 
-Each returns a new tensor instead of filling a buffer, and goes through the metered
-wrappers of `reference.comms.collectives`, so `comms.meter()` counts it.
-
-Tensor parallelism gathers the sequence or the hidden dimension with `all_gather_along`
-(`reference.tensor_parallel.comms`), context parallelism a sequence split over the cp
-ranks (`reference.context_parallel.layout`). Expert parallelism sends tokens to their
-experts and back with `all_to_all` (`reference.expert_parallel.moe`), Ulysses trades a
-sequence split for a head split with it (`reference.context_parallel.ulysses`).
+Each returns a new tensor and goes through the metered wrappers of `reference.comms.collectives`.
+Tensor and context parallelism gather with `all_gather_along` (`reference.tensor_parallel.comms`,
+`reference.context_parallel.layout`); expert parallelism sends tokens to their experts and back
+with `all_to_all` (`reference.expert_parallel.moe`), and Ulysses trades a sequence split for a
+head split with it (`reference.context_parallel.ulysses`).
 """
 from __future__ import annotations
 
@@ -57,10 +54,7 @@ class AllToAll(torch.autograd.Function):
 
 def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
                group=None) -> torch.Tensor:
-    """Differentiable all-to-all with uneven splits.
-
-    Rank r sends rows ``input_splits[d]`` (a block of consecutive rows) to group
-    rank d, and receives ``output_splits[s]`` rows from group rank s, stacked in
-    source order. Every rank of `group` must call it, with matching splits.
-    """
+    """Differentiable all-to-all with uneven splits: a block of ``input_splits[d]`` consecutive rows
+    goes to group rank d, and ``output_splits[s]`` rows come from group rank s, stacked in source
+    order. Every rank of `group` calls it, with matching splits."""
     return AllToAll.apply(x, [int(n) for n in output_splits], [int(n) for n in input_splits], group)

@@ -8,9 +8,8 @@ not measurements of any one machine:
     NIC      across nodes: 50 GB/s per NIC each way (InfiniBand NDR, 400 Gb/s), about 5 us;
              a current node has one such NIC per GPU (NICS_PER_NODE = 8)
 
-A `Link` is ``(alpha, bandwidth)``: seconds per message and bytes per second, the two
-numbers of the alpha-beta model (beta = 1 / bandwidth). `reference.comms.algorithms`
-(`two_level_time`) and notebooks 07 and 08 read them from here.
+A `Link` holds the alpha-beta model's two numbers; `two_level_time` and notebooks 07 and 08
+read them from here.
 """
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
 """Count collectives and the bytes each rank sends, per collective and per group.
 
-A `CommMeter` is a context manager. While it is open, every collective issued
-through `reference.comms` (the from-scratch ring operations and the thin wrappers
-of `torch.distributed`) adds one call to the row keyed by (collective, group
-label), with two sizes:
-
-* ``payload_bytes``: the size of the tensor handed to the operation;
-* ``sent_bytes``: the bytes this rank sends. The ring operations count the bytes
-  they really hand to ``isend``; the wrappers count the bytes a ring
-  implementation would send (see `reference.comms.collectives`).
-
-Meters are per process (each rank keeps its own) and they nest: a record goes to
-every open meter, so an outer meter sees everything an inner one sees.
+While a `CommMeter` is open, every collective issued through `reference.comms` adds one call to
+the row keyed by (collective, group label), with ``payload_bytes`` (the tensor handed to the
+operation) and ``sent_bytes`` (what this rank sends: the ring operations count what they hand
+to ``isend``, the wrappers what a ring would send, `reference.comms.collectives`). Each rank
+keeps its own meters, and they nest: a record goes to every open meter.
 
     with CommMeter() as m:
         comms.all_reduce(grad, group=dp_group)
@@ -26,14 +19,11 @@ import torch.distributed as dist
 
 __all__ = ["CommMeter", "meter", "name_group", "group_label", "record", "format_records"]
 
-# Meters currently open in this process, innermost last. A stack of counters is
-# process state like a profiler's; it says nothing about the mesh, which is
-# always passed explicitly.
+# Meters open in this process, innermost last: process state, like a profiler's.
 _ACTIVE: list["CommMeter"] = []
 
-# Readable labels given to process groups by whoever created them (the mesh calls
-# `name_group(tp_group, "tp")`). Keyed by the group object itself so that the
-# entry keeps the group alive and its id can never be reused by another group.
+# Labels given to process groups by whoever created them (the mesh names "tp", ...), keyed by
+# the group itself: the entry keeps it alive, so its id is never reused by another group.
 _GROUP_NAMES: dict[object, str] = {}
 
 
@@ -45,11 +35,8 @@ def name_group(group, name: str) -> None:
 
 
 def group_label(group=None) -> str:
-    """The label a meter records for `group`.
-
-    A name given with `name_group` wins; otherwise the default group is "world"
-    and any other group is labelled by its global ranks, e.g. "ranks[0,2]".
-    """
+    """The label a meter records for `group`: its `name_group` name, else "world" for the default
+    group, else its global ranks, e.g. "ranks[0,2]"."""
     if group in _GROUP_NAMES:
         return _GROUP_NAMES[group]
     if group is None or group is dist.group.WORLD:
@@ -80,8 +67,7 @@ class CommMeter:
         return self
 
     def __exit__(self, *exc) -> None:
-        # Remove this meter, not merely the last one, so that meters closed out
-        # of order (e.g. by an exception) never leave a stale entry behind.
+        # This meter, not merely the last: one closed out of order leaves no stale entry.
         if self in _ACTIVE:
             _ACTIVE.remove(self)
 
@@ -107,21 +93,14 @@ class CommMeter:
         return self._total(2, op, group)
 
     def records(self) -> list[dict]:
-        """The rows as plain dicts (strings and ints only), sorted by group then op.
-
-        Plain data so that a rank can return them from `launch`, even with
-        ``safe_results=True``.
-        """
+        """The rows as plain dicts, sorted by group then op: strings and ints, which a rank can
+        return from `launch` even with ``safe_results=True``."""
         return [{"op": op, "group": g, "calls": c, "payload_bytes": p, "sent_bytes": s}
                 for (op, g), (c, p, s) in sorted(self._rows.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
 
     def gather(self, dst: int = 0, group=None) -> list[list[dict]] | None:
-        """Collect every rank's `records()` on global rank `dst` (all ranks of `group` call it).
-
-        Returns, on `dst`, a list indexed by rank within `group` (the global rank
-        for the default group), and None on every other rank. The gather itself
-        goes straight to torch.distributed and is not recorded.
-        """
+        """Every rank's `records()` on global rank `dst`, indexed by rank in `group` (None on other
+        ranks); all ranks of `group` call it. The gather itself is not recorded."""
         out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
         dist.gather_object(self.records(), out, dst=dst, group=group)
         return out
@@ -144,11 +123,8 @@ def meter() -> CommMeter:
 
 
 def format_records(records: Sequence[dict] | Sequence[Sequence[dict]]) -> str:
-    """An aligned text table of one rank's records, or of a list of per-rank records.
-
-    Pass `m.records()` for one rank, or what `m.gather()` / `launch` returned (a
-    list indexed by rank) to get a table with a rank column.
-    """
+    """An aligned text table of one rank's `m.records()`, or, with a rank column, of a list of
+    them indexed by rank (what `m.gather()` or `launch` returned)."""
     columns = ("op", "group", "calls", "payload_bytes", "sent_bytes")
     per_rank = bool(records) and not isinstance(records[0], dict)
     by_rank = enumerate(records) if per_rank else [(None, records)]

@@ -1,15 +1,10 @@
 """Collectives built from point-to-point messages on a ring.
 
 The N ranks of a group stand on a ring in group-rank order: rank i sends only to
-``next = (i + 1) % N`` and receives only from ``prev = (i - 1) % N``. Every step
-posts one ``isend`` to next and one ``irecv`` from prev together with
-``torch.distributed.batch_isend_irecv``, so no pair of ranks waits on each other
-in the wrong order and nothing deadlocks.
-
-A tensor of S bytes is cut into N chunks of its flattened elements with
-``torch.tensor_split``: when the element count does not divide by N the first
-``numel % N`` chunks hold one element more. Rank i *owns* chunk i, as in
-``torch.distributed.reduce_scatter_tensor`` and ``all_gather_into_tensor``.
+``(i + 1) % N`` and receives only from ``(i - 1) % N``, both posted together with
+``batch_isend_irecv`` so that nothing deadlocks. A tensor is cut into N chunks by
+``torch.tensor_split`` (the first ``numel % N`` one element longer), and rank i *owns*
+chunk i, as in ``reduce_scatter_tensor`` and ``all_gather_into_tensor``:
 
     reduce-scatter  N-1 steps; rank i ends with chunk i reduced over all ranks
     all-gather      N-1 steps; rank i contributes chunk i, all end with every chunk
@@ -17,9 +12,7 @@ A tensor of S bytes is cut into N chunks of its flattened elements with
                     sends 2(N-1)/N * S bytes when S divides by N
     broadcast       a pipelined chain from src around the ring
 
-Every operation records the bytes it really hands to ``isend`` in the open
-`CommMeter`s, under the names "ring_reduce_scatter", "ring_all_gather",
-"ring_all_reduce" and "ring_broadcast".
+Each records the bytes it really hands to ``isend`` in the open `CommMeter`s, as "ring_<op>".
 """
 from __future__ import annotations
 
@@ -43,19 +36,10 @@ def chunk_sizes(numel: int, n: int) -> list[int]:
 
 def ring_sent_bytes(op: str, numel: int, element_size: int, world_size: int, rank: int,
                     src: int = 0) -> int:
-    """Bytes group rank `rank` hands to isend in the ring version of `op`.
-
-    With c_j the byte size of chunk j and S the tensor's bytes:
-
-    * reduce_scatter: every chunk but its own, S - c_i (it only receives the last
-      contribution to chunk i);
-    * all_gather: every chunk but the one it receives last, S - c_{(i+1) % N};
-    * all_reduce: the sum of the two, 2S - c_i - c_{(i+1) % N}, which is
-      2(N-1)/N * S when S divides by N;
-    * broadcast: S on every rank of the chain except its last one, the rank just
-      before `src` on the ring, which sends nothing (N-1 copies of S in total).
-      `src` is a group rank here.
-    """
+    """Bytes group rank `rank` = i hands to isend in the ring version of `op`, with c_j the bytes
+    of chunk j and S the tensor's: reduce_scatter S - c_i (every chunk but its own), all_gather
+    S - c_{(i+1) % N} (every chunk but the one it receives last), all_reduce their sum, broadcast
+    S except on the chain's last rank, just before group rank `src`, which sends nothing."""
     n = world_size
     if n == 1:
         return 0
@@ -74,11 +58,8 @@ def ring_sent_bytes(op: str, numel: int, element_size: int, world_size: int, ran
 
 def exchange(group, send: torch.Tensor | None = None, dst: int | None = None,
              recv: torch.Tensor | None = None, src: int | None = None) -> int:
-    """Send `send` to global rank `dst` and receive into `recv` from global rank `src`, posted
-    together with ``batch_isend_irecv``; returns the bytes sent.
-
-    Either side may be None or empty (an empty chunk of an uneven split): sender and
-    receiver agree on chunk sizes, so both skip the same message."""
+    """Send `send` to global rank `dst` and receive into `recv` from global rank `src`, together;
+    returns the bytes sent. Either side may be None or empty (both ends skip an empty chunk)."""
     ops, sent = [], 0
     if send is not None and send.numel() > 0:
         ops.append(dist.P2POp(dist.isend, send.contiguous(), dst, group))
@@ -123,14 +104,9 @@ def _combine(acc: torch.Tensor, incoming: torch.Tensor, op) -> None:
 
 
 def _reduce_scatter_steps(ring: _Ring, chunks: Sequence[torch.Tensor], op) -> int:
-    """Reduce the list of chunk views in place so that chunk `ring.rank` holds the
-    reduction over all ranks (the others hold partial sums). Returns bytes sent.
-
-    Step s: send chunk (i - s - 1) to next, receive chunk (i - s - 2) from prev and
-    fold it into the local copy. What is sent at step s is what was received and
-    folded at step s - 1, so each chunk travels once around the ring gathering
-    one contribution per rank; the last one folded on rank i is chunk i.
-    """
+    """Reduce the chunk views in place until chunk i = `ring.rank` holds the reduction over all
+    ranks; returns bytes sent. Step s sends chunk (i - s - 1), folded at step s - 1, and folds in
+    chunk (i - s - 2): each chunk travels once around the ring, ending whole on its owner."""
     n, i, sent = ring.size, ring.rank, 0
     for s in range(n - 1):
         out_c, in_c = (i - s - 1) % n, (i - s - 2) % n
@@ -143,23 +119,15 @@ def _reduce_scatter_steps(ring: _Ring, chunks: Sequence[torch.Tensor], op) -> in
 
 
 def _all_gather_steps(ring: _Ring, chunks: Sequence[torch.Tensor]) -> int:
-    """Fill the list of chunk views in place from chunk `ring.rank` outwards. Returns bytes sent.
-
-    Step s: send chunk (i - s) to next (own chunk first, then the one just
-    received), receive chunk (i - s - 1) from prev.
-    """
+    """Fill the chunk views in place from chunk i = `ring.rank` outwards; returns bytes sent.
+    Step s sends chunk (i - s) (its own first, then the one just received), receives (i - s - 1)."""
     n, i = ring.size, ring.rank
     return sum(ring.step(chunks[(i - s) % n], chunks[(i - s - 1) % n]) for s in range(n - 1))
 
 
 def ring_reduce_scatter(tensor: torch.Tensor, group=None, op=ReduceOp.SUM) -> torch.Tensor:
-    """Reduce `tensor` over the ranks of `group`; return this rank's chunk, 1-D.
-
-    Group rank i gets chunk i of the flattened result, cut by `torch.tensor_split`
-    into N chunks (uneven sizes allowed). When numel divides by N this equals
-    ``reduce_scatter_tensor(out, tensor.reshape(N, -1))`` flattened. `tensor` is
-    not modified. N - 1 steps.
-    """
+    """Reduce `tensor` (left as it is) over `group`; return this rank's chunk of the flattened
+    result, 1-D: ``reduce_scatter_tensor(out, tensor.reshape(N, -1))`` when numel divides by N."""
     ring = _Ring(group)
     work = tensor.detach().reshape(-1).clone()                 # (numel,)
     chunks = torch.tensor_split(work, ring.size)               # N views, sizes chunk_sizes(numel, N)
@@ -171,13 +139,9 @@ def ring_reduce_scatter(tensor: torch.Tensor, group=None, op=ReduceOp.SUM) -> to
 
 def ring_all_gather(chunk: torch.Tensor, group=None, sizes: Sequence[int] | None = None,
                     numel: int | None = None) -> torch.Tensor:
-    """Concatenate every rank's `chunk` in group-rank order; return the 1-D result.
-
-    The receivers must know each chunk's size before it arrives. Give either
-    `sizes` (element count of every rank's chunk) or `numel` (the total, cut as
-    `torch.tensor_split` cuts it); with neither, every chunk has this rank's size.
-    N - 1 steps.
-    """
+    """Concatenate every rank's `chunk` in group-rank order; return the 1-D result. Receivers
+    know each chunk's size from `sizes` (every rank's), or `numel` (the total, cut as
+    `torch.tensor_split` cuts it), or else this rank's chunk size."""
     ring = _Ring(group)
     n = ring.size
     if sizes is not None and numel is not None:
@@ -215,16 +179,10 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM) -> torch.
 
 def ring_broadcast(tensor: torch.Tensor, src: int = 0, group=None,
                    num_chunks: int | None = None) -> torch.Tensor:
-    """Copy `tensor` from global rank `src` to every rank of `group`, in place.
-
-    A pipelined chain: the ranks in ring order starting at src form a chain
-    p = 0 (src), 1, ..., N-1, and the tensor is cut into `num_chunks` pieces
-    (default N). At step t the rank at position p forwards piece t - p to the next
-    rank while receiving piece t - p + 1, so the pieces flow down the chain one
-    behind the other: N - 2 + num_chunks steps in all. Per rank, every position
-    but the last sends the whole tensor once (S bytes) and the last sends
-    nothing: (N-1) * S bytes cross the ring in total.
-    """
+    """Copy `tensor` from global rank `src` to every rank of `group`, in place, down a pipelined
+    chain: the ranks in ring order from src are positions p = 0, ..., N-1, the tensor is cut into
+    `num_chunks` pieces (default N), and at step t position p forwards piece t - p while
+    receiving piece t - p + 1. N - 2 + num_chunks steps; every position but the last sends S."""
     ring = _Ring(group)
     n = ring.size
     if src not in ring.ranks:

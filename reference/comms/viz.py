@@ -1,7 +1,6 @@
-"""Pictures of the all-reduce algorithms' cost model (notebook 07).
+"""Pictures of the all-reduce algorithms' cost model (notebook 07), each a ``Figure``.
 
-Imported on its own (``from reference.comms import viz``), so that matplotlib stays out of
-the ranks. Each function returns a ``matplotlib.figure.Figure`` and draws nothing else.
+Imported on its own (``from reference.comms import viz``), so that matplotlib stays out of the ranks.
 """
 from __future__ import annotations
 
