@@ -24,7 +24,9 @@ action about one block is whole beside the root. With N = 2, 8 S is already 4 P,
 holds less only with more than a few blocks (the tests and notebook 06 measure it); with
 activation checkpointing the executor recomputes a whole stage, so every block is whole from
 the recomputation to its backward. Between steps `p.data` and `p.grad` are the shards, as with
-gathering once, so the optimizer, the loss scaler and the clip see what they saw.
+gathering once, so the optimizer, the loss scaler and the clip see what they saw; the tied
+embedding's two copies (the executor) and the sequence-parallel gradients over tp
+(`reference.parallel.step`) are summed on the shards' gradients.
 
 PyTorch's `fully_shard` defaults to True for every module but the root; this course defaults
 to False (`ParallelConfig.reshard_after_forward`), as torchtitan under a pipeline. Every
