@@ -2,14 +2,10 @@
 
 One all-reduce per parameter pays the per-call latency (the alpha of the
 alpha-beta cost model) dozens of times per step; one all-reduce of every
-gradient at the end cannot start before backward ends. Buckets sit in between:
-gradients are packed into a few flat buffers of at most `cap_bytes` each, and a
-bucket's all-reduce starts as soon as every gradient in it is ready.
-
-Backward produces gradients roughly in the reverse of the order in which the
-module registered its parameters (the last layer's gradient comes first), so
-buckets are filled walking the parameters backwards: bucket 0 holds the last
-layers and is ready first, the last bucket holds the embeddings.
+gradient at the end cannot start before backward ends. Buckets sit in between: a few
+flat buffers of at most `cap_bytes`, each all-reduced as soon as its gradients are ready.
+Backward produces the last layers' gradients first, so buckets are filled walking the
+parameters backwards: bucket 0 holds the last layers, the last bucket the embeddings.
 
     buckets = plan_buckets(model.named_parameters(), cap_bytes=2**20)
     print(format_buckets(buckets))
@@ -26,11 +22,7 @@ __all__ = ["Bucket", "plan_buckets", "format_buckets"]
 
 @dataclass
 class Bucket:
-    """One flat buffer's worth of gradients.
-
-    `names[k]` is the parameter that lives in elements
-    ``offsets[k] : offsets[k] + numels[k]`` of the flat buffer.
-    """
+    """One flat buffer's worth of gradients: `names[k]` lives in ``offsets[k] : offsets[k] + numels[k]``."""
 
     index: int
     names: list[str] = field(default_factory=list)
@@ -59,18 +51,10 @@ def plan_buckets(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
                  cap_bytes: int, first_cap_bytes: int | None = None) -> list[Bucket]:
     """Group the trainable parameters into buckets of at most `cap_bytes`, last parameter first.
 
-    `first_cap_bytes` (default: `cap_bytes`) caps bucket 0 alone. A small first
-    bucket, as PyTorch's DDP uses (1 MiB), starts communication as soon as the
-    last layers' gradients exist instead of after a whole `cap_bytes` of them.
-    A cap of 0 gives every parameter a bucket of its own (PyTorch's DDP with
-    ``bucket_cap_mb=0``): one all-reduce per parameter, as naive DP, but
-    launched from inside backward.
-
-    `named_parameters` is in registration order (``module.named_parameters()``,
-    which lists a tied parameter once). Frozen parameters (``requires_grad``
-    False) get no bucket: they have no gradient to average. A parameter larger
-    than the cap gets a bucket of its own. A bucket holds one dtype on one
-    device, because it is a single flat tensor.
+    `first_cap_bytes` (default: `cap_bytes`) caps bucket 0 alone: a small first bucket, as
+    PyTorch's 1 MiB, starts communication as soon as the last layers' gradients exist. A cap of 0
+    gives every parameter its own bucket, as does a parameter larger than the cap. Frozen
+    parameters get none; a bucket, one flat tensor, holds one dtype on one device.
     """
     first_cap_bytes = cap_bytes if first_cap_bytes is None else first_cap_bytes
     for name, value in (("cap_bytes", cap_bytes), ("first_cap_bytes", first_cap_bytes)):

@@ -1,36 +1,23 @@
 """Gradient compression for data parallelism: fewer bytes per all-reduce, paid for in accuracy.
 
-Data parallelism all-reduces every gradient every step, 2(N-1)/N * 4 Psi bytes
-per rank in fp32. Two ways to send less:
+Data parallelism all-reduces 2(N-1)/N * 4 Psi bytes per rank and step in fp32. Two ways to
+send less:
 
-* **bf16 compression.** Each bucket is cast to bfloat16 before the all-reduce
-  and back to fp32 after it: exactly half the bytes. bf16 keeps fp32's exponent
-  (no overflow) but 8 bits of significand, so each rank's g / N is rounded to
-  2^-8 of itself, and the sum is rounded again. `CompressedDDP` does it for the
-  course's `DDP`; PyTorch's DDP does it with the comm hook
-  ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook``.
-  The two round the same numbers: PyTorch casts g then divides by N, this module
-  divides then casts, the same bits when N is a power of two.
-* **PowerSGD** (Vogels et al., 2019): each gradient matrix M (n x m, a tensor
-  of more dimensions viewed as (shape[0], rest)) is replaced by a rank-r product
-  P Q^T. With Q from the previous step (warm start), P = M Q is all-reduced,
-  orthogonalised, then Q = M^T P is all-reduced: n r + m r numbers instead of
-  n m. Error feedback adds what the approximation missed to the next step's
-  gradient, so nothing is lost for good, only delayed. Vectors (biases,
-  LayerNorm) and matrices too small to gain (PyTorch's rule: compressed only if
-  (n + m) r * min_compression_rate < n m) are all-reduced whole. PyTorch's
-  ``powerSGD_hook`` implements it; `powersgd_bytes` gives its bytes per step,
-  and it runs plain all-reduces for its first ``start_powerSGD_iter`` steps.
-  `gpt_gradient_shapes(config)` lists the course GPT's gradient shapes without
-  building the model, for the bytes of one too large to build here.
+* **bf16 compression**: each bucket cast to bfloat16 for the all-reduce, exactly half the
+  bytes. bf16 keeps fp32's exponent but 8 bits of significand, so each rank's g / N and the
+  sum are rounded to 2^-8 of themselves. `CompressedDDP` does it for the course's `DDP`,
+  PyTorch's DDP with the comm hook ``default_hooks.bf16_compress_hook`` (it casts, then
+  divides: the same bits when N is a power of two).
+* **PowerSGD** (Vogels et al., 2019): each gradient matrix M (n x m, (shape[0], rest)) is
+  replaced by a rank-r P Q^T: with Q from the previous step, P = M Q is all-reduced and
+  orthogonalised, then Q = M^T P all-reduced, n r + m r numbers instead of n m. Error feedback
+  adds what was missed to the next step's gradient. Vectors and matrices too small to gain are
+  sent whole. PyTorch's ``powerSGD_hook`` implements it; `powersgd_bytes` gives its bytes.
 
-PyTorch's hooks call ``torch.distributed`` directly, not `reference.comms`, so
-`metered_comm_hook(hook)` wraps a hook to record the all-reduces it issues in
-the open `CommMeter`s: the bytes are counted, not assumed (and the overlap given up).
-
-Compression changes the gradient, so unlike everything else in this package it
-does not reproduce single-process training: `tests/test_compression.py`
-measures by how much, on the tiny GPT.
+PyTorch's hooks call ``torch.distributed`` directly, so `metered_comm_hook(hook)` records the
+all-reduces a hook issues in the open `CommMeter`s (giving up the overlap). Compression changes
+the gradient, so unlike the rest of the package it does not reproduce single-process training:
+`tests/test_compression.py` measures by how much.
 """
 from __future__ import annotations
 
@@ -65,9 +52,6 @@ class CompressedDDP(DDP):
     """The course's `DDP` with each bucket all-reduced in `dtype` (bf16 by default): half the bytes.
 
         ddp = CompressedDDP(model.to(device()), bucket_cap_mb=1)   # any DDP argument
-
-    Everything else is `DDP`'s; it overrides the one method that all-reduces a
-    bucket. The cast copy lives only while its bucket is in flight.
     """
 
     def __init__(self, module, dtype: torch.dtype = torch.bfloat16, **ddp_kwargs):
@@ -115,14 +99,9 @@ def metered_comm_hook(hook):
 
         ddp.register_comm_hook(state, metered_comm_hook(powerSGD_hook))
 
-    The hook's future is waited for inside the wrapper, so the all-reduces its
-    callbacks issue (PowerSGD's P, then Q) are recorded too; the wrapper
-    returns a completed future with the same value.
-
-    The wrapper has a name of its own (``metered_<hook>``). PyTorch refuses
-    ``bf16_compress_hook`` *by name* unless it was built with CUDA and NCCL
-    2.10+ (NCCL's bf16 support); gloo sums bf16 too, so the wrapped hook also
-    runs on CPU ranks.
+    The hook's future is waited for inside, so its callbacks' all-reduces (PowerSGD's P, then Q)
+    count too. The wrapper is named ``metered_<hook>``: PyTorch refuses ``bf16_compress_hook``
+    *by name* without CUDA and NCCL 2.10+, and gloo sums bf16 too, so it also runs on CPU ranks.
     """
     def wrapper(state, bucket):
         with _metered_torch_all_reduce():
@@ -157,14 +136,10 @@ class PowerSGDBytes:
 
 def powersgd_bytes(shapes: Iterable[tuple[int, ...]], rank: int, min_compression_rate: float = 2,
                    element_size: int = 4) -> PowerSGDBytes:
-    """Payload bytes of one compressed PowerSGD step over gradients of these `shapes`.
-
-    Each tensor is viewed as (n, m) = (shape[0], numel / shape[0]) and gets
-    rank r = min(n, m, rank). It is compressed, sending n r + m r numbers, when
-    (n + m) r * min_compression_rate < n m (PyTorch's rule, so a vector, m = 1,
-    never is); otherwise it is sent whole, n m numbers. Payload bytes: each rank
-    all-reduces them, sending 2(N-1)/N of them in a ring.
-    """
+    """Payload bytes of one compressed PowerSGD step over gradients of these `shapes` (its first
+    ``start_powerSGD_iter`` steps are plain all-reduces). Each tensor, viewed as (n, m), with
+    r = min(n, m, rank), sends n r + m r numbers when (n + m) r * min_compression_rate < n m
+    (PyTorch's rule), else n m."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be a positive int (the approximation's rank r), got {rank!r}")
     p = q = whole = dense = 0
@@ -184,13 +159,8 @@ def powersgd_bytes(shapes: Iterable[tuple[int, ...]], rank: int, min_compression
 
 
 def gpt_gradient_shapes(config) -> list[tuple[int, ...]]:
-    """The shapes of the gradients of ``GPT(config)`` (a tied weight once), without building it.
-
-    For `powersgd_bytes` of a model too large to build on a laptop (GPT-3 1.3B): embeddings
-    (V, C) and (T, C); per block two LayerNorms, the attention's (3C, C) and (C, C) and the
-    MLP's (d_ff, C) and (C, d_ff) weights, with their biases when ``config.bias``; the final
-    LayerNorm; the head (V, C) only when it is not tied to the embedding.
-    """
+    """The shapes of the gradients of ``GPT(config)`` (a tied weight once), without building it:
+    for `powersgd_bytes` of a model too large to build on a laptop (GPT-3 1.3B)."""
     c, f = config.n_embd, config.d_ff
     norm = [(c,)] * (2 if config.bias else 1)  # weight (and bias)
 

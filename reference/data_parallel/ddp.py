@@ -1,24 +1,16 @@
 """Data parallelism: every rank holds the whole model and a slice of the batch.
 
-Each of the N ranks of the data-parallel group runs forward and backward on its
-own B / N examples. The loss is a mean, so the full-batch gradient is the mean
-of the N local gradients; once every rank holds that mean (an all-reduce of the
-gradients, divided by N), the N optimizer steps are the same step and the
-replicas stay identical, equal to one process training on the whole batch.
+The loss is a mean, so the full-batch gradient is the mean of the N ranks' local gradients:
+once every rank holds it (an all-reduce divided by N), the N optimizer steps are one step and
+the replicas stay equal to one process training on the whole batch. Two versions:
 
-Two versions, the second built from the first:
+* `naive_all_reduce_gradients(module)`, after ``loss.backward()``: one blocking all-reduce per
+  gradient, paying a call's latency per parameter, and only once backward has finished;
+* `DDP(module)`, as ``torch.nn.parallel.DistributedDataParallel``: gradients packed into
+  buckets (`reference.data_parallel.buckets`), each all-reduced asynchronously from inside
+  backward as soon as its last gradient is in, overlapping the rest of backward.
 
-* `naive_all_reduce_gradients(module)`, called after ``loss.backward()``: one
-  blocking all-reduce per gradient. Correct, but it pays a call's latency per
-  parameter and communicates only once backward has finished.
-* `DDP(module)`, what ``torch.nn.parallel.DistributedDataParallel`` does:
-  gradients are packed into buckets (`reference.data_parallel.buckets`) and
-  each bucket's all-reduce is launched asynchronously from inside backward, as
-  soon as its last gradient is accumulated, so the all-reduce of the last
-  layers runs while backward is still computing the first layers' gradients.
-
-Per step a rank sends 2(N-1)/N times the gradient bytes, in one call per bucket
-(every collective goes through `reference.comms`, so `comms.meter()` counts it).
+Per step a rank sends 2(N-1)/N times the gradient bytes (counted by `comms.meter()`).
 """
 from __future__ import annotations
 
@@ -38,13 +30,9 @@ __all__ = ["naive_all_reduce_gradients", "DDP", "Bucket", "plan_buckets", "forma
 
 
 def naive_all_reduce_gradients(module: nn.Module, group=None) -> None:
-    """Average every gradient of `module` over `group`, one blocking all-reduce each.
-
-    Call it after ``loss.backward()`` and before ``optimizer.step()``.
-    Parameters without a gradient (frozen ones) are skipped, so every rank must
-    have gradients for the same parameters, or its peers wait forever in a
-    collective it never joins; `DDP` handles a parameter unused on some ranks.
-    """
+    """Average every gradient of `module` over `group`, one blocking all-reduce each. Parameters
+    without a gradient are skipped, so every rank must have gradients for the same ones (or its
+    peers wait forever); `DDP` handles a parameter unused on some ranks."""
     world_size = dist.get_world_size(group)
     for p in module.parameters():
         if p.grad is None:
@@ -69,45 +57,25 @@ def _remove_hooks(handles) -> None:
 class DDP(nn.Module):
     """Distributed data parallel with bucketed all-reduces that overlap backward.
 
-    ``ddp = DDP(model, bucket_cap_mb=25, group=dp_group)`` then train ``ddp``
-    as the model itself: ``loss = ddp(x, y)[1]; loss.backward(); opt.step()``.
+        ddp = DDP(model.to(device()), bucket_cap_mb=25, group=dp_group)   # then train ddp as the model
+
     After ``backward()`` returns, every gradient is the mean over the group.
 
-    * Wrapping broadcasts every parameter (frozen ones too) and buffer from the
-      group's first rank, so all replicas start equal.
-    * The module must already be on the device the group communicates
-      (``DDP(model.to(device()))``, `reference.data_parallel.device`).
-    * Buckets of at most `bucket_cap_mb` MiB (2**20 bytes), bucket 0 of at most
-      `first_bucket_cap_mb` (`plan_buckets`); ``ddp.buckets`` lists them.
-    * A hook on each parameter (``register_post_accumulate_grad_hook``) marks
-      its gradient ready; it fires once per backward even for a tied weight
-      used twice, after both uses are summed. Buckets are launched strictly in
-      bucket order, so every rank issues the same all-reduces in the same order
-      even if autograd finishes gradients in a different order on another rank.
-    * At the end of backward (a callback queued on the autograd engine)
-      `finish_gradient_synchronization` runs.
-    * ``with ddp.no_sync():`` forward and backward accumulate gradients locally
-      without communicating; the next synchronised backward all-reduces the
-      accumulated sum. As in PyTorch, a backward is synchronised when its
-      forward ran outside ``no_sync``.
-    * Unused parameters. A parameter that received no gradient on this rank by
-      the end of backward is marked ready then and contributes zeros, so its
-      bucket still completes (a bucket holding it launches only at the end of
-      backward, with every bucket after it, so the overlap shrinks). With the
-      default ``find_unused_parameters=False`` every rank then holds the mean
-      in ``p.grad``, zero where no rank used the parameter; an optimizer with
-      momentum or weight decay moves such a parameter, which a single process
-      (whose ``p.grad`` stays None) would not. ``find_unused_parameters=True``
-      adds one small all-reduce per step counting, per parameter, the ranks
-      that produced a gradient, and leaves ``p.grad`` None where the count is
-      zero, exactly as a single process would.
-    * ``overlap=False`` keeps the same buckets but launches them only at the end of
-      backward, one after the other: the same calls and bytes as the default, nothing
-      hidden behind backward. The pair measures what overlap alone is worth.
-    * ``ddp.trace`` records the last synchronised step: when forward ended, when
-      each bucket's all-reduce was launched, when backward ended, and when each
-      wait started and ended (``time.perf_counter`` seconds; on a GPU the moments
-      the GPU reached them, `StepClock`); ``trace=False`` records nothing.
+    * Wrapping broadcasts every parameter and buffer from the group's first rank.
+    * Buckets of at most `bucket_cap_mb` MiB, bucket 0 of `first_bucket_cap_mb` (`plan_buckets`),
+      are launched strictly in bucket order, so every rank issues the same all-reduces in the
+      same order whatever order autograd finishes the gradients in.
+    * ``with ddp.no_sync():`` backward accumulates locally; the next backward whose forward ran
+      outside ``no_sync`` all-reduces the sum.
+    * A parameter with no gradient on this rank contributes zeros (its bucket launches only at
+      the end of backward). By default every rank then holds the mean, zero where no rank used
+      it, which momentum or weight decay would move; ``find_unused_parameters=True`` adds one
+      small all-reduce counting the users and leaves ``p.grad`` None where none did, as a
+      single process would.
+    * ``overlap=False``: the same buckets launched one after another at the end of backward,
+      to measure what overlap alone is worth.
+    * ``ddp.trace``: the last synchronised step's moments (forward end, each launch, backward
+      end, each wait; ``perf_counter`` seconds, on a GPU when the GPU got there, `StepClock`).
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, group=None,
@@ -140,7 +108,6 @@ class DDP(nn.Module):
         # One flat communication buffer per bucket, reused every step: (bucket.numel,)
         self._flat = [torch.zeros(b.numel, dtype=b.dtype, device=b.device) for b in self.buckets]
 
-        # Per-step state, reset when a synchronised backward starts.
         self._step_open = False
         self._pending: list[set[int]] = []  # positions in each bucket still waiting for a gradient
         self._next_bucket = 0  # buckets before it have been launched
@@ -190,7 +157,8 @@ class DDP(nn.Module):
                                "time": self._clock.now() if at is None else at})
 
     def _open_step(self) -> None:
-        """First gradient of a synchronised backward: reset the step, queue the end-of-backward callback."""
+        """First gradient of a synchronised backward: reset the step, queue the end-of-backward callback
+        (it runs before backward() returns: the optimizer never sees unsynchronised gradients)."""
         self._step_open = True
         self._pending = [set(range(len(b.params))) for b in self.buckets]
         self._next_bucket = 0
@@ -199,8 +167,6 @@ class DDP(nn.Module):
         if self._forward_end is not None:
             self._event("forward_end", at=self._forward_end)
             self._forward_end = None
-        # Runs once the whole backward graph has been executed, before
-        # backward() returns: the optimizer never sees unsynchronised gradients.
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _mark_ready(self, bucket_index: int, position: int) -> None:
@@ -214,8 +180,7 @@ class DDP(nn.Module):
             self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
-        # In bucket order only: collectives on a group must be issued in the
-        # same order on every rank, whatever order gradients arrived in here.
+        # In bucket order: every rank issues its collectives in the same order.
         while self._next_bucket < len(self.buckets) and not self._pending[self._next_bucket]:
             self._launch(self._next_bucket)
             self._next_bucket += 1
@@ -226,9 +191,7 @@ class DDP(nn.Module):
             dst = flat[offset:offset + numel]  # (numel,) view of the flat buffer
             if p.grad is None:
                 dst.zero_()  # unused on this rank: contributes nothing to the sum
-            else:
-                # Divide before summing, as PyTorch does: a half-precision sum of
-                # N full gradients could overflow where the sum of g / N does not.
+            else:  # divide before summing, as PyTorch: a 16-bit sum of N full gradients could overflow
                 torch.div(p.grad.reshape(-1), self.world_size, out=dst)
         self._work[i] = self._all_reduce_bucket(flat)
         self._event("launch", i)
@@ -277,10 +240,6 @@ class DDP(nn.Module):
         return users.cpu()
 
     # -------------------------------------------------------------- inspection
-    def bucket_table(self) -> str:
-        """The bucket layout as text (see `format_buckets`)."""
-        return format_buckets(self.buckets)
-
     @property
     def bucket_nbytes(self) -> int:
         """Bytes of the flat communication buffers: one more copy of the trainable gradients."""

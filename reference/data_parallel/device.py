@@ -1,25 +1,16 @@
 """The device a DDP wrapper's tensors must live on, and the clock of its step on that device.
 
-Device. A process group communicates the tensors of one device: gloo the CPU's, NCCL
-those of this rank's GPU (`reference.runtime.device()`). Under the course's NCCL
-launches CPU tensors still work, through a gloo side channel ("cpu:gloo,cuda:nccl"),
-so a model left on the CPU would train, slowly and over the wrong network, without a
-word. `check_module_device` makes that an error: the module goes to the device
-*before* it is wrapped (``DDP(model.to(device()))``), as PyTorch's own DDP expects.
-Moving it inside the wrapper would be possible, but an optimizer built before wrapping
-or a tensor the caller kept would then quietly point at a different device.
+Device. A process group communicates one device's tensors: gloo the CPU's, NCCL this rank's
+GPU's. Under the course's NCCL launches CPU tensors still go through a gloo side channel, so a
+model left on the CPU would train slowly over the wrong network without a word:
+`check_module_device` makes that an error. The module moves *before* wrapping, as PyTorch's
+DDP expects, so an optimizer built before wrapping points at the right tensors.
 
-Time. On the CPU a collective is over when ``work.wait()`` returns, so
-``time.perf_counter()`` read then is its end. On a GPU ``work.wait()`` only makes the
-current CUDA stream wait for the NCCL stream: it returns at once, and the host's clock
-says nothing about when the all-reduce ran. `StepClock` therefore records, on a GPU,
-each moment as a CUDA event on the current stream (it completes when the GPU gets
-there: a launch when the bucket's gradients exist, a wait's end when the all-reduce has
-finished), and converts the events to ``perf_counter`` seconds once the step is over:
-one last event is synchronised, read at host time ``t_end``, and every event lies
-``elapsed_time(event, last)`` before it. That costs one synchronisation per traced
-step; ``DDP(..., trace=False)`` records nothing and costs nothing. On the CPU the clock
-is ``time.perf_counter`` itself, as it always was.
+Time. On a GPU ``work.wait()`` only makes the current stream wait for NCCL's and returns at
+once, so the host's clock says nothing about when the all-reduce ran. `StepClock` records each
+moment as a CUDA event and, once the step is over, synchronises one last event read at host
+time ``t_end``: every event lies ``elapsed_time(event, last)`` before it (one synchronisation
+per traced step). On the CPU the clock is ``time.perf_counter``.
 """
 from __future__ import annotations
 

@@ -25,19 +25,12 @@ _EXPOSED = CATEGORICAL[6]  # red: the step waits for it after backward
 # ------------------------------------------------------------------- the trace
 @dataclass(frozen=True)
 class OverlapSummary:
-    """One rank's synchronised step, read from ``ddp.trace`` (seconds).
+    """One rank's synchronised step, read from ``ddp.trace`` (seconds)."""
 
-    backward_s:           from the end of forward to the end of backward.
-    n_buckets:            all-reduces in the step, one per bucket.
-    launched_in_backward: how many of them were launched before backward ended.
-    exposed_s:            from the end of backward to the end of the last wait:
-                          communication the step waits for instead of hiding it.
-    """
-
-    backward_s: float
-    n_buckets: int
-    launched_in_backward: int
-    exposed_s: float
+    backward_s: float           # from the end of forward to the end of backward
+    n_buckets: int              # all-reduces, one per bucket
+    launched_in_backward: int   # of them, launched before backward ended
+    exposed_s: float            # from the end of backward to the last wait's end: communication not hidden
 
 
 def _parse(trace) -> dict:
@@ -80,21 +73,13 @@ def summarize_overlap(trace) -> OverlapSummary:
 
 
 def plot_overlap(traces, title: str | None = None, same_clock: bool = False):
-    """The timeline of a DDP step: one panel per rank, time in ms.
+    """The timeline of a DDP step, one panel per rank (``traces``: one ``ddp.trace`` or a list).
 
-    ``traces`` is ``ddp.trace`` of one rank or a list of every rank's. Row
-    "backward" is the backward pass. Row "bucket i" starts at the launch of
-    bucket i's all-reduce and ends when the wait for it returned; the part
-    before backward ended (light) ran under backward's computation, the part
-    after (red) is time the step spent waiting. The trace knows only these
-    moments: on the CPU an all-reduce whose wait returned at once had finished
-    somewhere inside its light bar; on a GPU the moments are when the GPU got
-    there (CUDA events), so a bar ends when its all-reduce had really finished.
-
-    Each rank's time starts when its own forward ended. With ``same_clock=True``
-    every rank is drawn from the earliest forward end instead, which shows how
-    the ranks drift apart; only meaningful when the ranks share one clock
-    (``time.perf_counter`` of processes on one machine), not across machines.
+    Row "bucket i" runs from the launch of its all-reduce to the end of the wait for it: light
+    while backward still ran, red where the step waited. On the CPU an all-reduce whose wait
+    returned at once had finished somewhere inside its light bar; on a GPU (CUDA events) a bar
+    ends when its all-reduce really finished. Each rank's time starts at its own forward end;
+    ``same_clock=True`` draws all from the earliest one, for ranks sharing one machine's clock.
     """
     one_trace = bool(traces) and isinstance(traces[0], dict)
     per_rank = [traces] if one_trace else list(traces)
@@ -150,12 +135,8 @@ def _arrow(ax, x, y_from, y_to):
 
 
 def plot_data_parallel_step(world_size: int = 4):
-    """One data-parallel step on `world_size` ranks, as a scheme (not a measurement).
-
-    Each column is a rank: its slice of the global batch, its full copy of the
-    model, its local gradient g_r; one all-reduce gives every rank the mean,
-    and every rank takes the same optimizer step.
-    """
+    """One data-parallel step on `world_size` ranks, as a scheme: per rank its slice of the batch,
+    its full model, its gradient g_r; one all-reduce, then the same optimizer step everywhere."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     n = world_size
@@ -192,15 +173,9 @@ def plot_data_parallel_step(world_size: int = 4):
 def plot_dp_scaling(names: Sequence[str], psis: Sequence[int], world_size: int,
                     state_bytes_per_param: int = 16, grad_bytes_per_param: int = 4,
                     device_bytes: float = 80e9, cost=None):
-    """What plain data parallelism costs each rank, model by model (log scale).
-
-    Left: model states per rank, ``state_bytes_per_param * Ψ`` (16: fp32
-    weights 4, gradients 4, Adam's two moments 8), the same on every rank
-    whatever the world size, against one device of `device_bytes`. Right:
-    bytes each rank sends per step in the ring all-reduce of the gradients,
-    ``2(N-1)/N * grad_bytes_per_param * Ψ``; with `cost` (a
-    `reference.comms.CostModel`) each bar is labelled with that all-reduce's time.
-    """
+    """What plain data parallelism costs each rank, model by model (log scale): left the model
+    states ``state_bytes_per_param * Ψ`` against one device, whatever N; right the bytes sent per
+    step, ``2(N-1)/N * grad_bytes_per_param * Ψ``, timed by `cost` (`reference.comms.CostModel`)."""
     if len(names) != len(psis) or not psis:
         raise ValueError(f"give one name per model size: {len(names)} names for {len(psis)} sizes")
     if not isinstance(world_size, int) or world_size < 2:

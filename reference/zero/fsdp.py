@@ -1,9 +1,8 @@
 """ZeRO stage 3 (P_os+g+p) by blocks, also known as fully sharded data parallelism (FSDP).
 
-Each rank keeps only 1/N of every parameter, gradient and optimizer state. The
-model is cut into units, one per GPT block `model.h[i]` plus a root unit holding
-the rest (embeddings, final LayerNorm, and the tied `lm_head`, which must share
-a unit with `wte` because it is the same tensor). A training step then runs:
+Each rank keeps 1/N of every parameter, gradient and optimizer state. The model is cut into
+units, one per GPT block `model.h[i]` plus a root unit with the rest (embeddings, final
+LayerNorm and the tied `lm_head`, the same tensor as `wte`). A training step:
 
     forward    root: all-gather            (embedding, then head at the end)
                block i: all-gather  ->  compute  ->  free
@@ -13,39 +12,22 @@ a unit with `wte` because it is the same tensor). A training step then runs:
                         in flight meanwhile, waited on first and its full gradient freed)
     step       any torch.optim optimizer over `fsdp.parameters()` (the shards)
 
-While block i computes, block i+1's all-gather (i-1's in backward) is already
-on the wire: a prefetch, so communication overlaps compute. Per step each rank
-sends, per unit of P numbers, (N-1)/N P for each of the two all-gathers and for
-the reduce-scatter: 3 (N-1)/N P in all, 1.5 times the 2 (N-1)/N P of plain data
-parallelism's all-reduce. That is the price of holding 1/N of the parameters.
-
-Hooks do the work, so the model's own code is unchanged: a forward pre-hook
-gathers a block, a forward hook frees it and hooks the block's outputs, whose
-gradient hook fires just before the block's backward and gathers it again; a
-hook on each parameter's gradient accumulation reduce-scatters the unit once all
-its gradients are in; a callback at the end of backward finishes what is pending.
-Frozen parameters are not sharded: every rank keeps them whole, never communicated.
+While block i computes, block i+1's all-gather (i-1's in backward) is on the wire: a
+prefetch. Per step a rank sends 3 (N-1)/N P per unit of P numbers (two all-gathers and a
+reduce-scatter), 1.5 times plain data parallelism's all-reduce: the price of holding 1/N.
+Hooks do the work, so the model's code is unchanged; frozen parameters stay whole on every
+rank. Every rank must use the same parameters in a step (data-dependent use, as in a mixture
+of experts, would leave ranks in different collectives).
 
     fsdp = FSDP(GPT(config))
     opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)
-    _, loss = fsdp(x, y); loss.backward(); opt.step(); opt.zero_grad()
     weights = fsdp.full_state_dict()       # the whole model, for inspection
 
-Limit: every rank must use the same parameters in a step (a unit whose use
-depends on the data, as in a mixture of experts, would leave ranks in different
-collectives).
-
-Each unit is a `reference.zero.units.Unit` in the flat layout (`FlatShards`): its
-shard (S,) an `nn.Parameter` the optimizer steps on, its module parameters views
-of `full` (P,). `mixed_precision=True`: the fp32 shard is the master copy, cast to
-bf16 before the all-gather (half the bytes on the wire), the block computes in bf16,
-and the gradients are cast back to fp32 before the reduce-scatter, so the mean and
-the update are done in fp32. `offload=True`: the master shard, its gradient and so
-the optimizer state live on the CPU (`shard`), a compute copy on the device
-(`compute_shard`), copied to before each gather and from after each reduce-scatter:
-on a GPU 12 bytes of device memory saved per parameter (fp32 master + Adam); on a
-CPU-only machine two real, separate copies kept in step, which shows the data
-movement and the bookkeeping, not a saving.
+`mixed_precision=True`: the fp32 shard is the master copy, cast to bf16 before the all-gather
+(half the bytes), the block computes in bf16, and gradients are reduce-scattered and applied in
+fp32. `offload=True`: the master shard, its gradient and so the optimizer state live on the CPU,
+a compute copy on the device: on a GPU 12 bytes of device memory saved per parameter; on a
+CPU-only machine two real copies kept in step, which shows the data movement, not a saving.
 """
 from __future__ import annotations
 
@@ -93,8 +75,8 @@ class FlatShards(FlatLayout):
 
 
 class FSDPUnit(Unit):
-    """A block's parameters in the flat layout: the master shard ``shard`` (S,), the module's
-    parameters views of ``full`` (P,) in the compute dtype ``param_dtype``."""
+    """A block's parameters as a `Unit` in the flat layout: the master shard ``shard`` (S,) an
+    `nn.Parameter` the optimizer steps on, the module's parameters views of ``full`` (P,)."""
 
     def __init__(self, name: str, params, group, device, param_dtype=None, offload: bool = False):
         dtypes = {p.dtype for p in params}
@@ -157,10 +139,8 @@ class FSDPUnit(Unit):
 class FSDP(nn.Module):
     """Shard `module`'s parameters over `group` by unit, gather them only while used.
 
-    `units`: the submodules to shard separately, in the order the forward calls
-    them (default: `module.h`, GPT's blocks, when it exists); everything else
-    forms the root unit. `mixed_precision`, `offload`: see the module's
-    docstring. `prefetch=False` turns off the overlap (for comparison).
+    `units`: the submodules sharded separately, in forward order (default: GPT's blocks
+    `module.h`); the rest is the root unit. `prefetch=False` turns off the overlap.
     """
 
     def __init__(self, module: nn.Module, group=None, units: Iterable[nn.Module] | None = None,
@@ -175,9 +155,7 @@ class FSDP(nn.Module):
             units = list(module.h) if isinstance(getattr(module, "h", None), nn.ModuleList) else []
         units = list(units)
 
-        # Assign each trainable parameter to exactly one unit. A tensor reached
-        # from two units (a weight tied across blocks) goes to the root, which
-        # is whole for the entire forward and backward.
+        # Each trainable parameter in one unit; one reached from two units goes to the root.
         owner: dict[int, int] = {}
         for i, sub in enumerate(units):
             for p in sub.parameters():
@@ -204,7 +182,6 @@ class FSDP(nn.Module):
             sub.register_forward_hook(lambda module, args, out, unit=unit: self._after_forward(unit, out))
         self.root = FSDPUnit("root", root_params, group, dev, param_dtype, offload) if root_params else None
         self.units = ([self.root] if self.root else []) + self.block_units
-        # The shards (S,) per unit, registered as this module's own parameters.
         self.shards = nn.ParameterList([u.shard for u in self.units])
 
         for unit in self.units:
@@ -279,9 +256,7 @@ class FSDP(nn.Module):
 
     def _reduce(self, unit):
         unit.free()
-        # One reduce-scatter in flight, as FSDP2: the previous unit's is waited on
-        # and its full-size gradient freed before this one starts, so backward
-        # holds at most two units' full gradients, not every unit's until the end.
+        # One reduce-scatter in flight, as FSDP2: backward holds at most two units' full gradients.
         self._finish_pending()
         self._pending.append(unit.reduce_grads(async_op=True))
 
@@ -291,9 +266,7 @@ class FSDP(nn.Module):
         self._pending = []
 
     def _finish_backward(self):
-        # Units with a parameter that got no gradient (unused in this step)
-        # never completed their count: reduce them now, in unit order, which
-        # is the same on every rank.
+        # Units with an unused parameter never completed: reduce them now, in unit order.
         for unit in self.units:
             if not unit.reduced and id(unit) in self._backward_gathered:
                 self._reduce(unit)
@@ -307,11 +280,8 @@ class FSDP(nn.Module):
     # ------------------------------------------------------------------ inspection
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter of the module, whole, in the master dtype, as fresh CPU tensors.
-
-        Keys are the module's own names (a tied weight once, under its first
-        name); frozen parameters are included as they are.
-        """
+        """Every parameter of the module by its name (a tied weight once), whole, in the master
+        dtype, as fresh CPU tensors."""
         values: dict[int, torch.Tensor] = {}
         for unit in self.units:
             flat = unit.full_flat()
@@ -328,10 +298,8 @@ class FSDP(nn.Module):
 
     @contextlib.contextmanager
     def summon_full_params(self):
-        """Inside the block every module parameter is whole (compute dtype); freed on exit.
-
-        For reading; changes made inside are not written back to the shards.
-        """
+        """Inside the block every module parameter is whole (compute dtype), for reading: changes
+        are not written back to the shards."""
         for unit in self.units:
             unit.gather()
         try:

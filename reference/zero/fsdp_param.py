@@ -6,26 +6,17 @@
     sharded.reduce_scatter()                     # after the last backward: .data and .grad = shards
     optimizer.step()                             # a plain torch optimizer over the same parameters
 
-`reference.zero.fsdp` flattens a block's tensors into one buffer and cuts that: a shard then
-mixes pieces of several tensors, which is fine while every tensor is whole and replicated,
-but not once tensor parallelism has split some of them (a shard would hold a slice of a
-column-parallel weight next to a LayerNorm gain replicated over tp). Here every parameter is
-cut on its own along dim 0 (`reference.zero.units.RowShards`); a parameter that is already a
-tensor-parallel slice (out / tp, in) is simply split again. Between steps `p.data` *is* the
-shard (c, *rest), so the optimizer, its state, the gradient clip and
-`reference.memory.measure` all see 1/N of each tensor.
+The flat `reference.zero.fsdp` mixes pieces of several tensors in one shard, which breaks once
+tensor parallelism has split some of them. Here every parameter is cut on its own along dim 0
+(`reference.zero.units.RowShards`), a tensor-parallel slice simply split again. Between steps
+`p.data` *is* the shard (c, *rest), so the optimizer, the clip and `reference.memory.measure`
+see 1/N of each tensor.
 
-When to gather (torchtitan's ``reshard_after_forward=False`` under pipeline parallelism): the
-stage is one `reference.zero.units.Unit`, gathered once before the step and kept whole through
-every micro-batch's forward and backward, its gradients reduce-scattered once after the last
-backward. That costs one all-gather and one reduce-scatter of the stage per step, (N-1)/N x 2
-x its bytes, whatever the number of micro-batches m (the flat `FSDP` moves 3 m times), for
-holding the stage's parameters and gradients whole during the step (the flat FSDP holds one
-block). With a pipeline a stage runs 2 m times a step, so gathering per micro-batch would
-multiply the data-parallel traffic by m; with tensor parallelism the stage is already 1/tp of
-the model. It composes with anything the executor does, activation checkpointing included:
-the executor only ever sees whole (TP-local) parameters. `reference.zero.fsdp_reshard` cuts
-the same shards into a unit per block instead.
+The stage is one `reference.zero.units.Unit`, gathered once before the step and whole through
+every micro-batch (torchtitan's ``reshard_after_forward=False`` under a pipeline): one
+all-gather and one reduce-scatter a step, (N-1)/N x 2 x its bytes whatever the number of
+micro-batches m, for holding the stage whole; the executor only sees whole (TP-local)
+parameters. `reference.zero.fsdp_reshard` cuts the same shards into a unit per block instead.
 """
 from __future__ import annotations
 
@@ -42,13 +33,11 @@ __all__ = ["ShardedParameters", "ShardedSets", "ZeroRows", "shard_rows", "copy_r
 class ShardedParameters:
     """This rank's parameters, each sharded along dim 0 over ``group`` (the dp x cp ranks).
 
-    ``params``: the distinct parameters of this rank's pipeline stages (tensor-parallel slices
-    included). Each records where it was cut, ``p.zero_rows`` (`ZeroRows`), which the gradient
-    clip and the checkpoints read. ``mean_over``: what the summed gradient is divided by, the
-    group's size unless given (experts sharded over the expert-data-parallel group divide by
-    dp: see `ShardedSets`). ``replicate_group`` (HSDP, FSDP2's 2D mesh): ``group`` is one block
-    of the dp ranks, every block holding the same shards; after the reduce-scatter inside the
-    block, one all-reduce across the blocks sums their shares, and ``mean_over`` is all of dp."""
+    ``params``: this rank's stages' parameters; each records where it was cut, ``p.zero_rows``
+    (`ZeroRows`), for the clip and the checkpoints. ``mean_over``: the summed gradient's divisor,
+    the group's size unless given (`ShardedSets`). ``replicate_group`` (HSDP, FSDP2's 2D mesh):
+    ``group`` is one block of the dp ranks, all blocks holding the same shards; one all-reduce
+    across the blocks sums their shares, and ``mean_over`` is all of dp."""
 
     def __init__(self, params, group, mean_over: int | None = None, replicate_group=None):
         self.group, self.replicate_group = group, replicate_group
@@ -87,11 +76,9 @@ class ShardedParameters:
         self.gathered = True
 
     def reduce_scatter(self) -> None:
-        """After the last backward: average each whole gradient over the group into this rank's
-        rows (one reduce-scatter of (N, S) -> (S,)), and shrink every parameter back to its shard.
-
-        Each whole gradient is dropped as soon as it is copied into the (N, S) buffer: the
-        collective's own memory is that buffer and its (S,) output, 4 N S + 4 S bytes in fp32."""
+        """After the last backward: average each whole gradient into this rank's rows (one
+        reduce-scatter of (N, S) -> (S,)), every parameter its shard again. The collective holds
+        4 N S + 4 S bytes in fp32: each whole gradient is dropped once copied into (N, S)."""
         if not self.gathered:
             raise RuntimeError("reduce_scatter() without gather(): the parameters are shards already")
         if self.stage is not None:
@@ -117,20 +104,14 @@ class ShardedParameters:
 class ShardedSets:
     """Several `ShardedParameters` that gather and reduce-scatter together, each over its group.
 
-    With experts (ep > 1) a rank's parameters are of two kinds. The dense ones (attention,
-    LayerNorms, router, shared expert) are replicated over dp, so they are sharded over the
-    dp (x cp) group and their gradients averaged there. Each expert lives on one ep rank
-    only and is replicated over its expert-data-parallel group (dp / ep ranks), so its rows
-    are sharded over that group. Its gradient already holds the contributions of every
-    token of its ep group (the all-to-all's backward brought them home), so it is summed
-    over the edp group and divided by dp, not by dp / ep: the same mean as a dense
-    gradient, as `moe_all_reduce_gradients` does without ZeRO.
+    With experts (ep > 1), dense parameters are sharded over the dp (x cp) group; each expert,
+    replicated over its expert-data-parallel group (dp / ep ranks), over that group. An expert's
+    gradient already holds its whole ep group's tokens (the all-to-all's backward), so it is
+    summed over edp and divided by dp, as `moe_all_reduce_gradients` does without ZeRO:
 
         sets = ShardedSets([ShardedParameters(dense, dp_group),
                             ShardedParameters(experts, edp_group, mean_over=dp)])
-
-    It offers the training step what `ShardedParameters` does: `gather`, `reduce_scatter`,
-    `gathered`, `gathered_params`, `params` and `shard_numel`."""
+    """
 
     def __init__(self, sets):
         self.sets = [s for s in sets if s.params]

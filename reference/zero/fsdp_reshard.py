@@ -1,18 +1,16 @@
 """Composed ZeRO-3, resharded between micro-batches (FSDP2's ``reshard_after_forward=True``).
 
-`reference.zero.fsdp_param` gathers a stage once per step and keeps it whole through all m
-micro-batches: 1 all-gather and 1 reduce-scatter a step, for holding the stage's parameters
-and gradients whole (8 P bytes in fp32, P = the stage's TP-local numbers). This file is the
-other choice. Each pipeline chunk is cut into `reference.zero.units.Unit`s as `fully_shard` is
-applied in torchtitan, one per transformer `Block` and one for the rest (embedding, final
-LayerNorm, head: the root), over the same shards, and for every micro-batch
+`reference.zero.fsdp_param` keeps a stage whole through all m micro-batches (8 P bytes of
+parameters and gradients in fp32). Here each pipeline chunk is cut into
+`reference.zero.units.Unit`s over the same shards, as torchtitan applies `fully_shard`: one per
+transformer `Block` and a root (embedding, final LayerNorm, head), and for every micro-batch
 
     F   the root is gathered for the action; each block is all-gathered by a forward
-        pre-hook and freed again by a forward hook as soon as its forward returns
+        pre-hook and freed by a forward hook as soon as its forward returns
     B   the root is gathered for the action; each block is all-gathered again when the
-        gradient of its output arrives, or by the recomputation of activation checkpointing;
+        gradient of its output arrives, or by activation checkpointing's recomputation;
         once every parameter of a unit has its gradient, the unit's whole gradients are
-        reduce-scattered into its shards' gradient, summed over the micro-batches there
+        reduce-scattered into its shards' gradient, summed over the micro-batches
 
 so per step and chunk, over N = dp x cp ranks (4 N S the stage's fp32 bytes padded per tensor,
 U the chunk's units):
@@ -21,32 +19,24 @@ U the chunk's units):
     calls           2 m U all-gathers                    m U reduce-scatters
     (gather once:   (N-1)/N x 4 N S in 1 call each way)
 
-What it buys: between micro-batches a stage is its shards and their gradients (8 S bytes,
-kept through the step as the source of every re-gather and where gradients accumulate), and
-inside an action about one block is whole beside the root. With N = 2, 8 S is already 4 P, so
-resharding only holds less when the stage has more than a few blocks (the tests and notebook
-06 measure it). With activation checkpointing the executor recomputes a whole stage at the
-start of its B, so every block of the chunk is whole from the recomputation to its backward.
+Between micro-batches a stage is its shards and their gradients (8 S bytes), and inside an
+action about one block is whole beside the root. With N = 2, 8 S is already 4 P, so resharding
+holds less only with more than a few blocks (the tests and notebook 06 measure it); with
+activation checkpointing the executor recomputes a whole stage, so every block is whole from
+the recomputation to its backward. Between steps `p.data` and `p.grad` are the shards, as with
+gathering once, so the optimizer, the loss scaler and the clip see what they saw; the tied
+embedding's two copies (the executor) and the sequence-parallel gradients over tp
+(`reference.parallel.step`) are summed on the shards' gradients.
 
-Between steps `p.data` is the shard and `p.grad` its gradient (the mean over the N ranks,
-summed over micro-batches), as with gathering once, so the optimizer, fp16's loss scaler and
-the clip see what they saw. The tied embedding's two copies are summed by the executor after
-the last backward, on the shards' gradients (both ends hold the same rows); the sequence-
-parallel gradients are summed over tp on the shards too, once a step (`reference.parallel.step`).
-
-The defaults: PyTorch's `fully_shard` defaults to ``reshard_after_forward=None``, True for every
-module but the root and False for the root; this course defaults to False
-(`ParallelConfig.reshard_after_forward`), as torchtitan does under a pipeline. And PyTorch's
-own pipeline schedules turn gradient sync off for every backward but the last; here, as FSDP2
-does with sync on, every backward reduce-scatters, so the whole gradients never pile up. The
-ranks issue their collectives in the same order: units are reduced as their gradients
-complete, the same on every rank for a model whose graph does not depend on the data
-(`ParallelConfig` refuses experts, whose unused experts get no gradient).
+PyTorch's `fully_shard` defaults to True for every module but the root; this course defaults
+to False (`ParallelConfig.reshard_after_forward`), as torchtitan under a pipeline. Every
+backward reduce-scatters (as FSDP2 with sync on), so whole gradients never pile up; ranks
+reduce units in the same order for a graph that does not depend on the data
+(`ParallelConfig` refuses experts).
 """
 from __future__ import annotations
 
 import contextlib
-
 
 from reference.model import Block
 from reference.zero.units import Unit, on_output_grad
@@ -95,10 +85,8 @@ class ReshardAfterForward:
         self._handles: list = []
 
     def held_tensors(self) -> list:
-        """What the units keep beside the parameters during a step: the shards (the parameters
-        then view the units' buffers) and the shards' accumulated gradients. With
-        `reference.memory.measure(params + held_tensors())` its params + grads are the bytes of
-        parameters and gradients this rank holds at that moment (freed buffers count 0)."""
+        """The shards and their accumulated gradients, kept beside the parameters during a step:
+        `reference.memory.measure(params + held_tensors())` gives what this rank holds then."""
         return [t for chunk in self.units for u in chunk
                 for t in list(u.shards or []) + ([u.grad] if u.grad is not None else [])]
 

@@ -1,79 +1,40 @@
-"""ZeRO: data parallelism that shards the training state instead of replicating it.
+"""ZeRO stages 1 and 2 (Rajbhandari et al., 2020): `ZeroOptimizer`, for a model every rank holds whole.
 
-Plain data parallelism keeps on every one of the N ranks the parameters, the
-gradients and the optimizer state of the whole model. ZeRO (Rajbhandari et al.,
-2020) keeps only 1/N of some of them per rank, in three stages:
-
-* **stage 1, P_os**   the optimizer state is sharded. Each rank updates only its
-  shard of the parameters, then the shards are all-gathered.
-* **stage 2, P_os+g** the gradients are sharded too: they are reduce-scattered,
-  so each rank receives (and keeps) only the averaged gradient of its shard.
-* **stage 3, P_os+g+p** the parameters are sharded as well, and each block's are
-  all-gathered just before the block runs: `FSDP`, in `reference.zero.fsdp`.
-
-Stages 1 and 2 are `ZeroOptimizer`, a drop-in for the optimizer of a model that
-every rank holds whole. It stores the trainable parameters in the flat, padded
-layout of `reference.zero.shard` (Psi numbers padded to P = N * S, rank r owning
-shard r of S numbers) and does, per step:
+The trainable parameters live in the flat, padded layout of `reference.zero.shard` (Psi
+numbers padded to P = N * S, rank r owning shard r of S numbers). Per step:
 
     reduce-scatter the gradients (averaged)   each rank: (N-1)/N * P numbers sent
     inner optimizer step on its own shard      state only for S numbers
     all-gather the updated shards              each rank: (N-1)/N * P numbers sent
 
-Together 2 (N-1)/N * P, exactly the all-reduce of plain data parallelism
-(an all-reduce *is* a reduce-scatter followed by an all-gather): sharding the
-optimizer costs no extra communication. Where the gradients live is the whole
-difference between the two stages, as in the paper's memory table:
-
-* stage 1 keeps a full-size gradient buffer (the module's `.grad`s are views of
-  it) and reduce-scatters it in one call, in `step()`;
-* stage 2 keeps only its shard's gradient. It reduce-scatters bucket by bucket
-  from hooks *during backward* (`reference.zero.reducer`), freeing each
-  module gradient as soon as it is copied into its bucket: one call per bucket,
-  the same bytes in total.
+Together 2 (N-1)/N * P, the all-reduce of plain data parallelism (an all-reduce *is* a
+reduce-scatter then an all-gather): sharding the optimizer costs no extra communication.
+The stages differ in where the gradients live: stage 1 keeps a full-size gradient buffer
+(the `.grad`s are views of it) reduce-scattered in `step()`; stage 2 keeps only its shard's,
+reduce-scattered bucket by bucket during backward (`reference.zero.reducer`).
 
     bytes per rank, fp32 Adam     params    grads     optimizer state
     plain data parallel           4 Psi     4 Psi     8 Psi
     stage 1                       4 P       4 P       8 S
     stage 2                       4 P       4 S       8 S
 
-(`reference.memory` holds these formulas and measures the real tensors.) Inside a
-step, stage 2 also holds the one bucket being reduced, B numbers: its gradient
-memory peaks at 4 (S + B) bytes (`memory.zero_peak_grad_bytes`), against 4 (P + S)
-for stage 1. `bucket_cap_mb` sets B: smaller buckets lower the peak, at the price
-of more, smaller collectives (more latency, the alpha of the cost model).
+(`reference.memory` holds these formulas.) Inside a step stage 2 also holds the bucket
+being reduced, B numbers: its gradient memory peaks at 4 (S + B) bytes
+(`memory.zero_peak_grad_bytes`) against 4 (P + S) for stage 1; smaller buckets (`bucket_cap_mb`)
+lower the peak at the price of more, smaller collectives (the alpha of the cost model).
 
-`ZeroOptimizer` is a `torch.optim.Optimizer`: its `param_groups` *are* the inner
-optimizer's groups (the same dicts), so an LR scheduler that writes `lr` (or
-OneCycleLR's `betas`) there changes what the inner step uses; `state_dict()` is
-this rank's shard of the state, with the layout it belongs to.
+Weight-decay groups (GPT-2 decays the matrices, not biases and LayerNorm gains) differ in
+`weight_decay` only; `ZeroOptimizer` applies each group's decay itself on its contiguous ranges
+of the shard (`reference.zero.groups`): decoupled `p *= 1 - lr * wd` for AdamW and `Adam8bit`,
+coupled `grad += wd * p` for SGD, Adam, Adagrad, RMSprop, and runs the inner step with
+`weight_decay=0`; the numbers equal torch's optimizer over those groups.
 
-**Parameter groups that differ in weight decay.** GPT-2's rule decays the
-matrices and not the biases and LayerNorm gains (`reference.train.single.
-make_optimizer`): two groups. One flat shard is one inner parameter, so
-`ZeroOptimizer` takes torch-style groups (a list of dicts) that differ only in
-`weight_decay` and applies the decay itself, range by range of its shard (each
-parameter's piece of the shard is a contiguous range): decoupled for AdamW
-(and `Adam8bit`), `p *= 1 - lr * wd` before the inner step, as torch's AdamW
-does; coupled L2 for SGD, Adam, Adagrad, RMSprop, `grad += wd * p` (on the
-shard's gradient, in place), as theirs do. The inner optimizer then runs with
-`weight_decay=0`, and the numbers equal torch's optimizer over those groups.
-`param_groups` stays the inner optimizer's one group (lr, betas, ...; its
-`weight_decay` reads 0); `weight_decays` lists the groups' decays. Groups with
-one decay between them are one group, decayed by the inner optimizer as before.
-
-Honest limits. Stage 2 communicates once per backward: several backwards before
-one step (gradient accumulation) send the bytes above once each, as DeepSpeed's
-stage 2 does. Autograd's own memory comes on top of the peak above: the gradient
-it has just computed, before the hook copies it into the bucket (one parameter's),
-and the activations' gradients. The one-bucket bound assumes backward produces
-the gradients roughly in reverse order of the parameters, as a stack of layers
-does: a gradient that arrives before its bucket's turn waits in `.grad`. The
-inner optimizer sees each rank's shard as one
-1-D tensor, so any `torch.optim` class works, but only element-wise ones (SGD,
-Adam, AdamW, Adagrad, RMSprop) give the same numbers as unsharded training; an
-optimizer that uses a tensor's shape or norm (Adafactor, LBFGS) would see the
-shard's.
+Limits: stage 2 communicates once per backward (gradient accumulation sends the bytes once
+per backward, as DeepSpeed's stage 2). Autograd's own memory (the gradient just computed,
+the activations' gradients) comes on top of the peak, which assumes gradients arrive roughly
+in reverse order of the parameters. The inner optimizer sees the shard as one 1-D tensor:
+only element-wise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop) match unsharded training;
+one that uses a tensor's shape or norm (Adafactor, LBFGS) would see the shard's.
 """
 from __future__ import annotations
 
@@ -96,21 +57,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """ZeRO stage 1 or 2 around any `torch.optim` optimizer class.
 
         opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)
-        loss.backward(); opt.step(); opt.zero_grad()
 
-    `params` may hold frozen parameters (never updated nor communicated) and a
-    tied weight reached twice (stored once). It may also be torch-style groups,
-    `[{"params": [...], "weight_decay": 0.1}, {"params": [...], "weight_decay": 0.0}]`,
-    that differ only in `weight_decay` (the module's docstring says how it is applied). Every rank must hold the same model;
-    at construction the trainable parameters are broadcast from the group's rank
-    0, so they start equal even if the ranks initialised them differently. After
-    `step()` every rank holds all the updated parameters. `bucket_cap_mb` (MiB,
-    stage 2 only) caps the buckets reduced during backward.
+    `params`: tensors (frozen ones never updated nor communicated, a tied weight stored once)
+    or torch-style groups differing only in `weight_decay`. The trainable parameters are
+    broadcast from the group's rank 0 at construction; after `step()` every rank holds all the
+    updated ones. `bucket_cap_mb` (MiB, stage 2) caps the buckets reduced during backward.
+    `param_groups` and `state` are the inner optimizer's (an LR scheduler works as usual).
 
-    Attributes: `optimizer` (the inner optimizer, over this rank's shard only),
-    `shard` (that 1-D parameter, S numbers), `layout` (the `FlatLayout`),
-    `flat_param` (the P numbers the module's parameters are views of), and for
-    stage 2 `buckets` (the `FlatBucket`s, bucket 0 reduced first).
+    Attributes: `optimizer` (the inner one, over `shard`), `shard` (this rank's S numbers),
+    `layout` (`FlatLayout`), `flat_param` (the P numbers the module's parameters view), and for
+    stage 2 `buckets` (`FlatBucket`s, bucket 0 reduced first).
     """
 
     def __init__(self, params: Iterable[torch.Tensor], optimizer_class, stage: int = 1,
@@ -137,9 +93,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.layout = FlatLayout([p.numel() for p in self.params], self.dp_size)
         dtype, device = self.params[0].dtype, self.params[0].device
 
-        # The flat parameter buffer (P,); every module parameter becomes a view
-        # of it, so the all-gather at the end of step() writes straight into
-        # the module, with no copy back.
+        # Every module parameter becomes a view of flat_param (P,): step()'s all-gather writes into the module.
         self.flat_param = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
         with torch.no_grad():
             self.layout.flatten([p.detach() for p in self.params], self.flat_param)
@@ -147,8 +101,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for p, view in zip(self.params, self.layout.views(self.flat_param, [p.shape for p in self.params])):
             p.data = view
 
-        # This rank's shard (S,), a view of flat_param: the inner optimizer
-        # updates the module's numbers in place.
+        # This rank's shard (S,), a view of flat_param: the inner optimizer updates the module in place.
         self.shard = torch.nn.Parameter(self.layout.shard(self.flat_param, self.dp_rank))
         self.optimizer = optimizer_class([self.shard], **optimizer_kwargs)
         # Weight decay by group: ((start, end, wd), ...) over the shard, applied in step().
@@ -168,17 +121,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.decay_ranges = self._shard_ranges(decays)
             for g in self.optimizer.param_groups:
                 g["weight_decay"] = 0.0  # the inner step must not decay again
-        # torch.optim.Optimizer's own set-up (step hooks, the profiler's names),
-        # then one set of groups and one state, the inner optimizer's.
+        # torch.optim.Optimizer's own set-up, then the inner optimizer's groups and state.
         super().__init__([self.shard], self.optimizer.defaults)
         self._share_inner()
 
         self.flat_grad = None
         self.reducer = None
         self.gradients_reduced = False  # set by reduce_gradients(), cleared by step() / zero_grad()
-        if stage == 1:
-            # Stage 1 keeps a full gradient buffer (P,); the module's .grad are
-            # views of it, so autograd accumulates into it in place.
+        if stage == 1:  # a full gradient buffer (P,): the .grads are views of it
             self.flat_grad = torch.zeros_like(self.flat_param)
             self._bind_grad_views()
         else:
@@ -210,8 +160,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.shard.grad[start:end].add_(self.shard[start:end], alpha=wd)
 
     def _share_inner(self) -> None:
-        # The same list of the same dicts: what a scheduler writes into
-        # self.param_groups (lr, betas, ...) is what the inner step reads.
+        # The same dicts: what a scheduler writes into self.param_groups is what the inner step reads.
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
         self.defaults = self.optimizer.defaults
@@ -233,12 +182,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def reduce_gradients(self) -> None:
         """Leave the averaged gradient of this rank's shard in `shard.grad` (called by `step()`).
 
-        Stage 1 reduce-scatters inside its full buffer and leaves the rest of it
-        holding this rank's own (unreduced) gradient. Stage 2 has already reduced
-        during backward; here it only reduces gradients set by hand in `.grad`,
-        which no backward hook saw. Call it yourself to clip the shard's gradient
-        before `step()` (`reference.parallel.clip`); `step()` then does not reduce
-        again (`gradients_reduced` says so until the next `step()` or `zero_grad()`).
+        Stage 2 reduced during backward; here it only reduces `.grad`s set by hand. Call it
+        yourself to clip the shard's gradient before `step()` (`reference.parallel.clip`);
+        `gradients_reduced` is then True until the next `step()` or `zero_grad()`.
         """
         if self.gradients_reduced:
             return
@@ -251,8 +197,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         flat = self.layout.flatten(grads, self.flat_grad)  # views already in place: no copy
         self._bind_grad_views()  # in case zero_grad(set_to_none) or the user replaced a .grad
         reduced = torch.empty(self.layout.shard_numel, dtype=flat.dtype, device=flat.device)  # (S,)
-        # Each rank receives the mean over ranks of its shard: ZeRO's
-        # reduce-scatter, the first half of data parallelism's all-reduce.
         comms.reduce_scatter_tensor(reduced, flat, op=dist.ReduceOp.AVG, group=self.group)
         self.shard.grad.copy_(reduced)
 
@@ -266,17 +210,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._apply_weight_decay()  # groups' decays; the inner step runs with weight_decay=0
         self.optimizer.step()
         self.gradients_reduced = False
-        # The input is a copy: the output buffer contains the shard itself, and
-        # a collective whose input and output overlap is not portable.
+        # A copy in: the output contains the shard, and overlapping input and output is not portable.
         comms.all_gather_into_tensor(self.flat_param, self.shard.detach().clone(), group=self.group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients.
-
-        Stage 1 zeroes its full buffer in place whatever `set_to_none` says: the
-        buffer is the gradient memory stage 1 keeps (the paper's 4 Psi bytes).
-        Stage 2 drops its shard's gradient, or zeroes it with `set_to_none=False`.
-        """
+        """Clear the gradients; stage 1 zeroes its full buffer (the memory it keeps) whatever `set_to_none` says."""
         self.gradients_reduced = False
         if self.stage == 1:
             self.flat_grad.zero_()
@@ -290,10 +228,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ saving
     def state_dict(self) -> dict:
-        """This rank's state: the inner optimizer's (its shard only), and the layout it belongs to.
-
-        Save one per rank; load it into the same rank of the same layout.
-        """
+        """This rank's state (the inner optimizer's) and its layout: load it into the same rank and layout."""
         state = self.optimizer.state_dict()
         state["zero"] = dict(dp_rank=self.dp_rank, dp_size=self.dp_size, numel=self.layout.numel)
         return state

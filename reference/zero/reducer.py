@@ -1,36 +1,18 @@
 """ZeRO-2's gradient path: reduce-scatter bucket by bucket from hooks, during backward.
 
-Stage 2 keeps only its shard of the averaged gradient (S numbers). Reducing once,
-after backward, would first need every module gradient (Psi numbers) and a flat
-copy of them (P) alive together. DeepSpeed instead reduces during backward, and
-so does `BucketReducer`:
+Reducing once after backward would need every module gradient (Psi numbers) and a flat copy
+(P) alive together; `BucketReducer`, as DeepSpeed, reduces during backward instead:
 
     backward produces    ... p7.grad  p6.grad | p5.grad  p4.grad | ...
     flat layout          | ...  bucket 1      |    bucket 0      | pad |
 
-* A bucket is a contiguous range of the flat layout (`FlatLayout.buckets`),
-  whole tensors only, planned from the end because backward produces the last
-  layers' gradients first.
-* A hook on each parameter (``register_post_accumulate_grad_hook``) fires once
-  its gradient is complete. The gradient is copied into the bucket's buffer,
-  one (B,) tensor, and the parameter's ``.grad`` is freed at once.
-* When every gradient of the bucket is in, the bucket is reduce-scattered: rank
-  r receives the mean over ranks of the bucket's piece inside shard r (pieces
-  differ in size, some are empty) and keeps it in its shard's gradient. The
-  buffer is freed before the next bucket's is made.
-
-So at any moment a rank holds its shard's gradient and at most one bucket:
-`reference.memory.zero_peak_grad_bytes`. Collectives on a group must be issued in
-the same order on every rank, so buckets are reduced strictly in bucket order; a
-gradient that arrives before its bucket's turn stays in ``.grad`` until then. A
-gradient that never arrives (a parameter unused in this backward) counts as
-zeros: a callback at the end of backward reduces what is left.
-
-Bytes: a reduce-scatter of L numbers with uneven pieces costs a rank, in the
-ring algorithm, every piece but its own: 4 (L - l_r) bytes. Over the buckets,
-which cover the P numbers once, that is 4 (P - S) = (N-1)/N * 4P per backward,
-exactly the single reduce-scatter of stage 1. Several backwards before one step
-(gradient accumulation) communicate once each and add into the shard.
+Each parameter's gradient, once complete, is copied into its bucket's (B,) buffer and freed;
+a full bucket is reduce-scattered, rank r keeping the mean of the bucket's piece inside shard
+r, and freed before the next one is made. So a rank holds its shard's gradient and at most one
+bucket (`reference.memory.zero_peak_grad_bytes`). Buckets go strictly in order, the same on
+every rank; a gradient that arrives early waits in ``.grad``, one that never arrives counts
+as zeros. A rank sends every piece but its own, 4 (L - l_r) bytes per bucket: over the buckets
+4 (P - S) = (N-1)/N * 4P per backward, stage 1's single reduce-scatter.
 """
 from __future__ import annotations
 
@@ -47,12 +29,8 @@ __all__ = ["BucketReducer", "reduce_scatter_pieces"]
 
 
 def reduce_scatter_pieces(output: torch.Tensor, pieces: list[torch.Tensor], group=None) -> None:
-    """Rank r receives into `output` the mean over ranks of `pieces[r]` (pieces of any sizes).
-
-    `torch.distributed.reduce_scatter` with a list: gloo runs it as it is, NCCL as
-    one reduce per owner when the sizes differ. Metered as a reduce-scatter whose
-    rank sends every piece but its own, as the ring would.
-    """
+    """Rank r receives into `output` the mean over ranks of `pieces[r]` (pieces of any sizes),
+    metered as a ring reduce-scatter: a rank sends every piece but its own."""
     rank = dist.get_rank(group)
     nbytes = [p.numel() * p.element_size() for p in pieces]
     comms.record("reduce_scatter", group, sum(nbytes), sum(nbytes) - nbytes[rank])
@@ -73,11 +51,8 @@ def _remove_hooks(handles) -> None:
 
 
 class BucketReducer:
-    """Reduce-scatter the gradients of `params`, laid out by `layout`, into `shard.grad` (S,).
-
-    `cap_numel`: the most numbers per bucket. Every rank must build it over the
-    same parameters and run the same backwards.
-    """
+    """Reduce-scatter the gradients of `params`, laid out by `layout`, into `shard.grad` (S,), in
+    buckets of at most `cap_numel` numbers. Every rank builds it over the same parameters."""
 
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, shard: torch.nn.Parameter,
                  group, cap_numel: int):
@@ -105,13 +80,11 @@ class BucketReducer:
         self._current = 0                               # buckets before it are reduced
         self._buffer = None                             # the current bucket's (B,), made on demand
         self._filled: set[int] = set()                  # tensors already copied into it
-        # Accumulate (a second backward before step) or write each piece straight
-        # into a fresh shard gradient: the buckets cover the shard exactly once.
+        # Accumulate (a second backward before step), or write straight into a fresh shard gradient.
         self._accumulate = self.shard.grad is not None
         if not self._accumulate:
             self.shard.grad = torch.empty_like(self.shard)  # (S,)
-        if in_backward:
-            # Runs once autograd has finished the whole backward pass.
+        if in_backward:  # runs once autograd has finished the whole backward pass
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
     def _grad_ready(self, i: int) -> None:
@@ -182,11 +155,7 @@ class BucketReducer:
             self._open = False
 
     def reduce_leftovers(self) -> None:
-        """Reduce gradients that reached `.grad` without a hook (set by hand), if any.
-
-        Every rank must agree: a rank with such gradients runs collectives the
-        others must join.
-        """
+        """Reduce gradients that reached `.grad` without a hook (set by hand): on every rank or none."""
         if any(p.grad is not None for p in self.params):
             self._open_round(in_backward=False)
             self.finish()

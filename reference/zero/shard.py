@@ -1,8 +1,8 @@
 """The flat, padded, sharded layout that every ZeRO stage stores parameters in.
 
-ZeRO partitions the model's numbers, not its tensors: the trainable parameters
-are laid end to end in one 1-D buffer, padded at the end to a multiple of the
-data-parallel size N, and cut into N equal shards. Rank r owns shard r.
+ZeRO partitions the model's numbers, not its tensors: the trainable parameters lie end to end
+in one 1-D buffer, padded to a multiple of the data-parallel size N and cut into N equal
+shards, rank r owning shard r.
 
     Psi = sum of the parameters' numels,   S = ceil(Psi / N),   P = N * S
 
@@ -10,29 +10,18 @@ data-parallel size N, and cut into N equal shards. Rank r owns shard r.
            |<-- shard 0 -->|<-- shard 1 -->|<-- shard 2 -->|     N shards of S
     offset 0            o1       o2                      Psi  P
 
-* A parameter may straddle two shards (p0 above): the optimizer only ever sees
-  a shard as one 1-D tensor, so this is harmless for element-wise optimizers
-  (SGD, Adam, AdamW, Adagrad, RMSprop: each number's update depends only on that
-  number's own gradient and state).
-* The padding (P - Psi < N elements) is zero in the parameters and in the
-  gradients, so it stays zero through the element-wise update: the all-gather of
-  the updated shards rebuilds exactly the flat parameters.
-* Equal shards are what `reduce_scatter_tensor` and `all_gather_into_tensor`
-  need: one call moves the whole buffer, and each rank's share of the bytes is
-  (N - 1) / N of it, the figure the ZeRO paper counts.
+A parameter may straddle two shards (p0): harmless for element-wise optimizers (SGD, Adam,
+AdamW, Adagrad, RMSprop). The padding (< N numbers) is zero in parameters and gradients, so it
+stays zero through the update. Equal shards are what `reduce_scatter_tensor` and
+`all_gather_into_tensor` need, each rank moving (N - 1) / N of the buffer.
 
-ZeRO-2 reduces the gradients bucket by bucket during backward. A bucket
-(`FlatBucket`) is a contiguous range of the flat buffer, whole tensors only,
-planned from the end (`FlatLayout.buckets`), because backward produces the last
-layers' gradients first. A bucket may cross shard boundaries: its *pieces*
-(`FlatLayout.pieces`) are its intersections with the N shards, some empty.
+ZeRO-2's buckets (`FlatBucket`) are contiguous ranges of whole tensors, planned from the end
+(`FlatLayout.buckets`) because backward produces the last layers' gradients first; a bucket's
+*pieces* (`FlatLayout.pieces`) are its intersections with the N shards, some empty.
 
     flat   | p0 ....... | p1 ... | p2 ............... | pad |   (shards as above)
            |<----- bucket 1 ---->|<------ bucket 0 -------->|
     pieces of bucket 0: rank 0 none, rank 1 [o2, 2S), rank 2 [2S, P)
-
-`FlatLayout` holds this arithmetic and nothing else; the ZeRO optimizer keeps one
-layout for all its parameters, FSDP one per unit (block).
 """
 from __future__ import annotations
 
@@ -59,11 +48,7 @@ class FlatBucket:
 
 
 def trainable_unique(params: Iterable[torch.Tensor]) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
-    """(trainable, frozen): the parameters split by `requires_grad`, each tensor once.
-
-    A tied weight (GPT's wte / lm_head) is one Parameter object reached twice;
-    it is stored, updated and communicated once.
-    """
+    """(trainable, frozen): the parameters split by `requires_grad`, each tensor (a tied weight) once."""
     trainable, frozen, seen = [], [], set()
     for p in params:
         if isinstance(p, dict):
@@ -128,12 +113,8 @@ class FlatLayout:
         return out
 
     def buckets(self, cap_numel: int) -> list[FlatBucket]:
-        """Contiguous ranges covering [0, P), at most `cap_numel` elements each, last tensor first.
-
-        Bucket 0 ends at P and holds the last tensors, whose gradients backward
-        produces first, and the padding (fewer than N numbers, beyond the cap).
-        A tensor is never cut: one larger than the cap gets a bucket of its own.
-        """
+        """Contiguous ranges covering [0, P), at most `cap_numel` elements each, last tensor first
+        (bucket 0 also holds the padding); a tensor larger than the cap gets a bucket of its own."""
         if isinstance(cap_numel, bool) or not isinstance(cap_numel, int) or cap_numel < 1:
             raise ValueError(f"cap_numel must be a positive int (elements per bucket), got {cap_numel!r}")
         buckets: list[FlatBucket] = []

@@ -1,39 +1,30 @@
 """ZeRO-3's one engine: a unit of parameters, sharded at rest, gathered whole only while used.
 
 A unit is a list of parameters gathered, freed and reduce-scattered together: a block
-(`FSDP`, `ReshardAfterForward`) or a whole pipeline stage (`ShardedParameters`, gathered
-once a step). Whatever the unit, and whenever the caller frees it, the same three moves:
+(`FSDP`, `ReshardAfterForward`) or a whole pipeline stage (`ShardedParameters`). Its moves:
 
     gather()          this rank's shard (S,) all-gathered: every parameter whole in ``full`` (P,)
     free()            ``full``'s storage shrunk to 0 bytes; the parameters' views of it stay
     reduce_scatter()  the whole gradients packed (N S,) and dropped, reduce-scattered to this
                       rank's mean gradient (S,)
 
-The parameters are views of ``full``. Freeing resizes its storage to zero bytes and gathering
-grows it back and writes the numbers in, so the views (the module's parameters, and the
-tensors autograd saved for backward, which are those parameters) see the numbers again
-without being rebuilt. `p.data = view` gives each parameter its own version counter, and the
-writes go through ``full``, so autograd does not mistake a re-gather for an in-place change.
+The parameters are views of ``full``, so the module's parameters and the tensors autograd
+saved see the numbers again after a re-gather without being rebuilt. `p.data = view` gives
+each parameter its own version counter and the writes go through ``full``, so autograd does
+not mistake a re-gather for an in-place change.
 
-How the numbers are laid out is a layout object, two in the course:
-
-* `FlatShards` (`reference.zero.fsdp`): the unit's tensors end to end in one buffer padded to
-  N S, rank r owning [r S, (r + 1) S) (`FlatLayout`); a shard mixes pieces of several tensors,
-  fine while every tensor is whole and replicated. The all-gather writes into ``full`` itself.
-* `RowShards` (here): each tensor cut on its own along dim 0, as PyTorch's `fully_shard`
-  (FSDP2) does with `Shard(0)` DTensors, so a tensor-parallel slice can be sharded again:
+A layout object says where the numbers go: `FlatShards` (`reference.zero.fsdp`) lays the
+tensors end to end (`FlatLayout`), the all-gather writing into ``full`` itself; `RowShards`
+(here) cuts each tensor along dim 0, as FSDP2's `Shard(0)`, so a tensor-parallel slice can be
+sharded again:
 
     p (d0, *rest)   c = ceil(d0 / N) rows per rank, dim 0 padded with zero rows to N c
     rank r holds rows [r c, (r + 1) c) of the padded tensor:   shard (c, *rest)
 
-  The shards are packed end to end (S,) and all-gathered to (N, S), each tensor's N row
-  blocks copied out (FSDP2's copy-in / copy-out); the gradients go the other way, block r of
-  (N, S) holding every tensor's rows for rank r. The padding rows stay zero in parameters and
-  gradients, so an element-wise optimizer (SGD, Adam, AdamW) leaves them zero.
-
-A layout gives ``full_numel`` (P), ``shard_numel`` (S), ``whole_views(full)``, ``pack(shards)``
-(S,), ``gather_buffer(full)`` (where the all-gather lands), ``unpack(gathered, views)`` and
-``pack_grads(params, dtype, device)`` ((N S,), which parameters had a gradient).
+The shards are packed (S,), all-gathered to (N, S) and each tensor's N row blocks copied out
+(FSDP2's copy-in / copy-out); gradients go the other way. Padding rows stay zero, so an
+element-wise optimizer leaves them zero. A layout gives ``full_numel`` (P), ``shard_numel`` (S),
+``whole_views``, ``pack``, ``gather_buffer``, ``unpack`` and ``pack_grads``.
 """
 from __future__ import annotations
 
@@ -137,11 +128,9 @@ class RowShards:
 class Unit:
     """Parameters ``params`` gathered, freed and reduce-scattered together over ``group``.
 
-    ``dtype``: what the whole parameters compute in; ``grad_dtype``: what the gradients are
-    averaged in (fp32 under mixed precision: the mean loses no bits). ``mean_over``: None
-    averages with the collective's AVG; a number sums, then divides by it (experts sharded
-    over their expert-data-parallel group divide by all of dp). ``replicate_group`` (HSDP):
-    the reduce-scattered rows are then summed across the replicas, one all-reduce.
+    ``dtype``: the whole parameters' compute dtype; ``grad_dtype``: the gradients' averaging one.
+    ``mean_over``: None averages with AVG; a number sums, then divides by it (experts divide by
+    all of dp). ``replicate_group`` (HSDP): the rows are then summed across the replicas.
     """
 
     def __init__(self, name: str, params, layout, group, dtype, device, grad_dtype=None,
@@ -172,9 +161,8 @@ class Unit:
     # ------------------------------------------------------------------ the three moves
     @torch.no_grad()
     def gather(self, shards=None, async_op: bool = False) -> None:
-        """All-gather ``shards`` (this rank's numbers; by default those `to_whole` took) into
-        ``full``, a no-op when they are there or on the way; with ``async_op`` the caller waits
-        later, with `wait_gather`."""
+        """All-gather ``shards`` (by default those `to_whole` took) into ``full``, unless there or
+        on the way; with ``async_op`` the caller waits later, with `wait_gather`."""
         if self.gathered:
             return
         shards = self.shards if shards is None else shards
@@ -207,10 +195,9 @@ class Unit:
         self.gathered = False
 
     def reduce_scatter(self, async_op: bool = False):
-        """Reduce-scatter the whole gradients (dropped once packed; a missing one counts as
-        zeros) to this rank's mean (S,). Returns a callable that finishes the job and returns
-        (the mean, which parameters had a gradient). The packed input lives until then, so a
-        caller that finishes each unit before reducing the next has one in flight."""
+        """Reduce-scatter the whole gradients (a missing one counts as zeros) to this rank's mean
+        (S,). Returns a callable that waits and returns (the mean, which parameters had a gradient);
+        the packed input lives until then."""
         self.reduced = True  # later gradients of this backward are not expected
         with torch.no_grad():
             send, had = self.layout.pack_grads(self.params, self.grad_dtype, self.device)
@@ -254,10 +241,9 @@ class Unit:
 
     # ------------------------------------------------------------------ per-parameter shards
     def to_whole(self, keep_shards: bool) -> None:
-        """Each ``p.data``, its shard until now, becomes its view of ``full`` (whole once
-        gathered). ``keep_shards``: keep the shards as the source of every re-gather (resharded
-        after forward); otherwise they go at the gather, ``full`` is a new buffer for this step,
-        and `to_shards` cuts the shards again from the whole tensors and lets the buffer go."""
+        """Each ``p.data``, its shard, becomes its view of ``full``. ``keep_shards``: the shards stay,
+        the source of every re-gather; otherwise they go at the gather, ``full`` is a new buffer for
+        this step, and `to_shards` cuts the shards again from the whole tensors."""
         self.shards, self.keep_shards = [p.data for p in self.params], keep_shards
         if not keep_shards:
             self.allocate()

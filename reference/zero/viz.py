@@ -1,19 +1,11 @@
 """Pictures of ZeRO: what each rank holds at each stage, measured bytes against the formula.
 
-Each function returns a ``matplotlib.figure.Figure`` without touching pyplot,
-drawn once as the last expression of a notebook cell, like `reference.viz`.
-One colour per kind of model state, as in the ZeRO paper's figure 1:
-parameters blue, gradients orange, optimizer state green. Bytes are written in
-decimal units (1 GB = 1e9 bytes), the units the paper quotes.
-
-* `plot_zero_stages`: the idea. Per stage, one bar per rank across the bytes
-  of one parameter; a sharded kind is drawn pale except for the 1/N slice the
-  rank owns.
-* `plot_memory_per_rank`: measured bytes per rank (solid) beside the formula
-  (hatched), one panel per data-parallel size.
-* `plot_memory_calculator`: the figure the memory calculator widget redraws.
-* `plot_unit_residency`: which FSDP units are whole after each gather, free
-  and reduce-scatter of a training step.
+Each function returns a ``matplotlib.figure.Figure`` without touching pyplot, like
+`reference.viz`. Colours as in the ZeRO paper's figure 1 (parameters blue, gradients orange,
+optimizer state green); bytes in decimal units (1 GB = 1e9 bytes), as the paper quotes them.
+`plot_zero_stages` draws the idea, `plot_memory_per_rank` measured bytes beside the formula,
+`plot_memory_calculator` the calculator widget's figure, `plot_unit_residency` which FSDP
+units are whole after each event of a step.
 """
 from __future__ import annotations
 
@@ -52,13 +44,8 @@ def _kind_legend(extra: Sequence = ()) -> list:
 
 # ---------------------------------------------------------------- the idea
 def plot_zero_stages(dp: int = 4, precision: Optional[Precision] = None) -> NotebookFigure:
-    """What each of `dp` ranks holds per parameter at each stage (the ZeRO paper's figure 1).
-
-    The x axis is bytes per parameter (4 + 4 + 8 = 16 for fp32 Adam). A kind that
-    the stage shards is drawn pale across its whole width, with the slice rank r
-    owns, [r/N, (r+1)/N) of it, in full colour. The label on the right is the
-    formula: bytes per rank in units of Psi, the number of parameters.
-    """
+    """What each of `dp` ranks holds per parameter at each stage (the ZeRO paper's figure 1): a
+    sharded kind pale but for rank r's slice [r/N, (r+1)/N), the formula in units of Psi on the right."""
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise ValueError(f"dp must be a positive int, got {dp!r}")
     precision = precision or Precision.fp32_adam()
@@ -67,8 +54,7 @@ def plot_zero_stages(dp: int = 4, precision: Optional[Precision] = None) -> Note
     fig = NotebookFigure(figsize=(8.5, 1.0 + 4 * (0.32 * dp + 0.55)), layout="constrained")
     axes = fig.subplots(4, 1, sharex=True)
     for stage, ax in enumerate(axes):
-        # Stage 1 shards the optimizer state, 2 the gradients too, 3 the
-        # parameters too: the reverse of the order KINDS are drawn in.
+        # Stage 1 shards the optimizer state, 2 the gradients too, 3 the parameters too.
         sharded = [stage >= 3, stage >= 2, stage >= 1]
         for rank in range(dp):
             x0 = 0.0
@@ -117,10 +103,8 @@ def plot_memory_per_rank(measured: Mapping[str, Mapping[str, MemoryBytes]],
                          title: str = "model-state bytes per rank") -> NotebookFigure:
     """Stacked bars of bytes per rank: one panel per outer key, one bar per inner key.
 
-    ``measured = {"dp = 2": {"DDP": MemoryBytes, "ZeRO-1": ...}, "dp = 4": {...}}``.
-    With `formula` (same keys), each measured bar (solid) gets the formula's bar
-    beside it (hatched), and the label above the pair says whether they are equal,
-    kind by kind (params, gradients and optimizer state each compared).
+    ``measured = {"dp = 2": {"DDP": MemoryBytes, "ZeRO-1": ...}, "dp = 4": {...}}``. With
+    `formula` (same keys) each bar gets the formula's beside it (hatched), labelled equal or not.
     """
     if not measured:
         raise ValueError("measured is empty: give {panel: {bar label: MemoryBytes}}")
@@ -174,13 +158,8 @@ def _count(n: float) -> str:
 
 def plot_memory_calculator(num_params: int, dp: int, stage: int, precision: Optional[Precision] = None,
                            device_bytes: Optional[float] = None, precision_label: str = "") -> NotebookFigure:
-    """Bytes per rank from `reference.memory.model_state_bytes`, for one configuration.
-
-    Left: parameters, gradients and optimizer state at `stage`, one bar each.
-    Right: the total at every stage for the same model and dp size, the chosen
-    stage outlined; `device_bytes`, when given, is drawn as the memory of one
-    device, a line the model states must stay under (activations come on top).
-    """
+    """Bytes per rank from `reference.memory.model_state_bytes`: left the three kinds at `stage`,
+    right every stage's total, against one device's `device_bytes` when given."""
     _check_stage(stage)
     precision = precision or Precision.fp32_adam()
     rows = {s: model_state_bytes(int(num_params), dp, s, precision) for s in STAGE_NAMES}
@@ -222,12 +201,8 @@ def plot_memory_calculator(num_params: int, dp: int, stage: int, precision: Opti
 
 # ---------------------------------------------------------------- FSDP residency
 def plot_unit_residency(steps: Sequence[tuple[str, Sequence[bool]]], unit_names: Sequence[str]) -> NotebookFigure:
-    """Which FSDP units hold their full parameters after each event of a step.
-
-    `steps` is a list of ``(event label, whole)`` with one bool per unit in
-    `unit_names`: True where the unit's gathered buffer exists after the event.
-    Columns are events in order, rows are units; a filled cell is a whole unit.
-    """
+    """Which FSDP units hold their full parameters after each event of a step: `steps` is a list
+    of ``(event label, whole)``, one bool per unit of `unit_names`."""
     if not steps:
         raise ValueError("steps is empty: give a list of (event label, whole per unit)")
     for i, (label, whole) in enumerate(steps):

@@ -1,12 +1,8 @@
 """ipywidgets explorers: controls wired to the course's formulas and pictures.
 
-An explorer is an ``ipywidgets.VBox`` of controls, a one-line summary and the
-picture as a PNG image. Every change of a control calls its `update()`, which
-recomputes, redraws the matplotlib figure and stores it in ``.figure``. The
-picture travels as PNG bytes in an ``Image`` widget, not through pyplot or an
-``Output`` widget, so building an explorer and calling `update()` works with no
-frontend at all: in a test, or in a notebook executed headless by papermill,
-where ``.figure`` is what a reader of the saved notebook sees.
+An explorer is an ``ipywidgets.VBox`` of controls, a summary and the picture; each change
+calls `update()`, which redraws the figure into ``.figure`` and, as PNG bytes, an ``Image``
+widget (no pyplot, no ``Output``), so it works with no frontend: in a test, or headless.
 
     calc = memory_calculator(num_params=7.5e9, dp=64, stage=3, precision="mixed")
     calc                    # the live widget in JupyterLab
@@ -41,13 +37,8 @@ def _png(fig) -> bytes:
 
 
 class MemoryCalculator(widgets.VBox):
-    """Model-state bytes per rank over model size, dp size, ZeRO stage and precision.
-
-    Controls: `num_params` (log slider, 1M to 1T parameters), `dp` (the
-    data-parallel size), `stage` (0 = plain data parallelism, 1 to 3 = ZeRO),
-    `precision` ("fp32" or "mixed") and `device` (a device's memory, drawn as
-    a line). Numbers come from `reference.memory.model_state_bytes`.
-    """
+    """Model-state bytes per rank (`reference.memory.model_state_bytes`) over `num_params` (1M to
+    1T), `dp`, `stage` (0 = plain data parallelism), `precision` and `device` (its memory)."""
 
     def __init__(self, num_params: float = 7.5e9, dp: int = 64, stage: int = 3,
                  precision: str = "mixed", device: str = "80 GB"):
