@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from reference.expert_parallel.moe import MoELayer
 from reference.tensor_parallel.comms import SEQ_DIM, gather_from_sequence_parallel_region
 
 __all__ = ["sequence_parallel_experts"]
@@ -47,12 +48,6 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _is_moe(module: nn.Module) -> bool:
-    from reference.expert_parallel.moe import MoELayer
-
-    return isinstance(module, MoELayer)
-
-
 def sequence_parallel_experts(model: nn.Module, group) -> int:
     """Make every MoE layer of `model` take and return this tp rank's sequence shard, in place, by
     hooks; returns the number of layers handled now (one already handled is skipped). Call it
@@ -63,7 +58,7 @@ def sequence_parallel_experts(model: nn.Module, group) -> int:
     rank = dist.get_rank(group)
     done = 0
     for module in model.modules():
-        if not _is_moe(module) or getattr(module, "sequence_parallel_group", None) is not None:
+        if not isinstance(module, MoELayer) or getattr(module, "sequence_parallel_group", None) is not None:
             continue
         module.sequence_parallel_group = group
         for p in module.parameters():

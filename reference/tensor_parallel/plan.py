@@ -110,10 +110,6 @@ STYLES: dict[str, Callable[[nn.Module, _Context], nn.Module]] = {
 }
 
 
-def _pattern(p: str) -> re.Pattern:
-    return re.compile("^" + re.escape(p).replace(r"\*", r"[^.]+") + "$")
-
-
 def _check_divisible(model: GPT, mesh, sequence_parallel: bool = False,
                      experts_gathered: bool = False) -> None:
     cfg, tp = model.config, mesh.tp
@@ -192,9 +188,9 @@ def apply_tensor_parallel(model: GPT, mesh, sequence_parallel: bool = False, *,
                  tied=model.lm_head.weight is model.wte.weight)
     plan = TP_PLAN + (SP_PLAN if sequence_parallel else ())
     for pattern, style in plan:
-        matcher = _pattern(pattern)
+        matcher = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))  # "*": one block index
         for name, module in list(model.named_modules()):
-            if matcher.match(name):
+            if matcher.fullmatch(name):
                 model.set_submodule(name, STYLES[style](module, c))
     model.tp_rng = c.rng
     _route_loss_to_vocab_parallel(model, c)
