@@ -78,7 +78,6 @@ class ContextParallelGPT(nn.Module):
         if targets is None:
             return logits, None
         B, n = targets.shape
-        # sum over this rank's tokens / all B * T tokens: the shares add up to the mean.
         lm = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
         return logits, lm / (B * n * self.cp) + aux / self.cp
 
