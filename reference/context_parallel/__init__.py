@@ -4,12 +4,10 @@
     q_r, k_r, v_r = (split_sequence(t, cp, cp_rank, dim=2) for t in (q, k, v))  # (B, H, T/cp, D)
     out_r = ring_attention(q_r, k_r, v_r, cp_group)          # or ulysses_attention(...)
 
-Activations grow with the sequence length T and attention's scores with T^2.
-Data, tensor and pipeline parallelism leave every rank with the whole sequence;
-context parallelism gives each of the cp ranks T/cp of its tokens. Everything
-but attention acts token by token and runs unchanged on a rank's tokens; in
-attention every query must meet every earlier key, so the ranks exchange either
-keys and values (ring attention) or heads (Ulysses).
+Activations grow with the sequence length T, attention's scores with T^2. Context parallelism
+gives each of the cp ranks T/cp of the tokens. Everything but attention acts token by token; in
+attention every query must meet every earlier key, so the ranks exchange either keys and values
+(ring attention) or heads (Ulysses).
 
 * `layout`: which tokens a rank holds, the contiguous and the zig-zag split (chunks r
   and 2 cp - 1 - r, the same causal work on every rank);
@@ -22,9 +20,8 @@ keys and values (ring attention) or heads (Ulysses).
 * `cost`, `measure`: bytes, memory and work per rank as formulas, and the meters of memory;
 * `viz`: notebook 08's pictures.
 
-Ring attention holds one (T/cp)^2 score block per head and runs on any cp; Ulysses
-sends less as cp grows but needs cp to divide the heads and holds (T, T) scores per
-local head: the bytes and memory of each, as formulas, are in `cost`.
+Ring attention holds one (T/cp)^2 score block per head and runs on any cp; Ulysses sends less
+as cp grows but needs cp to divide the heads and holds (T, T) scores per local head.
 """
 from reference.context_parallel.attention import KINDS, ContextParallelAttention
 from reference.context_parallel.blocks import BlockPlan, attend_block, attend_block_backward, block_plan, merge_block

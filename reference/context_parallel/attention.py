@@ -1,23 +1,17 @@
 """The course's attention module with its sequence split over the cp group.
 
-`ContextParallelAttention.from_dense(attn, cp_group, kind="ring" | "ulysses")`
-takes a `reference.model.CausalSelfAttention` and returns the module that
-replaces it in a block whose input is this rank's part of the sequence,
-(B, T/cp, C). The weights are the dense module's own (the same Parameter
-objects: context parallelism replicates every weight, like data parallelism);
+`ContextParallelAttention.from_dense(attn, cp_group, kind="ring" | "ulysses")` replaces a
+`reference.model.CausalSelfAttention` in a block whose input is this rank's (B, T/cp, C). The
+weights are the dense module's own Parameters (context parallelism replicates every weight);
 only the attention between the projections changes:
 
     x (B, T/cp, C) --c_attn--> q, k, v (B, H, T/cp, D) each
       --ring_attention or ulysses_attention--> (B, H, T/cp, D)
       --c_proj, residual dropout--> (B, T/cp, C)
 
-Under tensor parallelism (`reference.parallel` builds it from Megatron's attention)
-c_attn is column-parallel and c_proj row-parallel: this rank's heads are n_head / tp,
-and ring or Ulysses runs on them over the cp group, as it runs on all heads without TP.
-
-Dropout: Ulysses passes the attention dropout to scaled_dot_product_attention;
-ring attention has none and refuses to train with ``dropout > 0`` (evaluation
-is fine). The residual dropout acts on this rank's tokens with its own mask.
+Under tensor parallelism (`reference.parallel` builds it from Megatron's attention) the same
+runs on this rank's n_head / tp heads. Ulysses passes the attention dropout to
+scaled_dot_product_attention; ring attention has none and refuses to train with ``dropout > 0``.
 """
 from __future__ import annotations
 
@@ -52,10 +46,8 @@ class ContextParallelAttention(nn.Module):
     @classmethod
     def from_dense(cls, attn: CausalSelfAttention, group, kind: str = "ring",
                    zigzag: bool = True) -> "ContextParallelAttention":
-        """The context-parallel version of `attn`, sharing its weights.
-
-        ``zigzag`` is the layout of the tokens this rank receives
-        (`reference.context_parallel.layout`); both kinds accept either."""
+        """The context-parallel version of `attn`, sharing its weights; ``zigzag``: the layout
+        (`layout`) of the tokens this rank receives."""
         if not isinstance(attn, CausalSelfAttention):
             raise TypeError(f"from_dense wants a CausalSelfAttention, got {type(attn).__name__}")
         return cls(attn.c_attn, attn.c_proj, attn.resid_dropout, attn.head_dim, attn.dropout,

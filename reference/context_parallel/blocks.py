@@ -1,53 +1,37 @@
 """One block of ring attention: which (query, key) rows meet, and the math on them.
 
-Ring attention (Liu et al., 2023, "Ring Attention with Blockwise Transformers")
-computes softmax(Q K^T / sqrt(d)) V for this rank's queries one key/value block
-at a time, the blockwise attention of FlashAttention (Dao et al., 2022). This
-module holds the single-process part: no communication.
+Ring attention (Liu et al., 2023, "Ring Attention with Blockwise Transformers") computes
+softmax(Q K^T / sqrt(d)) V for this rank's queries one key/value block at a time, the blockwise
+attention of FlashAttention (Dao et al., 2022). This module is the single-process part.
 
-The plan of a step
-------------------
-At ring step s rank i holds the key/value block of rank j = (i - s) mod cp.
-`block_plan(i, j, cp, n, causal, zigzag)` says which of its n query rows and n
-key rows meet, as two slices and whether the causal triangle applies:
+At ring step s rank i holds the key/value block of rank j = (i - s) mod cp, and
+`block_plan(i, j, cp, n, causal, zigzag)` says which of its n query and n key rows meet:
 
 * not causal: every query meets every key, (n, n), no mask;
-* causal, contiguous split: j < i all of them (earlier tokens), j == i the lower
-  triangle, j > i nothing (later tokens): the work grows with i;
-* causal, zig-zag split (rank r holds chunks r and 2 cp - 1 - r, c = n / 2 rows
-  each): j == i the lower triangle of (n, n); j < i every query meets the
-  *first* half of the keys (chunk j is earlier than both query chunks, chunk
-  2 cp - 1 - j later than both): (n, c); j > i the *second* half of the queries
-  (chunk 2 cp - 1 - i) meets every key and the first half meets none: (c, n).
-  Every rank thus computes the same pairs, and no step multiplies a block that
-  the mask would empty.
+* causal, contiguous split: j < i all of them (earlier tokens), j == i the lower triangle,
+  j > i nothing (later tokens): the work grows with i;
+* causal, zig-zag split (rank r holds chunks r and 2 cp - 1 - r, c = n / 2 rows each): j == i
+  the lower triangle of (n, n); j < i every query meets the *first* half of the keys (chunk j
+  precedes both query chunks, chunk 2 cp - 1 - j follows both): (n, c); j > i the *second*
+  half of the queries (chunk 2 cp - 1 - i) meets every key: (c, n). Every rank computes the
+  same pairs, and no step multiplies a block that the mask would empty.
 
-The math of a block
--------------------
-Forward (`attend_block`): scores S = q k^T * scale on the planned rows, the
-triangle masked to -inf, then the block's own log-sum-exp L_b = log sum_k e^S
-(torch.logsumexp subtracts the row's max first: the running max of the online
-softmax) and its normalised output O_b = softmax(S) v. `merge_block` folds a
-block into the running (O, L) of the rows it touched::
+`attend_block`: S = q k^T * scale on the planned rows (the triangle masked to -inf), the block's
+log-sum-exp L_b = log sum_k e^S (torch.logsumexp subtracts the row's max: the online softmax's
+running max) and its output O_b = softmax(S) v. `merge_block` folds it into the running (O, L)::
 
     L_new = log(e^L + e^L_b)            (logaddexp: max + log1p(e^-|L - L_b|))
     O_new = O e^(L - L_new) + O_b e^(L_b - L_new)
 
-so after the last block O is the softmax over every key, and L its log-sum-exp.
+so after the last block O is the softmax over every key. `attend_block_backward`
+(FlashAttention-2's recomputation) recomputes P = e^(S - L) from q, k, v, the final L and
+Delta = rowsum(dO * O): dV = P^T dO, dP = dO v^T, dS = P * (dP - Delta), dQ = dS k * scale,
+dK = dS^T q * scale. Either direction holds at most one (T/cp, T/cp) score block per head.
 
-Backward (`attend_block_backward`, FlashAttention-2's recomputation): from the
-saved q, k, v, the final L and Delta = rowsum(dO * O), recompute P = e^(S - L)
-on the block and form dV = P^T dO, dP = dO v^T, dS = P * (dP - Delta),
-dQ = dS k * scale, dK = dS^T q * scale. The largest tensor either direction
-holds is one score block, at most (n, n) = (T/cp, T/cp) per head.
-
-Arithmetic runs in float32 whatever the inputs' dtype (the running max and sums
-of a bf16 softmax would lose too much).
-
-Grouped-query attention (GQA: H query heads sharing H_kv key/value heads, each
-key/value head serving H / H_kv consecutive query heads): k and v may have fewer
-heads than q. A block repeats them to q's heads for its arithmetic only, and
-its dk, dv are summed back over each group: what travels stays (B, H_kv, n, D).
+The arithmetic runs in float32 whatever the inputs' dtype (a bf16 softmax's running max and
+sums would lose too much). Under grouped-query attention (H_kv < H key/value heads, each serving
+H / H_kv consecutive query heads) a block repeats k and v to q's heads for its arithmetic only
+and sums dk, dv back over each group: what travels stays (B, H_kv, n, D).
 """
 from __future__ import annotations
 
@@ -102,8 +86,7 @@ def _to_kv_heads(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def fp32_math(t: torch.Tensor):
-    """Autocast switched off: the block math below stays in float32 even inside a bf16 or
-    fp16 training step (autocast would run its matmuls in half precision again)."""
+    """Autocast switched off, so the block math stays in float32 inside a bf16 or fp16 training step."""
     return torch.autocast(t.device.type, enabled=False)
 
 
@@ -139,10 +122,8 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 def attend_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                           lse: torch.Tensor, delta: torch.Tensor, scale: float,
                           triangle: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This block's share of dq (B, H, tq, D) and its dk, dv (B, H_kv, tk, D), float32.
-
-    `lse` and `delta` (B, H, tq) are the *final* log-sum-exp and rowsum(dO * O)
-    of the queries, so P = e^(S - lse) is the block's part of the full softmax."""
+    """This block's share of dq (B, H, tq, D) and its dk, dv (B, H_kv, tk, D), float32; `lse`, `delta`
+    (B, H, tq) are the queries' *final* ones, so P = e^(S - lse) is the block's part of the full softmax."""
     with fp32_math(q):
         s = _scores(q, k, scale, triangle)  # (B, H, tq, tk), recomputed rather than stored
         p = torch.exp(s - lse.unsqueeze(-1))  # masked entries: e^-inf = 0

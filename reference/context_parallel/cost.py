@@ -1,10 +1,7 @@
 """What context parallelism costs each rank: bytes sent, memory held, attention work.
 
-The formulas the course teaches, each checked exactly against a measurement in
-the tests (bytes with `reference.comms.CommMeter`, memory with
-`reference.context_parallel.measure`, work against a count over the tokens'
-positions). Notation: B batch, H heads, T tokens, D head width, cp ranks,
-n = T / cp tokens per rank, b bytes per element.
+The formulas the course teaches, each checked exactly against a measurement in the tests.
+B batch, H heads, T tokens, D head width, cp ranks, n = T / cp tokens per rank, b bytes per element.
 
 Bytes each rank sends for one attention, forward and backward
 --------------------------------------------------------------
@@ -25,13 +22,10 @@ Ulysses' k and v all-to-alls scale by H_kv / H too, but q's and the output's do 
 (2 H + 2 H_kv) (cp - 1)/cp B n D b each way. Llama-3-70B (H = 64, H_kv = 8) on cp = 8 in
 the forward: the ring 2 x 7 x 8 = 112 units of B n D b, Ulysses 144 x 7/8 = 126.
 
-Memory
-------
-Ring attention saves for backward q, k, v (b bytes each), its float32 output
-and the log-sum-exp (B, H, n): linear in n. The largest tensor it creates is
-one score block, (B, H, n, n): T^2 / cp^2 per head, never T^2. Ulysses saves
-what its attention saves on (B, H/cp, T, D): with the math kernel the (T, T)
-probabilities of its H/cp heads, T^2 / cp per head of the model.
+Memory: ring attention saves q, k, v (b bytes each), its float32 output and the log-sum-exp
+(B, H, n), linear in n; its largest tensor is one (B, H, n, n) score block, T^2 / cp^2 per
+head. Ulysses saves what its attention saves on (B, H/cp, T, D): with the math kernel the
+(T, T) probabilities of its H/cp heads, T^2 / cp per head of the model.
 
 Work (causal (query, key) pairs, keys at or before the query)
 -------------------------------------------------------------
@@ -75,10 +69,8 @@ def ulysses_sent_bytes(B: int, H: int, T: int, D: int, cp: int, element_size: in
 
 
 def ring_attention_saved_bytes(B: int, H: int, T: int, D: int, cp: int, element_size: int = 4) -> int:
-    """Bytes `ring_attention` saves for backward: q, k, v, the float32 output and log-sum-exp.
-
-    q, k and v counted as three tensors; cut from one fused (B, n, 3 C) projection
-    they share its storage, of the same size."""
+    """Bytes `ring_attention` saves for backward: q, k, v (three tensors, or one fused projection of
+    the same size), the float32 output and log-sum-exp."""
     block = _block(B, H, T, D, cp)
     return 3 * block * element_size + block * 4 + B * H * (T // cp) * 4
 

@@ -6,25 +6,19 @@
     loss_share.backward()
     allreduce_context_parallel_grads(cpm, cp_group)  # the single-process gradients
 
-Three things change against the plain GPT, all applied from outside
-(`reference.model` knows nothing of them):
+Three things change against the plain GPT, applied from outside (`reference.model` knows nothing of them):
 
-1. every block's attention becomes `ContextParallelAttention` (ring or
-   Ulysses), the only place where tokens of different ranks meet;
-2. the position embedding reads the positions this rank really holds
-   (`sequence_positions`: under the zig-zag split rank r holds chunks r and
-   2 cp - 1 - r, not positions 0 .. T/cp - 1 as `GPT.embed` would assume);
-3. the loss: each rank holds B * T/cp of the B * T targets, so its share is the
-   *sum* of its tokens' cross-entropies divided by B * T. The shares add up to
-   the single-process token mean, and their gradients, summed over the cp group
-   (`allreduce_context_parallel_grads`), to its gradients: every weight is
-   replicated and meets only this rank's tokens, as in data parallelism (in a
-   mesh with dp and cp, Megatron-LM all-reduces the weight gradients over the
-   dp x cp ranks at once).
+1. every block's attention becomes `ContextParallelAttention` (ring or Ulysses), the only
+   place where tokens of different ranks meet;
+2. the position embedding reads the positions this rank holds (`sequence_positions`: under
+   the zig-zag split not 0 .. T/cp - 1, as `GPT.embed` would assume);
+3. a rank's loss share is the *sum* of its tokens' cross-entropies divided by B * T: the shares
+   add up to the single-process token mean, and their gradients, summed over the cp group
+   (`allreduce_context_parallel_grads`), to its gradients, as in data parallelism (Megatron-LM
+   all-reduces the weight gradients over the dp x cp ranks at once).
 
-A mixture-of-experts ffn's aux loss is computed on this rank's tokens; it is
-added divided by cp, an approximation of the full sequence's (exact for the
-dense MLP, whose aux loss is zero).
+A mixture-of-experts aux loss, computed on this rank's tokens, is added divided by cp: an
+approximation of the full sequence's (exact for the dense MLP, whose aux loss is zero).
 """
 from __future__ import annotations
 
@@ -84,7 +78,6 @@ class ContextParallelGPT(nn.Module):
         if targets is None:
             return logits, None
         B, n = targets.shape
-        # sum over this rank's tokens / all B * T tokens: the shares add up to the mean.
         lm = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
         return logits, lm / (B * n * self.cp) + aux / self.cp
 

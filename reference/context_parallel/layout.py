@@ -1,25 +1,19 @@
 """Which tokens each rank of the cp group holds: the contiguous and the zig-zag split.
 
-Context parallelism cuts the sequence of T tokens over the cp ranks. The obvious
-cut gives rank r the contiguous block [r T/cp, (r+1) T/cp). Under a causal mask
-that is unbalanced: a query at position p attends to p + 1 keys, so the last
-rank, holding the latest positions, does about 2 cp - 1 times the work of rank 0
-(`reference.context_parallel.cost.causal_pairs_per_rank`).
-
-The zig-zag split (used by Megatron-LM's context parallelism and by
-ring-flash-attention's ``zigzag_ring``) cuts the sequence into 2 cp chunks of
-c = T / (2 cp) tokens and gives rank r chunks r and 2 cp - 1 - r, one early and
-one late, so every rank holds the same number of (query, key) pairs::
+The contiguous split gives rank r positions [r T/cp, (r+1) T/cp). Under a causal mask a query
+at position p attends to p + 1 keys, so the last rank does about 2 cp - 1 times rank 0's work
+(`cost.causal_pairs_per_rank`). The zig-zag split (Megatron-LM's context parallelism,
+ring-flash-attention's ``zigzag_ring``) cuts the sequence into 2 cp chunks of c = T / (2 cp)
+tokens and gives rank r chunks r and 2 cp - 1 - r, one early and one late, so every rank holds
+the same number of (query, key) pairs::
 
     cp = 2, T = 8, chunks of 2:   | 0 1 | 2 3 | 4 5 | 6 7 |
                                    rank0  rank1 rank1 rank0
     rank 0 holds positions [0 1 6 7], rank 1 holds [2 3 4 5]
 
-A rank's part is kept in increasing position order (chunk r, then chunk
-2 cp - 1 - r), so a causal mask *inside* a rank's own part is the plain lower
-triangle. T must divide by 2 cp for the zig-zag split (by cp for the contiguous
-one); anything else is refused with an error naming T and cp (no padding: a
-padded token would have to be masked out of every attention and of the loss).
+A rank's part is kept in increasing position order, so a causal mask inside it is the plain
+lower triangle. T must divide by 2 cp for the zig-zag split (by cp for the contiguous one); there
+is no padding (a padded token would have to be masked out of every attention and of the loss).
 """
 from __future__ import annotations
 
@@ -68,26 +62,22 @@ def sequence_positions(T: int, cp: int, rank: int, zigzag: bool = True) -> torch
 
 
 def split_sequence(x: torch.Tensor, cp: int, rank: int, zigzag: bool = True, dim: int = 1) -> torch.Tensor:
-    """This rank's part of `x` along `dim` (the sequence): (B, T, ...) -> (B, T // cp, ...).
-
-    Pure indexing (no communication, differentiable): every rank holds the whole `x`."""
+    """This rank's part of `x` along `dim` (the sequence): (B, T, ...) -> (B, T // cp, ...), by
+    indexing (no communication, differentiable)."""
     T = x.shape[dim]
     pos = sequence_positions(T, cp, rank, zigzag).to(x.device)
     return x.index_select(dim, pos)
 
 
 def gather_order(T: int, cp: int, zigzag: bool = True) -> torch.Tensor:
-    """(T,) the position of each row of the rank-order concatenation of every rank's part.
-
-    Row k of ``cat([part of rank 0, part of rank 1, ...])`` holds position
-    ``gather_order(...)[k]``; ``argsort`` of it puts the rows back in position order."""
+    """(T,) the position of each row of ``cat([part of rank 0, part of rank 1, ...])``; its
+    ``argsort`` puts the rows back in position order."""
     return torch.cat([sequence_positions(T, cp, r, zigzag) for r in range(cp)])
 
 
 def gather_sequence(x: torch.Tensor, group, zigzag: bool = True, dim: int = 1) -> torch.Tensor:
-    """Every rank's part, all-gathered and put back in position order: (B, T // cp, ...) -> (B, T, ...).
-
-    One all-gather through `reference.comms` (metered); no autograd."""
+    """Every rank's part, all-gathered (metered, no autograd) and put back in position order:
+    (B, T // cp, ...) -> (B, T, ...)."""
     cp = dist.get_world_size(group)
     gathered = all_gather_along(x, dim, group)  # rank order: part 0, part 1, ...
     order = gather_order(gathered.shape[dim], cp, zigzag).to(x.device)

@@ -1,16 +1,11 @@
 """Measuring the memory of attention: what autograd saves, and the largest tensor any op makes.
 
-Two meters, both context managers wrapped around a forward (and backward):
-
-* `SavedTensorBytes`: the bytes of the distinct storages autograd saves for
-  backward (``torch.autograd.graph.saved_tensors_hooks``): the activation memory
-  an attention holds between forward and backward.
-* `LargestTensor`: the largest tensor (in elements) that any operation
-  creates while it is open, forward *and* backward, views excluded. It sees
-  the transient tensors too: the (T/cp, T/cp) score block of ring attention,
-  which lives only inside one step, or the (T, T) scores of a dense attention.
-  Built on a ``TorchDispatchMode``, which, unlike saved-tensor hooks, also sees
-  inside autograd Functions and the backward pass.
+* `SavedTensorBytes`: the bytes of the distinct storages autograd saves for backward, the
+  activation memory an attention holds between forward and backward;
+* `LargestTensor`: the largest tensor any operation creates while it is open, forward *and*
+  backward, transient ones too (the (T/cp, T/cp) score block of one ring step, the (T, T)
+  scores of a dense attention): a ``TorchDispatchMode``, which, unlike saved-tensor hooks,
+  sees inside autograd Functions and the backward pass.
 
     with SavedTensorBytes() as saved, LargestTensor() as largest:
         out = ring_attention(q, k, v, group)

@@ -2,30 +2,22 @@
 
     out = ring_attention(q, k, v, cp_group)   # q, k, v: (B, H, T/cp, D), this rank's tokens
 
-Each of the cp ranks holds the queries, keys and values of its own T/cp tokens
-(the zig-zag split of `reference.context_parallel.layout` by default). The ranks
-stand on a ring in group-rank order. At step s = 0 .. cp-1 rank i attends its
-queries to the key/value block of rank (i - s) mod cp, which it received at the
-step before, and folds the result into a running output with the online softmax
-(`reference.context_parallel.blocks`). Before computing on a block it has
-already posted, with one ``batch_isend_irecv``, the send of that block to the
-next rank and the receive of the following one from the previous rank, so the
-transfer of block s + 1 overlaps the computation on block s.
+The ranks stand on a ring in group-rank order. At step s = 0 .. cp-1 rank i attends its
+queries to the key/value block of rank (i - s) mod cp, received at the step before, and folds
+the result into a running output with the online softmax (`blocks`). Before computing on a
+block it has posted, in one ``batch_isend_irecv``, the send of that block to the next rank and
+the receive of the following one from the previous rank: the transfer overlaps the computation.
 
-Backward (the autograd Function below) walks the same ring. The key/value blocks
-travel again, and with each block j travels the gradient (dK_j, dV_j) that the
-ranks it has visited so far owe it: rank i adds its share and passes the sum on
-with the next step's receive posted first, so this exchange overlaps the next
-block's computation too. Rank j keeps its own share locally; the accumulator of
-block j starts at rank j + 1, visits every other rank, and its last hop brings
-it home. Nothing of size T x T is ever held: one score block of at most
-(T/cp) x (T/cp) per head at a time, recomputed in backward.
+Backward walks the same ring. The key/value blocks travel again, and with block j travels the
+gradient (dK_j, dV_j) that the ranks it has visited owe it: rank i adds its share and passes the
+sum on, overlapped the same way. The accumulator of block j starts at rank j + 1 (rank j keeps
+its own share), visits every other rank, and its last hop brings it home. Nothing of size T x T
+is ever held: one score block of at most (T/cp) x (T/cp) per head, recomputed in backward.
 
-Bytes each rank sends, 2 (cp - 1) blocks forward and 4 (cp - 1) backward, are in
-`reference.context_parallel.cost`; inputs of another dtype than float32 send that
-dtype's blocks and float32 gradient accumulators, and with grouped-query attention
-only k's and v's H_kv heads travel. Every message is recorded in the open
-`reference.comms` meters as "send" (bytes sent) and "recv" (0 sent).
+The bytes each rank sends, 2 (cp - 1) blocks forward and 4 (cp - 1) backward, are in `cost`
+(inputs of another dtype than float32 send that dtype's blocks and float32 gradient
+accumulators). Every message is recorded in the open `reference.comms` meters as "send" (bytes
+sent) and "recv" (0 sent).
 """
 from __future__ import annotations
 

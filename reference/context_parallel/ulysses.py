@@ -2,31 +2,22 @@
 
     out = ulysses_attention(q, k, v, cp_group)   # q, k, v: (B, H, T/cp, D), this rank's tokens
 
-Jacobs et al., 2023 ("DeepSpeed Ulysses"). Attention mixes tokens but not heads,
-so a rank that holds *every* token of some heads can run ordinary attention on
-them. One all-to-all turns the sequence split into a head split::
+Jacobs et al., 2023 ("DeepSpeed Ulysses"). Attention mixes tokens but not heads, so a rank that
+holds *every* token of some heads can run ordinary attention on them. One all-to-all turns the
+sequence split into a head split::
 
     (B, H, T/cp, D)  --all-to-all-->  (B, H/cp, T, D)
     rank r sends heads [d H/cp, (d+1) H/cp) of its T/cp tokens to rank d, and
     receives its own H/cp heads of every rank's tokens.
 
-q, k and v each take one all-to-all, the attention runs on the whole sequence of
-H/cp heads (`torch.nn.functional.scaled_dot_product_attention`, any mask and
-dropout it supports), and a fourth all-to-all turns the output back to
-(B, H, T/cp, D). The all-to-all is a permutation of rows, so its backward is
-the inverse all-to-all (`reference.comms.functional.all_to_all`): backward moves
-the same four tensors' gradients.
-
-Every all-to-all keeps 1/cp of its input and sends the rest: 4 (cp - 1)/cp of q's
-size each way, less than 4 times q and falling with cp (k's and v's shrink to H_kv / H
-under grouped-query attention; `reference.context_parallel.cost`). But cp cannot
-exceed the heads (H % cp == 0, and H_kv % cp == 0 under grouped-query attention), and
-the attention of H/cp heads on all T tokens holds a (T, T) score matrix per local head.
-
-With the zig-zag layout (``zigzag=True``) the gathered sequence arrives in rank
-order (chunks 0, 2cp-1, 1, 2cp-2, ...); it is permuted back to position order
-before the causal attention and the output permuted again after: local
-indexing, no communication.
+q, k and v each take one all-to-all, `scaled_dot_product_attention` runs on the whole sequence
+of H/cp heads, and a fourth all-to-all turns the output back; backward moves the four tensors'
+gradients with the inverse all-to-alls. Each all-to-all keeps 1/cp of its input and sends the
+rest: 4 (cp - 1)/cp of q's size each way, falling with cp (`cost`). But cp must divide the
+heads (H, and H_kv under grouped-query attention), and the attention of H/cp heads on all T
+tokens holds a (T, T) score matrix per local head. Under the zig-zag layout the gathered
+sequence arrives in rank order (chunks 0, 2cp-1, 1, 2cp-2, ...): it is permuted to position
+order before the causal attention and back after, without communication.
 """
 from __future__ import annotations
 
@@ -75,11 +66,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
                       scale: Optional[float] = None) -> torch.Tensor:
     """softmax(q k^T * scale) v over the whole sequence, each rank holding T/cp of it.
 
-    q, k, v: (B, H, T/cp, D), this rank's tokens; ``zigzag=False`` (Ulysses'
-    own layout): the contiguous block r; ``zigzag=True``: chunks r and
-    2 cp - 1 - r, as for `ring_attention`. k and v may have H_kv heads dividing H
-    (grouped-query attention); H and H_kv must divide by cp. ``dropout_p`` is the
-    attention dropout (pass 0 in eval). Returns (B, H, T/cp, D).
+    q, k, v: (B, H, T/cp, D), this rank's tokens in the contiguous (Ulysses' own) or the zig-zag
+    layout; k and v may have H_kv heads dividing H (grouped-query attention); H and H_kv must divide
+    by cp. ``dropout_p`` is the attention dropout (0 in eval). Returns (B, H, T/cp, D).
     """
     cp, n = check_attention_inputs(q, k, v, "ulysses_attention", group, zigzag), q.shape[-2]
     check_heads(q.shape[1], cp)

@@ -10,6 +10,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 from matplotlib import colormaps
 from matplotlib.colors import ListedColormap
+from matplotlib.patches import FancyBboxPatch
 
 from reference.viz import NotebookFigure
 
@@ -63,7 +64,9 @@ def plot_ring_messages(messages: Sequence[Mapping], cp: int, *,
     steps = 1 + max((m["step"] + 1 for m in messages), default=0)
     fig, (ax,) = _figure(1.6 + 1.7 * steps, 0.9 + 0.75 * cp)
     for (s, r), block in holds.items():
-        ax.add_patch(_box(s, r, rank_colour(block)))
+        colour = rank_colour(block)
+        ax.add_patch(FancyBboxPatch((s - 0.36, r - 0.3), 0.72, 0.6, boxstyle="round,pad=0.02",
+                                    facecolor=(*colour[:3], 0.45), edgecolor=colour))
         ax.text(s, r, f"K,V of {block}", ha="center", va="center", fontsize=8)
     for m in messages:
         ax.annotate("", xy=(m["step"] + 1 - 0.36, m["dst"]), xytext=(m["step"] + 0.36, m["src"]),
@@ -77,12 +80,6 @@ def plot_ring_messages(messages: Sequence[Mapping], cp: int, *,
                           if sizes else ""), fontsize=10)
     ax.spines[:].set_visible(False)
     return fig
-
-
-def _box(x: float, y: float, colour):
-    from matplotlib.patches import FancyBboxPatch
-    return FancyBboxPatch((x - 0.36, y - 0.3), 0.72, 0.6, boxstyle="round,pad=0.02",
-                          facecolor=(*colour[:3], 0.45), edgecolor=colour)
 
 
 def plot_causal_split(owners: Mapping[str, Sequence[int]], *,

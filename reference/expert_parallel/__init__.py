@@ -4,29 +4,16 @@
     dense = GPT(config, ffn_factory=moe_factory(n_experts=8, k=2))   # one process
     layer = ExpertParallelMoE.from_dense(moe, mesh.ep_group)          # E / ep experts per rank
 
-Where each part lives:
+* `router`: the gate, top-k routing (Switch k = 1, GShard k = 2), capacity and dropping, the
+  load-balancing and z losses, the dispatch plan (`sort_by_expert`, `combine`);
+* `moe`: `MoE`, the single-process oracle, and `ExpertParallelMoE`, which sends each token to the
+  rank holding its expert and back; `moe_all_reduce_gradients` for data parallelism;
+* `bias_balance`: balancing by a per-expert bias instead of a loss (DeepSeek-V3, `update_expert_bias`);
+* `comms`: the counts exchanged before the all-to-all, and the bytes it moves per step;
+* `sequence_parallel`: MoE layers under Megatron sequence parallelism (`sequence_parallel_experts`);
+* `viz`: loads, routes, the all-to-all drawn from real routes, memory per rank, the gate, balance.
 
-* `reference.expert_parallel.router`: the gate, top-k routing (Switch k = 1,
-  GShard k = 2), capacity and dropping, the load-balancing and z losses, and the
-  dispatch plan (`sort_by_expert`, `combine`);
-* `reference.expert_parallel.moe`: `MoE`, the single-process oracle, and
-  `ExpertParallelMoE`, which sends each token to the rank holding its expert and
-  back; composition with data parallelism (`moe_all_reduce_gradients`: dense
-  parameters over dp, experts over the expert-data-parallel group);
-* `reference.expert_parallel.bias_balance`: balancing without an auxiliary loss
-  (DeepSeek-V3): a per-expert bias on the router's choice, moved after each step by
-  the step's loads summed over micro-batches and dp ranks (`update_expert_bias`);
-* `reference.expert_parallel.comms`: the counts exchanged before the all-to-all
-  (`reference.comms.functional.all_to_all`, with its backward), and the bytes it moves
-  per step;
-* `reference.expert_parallel.sequence_parallel`: MoE layers under Megatron sequence
-  parallelism (`sequence_parallel_experts`): the sequence gathered over tp and routed
-  whole, as one process routes it, this rank's rows kept;
-* `reference.expert_parallel.viz`: loads, routes, the all-to-all
-  drawn from real routes, memory per rank, the gate and balance over training.
-
-With E experts on P ranks each rank stores E / P of the expert weights (the
-1/8 of the article's claim at 8 ranks).
+With E experts on P ranks each rank stores E / P of the expert weights (the article's 1/8 at 8 ranks).
 """
 from reference.expert_parallel.bias_balance import biased_routers, register_bias_update, update_expert_bias
 from reference.expert_parallel.comms import all_to_all_bytes_per_step, exchange_counts

@@ -1,28 +1,22 @@
 """Balancing experts without an auxiliary loss: a bias on the router's choice, moved after each step.
 
-DeepSeek-V3 (Liu et al. 2024, "DeepSeek-V3 Technical Report", section 2.1.2; Wang et al.
-2024) balances its experts with no loss term at all. Each router holds a bias b_i per
-expert, added to the scores only to choose the top-k (the combine weights and the gradient
-never see it; `Router` with ``bias_update_rate`` u > 0). After each step every expert's
-load c_i, the assignments it got over the *whole step*, moves its bias against the load:
+DeepSeek-V3 (Liu et al. 2024, "DeepSeek-V3 Technical Report", section 2.1.2; Wang et al. 2024)
+adds a bias b_i per expert to the router's scores only to choose the top-k (the combine weights
+and the gradient never see it; `Router` with ``bias_update_rate`` u > 0). After each step every
+expert's load c_i, its assignments over the *whole step*, moves its bias against the load:
 
     b_i <- b_i + u * sign(mean(c) - c_i)
 
-An overloaded expert (c_i above the mean) is chosen a little less next step, an idle one a
-little more; nothing in the loss pulls the router away from the task.
+An overloaded expert is chosen a little less next step, an idle one a little more; nothing in
+the loss pulls the router away from the task.
 
-What "the whole step" means under parallelism: every micro-batch's counts add up on the
-rank (the router counts each forward run with autograd: a recomputed chunk counts once),
-and every data-parallel rank routes other tokens, so one all-reduce over the dp group sums
-them, for every MoE layer of the rank at once (one (L, E) tensor), once per step. Tensor-
-parallel ranks route the same tokens (with SP each routes the whole sequence) and pipeline
-stages hold other layers: neither is summed over. Expert parallelism splits the experts,
-not the routers: each router is replicated over dp, ep included.
-
-The update runs as an optimizer step pre-hook (as torchtitan does): `register_bias_update`
-hooks it on the run's optimizer (`ParallelGPT.make_optimizer` does); the single-process oracle
-moves each router's bias by its own counts (`Router.move_bias`, the rule's one place). A step skipped for an fp16 overflow has no
-optimizer step, so its counts carry into the next one, in the oracle as on the ranks.
+"The whole step" is every micro-batch's counts on the rank (the router counts each forward run
+with autograd: a recomputed chunk counts once), summed over the dp group by one all-reduce of
+an (L, E) tensor per step. Tensor-parallel ranks route the same tokens and pipeline stages hold
+other layers: neither is summed over. Each router is replicated over dp, ep included. The update
+runs as an optimizer step pre-hook (as torchtitan does; `ParallelGPT.make_optimizer` registers
+it), so a step skipped for an fp16 overflow carries its counts into the next, as in the oracle
+(`Router.move_bias`, the rule's one place).
 """
 from __future__ import annotations
 

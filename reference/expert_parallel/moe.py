@@ -1,26 +1,16 @@
 """Mixture of experts, on one process and with its experts spread over ranks.
 
-A mixture-of-experts (MoE) feed-forward layer holds E expert MLPs instead of
-one. A router (`reference.expert_parallel.router`) sends each token to k of them; the
-token's output is the weighted sum of its experts' outputs. Parameters grow
-with E while each token still pays for only k MLPs.
+A mixture-of-experts (MoE) feed-forward layer holds E expert MLPs; a router (`router`) sends
+each token to k of them and the token's output is the weighted sum of theirs: parameters grow
+with E while each token pays for k MLPs. `MoE` is the single-process layer, the oracle every
+parallel version is checked against; `ExpertParallelMoE` splits the experts over an ``ep``
+group (1/P of the expert weights per rank), each rank sending its tokens to their experts'
+ranks and back with all-to-alls (`comms`). Both return ``(output, aux_loss)`` and keep a
+`MoEStats` of the last forward (this rank's tokens) in ``layer.last_stats``.
 
-* `MoE` is the single-process layer: the oracle every parallel version is
-  checked against. It fills the GPT's feed-forward slot (`moe_factory`).
-* `ExpertParallelMoE` splits the experts over the ranks of an expert-parallel
-  (``ep``) group, so each rank stores 1/P of the expert weights. Each rank routes
-  its own tokens, sends them to the ranks holding their experts with an
-  all-to-all, runs its experts on what it received and sends the results back
-  (`reference.expert_parallel.comms`).
-
-Both return ``(output, aux_loss)`` and keep a `MoEStats` of the last forward in
-``layer.last_stats`` (``layer.last_dropped`` is the number of dropped
-assignments). With expert parallelism the statistics are this rank's tokens.
-
-Composition with data parallelism (the mesh carves ``ep`` out of ``dp``): the
-router and every other dense parameter is replicated on all ``dp`` ranks,
-while an expert is replicated only on the ``edp`` ranks (same ep_rank).
-`moe_all_reduce_gradients` averages each kind over its own group.
+With data parallelism (the mesh carves ``ep`` out of ``dp``) the router and every dense
+parameter is replicated on all ``dp`` ranks, an expert only on the ``edp`` ranks (same
+ep_rank): `moe_all_reduce_gradients` averages each over its own group.
 """
 from __future__ import annotations
 
@@ -133,12 +123,9 @@ class MoELayer(nn.Module):
 class MoE(MoELayer):
     """Single-process mixture-of-experts feed-forward layer: the oracle.
 
-    ``MoE(d_model, d_ff, n_experts, k=2, capacity_factor=1.25)``; see
-    `reference.expert_parallel.router` for routing, capacity (per sequence) and the
-    auxiliary losses (``balance_coef``, ``z_coef``), and balancing by a bias instead
-    (``bias_update_rate``, `reference.expert_parallel.bias_balance`). ``shared_expert=True`` adds
-    one expert that every token goes through. ``normalize_weights`` defaults to
-    k > 1 (GShard renormalises top-2; Switch keeps the top-1 probability).
+    Routing, capacity (per sequence), the losses (``balance_coef``, ``z_coef``) and the bias
+    (``bias_update_rate``, `bias_balance`) are `router`'s. ``shared_expert=True`` adds an expert
+    every token goes through; ``normalize_weights`` defaults to k > 1 (GShard renormalises top-2).
     """
 
     def _run_experts(self, rows: torch.Tensor, plan) -> tuple[torch.Tensor, dict]:
@@ -150,14 +137,10 @@ class MoE(MoELayer):
 class ExpertParallelMoE(MoELayer):
     """The MoE with its experts split over the ranks of `group` (the ep group).
 
-    Group rank r holds experts ``r * E / P ... (r + 1) * E / P - 1`` (``expert_ids``);
-    the router and the shared expert are whole on every rank. Same arguments as
-    `MoE`, plus ``group`` and ``seed``; `from_dense` copies an existing `MoE`, so
-    its results equal the oracle's.
-
-    Built directly, it holds the router, shared expert and experts ``expert_ids`` of
-    the `MoE` built on the CPU after `torch.manual_seed(seed)` (Megatron's
-    master-weight init); ``seed`` must be the same on every rank (the default 0 is).
+    Group rank r holds experts ``r * E / P ... (r + 1) * E / P - 1`` (``expert_ids``); the router
+    and the shared expert are whole on every rank. Built directly, it holds those parts of the
+    `MoE` built on the CPU after `torch.manual_seed(seed)` (master-weight init; the same ``seed``
+    on every rank); `from_dense` copies an existing `MoE`.
     """
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, k: int = 2,
@@ -244,12 +227,8 @@ class ExpertParallelMoE(MoELayer):
 
 def moe_factory(n_experts: int, k: int = 2, capacity_factor: Optional[float] = 1.25, *,
                 layers: Optional[Iterable[int]] = None, **kwargs):
-    """A `GPT` ``ffn_factory`` that puts a `MoE` in the given layers (all by default).
-
-    ``GPT(config, ffn_factory=moe_factory(8, k=2))``. The MoE gets the dense
-    MLP's GPT-2 initialisation; layers not listed keep a dense `MLP`
-    (Switch and GShard alternate dense and MoE layers).
-    """
+    """A `GPT` ``ffn_factory`` that puts a `MoE`, with the MLP's GPT-2 init, in the given layers
+    (all by default); the others keep a dense `MLP` (Switch and GShard alternate them)."""
     check_routing_args(n_experts, k, capacity_factor)
     chosen = None if layers is None else set(layers)
 
@@ -267,9 +246,7 @@ def moe_factory(n_experts: int, k: int = 2, capacity_factor: Optional[float] = 1
 
 def shard_experts(model: nn.Module, group=None) -> nn.Module:
     """Replace every `MoE` inside `model` by its `ExpertParallelMoE` share, in place; returns `model`.
-
-    Call it on every rank of `group` with identical models (each keeps its own experts).
-    """
+    Every rank of `group` calls it on identical models."""
     if type(model) is MoE:
         return ExpertParallelMoE.from_dense(model, group)
     for parent in list(model.modules()):
@@ -287,17 +264,12 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 def moe_all_reduce_gradients(model: nn.Module, dp_group, edp_group) -> None:
     """Average gradients for data parallelism with experts; call after backward, before the step.
 
-    * dense parameters (router, attention, shared expert ...): mean over `dp_group`;
-    * expert parameters: **sum** over `edp_group`, then divide by the dp size.
-      Expert e's gradient on its rank already holds the contributions of the
-      tokens of every rank in its ep group (the all-to-all's backward brought
-      them back), so the sum over the edp replicas covers all dp ranks once;
-      dividing by dp, not edp, turns it into the same mean the dense
-      parameters get.
-
-    Both groups come from the mesh (``mesh.dp_group``, ``mesh.edp_group``); with
-    plain `MoE` layers (no expert parallelism) pass the dp group twice. Parameters
-    without a gradient are skipped: every rank must have the same ones.
+    Dense parameters (router, attention, shared expert ...) get the mean over `dp_group`. An
+    expert's gradient already holds the tokens of every rank of its ep group (the all-to-all's
+    backward brought them back), so it is **summed** over `edp_group` and divided by the dp size:
+    the same mean. Both groups come from the mesh (``mesh.dp_group``, ``mesh.edp_group``); with
+    plain `MoE` layers pass the dp group twice. Parameters without a gradient are skipped (the
+    same ones on every rank).
     """
     dp = dist.get_world_size(dp_group)
     experts = {id(p) for p in expert_parameters(model)}

@@ -1,57 +1,40 @@
 """Routing tokens to experts: the gate, top-k, capacity, and the router's losses.
 
-A mixture-of-experts layer sends each token to k of its E experts. The router
-decides which, and with what weight:
-
-1. **Gate.** A linear map with no bias gives E logits per token, and a softmax
-   turns them into probabilities ``probs`` (computed in fp32).
-2. **Top-k.** The k most probable experts are chosen: k = 1 is the Switch
-   Transformer, k = 2 is GShard. The combine weights are the chosen
-   probabilities renormalised to sum to 1 (GShard). With k = 1 they are left
-   as the raw probability, as in Switch: renormalised, a single weight would
-   always be 1 and the gate would get no gradient from the task loss.
-3. **Capacity.** Tokens are routed in *groups* (GShard's term): every row of
-   the layer's (G, T, C) input, i.e. one sequence of T tokens, is a group, and
-   each expert takes at most
+1. **Gate.** A linear map with no bias gives E logits per token; a softmax (in fp32) turns them
+   into ``probs``.
+2. **Top-k.** The k most probable experts are chosen (k = 1: the Switch Transformer, k = 2:
+   GShard). The combine weights are the chosen probabilities renormalised to sum to 1 (GShard);
+   with k = 1 they stay the raw probability (Switch): a single renormalised weight would always
+   be 1 and the gate would get no gradient from the task loss.
+3. **Capacity.** Each row of the layer's (G, T, C) input, one sequence, is a *group* (GShard's
+   term), and each expert takes at most
 
        capacity = ceil(capacity_factor * T * k / E)
 
-   of a group's assignments (``capacity_factor=None``: no limit). An assignment
-   over capacity is *dropped*: the expert does not see that token, which then
-   gets nothing from that expert (the residual connection still carries it).
-   The order in which a group's assignments claim slots is fixed: first every
-   token's first choice, in position order, then every second choice, and so on
-   (GShard's order: a token's best expert outranks another token's second).
-
-   Why one sequence per group: a token's fate then depends on its own sequence
-   only, so splitting a batch across data-parallel ranks, across micro-batches
-   of gradient accumulation, or across expert-parallel ranks, drops exactly
-   the same assignments as one process that sees the whole batch. (Feed a
-   (1, N, C) input to make all N tokens one group.)
-4. **Auxiliary losses,** also per group and then averaged over groups, so that
-   a rank's loss is a mean over its sequences and averaging over ranks or
+   of a group's assignments (``capacity_factor=None``: no limit). An assignment over capacity
+   is *dropped*: that expert does not see the token (the residual connection still carries it).
+   Slots go first to every token's first choice in position order, then to every second choice,
+   and so on (GShard's order). One sequence per group makes a token's fate depend on its own
+   sequence only, so splitting a batch over data-parallel ranks, micro-batches or
+   expert-parallel ranks drops exactly what one process drops. (A (1, N, C) input makes its
+   N tokens one group.)
+4. **Auxiliary losses,** per group, then averaged over groups, so that averaging over ranks or
    micro-batches gives the whole batch's loss:
 
-   * load balancing (Switch, eq. 4): ``E * sum_i f_i * P_i`` with ``f_i`` the
-     fraction of the group's k*T assignments that chose expert i (before
-     capacity; not differentiable) and ``P_i`` the mean probability of expert
-     i over the group's tokens (differentiable). It is 1 when routing is
-     uniform and grows as load concentrates, up to E/k when every token's k
-     choices are the same k experts and they get all the probability;
-   * router z-loss (ST-MoE): the mean of ``logsumexp(logits)**2``, which keeps
-     the logits small so the softmax stays numerically tame.
+   * load balancing (Switch, eq. 4): ``E * sum_i f_i * P_i``, ``f_i`` the fraction of the
+     group's k*T assignments choosing expert i (before capacity; not differentiable), ``P_i``
+     the mean probability of expert i (differentiable). It is 1 for uniform routing and up to
+     E/k when every token's k choices are the same k experts, with all the probability;
+   * router z-loss (ST-MoE): the mean of ``logsumexp(logits)**2``, keeping the logits small.
 
    ``aux_loss = balance_coef * balance_loss + z_coef * z_loss``.
+5. **Balancing by a bias** (DeepSeek-V3, Wang et al. 2024): with ``bias_update_rate`` u > 0 a
+   per-expert bias (a buffer, not a parameter) is added to the probabilities *for choosing* the
+   top-k only, and the assignments each expert got (before capacity) are counted into
+   ``step_tokens_per_expert`` once per micro-batch; `bias_balance` moves the bias after the step.
 
-5. **Balancing without an auxiliary loss** (DeepSeek-V3, Wang et al. 2024): with
-   ``bias_update_rate`` u > 0 the router keeps a per-expert bias b (a buffer, not a
-   parameter) added to the probabilities *for choosing* the top-k only, and counts
-   the assignments each expert got (before capacity) into ``step_tokens_per_expert``,
-   once per micro-batch (a recomputed chunk's first forward runs without autograd);
-   `reference.expert_parallel.bias_balance` moves b after the step.
-
-`sort_by_expert` lays the kept assignments out expert by expert: the layout
-that both the single-process layer and the all-to-all dispatch use.
+`sort_by_expert` lays the kept assignments out expert by expert, the layout of both the
+single-process layer and the all-to-all dispatch.
 """
 from __future__ import annotations
 
@@ -68,11 +51,8 @@ __all__ = ["expert_capacity", "Routing", "Router", "DispatchPlan", "sort_by_expe
 
 def expert_capacity(tokens_per_group: int, n_experts: int, k: int,
                     capacity_factor: Optional[float]) -> int:
-    """Slots of each expert per group: ceil(capacity_factor * T * k / E), at most T.
-
-    An expert can never be chosen twice by one token, so T slots (the whole
-    group) already means "no limit"; ``capacity_factor=None`` gives exactly that.
-    """
+    """Slots of each expert per group: ceil(capacity_factor * T * k / E), at most T (no token
+    chooses an expert twice, so T means "no limit", what ``capacity_factor=None`` gives)."""
     if capacity_factor is None:
         return tokens_per_group
     # The 1e-9 keeps a product that is an integer in exact arithmetic (1.25 * 32 * 2 / 4)
@@ -207,13 +187,9 @@ class DispatchPlan(NamedTuple):
 
 
 def sort_by_expert(routing: Routing) -> DispatchPlan:
-    """Lay the kept assignments out expert by expert.
-
-    Expert e's rows form the e-th block of ``counts``; inside a block the rows
-    follow the flattened input (group, then position). Experts on one
-    expert-parallel rank are consecutive, so the blocks of one rank are
-    consecutive too: this is the all-to-all send buffer's order.
-    """
+    """Lay the kept assignments out expert by expert: expert e's rows form the e-th block of
+    ``counts``, in input order inside it. An ep rank's experts are consecutive, so are its blocks:
+    the all-to-all send buffer's order."""
     k = routing.expert_idx.shape[-1]
     flat_expert = routing.expert_idx.reshape(-1)  # (G*T*k,), token-major
     assignment = routing.kept.reshape(-1).nonzero().squeeze(1)  # kept assignments, token-major
@@ -229,11 +205,8 @@ def sort_by_expert(routing: Routing) -> DispatchPlan:
 
 
 def combine(expert_out: torch.Tensor, plan: DispatchPlan, n_tokens: int) -> torch.Tensor:
-    """Sum each token's expert outputs times their weights: (n, C) -> (n_tokens, C).
-
-    Rows arrive in `plan` order; a token whose assignments were all dropped
-    gets zeros.
-    """
+    """Sum each token's expert outputs (in `plan` order) times their weights: (n, C) -> (n_tokens, C);
+    a token whose assignments were all dropped gets zeros."""
     weighted = expert_out * plan.weights.to(expert_out.dtype).unsqueeze(1)  # (n, C)
     out = expert_out.new_zeros(n_tokens, expert_out.shape[1])  # (G*T, C)
     return out.index_add(0, plan.token_idx, weighted)

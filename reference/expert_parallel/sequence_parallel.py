@@ -1,45 +1,27 @@
 """Mixture of experts under Megatron sequence parallelism: gather the sequence, route it whole.
 
-Under sequence parallelism (SP) the residual stream between tensor-parallel regions holds
-this tp rank's T / tp tokens of each sequence, so the MoE layer's input is ``(B, T/tp, C)``.
+Under sequence parallelism (SP) the MoE layer's input is this tp rank's (B, T/tp, C) shard.
 Two ways to route it:
 
-* **route the shard** (Megatron-Core's choice): each tp rank routes its own T / tp tokens,
-  the token dispatcher moves them to the experts (an all-gather over tp x ep, or
-  all-to-alls), and the load-balancing statistics are all-reduced over tp so the aux loss
-  covers the whole sequence. No redundant compute, but capacity is then counted per shard:
-  ``ceil(cf * (T/tp) * k / E)`` slots for the T/tp tokens of one rank, and which
-  assignments are dropped depends on tp; the run no longer equals one process whenever
-  capacity drops anything (Megatron accepts that: its capacity is per rank's tokens);
-* **gather the sequence** (what this module does): all-gather the T / tp shards over tp
-  before the layer, route the whole sequence on every tp rank exactly as without SP (the
-  same tokens, the same capacity per sequence, the same drops as one process), then keep
-  this rank's T / tp rows of the output. Routing, capacity and the aux loss are one
-  process's, at every tp.
+* **route the shard** (Megatron-Core's choice): each tp rank routes its T/tp tokens and the
+  load statistics are all-reduced over tp. No redundant compute, but capacity counts per shard
+  (``ceil(cf * (T/tp) * k / E)`` slots), so the drops depend on tp and the run differs from one
+  process whenever capacity drops anything;
+* **gather the sequence** (this module): all-gather the shards over tp before the layer, route
+  the whole sequence on every tp rank as one process does, keep this rank's T/tp output rows.
 
-We gather, because this course's contract is "equal to one process" and a router here
-counts capacity per sequence (`reference.expert_parallel.router`). The price, per MoE
-layer, micro-batch and rank, with b bytes per element: forward one all-gather of the
-activations, backward one reduce-scatter of their gradient, each moving
-``(tp - 1) / tp * B * T * C * b`` bytes, half of what a dense SP MLP pays (its
-all-gather and reduce-scatter forward, the same two backward); against routing the shard,
-which needs only the tp all-reduce of E statistics (plus its dispatch). And the experts
-run on the whole sequence on every tp rank, as they do without SP (TP never splits an
-expert here): tp-fold redundant expert compute, where Megatron's shard routing computes
-each token once.
+We gather, because the course's contract is "equal to one process" and the router counts
+capacity per sequence (`router`). The price per MoE layer, micro-batch and rank: one all-gather
+forward and one reduce-scatter backward of ``(tp - 1) / tp * B * T * C * b`` bytes each (half
+what a dense SP MLP pays), and tp-fold redundant expert compute.
 
-Gradients. Rank r's output rows are only its own tokens, so the gradient reaching every
-MoE parameter (router, experts, shared expert) on rank r covers its tokens only: those
-parameters are marked ``sequence_parallel`` like the SP LayerNorms, and
-`allreduce_sequence_parallel_grads` sums them over tp. The aux loss (balance and z-loss)
-is computed on the whole sequence, identically on every tp rank, and each rank backwards
-it: its gradient is scaled by 1 / tp (the value is left as it is), so that the sum over tp
-counts it once, through the parameters as through the reduce-scatter of the gathered input.
+Gradients: rank r's output rows are its own tokens only, so every MoE parameter (router,
+experts, shared expert) is marked ``sequence_parallel`` and `allreduce_sequence_parallel_grads`
+sums it over tp. The aux loss is computed on the whole sequence, the same on every tp rank; its
+gradient is scaled by 1 / tp, so the sum over tp counts it once.
 
-In eval mode `SequenceParallelScatter` may pad T up to a multiple of tp; the padded
-positions are then routed too (they sit after the real tokens, so causal attention never
-sees them, but with a finite capacity they can take slots): generation with a capacity
-limit may differ from one process's.
+In eval mode `SequenceParallelScatter` may pad T to a multiple of tp; the padded positions are
+routed too and, with a finite capacity, can take slots: generation may differ from one process's.
 """
 from __future__ import annotations
 
@@ -47,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from reference.expert_parallel.moe import MoELayer
 from reference.tensor_parallel.comms import SEQ_DIM, gather_from_sequence_parallel_region
 
 __all__ = ["sequence_parallel_experts"]
@@ -65,27 +48,17 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _is_moe(module: nn.Module) -> bool:
-    from reference.expert_parallel.moe import MoELayer
-
-    return isinstance(module, MoELayer)
-
-
 def sequence_parallel_experts(model: nn.Module, group) -> int:
-    """Make every MoE layer of `model` take and return this tp rank's sequence shard.
-
-    In place, by hooks (parameter names stay the model's own). Call it after
-    `shard_experts` (the `ExpertParallelMoE` layers it builds are new modules), as
-    `reference.parallel.parallelize` does; a layer already handled is skipped. Returns the
-    number of layers handled now; a no-op when the group has one rank.
-    """
+    """Make every MoE layer of `model` take and return this tp rank's sequence shard, in place, by
+    hooks; returns the number of layers handled now (one already handled is skipped). Call it
+    after `shard_experts`, whose layers are new modules, as `reference.parallel.parallelize` does."""
     tp = dist.get_world_size(group)
     if tp == 1:
         return 0
     rank = dist.get_rank(group)
     done = 0
     for module in model.modules():
-        if not _is_moe(module) or getattr(module, "sequence_parallel_group", None) is not None:
+        if not isinstance(module, MoELayer) or getattr(module, "sequence_parallel_group", None) is not None:
             continue
         module.sequence_parallel_group = group
         for p in module.parameters():

@@ -1,12 +1,7 @@
 """Pictures of mixture-of-experts routing: loads, routes, the all-to-all, memory, the gate, balance.
 
-Each function returns a ``matplotlib.figure.Figure`` (no pyplot state), drawn
-once as the last expression of a notebook cell, like the pictures of
-`reference.viz`. Inputs are what `MoE` and `ExpertParallelMoE` record in
-``layer.last_stats`` (tensors, arrays or lists). Two of them watch the router itself:
-`plot_gate` (one sequence's probabilities, the top-k cells framed with their combine
-weight: softmax, top-k and renormalisation at once) and `plot_balance_history` (tokens
-per expert at every step of a run, with the imbalance and the balancing loss as curves).
+Each function returns a ``matplotlib.figure.Figure`` (no pyplot state). Inputs are what `MoE`
+and `ExpertParallelMoE` record in ``layer.last_stats`` (tensors, arrays or lists).
 """
 from __future__ import annotations
 
@@ -34,12 +29,8 @@ def as_array(x) -> np.ndarray:
 
 def plot_tokens_per_expert(counts: Union[Counts, Mapping[str, Counts]], *,
                            capacity: Optional[int] = None, title: str = "tokens per expert") -> Figure:
-    """Bars of assignments per expert; pass ``{"before": c0, "after": c1}`` to compare runs.
-
-    `capacity`, when given, is drawn as a dashed line: the slots each expert
-    has for the whole batch (capacity per group times the number of groups).
-    The dotted line is the perfectly balanced load, total / E.
-    """
+    """Bars of assignments per expert; pass ``{"before": c0, "after": c1}`` to compare runs. Dotted:
+    the balanced load, total / E; dashed: `capacity`, the slots of each expert for the whole batch."""
     series = dict(counts) if isinstance(counts, Mapping) else {"tokens": counts}
     series = {label: as_array(c).reshape(-1) for label, c in series.items()}
     n_experts = max(len(c) for c in series.values())
@@ -64,12 +55,8 @@ def plot_tokens_per_expert(counts: Union[Counts, Mapping[str, Counts]], *,
 
 def plot_routing(expert_idx: Counts, kept: Optional[Counts] = None, n_experts: Optional[int] = None, *,
                  title: str = "routes of one sequence") -> Figure:
-    """One sequence's routes: a column per token, a row per expert.
-
-    `expert_idx` (T, k) as in ``stats.expert_idx[g]``, `kept` (T, k) bool. A
-    first choice is a dark cell, a second a lighter one (and so on); an
-    assignment dropped at capacity is crossed out.
-    """
+    """One sequence's routes (`expert_idx` (T, k) as ``stats.expert_idx[g]``, `kept` (T, k) bool): a
+    column per token, a row per expert, a first choice darker than a second, a dropped one crossed out."""
     idx = as_array(expert_idx)
     if idx.ndim != 2:
         raise ValueError(f"expert_idx must be (T, k) for one sequence, got shape {idx.shape}")
@@ -97,12 +84,8 @@ def plot_routing(expert_idx: Counts, kept: Optional[Counts] = None, n_experts: O
 
 
 def plot_all_to_all(send_counts: Counts, *, title: str = "all-to-all: rows sent") -> Figure:
-    """The dispatch as a matrix: entry [s, d] is the rows ep rank s sends to ep rank d.
-
-    Build it from every rank's ``stats.send_counts`` (stacked in rank order).
-    The diagonal stays on its rank and costs no communication; the combine
-    sends the transpose back.
-    """
+    """The dispatch as a matrix, every rank's ``stats.send_counts`` stacked: [s, d] the rows ep rank
+    s sends to ep rank d. The diagonal stays on its rank; the combine sends the transpose back."""
     m = as_array(send_counts)
     if m.ndim != 2 or m.shape[0] != m.shape[1]:
         raise ValueError(f"send_counts must be a square (P, P) matrix, got shape {m.shape}")
@@ -145,13 +128,8 @@ def plot_expert_memory(expert_bytes: Sequence[int], dense_bytes: Sequence[int], 
 
 
 def plot_gate(probs, expert_idx, weights, *, title: str = "the gate: softmax, then top-k") -> Figure:
-    """Heat map of one sequence's probabilities, an expert per row and a token per column.
-
-    `probs` (T, E) the softmax of the gate's logits; `expert_idx` (T, k) the
-    chosen experts, best first; `weights` (T, k) their combine weights. A chosen
-    cell is framed (thick for the first choice) and shows its weight, so
-    renormalisation is visible: a token's framed numbers sum to 1 when k > 1.
-    """
+    """Heat map of one sequence's `probs` (T, E), an expert per row: the chosen cells (`expert_idx`
+    (T, k), best first) framed with their combine `weights` (T, k), which sum to 1 when k > 1."""
     p, idx, w = as_array(probs), as_array(expert_idx), as_array(weights)
     if p.ndim != 2 or idx.ndim != 2 or idx.shape != w.shape or idx.shape[0] != p.shape[0]:
         raise ValueError(f"expected probs (T, E), expert_idx and weights (T, k); got shapes "
@@ -179,20 +157,14 @@ def plot_gate(probs, expert_idx, weights, *, title: str = "the gate: softmax, th
 
 def plot_balance_history(loads: Mapping[str, Sequence], balance_loss: Optional[Mapping[str, Sequence[float]]] = None,
                          *, title: str = "tokens per expert during training") -> Figure:
-    """Top row: a heat map per run (expert x step, colour = assignments); bottom row: the curves.
-
-    `loads` maps a run's name to its (steps, E) assignments per expert per step
-    (``stats.tokens_per_expert`` stacked). The curves are max / mean load per
-    step (1 is perfect balance) and, when given, each run's load-balancing loss
-    per step (1 for uniform routing, E when every token picks one expert).
-    """
+    """Top row: a heat map per run of `loads` ({name: (steps, E) ``stats.tokens_per_expert``
+    stacked}); bottom row: max / mean load per step (1: balanced) and, given, each run's balance loss."""
     runs = {name: as_array(l).astype(float) for name, l in loads.items()}
     for name, l in runs.items():
         if l.ndim != 2:
             raise ValueError(f"loads[{name!r}] must be (steps, E), got shape {l.shape}")
     vmax = max(l.max() for l in runs.values())
     n_curves = 1 if balance_loss is None else 2
-    # Heat maps on the top row, curves on the bottom row, all sharing the step axis.
     ncols = max(len(runs), n_curves)
     fig = NotebookFigure(figsize=(4.2 * ncols, 6.0), layout="constrained")
     grid = fig.add_gridspec(2, ncols)

@@ -3,19 +3,16 @@
     from reference.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
     model = apply_tensor_parallel(GPT(config), mesh, sequence_parallel=True)  # inside a rank
 
-The pieces live in the package's modules and are all importable from here:
+The modules, all importable from here:
 
-* `reference.tensor_parallel.comms`: Megatron's conjugate operators f and g, the
-  gather/scatter pairs along the hidden and the sequence dimension;
-* `reference.tensor_parallel.layers`: `ColumnParallelLinear`, `RowParallelLinear`;
-* `reference.tensor_parallel.cut`: `TensorParallelCut`, how a layer cut each parameter,
-  recorded on it (``p.tp_cut``) where it is cut and read by whatever undoes the cut;
-* `reference.tensor_parallel.attention`: `ParallelCausalSelfAttention` (heads split);
-* `reference.tensor_parallel.loss`: `VocabParallelEmbedding`,
-  `vocab_parallel_cross_entropy`;
-* `reference.tensor_parallel.rng`: dropout seeds for shards and replicas;
-* `reference.tensor_parallel.plan`: `apply_tensor_parallel`, `TP_PLAN`, `SP_PLAN`;
-* `reference.tensor_parallel.viz`: the split GEMM and activation memory, drawn.
+* `comms`: Megatron's conjugate operators f and g, gather/scatter along the hidden and the sequence dim;
+* `layers`: `ColumnParallelLinear`, `RowParallelLinear`;
+* `cut`: `TensorParallelCut`, how a layer cut each parameter, recorded on it (``p.tp_cut``);
+* `attention`: `ParallelCausalSelfAttention` (heads split);
+* `loss`: `VocabParallelEmbedding`, `vocab_parallel_cross_entropy`;
+* `rng`: dropout seeds for shards and replicas;
+* `plan`: `apply_tensor_parallel`, `TP_PLAN`, `SP_PLAN`;
+* `viz`: the split GEMM and activation memory, drawn.
 
 Communication per transformer block (S = B * T * C * element bytes, the size of
 one activation; N = tp). "payload" is the size of the tensor each collective
@@ -31,17 +28,14 @@ reduces or produces, "sent" what each rank sends on a ring, as
                 each), to gather again the inputs of c_attn and c_fc that
                 forward did not keep.
 
-One all-reduce pair per layer pair: the attention (c_attn column, c_proj row)
-and the MLP (c_fc column, c_proj row). Under SP the parameters that see only
-this rank's tokens (ln_1, ln_2 and the two row-parallel biases: 6 C numbers per
-block, and ln_f once) need their gradients summed over the TP group after
-backward: one all-reduce, `allreduce_sequence_parallel_grads`. Forgetting it is
-silent: each rank keeps a different, partial gradient.
-
-Outside the blocks: the vocab-parallel embedding's g (one all-reduce of S
-forward), the output layer's f (one all-reduce of S backward; under SP an
-all-gather forward and a reduce-scatter backward instead), and the loss's three
-all-reduces of B * T floats (see `reference.tensor_parallel.loss`).
+One all-reduce pair per layer pair: the attention (c_attn column, c_proj row) and the MLP
+(c_fc column, c_proj row). Under SP the parameters that see only this rank's tokens (ln_1,
+ln_2 and the two row-parallel biases: 6 C numbers per block; ln_f once) need their gradients
+summed over the TP group after backward, in one all-reduce (`allreduce_sequence_parallel_grads`).
+Forgetting it is silent: each rank keeps a different, partial gradient. Outside the blocks:
+the embedding's g (an all-reduce of S forward), the output layer's f (an all-reduce of S
+backward; under SP an all-gather forward, a reduce-scatter backward) and the loss's three
+all-reduces of B * T floats (`loss`).
 """
 
 from reference.tensor_parallel.attention import ParallelCausalSelfAttention
@@ -63,12 +57,10 @@ from reference.tensor_parallel.plan import (
 from reference.tensor_parallel.rng import ShardedDropout, TensorParallelRNG
 
 __all__ = [
-    "apply_tensor_parallel", "allreduce_sequence_parallel_grads", "TP_PLAN", "SP_PLAN",
-    "ColumnParallelLinear", "RowParallelLinear", "ParallelCausalSelfAttention",
-    "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "padded_vocab_size",
-    "TensorParallelRNG", "ShardedDropout", "SequenceParallelScatter",
-    "column_shard", "row_shard", "TensorParallelCut",
-    "f", "g", "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
+    "apply_tensor_parallel", "allreduce_sequence_parallel_grads", "TP_PLAN", "SP_PLAN", "ColumnParallelLinear",
+    "RowParallelLinear", "ParallelCausalSelfAttention", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+    "padded_vocab_size", "TensorParallelRNG", "ShardedDropout", "SequenceParallelScatter", "column_shard",
+    "row_shard", "TensorParallelCut", "f", "g", "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "gather_from_tensor_parallel_region", "scatter_to_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",

@@ -17,20 +17,12 @@ __all__ = ["ParallelCausalSelfAttention"]
 class ParallelCausalSelfAttention(nn.Module):
     """Megatron's parallel attention: each rank holds ``n_head // tp`` whole heads.
 
-    Attention is a column-parallel / row-parallel pair like the MLP, with heads as
-    the unit of the split. c_attn is column-parallel with q, k and v each split by
-    heads (`column_shard(..., chunks=3)`), so this rank's (B, T, 3 C // tp) output
-    holds its heads' [q_r | k_r | v_r]; the heads attend independently, so the rank
-    runs the dense attention on its own heads and nothing else; c_proj is
-    row-parallel and sums the heads' contributions (g). One all-reduce forward and
-    one backward, as in the MLP. The math is `causal_attention`'s, with the
-    sequence length read from c_attn's output, which is the whole sequence even
-    when the input is a sequence shard.
-
-    The attention-probability dropout acts on this rank's heads, so it draws from
-    the TP stream (`rng.fork()`). The residual dropout after c_proj acts on a
-    replicated tensor (same mask on every rank: the default stream) or, with
-    sequence parallelism, on a sequence shard (its own mask: `ShardedDropout`).
+    A column-parallel / row-parallel pair like the MLP, heads as the unit of the split: c_attn
+    splits q, k and v each by heads (``chunks=3``), so this rank's (B, T, 3 C // tp) output holds
+    its heads' [q_r | k_r | v_r]; the heads attend independently (`causal_attention`); c_proj sums
+    their contributions (g). The attention-probability dropout acts on this rank's heads (the TP
+    stream, `rng.fork()`); the residual dropout acts on a replicated tensor (the default stream)
+    or, under SP, on a sequence shard (its own mask, `ShardedDropout`).
     """
 
     def __init__(self, c_attn: ColumnParallelLinear, c_proj: RowParallelLinear, head_dim: int,

@@ -6,28 +6,20 @@ between two conjugate operators:
     f   identity in forward,  all-reduce in backward   (enters a TP region)
     g   all-reduce in forward, identity in backward    (leaves a TP region)
 
-Why conjugate: in Y = X A with A split by columns, every rank reads the whole X,
-so the gradient of X is the *sum* of each rank's contribution (f's backward
-all-reduce); in Z = Y B with B split by rows, every rank holds a partial Z that
-must be *summed* (g's forward all-reduce), and the sum's gradient is the same
-dZ on every rank (g's backward identity).
+In Y = X A with A split by columns every rank reads the whole X, so dX is the *sum*
+of the ranks' contributions (f's backward); in Z = Y B with B split by rows every
+rank holds a partial Z that must be *summed* (g's forward), and the sum's gradient
+is the same dZ on every rank (g's backward).
 
-Sequence parallelism (Korthikanti et al., 2022) splits the LayerNorm and
-dropout regions along the sequence, so the replicated (B, T, C) tensors around
-a TP region become (B, T // tp, C) shards. An all-reduce is a reduce-scatter
-followed by an all-gather, so f and g split in two:
+Sequence parallelism (Korthikanti et al., 2022) keeps the LayerNorm and dropout
+regions as (B, T // tp, C) sequence shards. An all-reduce is a reduce-scatter then
+an all-gather, so f and g split in two, and each rank sends the same bytes:
 
     g -> reduce-scatter in forward, all-gather in backward  (TP region -> sequence shards)
     f -> all-gather in forward, reduce-scatter in backward  (sequence shards -> TP region)
 
-and the bytes each rank sends are unchanged (the table in `reference.tensor_parallel`).
-
-Also here: gather/scatter along the last (hidden) dimension, used when a
-column-parallel layer must hand back its whole output, and the sequence split
-that enters the sequence-parallel region without communicating.
-Every collective goes through `reference.comms`, so a `comms.meter()` counts it.
-With a group of one rank every operator is the identity and sends nothing.
-The activations are batch-first, (B, T, C), so the sequence dimension is 1.
+Every collective goes through `reference.comms` (a `comms.meter()` counts it); with a
+group of one rank every operator is the identity.
 """
 from __future__ import annotations
 
@@ -51,8 +43,7 @@ SEQ_DIM = 1  # activations are (B, T, C)
 
 
 # ---------------------------------------------------------------------------
-# The collectives along one dimension (no autograd; used by the functions below; the
-# all-gather, which context parallelism uses too, is `reference.comms.functional`'s)
+# The collectives along one dimension, no autograd (the all-gather is `reference.comms.functional`'s)
 # ---------------------------------------------------------------------------
 def _check_divisible(x: torch.Tensor, dim: int, n: int, what: str) -> None:
     if x.shape[dim] % n:
@@ -136,8 +127,7 @@ g = reduce_from_tensor_parallel_region
 
 
 # ---------------------------------------------------------------------------
-# Gather, scatter and reduce-scatter along one dimension, each with its conjugate
-# in backward: along the hidden (last) dimension, and along the sequence
+# Gather, scatter and reduce-scatter along the hidden or the sequence dim, the conjugate in backward
 # ---------------------------------------------------------------------------
 class AlongDim(torch.autograd.Function):
     """`forward_op(x, dim, group)` in forward, `backward_op(grad, dim, group)` in backward."""
@@ -163,22 +153,16 @@ def scatter_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
-    """Enter the sequence-parallel region: keep this rank's tokens, (B, T, C) -> (B, T // tp, C).
-
-    No communication forward (every rank holds the whole tensor); all-gather backward."""
+    """Enter the sequence-parallel region: (B, T, C) -> (B, T // tp, C), no communication; all-gather backward."""
     return AlongDim.apply(x, group, dim, split_along, all_gather_along)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
-    """f under sequence parallelism: all-gather forward, reduce-scatter backward.
-
-    (B, T // tp, C) -> (B, T, C). Each rank's TP region used the whole sequence; the gradient of this rank's
-    tokens is the sum over ranks of their rows: a reduce-scatter."""
+    """f under SP: all-gather forward, (B, T // tp, C) -> (B, T, C); reduce-scatter backward (every
+    rank's region used the whole sequence: the gradient of this rank's tokens sums their rows)."""
     return AlongDim.apply(x, group, dim, all_gather_along, reduce_scatter_along)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
-    """g under sequence parallelism: reduce-scatter forward, all-gather backward.
-
-    (B, T, C) partial sums -> (B, T // tp, C) summed."""
+    """g under SP: reduce-scatter forward, (B, T, C) partial sums -> (B, T // tp, C); all-gather backward."""
     return AlongDim.apply(x, group, dim, reduce_scatter_along, all_gather_along)

@@ -5,20 +5,16 @@
     p.tp_cut.pieces()               # [(offset in the whole, offset in p, length)] along p.tp_cut.dim
     p.tp_cut.gather(p, group)       # the whole tensor, on every tp rank (one all-gather)
 
-A layer that splits a weight says so where it splits it (`ColumnParallelLinear`,
-`RowParallelLinear`, `VocabParallelEmbedding`, `VocabParallelLMHead`), and everything that
-undoes the split reads the record instead of re-deriving it from the layer's type:
-`reference.parallel.gather` (the whole model on every rank), the checkpoints' boxes and
-shapes (`reference.train.checkpoint_shards`, `reference.train.reshard`) and the gradient
-clip's marks (`reference.parallel.clip`). The cut of one dimension of size ``whole``
-(padded: a vocabulary padded to a multiple of tp) into ``parts`` ranks:
+A layer that splits a weight records it where it splits it, and whatever undoes the split
+(`reference.parallel.gather`, `reference.train.checkpoint_shards`, `reference.train.reshard`,
+`reference.parallel.clip`) reads the record instead of re-deriving it from the layer's type.
+A dimension of (padded) size ``whole`` cut over ``parts`` ranks:
 
     blocks = 1   rank r holds [r w, (r + 1) w), w = whole / parts
     blocks = k   the dimension is k blocks side by side (c_attn's [q | k | v]); each block is
                  cut over the ranks and rank r holds its piece of every block: [q_r | k_r | v_r]
 
-Rows past ``real`` (the vocabulary's padding) belong to no whole tensor: `pieces` and
-`gather` leave them out.
+Rows past ``real`` (the vocabulary's padding) belong to no whole tensor: `pieces` and `gather` leave them out.
 """
 from __future__ import annotations
 

@@ -1,41 +1,28 @@
-"""Megatron's tensor-parallel linear layers and the attention built from them.
+"""Megatron's tensor-parallel linear layers.
 
-A linear layer computes Y = X A (nn.Linear stores A transposed: weight = A^T,
-shape (out, in)). Split A across the tp ranks of a group in one of two ways:
+A linear layer computes Y = X A (nn.Linear stores weight = A^T, shape (out, in)). Split A
+over the tp ranks of a group in one of two ways:
 
-* **by columns** (`ColumnParallelLinear`): rank r holds A_r, the columns
-  [r * out/tp, (r+1) * out/tp), i.e. those rows of ``weight``. It reads the whole
-  X and computes its own slice of the output, Y_r = X A_r. No communication
-  forward; f (all-reduce backward) sums the ranks' parts of dX.
-* **by rows** (`RowParallelLinear`): rank r holds rows [r * in/tp, ...) of A,
-  i.e. those columns of ``weight``. It reads only its slice X_r of the input and
-  computes a partial sum X_r A_r; g (all-reduce forward) adds the ranks' partial
-  sums, after which the (replicated) bias is added once.
+* **by columns** (`ColumnParallelLinear`): rank r holds columns [r out/tp, (r+1) out/tp) of A
+  (those rows of ``weight``), reads the whole X and computes its slice Y_r = X A_r. No
+  communication forward; f (all-reduce backward) sums the ranks' parts of dX.
+* **by rows** (`RowParallelLinear`): rank r holds rows [r in/tp, ...) of A (those columns of
+  ``weight``), reads its slice X_r and computes a partial sum X_r A_r; g (all-reduce forward)
+  adds them, then the replicated bias is added once.
 
-Column then row is Megatron's MLP, Z = GeLU(X A) B: the GeLU acts on each rank's
-own columns, so the pair needs one all-reduce forward (g) and one backward (f).
-Attention is the same pair with heads as the columns
-(`reference.tensor_parallel.attention`).
+Column then row is Megatron's MLP, Z = GeLU(X A) B (the GeLU acts on each rank's own
+columns): one all-reduce forward (g), one backward (f). With ``sequence_parallel=True`` a
+column layer's input and a row layer's output are sequence shards (B, T // tp, C) and f and g
+split in two (`comms`); a row layer's bias then meets only this rank's tokens and is marked
+``sequence_parallel``, its gradient summed over the TP group after backward.
+``regather_input=True`` (Megatron's memory-saving form) keeps only the shard of a column
+layer's input for backward and all-gathers it again there.
 
-With ``sequence_parallel=True`` the input of a column layer and the output of a
-row layer are sequence shards (B, T // tp, C), f and g split in two
-(`reference.tensor_parallel.comms`). A row layer's bias then meets only this
-rank's tokens: it is marked ``sequence_parallel``, its gradient summed over the TP
-group after backward, like a LayerNorm's.
-
-``regather_input=True`` is Megatron's memory-saving form of the sequence-parallel
-column layer: it keeps only the (B, T // tp, C) shard of its input for backward
-and all-gathers it again there, one more all-gather per column layer in backward
-in exchange for never keeping a full (B, T, C) activation.
-
-Initialisation. A layer built directly (not with ``from_dense``) follows
-Megatron's master-weight init: each rank draws the *whole* dense weight on a CPU
-generator of its own seeded with the layer's ``seed`` (the default stream is not
-moved), identical on every rank, and keeps its slice. The ranks then hold
-different slices of one weight, and the TP layer is exactly the dense
-``nn.Linear`` built after ``torch.manual_seed(seed)``, for any tp. ``seed`` must
-be the same on every rank of the group (the default 0 is); give each layer of a
-model its own.
+A layer built directly (not ``from_dense``) follows Megatron's master-weight init: every rank
+draws the *whole* dense weight on a CPU generator seeded with the layer's ``seed`` (the default
+stream untouched) and keeps its slice, so the TP layer equals the ``nn.Linear`` built after
+``torch.manual_seed(seed)``, for any tp. ``seed`` must be the same on every rank of the group;
+give each layer of a model its own.
 """
 from __future__ import annotations
 
@@ -67,12 +54,8 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_shard", "row_sha
 # Which slice of a dense weight each rank holds
 # ---------------------------------------------------------------------------
 def column_shard(t: torch.Tensor, tp_rank: int, tp: int, chunks: int = 1) -> torch.Tensor:
-    """Rank `tp_rank`'s rows of a weight (out, in) or bias (out,) under a column split.
-
-    With ``chunks=k`` the out dimension is k blocks laid side by side (c_attn's
-    [q | k | v]); each block is split across the ranks and the rank's pieces are
-    concatenated, so rank r holds [q_r | k_r | v_r]: whole heads of each.
-    """
+    """Rank `tp_rank`'s rows of a weight (out, in) or bias (out,) under a column split; with
+    ``chunks=k`` each of k blocks side by side is split, so rank r holds [q_r | k_r | v_r] of c_attn."""
     out = t.shape[0]
     if out % (tp * chunks):
         raise ValueError(f"a column split needs the output size {out} to divide by "
@@ -104,11 +87,8 @@ def check_init_seed(owner: str, seed) -> None:
 @torch.no_grad()
 def linear_init_(weight: torch.Tensor, bias: torch.Tensor | None,
                  generator: torch.Generator) -> None:
-    """nn.Linear's own initialisation (`reset_parameters`), drawn from `generator`.
-
-    The same calls in the same order, so a CPU generator seeded with s gives the
-    weights `torch.manual_seed(s); nn.Linear(in, out)` gets: weight then bias,
-    both U(-1/sqrt(in), 1/sqrt(in))."""
+    """nn.Linear's `reset_parameters`, drawn from `generator` in the same order (weight, then bias
+    U(-1/sqrt(in), 1/sqrt(in))): a generator seeded s gives `torch.manual_seed(s); nn.Linear(...)`'s."""
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=generator)  # (out, in)
     if bias is not None:
         fan_in = weight.shape[1]
@@ -117,8 +97,7 @@ def linear_init_(weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def _master_linear(in_features: int, out_features: int, bias: bool, seed: int, dtype):
-    """The dense layer's whole weight (out, in) and bias (out,), drawn from `seed` on the CPU
-    (the master weight: it lives only for the duration of the constructor)."""
+    """The master weight (out, in) and bias (out,), drawn from `seed` on the CPU for the constructor."""
     weight = torch.empty(out_features, in_features, dtype=dtype, device="cpu")
     full_bias = torch.empty(out_features, dtype=dtype, device="cpu") if bias else None
     linear_init_(weight, full_bias, torch.Generator().manual_seed(seed))
@@ -191,8 +170,7 @@ class ColumnParallelLinear(nn.Module):
 
     @torch.no_grad()
     def copy_shard(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """Copy in this rank's rows of a dense weight (out, in) and bias (out,): [q_r | k_r | v_r]
-        with chunks=3."""
+        """Copy in this rank's rows of a dense weight (out, in) and bias (out,) ([q_r | k_r | v_r], chunks=3)."""
         self.weight.copy_(column_shard(weight, self.tp_rank, self.tp, self.chunks))
         if bias is not None:
             self.bias.copy_(column_shard(bias, self.tp_rank, self.tp, self.chunks))
@@ -224,9 +202,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Z = sum_r X_r A_r + b: this rank's ``in // tp`` input features, partial sums added by g.
 
-    Input (.., in // tp) with ``input_is_parallel=True`` (a column layer's output),
-    else (.., in) replicated and split here. Output (.., out) replicated, or
-    (B, T // tp, out) with ``sequence_parallel``.
+    Input (.., in // tp) with ``input_is_parallel=True`` (a column layer's output), else (.., in)
+    replicated and split here. Output (.., out) replicated, or (B, T // tp, out) with ``sequence_parallel``.
     """
 
     def __init__(self, in_features: int, out_features: int, group, *, bias: bool = True,

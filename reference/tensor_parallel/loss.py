@@ -1,46 +1,31 @@
 """The vocabulary split across the TP group: embedding in, cross-entropy out.
 
-The token embedding (V, C) and the output layer C -> V are the largest matrices
-of a small GPT, and the logits (B, T, V) the largest activation. Megatron splits
-the vocabulary: rank r holds the contiguous block of token ids
-[r * V_pad / tp, (r+1) * V_pad / tp), where V_pad is V rounded up to a multiple
-of tp (the padding rows are zero and never used: no input id reaches them, and
-the loss leaves their logits out of the softmax).
-
-`VocabParallelEmbedding` looks up only the ids in its block (zeros elsewhere) and
-sums over the ranks with g: each id is found on exactly one rank.
-
-`vocab_parallel_cross_entropy` computes the loss from vocab-sharded logits
-(B, T, V_pad / tp) without ever assembling the (B, T, V) tensor. Per token,
+The token embedding (V, C), the output layer C -> V and the logits (B, T, V) are a small
+GPT's largest matrices and activation. Megatron splits the vocabulary: rank r holds token
+ids [r V_pad / tp, (r+1) V_pad / tp), V_pad being V rounded up to a multiple of tp (the
+padding rows are zero: no id reaches them, and the loss leaves their logits out).
+`VocabParallelEmbedding` looks up the ids of its block (zeros elsewhere) and g sums over the
+ranks. `vocab_parallel_cross_entropy` never assembles the (B, T, V) logits: per token
 
     loss = log(sum_v exp(z_v - m)) - (z_target - m),     m = max_v z_v
 
-and each of the three pieces is a reduction over the vocabulary, so each rank
-reduces over its own columns and one all-reduce finishes the job:
+and each piece is a reduction over the vocabulary, which one all-reduce finishes:
 
     m          all-reduce MAX of the local maxima         (B * T floats)
     z_target   all-reduce SUM; only the owner contributes (B * T floats)
     sum exp    all-reduce SUM of the local sums           (B * T floats)
 
-Three all-reduces of B * T floats in forward instead of an all-gather of
-B * T * V; backward needs no communication: d loss / d z_v = softmax_v - [v = target],
-and each rank holds the softmax of its own columns.
+instead of an all-gather of B * T * V. Backward needs no communication:
+d loss / d z_v = softmax_v - [v = target], and each rank holds the softmax of its columns.
+Targets equal to ``ignore_index`` count as in `F.cross_entropy` (loss 0, gradient 0, left out
+of the mean; every rank holds the same targets, so the count needs no communication). As in
+Megatron-LM the max, the exponentials, their sums and the all-reduces run in fp32 whatever the
+logits' dtype (a sum of V exponentials in bf16 is off in the third digit); the loss is fp32,
+the gradient in the logits' dtype.
 
-As `F.cross_entropy`, targets equal to ``ignore_index`` (-100) are left out: their
-loss is 0, their gradient row is 0, and the mean is over the other tokens. Every
-rank holds the same targets, so the count needs no communication.
-
-Precision, as in Megatron-LM: whatever the logits' dtype (bf16 under autocast),
-the shard is upcast and the max, the exponentials, their sums and the three
-all-reduces run in fp32 (a sum of V exponentials in bf16, 8 significant bits,
-is off in the third digit). The loss is returned in fp32; the gradient flows
-back in the logits' own dtype.
-
-With tied weights the output layer is column-parallel over the vocabulary and
-shares this rank's embedding shard (the same Parameter), so both uses add into
-one gradient, as in the dense model. `VocabParallelLMHead` is that output layer:
-it knows the true V, so it scores its own logits (`loss`) and, for sampling,
-gathers them whole (`gather`: every rank must draw the same next token).
+With tied weights the output layer, `VocabParallelLMHead`, shares this rank's embedding shard
+(one Parameter, one gradient); it knows the true V, scores its own logits (`loss`) and
+gathers them whole for sampling (`gather`: every rank must draw the same next token).
 """
 from __future__ import annotations
 
@@ -76,9 +61,7 @@ def _check_ids(ids: torch.Tensor, vocab_size: int, what: str, ignore_index: int 
 class VocabParallelEmbedding(nn.Module):
     """Token ids (B, T) -> embeddings (B, T, C), this rank holding V_pad / tp rows of the table.
 
-    Built directly, the table is Megatron's master-weight init
-    (`reference.tensor_parallel.layers`): the N(0, 1) of ``torch.manual_seed(seed);
-    nn.Embedding(V, C)``, this rank's rows of it."""
+    Built directly: this rank's rows of ``torch.manual_seed(seed); nn.Embedding(V, C)`` (master-weight init)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group, seed: int = 0):
         super().__init__()
@@ -168,11 +151,9 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
                                  ignore_index: int = -100) -> torch.Tensor:
     """Cross-entropy of vocab-sharded logits (.., V_pad / tp) against global target ids (..).
 
-    `vocab_size` is the true vocabulary V when V_pad > V (default: no padding).
-    ``reduction="mean"`` gives the mean over the counted tokens (as
-    `reference.model.lm_loss`; NaN when every target is ignored), ``"sum"`` their
-    sum, ``"none"`` the loss of every token (0 where ignored). The same fp32 value
-    on every rank of the group.
+    `vocab_size` is the true V when V_pad > V (default: no padding). ``reduction``: "mean" over the
+    counted tokens (as `reference.model.lm_loss`; NaN when all are ignored), "sum", or "none" (0 where
+    ignored). The same fp32 value on every rank of the group.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
@@ -200,11 +181,9 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
 
 
 class VocabParallelLMHead(ColumnParallelLinear):
-    """The output layer C -> V split over the vocabulary: (.., C) -> logits (.., V_pad / tp).
+    """The output layer C -> V, column-parallel over the vocabulary: (.., C) -> logits (.., V_pad / tp).
 
-    A column-parallel linear whose columns are the token ids [r * V_pad / tp, ...);
-    its rows past V (the padding) are zero. Build it with `from_dense_head`.
-    """
+    Its rows past V (the padding) are zero. Build it with `from_dense_head`."""
 
     vocab_size: int
 

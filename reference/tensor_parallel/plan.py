@@ -1,11 +1,9 @@
 """The plan that turns the plain GPT into its tensor-parallel version, from outside.
 
-`apply_tensor_parallel(model, mesh)` swaps modules following `TP_PLAN` (and
-`SP_PLAN` with sequence parallelism); `allreduce_sequence_parallel_grads` sums the
-gradients of the parameters that see only this rank's tokens under SP. The
-communication per block is tabled in `reference.tensor_parallel`. The model's
-forward is left as it is; two hooks around it adapt what it returns
-(`_route_loss_to_vocab_parallel`).
+`apply_tensor_parallel(model, mesh)` swaps modules following `TP_PLAN` (and `SP_PLAN` with
+sequence parallelism) and leaves the model's forward as it is: two hooks adapt what it returns.
+`allreduce_sequence_parallel_grads` sums the gradients of the parameters that see only this
+rank's tokens under SP.
 """
 from __future__ import annotations
 
@@ -49,11 +47,9 @@ SP_PLAN: tuple[tuple[str, str], ...] = (
 class SequenceParallelScatter(nn.Module):
     """Enter the sequence-parallel region: (B, T, C) -> (B, T // tp, C), then dropout of the shard.
 
-    In eval mode a length T that tp does not divide is padded at the end with zero
-    vectors up to the next multiple (generation grows the context one token at a
-    time): attention is causal, so no real token sees the padding, and the model's
-    hook drops the padded positions of the logits. In training T must divide.
-    """
+    In eval mode (generation grows T one token at a time) a T that tp does not divide is padded at
+    the end with zeros: causal attention hides them from every real token, and the model's hook
+    drops their logits. In training T must divide."""
 
     def __init__(self, group, dropout: nn.Module):
         super().__init__()
@@ -114,10 +110,6 @@ STYLES: dict[str, Callable[[nn.Module, _Context], nn.Module]] = {
 }
 
 
-def _pattern(p: str) -> re.Pattern:
-    return re.compile("^" + re.escape(p).replace(r"\*", r"[^.]+") + "$")
-
-
 def _check_divisible(model: GPT, mesh, sequence_parallel: bool = False,
                      experts_gathered: bool = False) -> None:
     cfg, tp = model.config, mesh.tp
@@ -129,10 +121,8 @@ def _check_divisible(model: GPT, mesh, sequence_parallel: bool = False,
             f"d_ff={cfg.d_ff}; {', '.join(bad)} do not (mesh pp={mesh.pp}, dp={mesh.dp}, "
             f"tp={mesh.tp}, ep={mesh.ep}, world_size={mesh.world_size})")
     for i, block in enumerate(model.h):
-        # A mixture of experts (an ffn with .experts) stays whole on every tp rank: its input
-        # is the replicated residual stream, so each tp rank computes the same experts (expert
-        # parallelism, not TP, splits them). Under SP a router, which counts capacity per
-        # whole sequence, would see a shard.
+        # A mixture of experts stays whole on every tp rank (expert parallelism, not TP, splits
+        # it); under SP its router, which counts capacity per whole sequence, would see a shard.
         experts = getattr(block.ffn, "experts", None) is not None
         if experts and sequence_parallel and tp > 1 and not experts_gathered:
             raise ValueError(f"block {i} has a mixture of experts, which routes whole sequences, "
@@ -149,14 +139,10 @@ def _check_divisible(model: GPT, mesh, sequence_parallel: bool = False,
 def _route_loss_to_vocab_parallel(model: GPT, c: _Context) -> None:
     """model(idx, targets) keeps working, and model.generate(...) samples what the dense model would.
 
-    The dense forward would hand the (B, T, V_pad / tp) logits to a dense
-    cross-entropy; a pre-hook takes the targets away from it, and a hook after
-    the forward computes `vocab_parallel_cross_entropy` instead. In eval mode
-    without targets (`GPT.generate`, `reference.train.evaluate`) the hook gathers
-    the logits whole, (B, T, V), the same on every rank: ranks that sampled from
-    their own shards would feed different ids to the vocab-parallel embedding,
-    and their copies would drift apart silently.
-    """
+    A pre-hook takes the targets from the dense forward (whose cross-entropy would see vocab
+    shards) and a hook after it computes `vocab_parallel_cross_entropy`. In eval mode without
+    targets the hook gathers the logits whole, (B, T, V): ranks sampling from their own shards
+    would feed different ids to the embedding and drift apart silently."""
     held = {}
 
     def take_targets(module, args, kwargs):
@@ -183,18 +169,13 @@ def apply_tensor_parallel(model: GPT, mesh, sequence_parallel: bool = False, *,
                           experts_gathered: bool = False) -> GPT:
     """Split `model` (a `reference.model.GPT`) in place across ``mesh.group("tp")``; returns it.
 
-    Every rank of the TP group calls this on a model with the same weights.
-    Afterwards, in training mode, ``model(idx)`` returns this rank's vocab shard
-    of the logits, (B, T, V_pad / tp), and ``model(idx, targets)`` the same loss
-    as the dense model. In eval mode ``model(idx)`` returns the whole logits
-    (B, T, V), so ``model.generate(...)`` with the same seeded generator on every
-    rank draws the dense model's tokens on every rank. With
-    ``sequence_parallel=True`` call `allreduce_sequence_parallel_grads` after
-    each backward. `seed` seeds the dropout stream of sharded regions
-    (`reference.tensor_parallel.rng`). A no-op when ``mesh.tp == 1``. A mixture of
-    experts under sequence parallelism is refused unless ``experts_gathered``: the
-    caller then gathers the sequence for each MoE layer
-    (`reference.expert_parallel.sequence_parallel_experts`, after any `shard_experts`).
+    Every rank of the TP group calls this on a model with the same weights. In training mode
+    ``model(idx)`` then returns this rank's vocab shard of the logits, (B, T, V_pad / tp), and
+    ``model(idx, targets)`` the dense model's loss; in eval mode ``model(idx)`` returns the whole
+    logits, so ``model.generate(...)`` draws the dense model's tokens on every rank. With
+    ``sequence_parallel=True`` call `allreduce_sequence_parallel_grads` after each backward.
+    `seed` seeds the dropout stream of sharded regions (`rng`). A mixture of experts under SP is
+    refused unless ``experts_gathered`` (`reference.expert_parallel.sequence_parallel_experts`).
     """
     if not isinstance(model, GPT):
         raise TypeError(f"apply_tensor_parallel expects a reference.model.GPT, got {type(model).__name__}")
@@ -207,9 +188,9 @@ def apply_tensor_parallel(model: GPT, mesh, sequence_parallel: bool = False, *,
                  tied=model.lm_head.weight is model.wte.weight)
     plan = TP_PLAN + (SP_PLAN if sequence_parallel else ())
     for pattern, style in plan:
-        matcher = _pattern(pattern)
+        matcher = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))  # "*": one block index
         for name, module in list(model.named_modules()):
-            if matcher.match(name):
+            if matcher.fullmatch(name):
                 model.set_submodule(name, STYLES[style](module, c))
     model.tp_rng = c.rng
     _route_loss_to_vocab_parallel(model, c)
@@ -217,10 +198,8 @@ def apply_tensor_parallel(model: GPT, mesh, sequence_parallel: bool = False, *,
 
 
 def allreduce_sequence_parallel_grads(model: nn.Module, tp_group) -> None:
-    """Sum over the TP group the gradients of parameters marked ``sequence_parallel``
-    (a LayerNorm, a row-parallel bias: they meet only this rank's tokens), in one
-    all-reduce of all of them flattened together. Call after backward, before the
-    optimizer (and before clipping)."""
+    """Sum over the TP group, in one all-reduce, the gradients of the parameters marked ``sequence_parallel``
+    (they meet only this rank's tokens). Call after backward, before clipping and the optimizer."""
     grads = [p.grad for p in model.parameters()
              if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if not grads or torch.distributed.get_world_size(tp_group) == 1:

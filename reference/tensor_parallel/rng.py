@@ -1,30 +1,19 @@
 """Dropout under tensor parallelism: which ranks must draw the same mask.
 
-A dropout mask is drawn from the random generator of the rank's device. What it
-must look like across the ranks of a TP group depends on what they hold:
+* **replicas** (the residual stream after g, the embeddings without SP): every rank must drop
+  the *same* elements, or the copies silently train different models. They draw from the
+  default generator, which the training loop seeds alike on every rank.
+* **shards** (attention heads inside a TP region; under SP each rank's tokens): each rank must
+  draw a *different* mask, or head h on rank 1 is dropped exactly where head h on rank 0 is
+  (token t + T/tp where token t is), a correlation the dense model never has.
 
-* **replicas** (the residual stream after g's all-reduce, the embeddings without
-  sequence parallelism): every rank must drop the *same* elements, or the copies
-  stop being copies and the ranks silently train different models. They draw
-  from the default generator, which the training loop seeds with the same seed on
-  every rank.
-* **shards** (attention heads inside a TP region; with sequence parallelism, each
-  rank's slice of the tokens): each rank must draw a *different*, independent
-  mask. With the same seed, head h on rank 1 would be dropped exactly where head
-  h on rank 0 is, and token t + T/tp exactly where token t is: the dense model
-  never correlates them.
+Megatron-LM keeps a second generator state for the shards, seeded ``seed + 2718 + tp_rank``,
+and swaps it in around sharded dropout (`TensorParallelRNG.fork()`): the default stream stays
+where it was, so the replicated draws stay in step whatever the shards drew.
 
-Megatron-LM keeps a second generator state for the shards, seeded with
-``seed + 2718 + tp_rank``, and swaps it in around sharded dropout. The default
-stream is left exactly where it was, so the replicated draws of all ranks stay
-in step whatever the shards drew. `TensorParallelRNG.fork()` is that swap.
-
-Activation checkpointing runs a forward a second time in backward, and that
-recomputation must drop exactly the elements the first forward dropped, or the
-gradient belongs to another network than the output sent on. `RNGStates`
-captures every stream a module's forward draws from (the default CPU
-generator, the GPU's when the module runs on one, and the state of every
-`TensorParallelRNG` its layers hold) so the recomputation can replay them.
+Activation checkpointing recomputes a forward in backward, which must drop the elements the
+first forward dropped; `RNGStates` captures every stream a module's forward draws from so the
+recomputation can replay them.
 """
 from __future__ import annotations
 
@@ -83,15 +72,11 @@ class TensorParallelRNG:
 
 
 class RNGStates:
-    """The state of every generator a forward of `module` draws from, to replay it.
+    """The default CPU generator, the GPU's, and every `TensorParallelRNG` on `module`'s layers.
 
-    ``RNGStates.capture(module, device)`` before the first forward;
-    ``states.restore()`` before running it again (activation checkpointing),
-    and a second capture taken just before lets the streams go on afterwards as
-    if the recomputation had drawn nothing. The `TensorParallelRNG` streams are
-    found as attributes of the module's layers (`ShardedDropout`, the parallel
-    attention).
-    """
+    ``RNGStates.capture(module, device)`` before the first forward, ``states.restore()`` before
+    running it again; a second capture taken just before lets the streams go on afterwards as if
+    the recomputation had drawn nothing."""
 
     def __init__(self, cpu: torch.Tensor, gpu: tuple | None, trackers: list):
         self.cpu, self.gpu, self.trackers = cpu, gpu, trackers

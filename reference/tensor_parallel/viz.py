@@ -1,16 +1,10 @@
 """Pictures of tensor parallelism: where the shards of a split GEMM live, and activation memory.
 
-Y = X A, with X (T, K) the input (T tokens), A (K, N) the weight and Y (T, N)
-the output, split by columns or by rows of A (`reference.tensor_parallel.layers`).
-`split_layout` says which block of X, A and Y each rank holds; `plot_matrix_split`
-draws exactly that layout, so a notebook can check the picture against the
-shards a real layer holds. `plot_activation_memory` draws measured activation
-bytes per rank as bars, with and without sequence parallelism, next to the
-formula's values.
-
-Every function returns a ``matplotlib.figure.Figure`` (no pyplot state), drawn
-once as the last expression of a notebook cell. Artists carry a ``gid``
-("rank 1: A", "TP+SP @ tp=2") so tests can find what was drawn.
+Y = X A, X (T, K) the input, A (K, N) the weight, split by columns or rows of A (`layers`).
+`split_layout` says which block of X, A and Y each rank holds and `plot_matrix_split` draws
+exactly that, so a notebook can check the picture against a real layer's shards. Every function
+returns a ``matplotlib.figure.Figure`` (no pyplot state); artists carry a ``gid`` ("rank 1: A",
+"TP+SP @ tp=2") so tests can find what was drawn.
 """
 from __future__ import annotations
 
@@ -37,11 +31,8 @@ def _rank_colour(rank: int):
 
 @dataclass(frozen=True)
 class HeldBlocks:
-    """The block of X (T, K), A (K, N) and Y (T, N) one rank holds, as (rows, cols) slices.
-
-    ``partial=True`` means the rank's Y block is a partial sum that must be added
-    over the ranks (the row split); otherwise it is final.
-    """
+    """The block of X (T, K), A (K, N) and Y (T, N) one rank holds, as (rows, cols) slices;
+    ``partial``: the Y block is a partial sum, added over the ranks (the row split)."""
 
     x: tuple[slice, slice]
     a: tuple[slice, slice]
@@ -50,10 +41,8 @@ class HeldBlocks:
 
 
 def split_layout(kind: str, tp: int, t: int, k: int, n: int) -> list[HeldBlocks]:
-    """What each of the `tp` ranks holds of Y = X A, X (t, k), A (k, n), under a `kind` split.
-
-    Contiguous, equal blocks in rank order, as `column_shard` and `row_shard` cut them.
-    """
+    """What each of the `tp` ranks holds of Y = X A, X (t, k), A (k, n), under a `kind` split:
+    contiguous, equal blocks in rank order, as `column_shard` and `row_shard` cut them."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     for name, value in (("tp", tp), ("t", t), ("k", k), ("n", n)):
@@ -102,13 +91,8 @@ def _draw_block(ax, sl: tuple[slice, slice], shape: tuple[int, int], label: str,
 
 
 def plot_matrix_split(kind: str, tp: int = 2, t: int = 4, k: int = 8, n: int = 8) -> Figure:
-    """Y = X A split by `kind` ("column" or "row") on `tp` ranks: which blocks live where.
-
-    The first row of panels is the whole product, each block coloured by the rank
-    that holds it (grey: every rank holds it, or it is the sum of every rank's
-    part); then one row per rank with only the blocks that rank holds. The
-    blocks are exactly those of `split_layout(kind, tp, t, k, n)`.
-    """
+    """Y = X A split by `kind` ("column" or "row") on `tp` ranks: the whole product, each block
+    coloured by its rank (grey: held by all, or the sum of all), then a row of panels per rank."""
     layout = split_layout(kind, tp, t, k, n)
     shapes = {"X": (t, k), "A": (k, n), "Y": (t, n)}
     fig = NotebookFigure(figsize=(1.2 + 0.32 * (k + 2 * n), 0.5 + 0.3 * (tp + 1) * max(t, k) + 0.4 * tp),
@@ -117,8 +101,7 @@ def plot_matrix_split(kind: str, tp: int = 2, t: int = 4, k: int = 8, n: int = 8
     titles = {"X": f"X  ({t} × {k})", "A": f"A = weightᵀ  ({k} × {n})", "Y": f"Y = X A  ({t} × {n})"}
     for j, m in enumerate(shapes):
         _draw_matrix(axes[0, j], *shapes[m], "whole: " + titles[m])
-    # Whole product: every rank's block in its colour (A and Y split by columns, X and A by
-    # rows), or one grey block shared by all.
+    # Whole product: every rank's block in its colour, or one grey block shared by all.
     for r, held in enumerate(layout):
         for m in ("A", "Y") if kind == "column" else ("X", "A"):
             _draw_block(axes[0, "XAY".index(m)], getattr(held, m.lower()), shapes[m], f"${m}_{r}$",
@@ -154,12 +137,9 @@ def plot_activation_memory(tps: Sequence[int], measured: Mapping[str, Sequence[f
                            predicted: Optional[Mapping[str, Sequence[float]]] = None, *,
                            unit_bytes: Optional[float] = None, unit_name: str = "S",
                            title: str = "activation memory per rank, one transformer block") -> Figure:
-    """Grouped bars: for each tp, one bar per mode (``{"TP": [bytes per tp], ...}``).
-
-    `predicted` (same keys, optional) is drawn as a black tick on each bar: the
-    formula's value. With `unit_bytes` the axis counts units of that many bytes
-    (``unit_name``, e.g. S = B T C x 4 bytes, one fp32 activation); without, bytes.
-    """
+    """Grouped bars of measured bytes, one per mode (``{"TP": [bytes per tp], ...}``) for each tp;
+    `predicted` (same keys) is a black tick on each bar. With `unit_bytes` the axis counts units
+    of that many bytes (``unit_name``, e.g. S = B T C x 4 bytes, one fp32 activation)."""
     tps = list(tps)
     if not tps:
         raise ValueError("tps is empty: give at least one tensor-parallel size")
