@@ -59,24 +59,10 @@ __all__ = ["clip_grad_norm_", "mark_parallel_params", "MARKS"]
 MARKS = ("tensor_model_parallel", "shared", "expert_parallel", "data_parallel_shard")
 
 
-def _as_modules(modules) -> list[nn.Module]:
-    return [modules] if isinstance(modules, nn.Module) else list(modules)
-
-
-def _unique_params(modules: list[nn.Module]) -> list[nn.Parameter]:
-    seen, out = set(), []
-    for m in modules:
-        for p in m.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
-
-
 def mark_parallel_params(modules) -> list[nn.Parameter]:
     """Set the four `MARKS` on every parameter of `modules` (a module, or this rank's pipeline
     chunks; an `FSDP` module's shards as data-parallel shards); returns them, each once."""
-    modules = _as_modules(modules)
+    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
     subs = [s for m in modules for s in m.modules()]
     split = {id(p) for s in subs for p in s.parameters(recurse=False)
              if hasattr(p, "tp_cut")}  # cut by its tensor-parallel layer (a row bias stays whole)
@@ -92,7 +78,7 @@ def mark_parallel_params(modules) -> list[nn.Parameter]:
                              "to clip_grad_norm_, which slices each shard by parameter")
         for unit in f.units:
             _set_marks(unit.shard, False, False, False, True)
-    params = _unique_params(modules)
+    params = list({id(p): p for m in modules for p in m.parameters()}.values())  # each once
     shard_ids = {id(u.shard) for f in subs if isinstance(f, FSDP) for u in f.units}
     for p in params:
         if id(p) not in shard_ids:

@@ -90,13 +90,7 @@ class ParallelGPT:
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's distinct parameters (a tied weight once)."""
-        seen, out = set(), []
-        for module in self.stages:
-            for p in module.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
+        return list({id(p): p for module in self.stages for p in module.parameters()}.values())
 
     def named_parameters(self):
         seen = set()

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from reference import comms
 from reference.loss import counted_tokens, step_mean
@@ -182,9 +181,3 @@ def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
     return StepResult(loss=_global_loss(pm, loss, device), grad_norm=norm, trace=run.trace,  # 6
                       peak_activation_bytes=peak, skipped=overflow,
                       loss_scale=scale if scaler is not None else None, tokens=counted_tokens(targets))
-
-
-def barrier_all(mesh) -> None:
-    """Every rank of the mesh waits for the others (between measured steps)."""
-    if mesh.world_size > 1:
-        dist.barrier()
