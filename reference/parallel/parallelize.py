@@ -66,11 +66,9 @@ class ParallelGPT:
     schedule: object                 # the pipeline schedule (a pipeline of 1 when pp = 1)
     tied_group: Optional[object] = None
     fsdp: Optional[FSDP] = None      # ZeRO-3 at tp = pp = 1: the wrapped whole model
-    sharded: Optional[ShardedParameters] = None  # ZeRO-3 composed: per-parameter dim-0 shards
-    #                                    (a ShardedSets with ep > 1: experts over edp, the rest over dp)
+    sharded: Optional[ShardedParameters] = None  # ZeRO-3 composed (ShardedSets with ep > 1)
     has_experts: bool = False
-    data_parallel: object = field(default_factory=Replicas)  # how the replicas keep weights and
-    #                                    gradients (`data_parallelism`; plain replicas unless told)
+    data_parallel: object = field(default_factory=Replicas)  # how the replicas keep weights, gradients
     scaler: Optional[object] = None  # fp16: the DynamicLossScaler train_step uses
     extra: dict = field(default_factory=dict)
 
