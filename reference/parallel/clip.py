@@ -2,64 +2,43 @@
 
     norm = clip_grad_norm_(stages, max_norm=1.0, mesh=mesh)   # after the gradients are synchronised
 
-``torch.nn.utils.clip_grad_norm_`` computes ||g|| over the tensors it is given. On one
-rank of a parallel run those are not the model's gradients: a tensor-parallel rank holds
-a slice of each split weight, a pipeline rank the layers of its stage, a ZeRO rank a
-shard of the flat gradient, and data-parallel replicas hold the same numbers N times.
-Clipping each rank by its own norm scales each piece by a different factor, which is a
-different update from one process's. The global norm is
+On one rank of a parallel run the gradients are not the model's: a tensor-parallel rank holds
+a slice of each split weight, a pipeline rank its stage's layers, a ZeRO rank a shard, and
+data-parallel replicas the same numbers N times. Clipping each rank by its own norm scales each
+piece by a different factor, a different update from one process's. The global norm is
 
     ||g||^2 = sum over every number of the model, each counted exactly once, of g_i^2
 
-and every rank scales its gradients by the same min(1, max_norm / (||g|| + 1e-6)),
-as torch's function does. The rule that counts each number once (Megatron-LM's, in
-`clip_grad_norm_fp32`, extended to data-parallel shards and experts):
+and every rank scales its gradients by the same min(1, max_norm / (||g|| + 1e-6)), as torch's
+function does. Every rank sums g^2 over the tensors it *counts*, and one all-reduce of that
+scalar over the world adds the ranks' sums. What a rank counts (Megatron-LM's rule, in
+`clip_grad_norm_fp32`, extended to data-parallel shards and experts; `_counted`):
 
-* every rank sums g^2 over the tensors it *counts*, and one all-reduce of that scalar
-  over the whole world adds the ranks' sums: the pieces held by different ranks are
-  different numbers, so a sum adds each once;
-* a tensor **split by tensor parallelism** (column- and row-parallel weights, column
-  biases, the vocab-parallel embedding and head: ``p.tensor_model_parallel``) is
-  counted on every tp rank, each holding its own slice; a tensor **replicated over tp**
-  (LayerNorms, row-parallel biases, routers, experts) only on tp rank 0. Under sequence
-  parallelism the LayerNorm and row-bias gradients are partial sums until
-  `allreduce_sequence_parallel_grads` has run: call it first, then they are replicated;
-* the **tied embedding** of a pipeline lives on the first and last stage, its gradient
-  summed over both (`sync_tied_grads`): the last stage's copy is marked ``p.shared``
-  and not counted, the first stage's is;
-* **data parallelism**: after DDP's all-reduce every dp rank holds the same gradient, so
-  only dp rank 0 counts it (``expert_parallel`` tensors: only expert-data-parallel rank
-  0, since the experts differ across the ep ranks); context parallelism replicates too
-  (its gradients averaged over dp x cp), so only cp rank 0 counts. ZeRO-1/2 and FSDP
-  (ZeRO-3) hold after their reduce-scatter a *different* shard on every dp (x cp) rank
-  (``p.data_parallel_shard``): every rank counts its own, each slice of the flat shard
-  with the marks of the parameter it belongs to (the padding is zero and adds nothing).
-  ZeRO-3 per parameter (`reference.zero.fsdp_param`) shards each tensor along dim 0:
-  every dp (x cp) rank counts its rows, with the tensor's own tp and tied marks (a
-  row-block of a replicated LayerNorm gain on tp rank 0 only, of a column-parallel
-  weight on every tp rank).
+* a tensor **split by tensor parallelism** (``p.tensor_model_parallel``: column- and
+  row-parallel weights, column biases, the vocab-parallel embedding and head) on every tp
+  rank; a tensor **replicated over tp** (LayerNorms, row-parallel biases, routers, experts)
+  on tp rank 0 only. Under sequence parallelism the LayerNorm and row-bias gradients are
+  partial sums until `allreduce_sequence_parallel_grads` has run: call it first;
+* the **tied embedding** of a pipeline, on the first and last stage with its gradient summed
+  over both: the last stage's copy is marked ``p.shared`` and not counted;
+* **data and context parallelism**: replicas hold the same gradient, so only dp rank 0 (an
+  ``expert_parallel`` tensor: expert-data-parallel rank 0) and cp rank 0 count it. ZeRO-1/2
+  and FSDP shards (``p.data_parallel_shard``) differ on every rank: each counts its own, each
+  slice of a flat shard with the marks of its parameter; ZeRO-3 per parameter
+  (`reference.zero.fsdp_param`) counts its dim-0 rows with the tensor's own marks.
 
-Where the marks come from: `mark_parallel_params(modules)` reads them off the parameters
-and modules (the cut a tensor-parallel layer recorded on each parameter it split,
-``p.tp_cut``; the experts of MoE layers; a head stage whose embedding lives on another
-pipeline rank)
-and sets all four attributes on every parameter. `clip_grad_norm_` marks by itself
-what it is given as modules (a model, DDP, or this rank's list of pipeline chunks),
-a `ZeroOptimizer` or an `FSDP` module (after backward). Bare tensors are taken as they
-are marked; with more than one rank an unmarked tensor is an error, since nothing
-says whether it is a slice, a copy or a shard.
+`mark_parallel_params(modules)` sets the four marks on every parameter from what the modules
+recorded (``p.tp_cut``, the experts of MoE layers, a head stage whose embedding lives on
+another pipeline rank). `clip_grad_norm_` marks by itself what it is given as modules, a
+`ZeroOptimizer` or an `FSDP` module; a bare tensor is taken as it is marked, and with more
+than one rank an unmarked one is an error (nothing says whether it is a slice, a copy or a
+shard).
 
-ZeRO-1/2: the clip acts on the reduced shard, so call ``optimizer.reduce_gradients()``
-first. Stage 2 reduces during backward and `step()` does not reduce again, so
-``reduce_gradients(); clip_grad_norm_(optimizer, ...); step()`` trains. Stage 1's
-`step()` reduce-scatters its full gradient buffer itself, and a second reduce-scatter
-after the clip would average the clipped shard with the other ranks' unreduced
-numbers: with stage 1 the clip needs a step that skips the reduction already done.
+ZeRO-1/2: the clip acts on the reduced shard, so ``optimizer.reduce_gradients()`` comes first;
+`step()` then does not reduce again.
 
-Communication: one all-reduce of one number over the world, whatever the mesh. With
-one process (no mesh, or a mesh of one rank) it reduces as torch does: for fp32
-gradients the norm and the clipped gradients are torch's, bit for bit.
-"""
+Communication: one all-reduce of one number over the world. With one process the norm and the
+clipped fp32 gradients are torch's, bit for bit."""
 from __future__ import annotations
 
 import math
@@ -80,25 +59,10 @@ __all__ = ["clip_grad_norm_", "mark_parallel_params", "MARKS"]
 MARKS = ("tensor_model_parallel", "shared", "expert_parallel", "data_parallel_shard")
 
 
-def _as_modules(modules) -> list[nn.Module]:
-    return [modules] if isinstance(modules, nn.Module) else list(modules)
-
-
-def _unique_params(modules: list[nn.Module]) -> list[nn.Parameter]:
-    seen, out = set(), []
-    for m in modules:
-        for p in m.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
-
-
 def mark_parallel_params(modules) -> list[nn.Parameter]:
-    """Set the four `MARKS` on every parameter of `modules` (a module, or this rank's
-    pipeline chunks); returns those parameters, each once. An `FSDP` module's shards
-    are marked as data-parallel shards."""
-    modules = _as_modules(modules)
+    """Set the four `MARKS` on every parameter of `modules` (a module, or this rank's pipeline
+    chunks; an `FSDP` module's shards as data-parallel shards); returns them, each once."""
+    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
     subs = [s for m in modules for s in m.modules()]
     split = {id(p) for s in subs for p in s.parameters(recurse=False)
              if hasattr(p, "tp_cut")}  # cut by its tensor-parallel layer (a row bias stays whole)
@@ -114,7 +78,7 @@ def mark_parallel_params(modules) -> list[nn.Parameter]:
                              "to clip_grad_norm_, which slices each shard by parameter")
         for unit in f.units:
             _set_marks(unit.shard, False, False, False, True)
-    params = _unique_params(modules)
+    params = list({id(p): p for m in modules for p in m.parameters()}.values())  # each once
     shard_ids = {id(u.shard) for f in subs if isinstance(f, FSDP) for u in f.units}
     for p in params:
         if id(p) not in shard_ids:
@@ -142,8 +106,7 @@ def flat_shard_pieces(layout, params, rank, shard_grad):
 
 
 def _collect(params):
-    """(pieces, targets): pieces (marks source, gradient, is a dp shard) to take the norm of,
-    and the gradient tensors to scale."""
+    """(pieces (marks source, gradient, is a dp shard) to take the norm of, gradients to scale)."""
     if isinstance(params, ZeroOptimizer):
         if params.shard.grad is None:
             raise ValueError("the ZeroOptimizer holds no reduced gradient: call its "
@@ -204,11 +167,9 @@ def _counted(p, coords, mesh, dp_shard: bool) -> bool:
 def clip_grad_norm_(params, max_norm: float, mesh=None, norm_type: float = 2.0) -> torch.Tensor:
     """Scale every gradient so the global norm is at most `max_norm`; returns the norm before.
 
-    `params`: this rank's gradients, as modules (a model, DDP, its pipeline chunks),
-    a `ZeroOptimizer` after ``reduce_gradients()``, an `FSDP` module after backward, or
-    marked tensors. `mesh`: the run's `reference.mesh.Mesh` (None: one process).
-    `norm_type`: 2 or inf. Every rank must call it (one all-reduce over the world).
-    """
+    `params`: this rank's gradients, as modules (a model, DDP, its pipeline chunks), a
+    `ZeroOptimizer` after ``reduce_gradients()``, an `FSDP` module after backward, or marked
+    tensors; `mesh`: the run's `reference.mesh.Mesh` (None: one process); `norm_type`: 2 or inf."""
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
         raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
     norm_type = float(norm_type)

@@ -4,51 +4,27 @@
     config.validate(8, GPTConfig.tiny(n_layer=4), batch=(8, 32))   # raises, naming every value
 
 The degrees follow the mesh (`reference.mesh.Mesh`): world = dp x cp x tp x pp, with ep carved
-out of dp (the experts of one MoE layer are split over ep ranks; the ranks holding the
-same experts form the expert-data-parallel group). Inside dp, `zero_stage` shards the
-training state (0 = plain data parallelism, 1 = optimizer state, 2 = and gradients,
-3 = and parameters). The pipeline runs `microbatches` micro-batches per step with
-`schedule` ("gpipe", "1f1b", "interleaved" with `virtual_stages` chunks per rank, or the
-zero-bubble "zb-h1", "zb-v" and "dualpipev", the last two with virtual_stages=2 placed in a V; see
-`reference.pipeline_parallel.zero_bubble`); with
-pp = 1 the micro-batches are gradient accumulation and always run F0 B0 F1 B1 ..., one
-micro-batch's activations alive at a time.
+out of dp (the ranks holding the same experts form the expert-data-parallel group, dp / ep
+ranks). Inside dp, `zero_stage` shards the training state (0 = plain data parallelism,
+1 = optimizer state, 2 = and gradients, 3 = and parameters). The pipeline runs `microbatches`
+micro-batches per step with `schedule` (`reference.pipeline_parallel`; "interleaved" with
+`virtual_stages` chunks per rank, "zb-v" and "dualpipev" with two placed in a V); with pp = 1
+the micro-batches are gradient accumulation, F0 B0 F1 B1 ..., one alive at a time.
 
-Why ZeRO-2 is refused with pp > 1, as DeepSpeed's pipeline engine does: a pipeline runs m
-micro-batches per step, each backward on every stage, and ZeRO-2 would reduce-scatter the
-gradient after every micro-batch's backward instead of once, multiplying its traffic by m.
-ZeRO-3 composes with a pipeline, with tensor parallelism and with activation checkpointing
-the way torchtitan does it (`reference.zero.fsdp_param`): each parameter is sharded along
-dim 0 over dp (x cp), a stage's parameters are gathered once per step and kept whole
-through all m micro-batches (memory: the stage whole during the step, against traffic:
-one all-gather and one reduce-scatter a step instead of 3 m). With experts (ep > 1) the
-dense parameters are sharded over dp and each expert over its expert-data-parallel group
-(dp / ep ranks hold it); ZeRO-1/2 with ep > 1 stay refused (their one flat shard over dp
-cannot hold tensors reduced over another group).
+ZeRO-2 is refused with pp > 1, as DeepSpeed's pipeline engine does: it would reduce-scatter
+the gradients after every micro-batch's backward instead of once a step, m times the traffic.
+ZeRO-3 composes with pp, tp and activation checkpointing as torchtitan does
+(`reference.zero.fsdp_param`): each parameter sharded along dim 0 over dp (x cp), a stage
+gathered once per step and kept whole through its m micro-batches (one all-gather and one
+reduce-scatter a step instead of 3 m); with ep > 1 each expert is sharded over its
+expert-data-parallel group. `reshard_after_forward=True` is `fully_shard`'s option
+(`reference.zero.fsdp_reshard`): 2 m all-gathers and m reduce-scatters a step, for holding
+the shards and about one block whole. `fully_shard` defaults to None (True for every module
+but the root); this course to False, which is what torchtitan picks under a pipeline.
 
-`reshard_after_forward` (composed ZeRO-3 only) means what it means to PyTorch's
-`fully_shard(reshard_after_forward=...)`: True frees each block's gathered parameters back
-to their shards after every forward, all-gathers them again for the backward, and
-reduce-scatters each backward's gradients into the shards, accumulating over the
-micro-batches (`reference.zero.fsdp_reshard`): per step and chunk 2 m all-gathers and m
-reduce-scatters of the stage (3 m transfers) against 1 + 1, for holding shards plus about
-one block whole instead of the whole stage and its gradients. **The defaults differ:**
-`fully_shard` defaults to None (True for every module but the root, False for the root), this
-course to False (gather once per step), which is what
-torchtitan picks under a pipeline. Refused with True: anything but composed ZeRO-3
-(zero_stage 3 with dp x cp > 1, not `zero3_by_blocks`, which already gathers each block
-per micro-batch) and experts (see `problems`).
-
-Context parallelism (`cp`, `cp_kind`): the cp ranks of one dp rank split each sequence
-(`reference.context_parallel`); "ring" attention needs T divisible by 2 cp (the zig-zag
-split: chunks r and 2 cp - 1 - r on rank r), "ulysses" needs T divisible by cp and each tp
-rank's n_head / tp heads divisible by cp (the all-to-all deals out heads). With Megatron SP
-each cp rank's T / cp tokens are split again over tp. Experts compose with SP: each MoE
-layer all-gathers the sequence over tp and routes it whole, as without SP
-(`reference.expert_parallel.sequence_parallel`). Refused with cp > 1: experts (a
-router counts capacity per whole sequence) and dropout (ring attention has none, and the
-cp ranks would need dropout streams of their own). Gradients are averaged over dp x cp.
-"""
+Context parallelism (`cp`, `cp_kind`: `reference.context_parallel`) splits each sequence over
+the cp ranks of one dp rank; gradients are averaged over dp x cp. What each option needs, and
+why a combination is refused, is in the messages of `problems`."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
@@ -83,16 +59,11 @@ class ParallelConfig:
     embedding_stage: bool = False     # embedding and head on pipeline stages of their own
     cp: int = 1                       # context parallelism: ranks splitting each sequence
     cp_kind: str = "ring"             # "ring" (zig-zag split) or "ulysses" (contiguous)
-    # composed ZeRO-3: free each block's gathered parameters after every forward, gather them
-    # again for its backward, reduce-scatter every backward's gradients (3 m transfers a step
-    # instead of 2). PyTorch's fully_shard defaults to None (True but for the root module); the course to
-    # False, as torchtitan
-    # picks under a pipeline.
+    # composed ZeRO-3: free each block's gathered parameters after every forward (module docstring)
     reshard_after_forward: bool = False
-    # the step's loss (reference.loss): "tokens", the sum over every counted token divided by
-    # the step's count (one process's F.cross_entropy, however padding falls), or
-    # "mean_of_means", each micro-batch's mean averaged over micro-batches and ranks (right only
-    # when every one counts as many tokens)
+    # the step's loss (reference.loss): "tokens", the counted tokens' sum over their count (one
+    # process's F.cross_entropy, however padding falls), or "mean_of_means", each micro-batch's
+    # mean averaged over micro-batches and ranks (right only when each counts as many tokens)
     loss_mean: str = "tokens"
     # HSDP (FSDP2's 2D mesh, torchtitan's data_parallel_replicate_degree): ZeRO-3 shards over
     # dp / dp_replicate ranks and all-reduces across dp_replicate such blocks; 1: over all of dp
@@ -144,11 +115,8 @@ class ParallelConfig:
 
     @property
     def zero3_by_blocks(self) -> bool:
-        """Whether ZeRO-3 runs as FSDP by blocks (`reference.zero.FSDP`: each block gathered in
-        forward and again in backward): with data-parallel replicas at tp = pp = 1 without
-        recompute, no expert parallelism and no HSDP. Any other ZeRO-3 shards each parameter
-        (`reference.zero.ShardedParameters`; with ep > 1 the experts over their
-        expert-data-parallel group, `reference.zero.ShardedSets`)."""
+        """Whether ZeRO-3 runs as FSDP by blocks (`reference.zero.FSDP`): dp x cp > 1 at
+        tp = pp = ep = 1, no recompute, no HSDP. Any other ZeRO-3 shards each parameter (`ShardedParameters`)."""
         return (self.zero_stage == 3 and self.dp * self.cp > 1 and self.tp == self.pp == 1
                 and self.ep == 1 and not self.activation_checkpointing and self.dp_replicate == 1)
 
@@ -182,10 +150,8 @@ class ParallelConfig:
     def validate(self, world_size: int, model_config=None,
                  batch: Union[int, tuple, None] = None, n_experts: Optional[int] = None
                  ) -> "ParallelConfig":
-        """Raise ValueError listing every inconsistency, each naming the values involved.
-
-        ``model_config`` a `GPTConfig`; ``batch`` the global batch size B or (B, T);
-        ``n_experts`` the experts per MoE layer (None: a dense model). Returns self."""
+        """Raise ValueError listing every inconsistency; returns self. ``batch``: the global
+        batch size B or (B, T); ``n_experts``: experts per MoE layer (None: a dense model)."""
         problems = self.problems(world_size, model_config, batch, n_experts)
         if problems:
             raise ValueError(f"invalid parallel configuration ({self}, world_size={world_size}):\n  - "
@@ -266,8 +232,6 @@ class ParallelConfig:
         out = []
         if self.schedule not in SCHEDULES:
             out.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if self.precision not in PRECISIONS:
-            out.append(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.virtual_stages > 1 and self.schedule not in ("interleaved",) + V_SHAPED:
             out.append(f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (or "
                        f"'zb-v' with 2), got {self.schedule!r}")

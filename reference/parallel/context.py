@@ -3,28 +3,19 @@
     cpm = apply_context_parallel_dim(model, mesh, config)    # after tensor parallelism
     idx_r, tgt_r = context_parallel_batch(idx, targets, mesh.cp, mesh.cp_rank, config.cp_kind)
 
-The cp ranks of one (pp, dp, tp) place hold the same weights and split every sequence
-of their dp rank's batch: each holds T / cp of its tokens. Three things change, each
-from outside the model:
+The cp ranks of one (pp, dp, tp) place hold the same weights and split every sequence of their
+dp rank's batch, T / cp tokens each. Three things change, each from outside the model:
 
-1. **attention**: every block's attention (Megatron's parallel attention when tp > 1,
-   holding n_head / tp heads) becomes `ContextParallelAttention` over the cp group,
-   with the same projections (the same Parameter objects, so names and tensor-parallel
-   marks stay): ring attention on the zig-zag layout, or Ulysses on the contiguous one;
-2. **positions**: the position embedding ``wpe`` is given the positions this rank
-   really holds (`sequence_positions`: under the zig-zag split cp rank r holds chunks
-   r and 2 cp - 1 - r, not positions 0 .. T/cp - 1 as `GPT.embed` asks for);
-3. **data**: `context_parallel_batch` keeps this rank's tokens of each sequence, ids
-   and targets alike (the zig-zag chunks for ring, the contiguous part for Ulysses:
-   the layout each attention was built for).
+1. **attention**: every block's attention (Megatron's when tp > 1) becomes
+   `ContextParallelAttention` over the cp group with the same projections (the same
+   Parameters, so names and tensor-parallel marks stay): ring attention on the zig-zag
+   layout, or Ulysses on the contiguous one;
+2. **positions**: ``wpe`` looks up the positions this rank really holds (`sequence_positions`);
+3. **data**: `context_parallel_batch` keeps this rank's tokens of each sequence, in the
+   layout its attention was built for.
 
-The loss: every cp rank holds the same number of tokens, B/dp x T/cp, so the mean of its
-tokens' cross-entropies, averaged over the dp x cp ranks (what `train_step` does with
-the losses and the gradients, over the ``dp_cp`` group), is the mean over all B x T
-tokens of the global batch, exactly as one process computes it. (Targets equal to
--100 are ignored per rank, so with them the ranks' means weigh unequal counts equally,
-as data parallelism already does with its dp ranks.)
-"""
+Every cp rank holds B/dp x T/cp tokens, so averaging the ranks' mean losses and gradients over
+dp x cp (what `train_step` does) gives one process's mean over the global batch."""
 from __future__ import annotations
 
 import torch
@@ -38,11 +29,9 @@ __all__ = ["ContextParallelPositions", "apply_context_parallel_dim", "context_pa
 
 
 class ContextParallelPositions(nn.Module):
-    """The position embedding reading this rank's true positions: local position i -> p_i.
-
-    `GPT.embed` asks for positions 0 .. n - 1 of the n = T / cp tokens it is given; this
-    module looks up ``sequence_positions(T, cp, cp_rank)[i]`` instead. It holds the
-    model's own ``wpe.weight`` (the same Parameter, still named ``wpe.weight``)."""
+    """The position embedding reading this rank's true positions: `GPT.embed` asks for 0 .. n - 1
+    of its n = T / cp tokens, this looks up ``sequence_positions(T, cp, cp_rank)`` instead. It
+    holds the model's own ``wpe.weight`` (the same Parameter, under the same name)."""
 
     def __init__(self, wpe: nn.Embedding, cp: int, cp_rank: int, zigzag: bool):
         super().__init__()
@@ -75,10 +64,8 @@ def apply_context_parallel_dim(model: GPT, mesh, config) -> GPT:
 
 def context_parallel_batch(idx: torch.Tensor, targets: torch.Tensor, cp: int, cp_rank: int,
                            kind: str = "ring"):
-    """This cp rank's tokens of every sequence: (B, T) -> (B, T / cp), ids and targets.
-
-    Ring: the zig-zag chunks cp_rank and 2 cp - 1 - cp_rank; Ulysses: the contiguous
-    part cp_rank. Pure indexing (every rank holds the whole batch)."""
+    """This cp rank's tokens of every sequence, (B, T) -> (B, T / cp), ids and targets: the zig-zag
+    chunks cp_rank and 2 cp - 1 - cp_rank (ring), or the contiguous part cp_rank (Ulysses)."""
     if cp == 1:
         return idx, targets
     zigzag = kind == "ring"

@@ -3,41 +3,18 @@
     pm.data_parallel      # chosen once by `parallelize` (`data_parallelism(config, mesh, ...)`)
 
 `train_step`, `full_state_dict` and `generate` ask this object, and never which ZeRO stage
-runs. Each way answers the same questions:
+runs. Each way answers the same questions (`Replicas`' methods): `make_optimizer`, the
+optimizer of this rank's parameters; `forward_backward`, the step's schedule with what must
+happen around it; `reduce_gradients`, the sums and means after the last backward;
+`local_grads`, the gradients this rank steps with; `clip`; `full_state_dict` and `generate`,
+on whole weights. The ways, in the order the course teaches them:
 
-    make_optimizer(params, cls, decay, **kw)  the optimizer of this rank's parameters (or
-                                         groups; ``decay``: the weight decay asked for)
-    forward_backward(pm, run)            the step's forward and backward (`run.pipeline(hook)`
-                                         runs its schedule), with what must happen around
-                                         it: parameters gathered, or per block; returns the
-                                         loss and the peak of activation bytes
-    reduce_gradients(pm, optimizer)      after the last backward: the sums and means over
-                                         tp (sequence parallelism) and over the replicas
-    local_grads(pm, optimizer)           the gradients this rank steps with (the scaler's
-                                         inf check and the norm read them)
-    clip(pm, optimizer, max_norm)        the global-norm clip over whatever this rank holds
-    full_state_dict(pm, of_stages)       the whole model's weights (`of_stages(pm)` reads
-                                         them from stages that hold them whole)
-    generate(pm, sample, *args)          sampling (`sample(pm, *args)`) on whole weights
-
-The ways, in the order the course teaches them:
-
-    Replicas            every dp x cp rank holds the whole (tp, pp) slice; after the backward
-                        one flat all-reduce of every gradient, averaged (experts over their
-                        expert-data-parallel group)
-    OptimizerShards     ZeRO-1: the optimizer (`ZeroOptimizer`) reduce-scatters the gradients
-                        in `step()` and updates its flat shard
-    GradientShards      ZeRO-2: the same optimizer reduce-scatters bucket by bucket during the
-                        backward; with sequence parallelism the shard's slices of the
-                        sequence-parallel parameters are summed over tp afterwards
-    WholeModelShards    ZeRO-3 by blocks (`FSDP` over the whole model, tp = pp = 1): the
-                        wrapped model gathers and reduce-scatters block by block itself
-    ParameterShards     ZeRO-3 composed (`ShardedParameters`: each parameter's dim 0 over
-                        dp x cp): gathered once before the schedule, reduce-scattered once
-                        after it
-    ReshardedAfterForward  the same shards, gathered per block and micro-batch and freed
-                        after each forward and backward (`ReshardAfterForward`'s action hook)
-"""
+    Replicas               every dp x cp rank holds the whole (tp, pp) slice: one all-reduce
+    OptimizerShards        ZeRO-1: `ZeroOptimizer` reduce-scatters in `step()`
+    GradientShards         ZeRO-2: the same optimizer, bucket by bucket during the backward
+    WholeModelShards       ZeRO-3 by blocks: `FSDP` over the whole model (tp = pp = 1)
+    ParameterShards        ZeRO-3 composed: `ShardedParameters`, gathered once a step
+    ReshardedAfterForward  the same shards, gathered per block and micro-batch"""
 from __future__ import annotations
 
 import contextlib
@@ -83,9 +60,8 @@ class Replicas:
             for stage in pm.stages:
                 moe_all_reduce_gradients(stage, mesh.group("dp"), edp)
             return
-        # Dense: one flat all-reduce of every gradient (the bucket is the whole model here:
-        # the reduction runs after the last backward, so there is nothing to overlap), over
-        # every replica of the weights: dp x cp ranks (the dp group when cp = 1).
+        # Dense: one flat all-reduce of every gradient over the dp x cp replicas (one bucket:
+        # after the last backward there is nothing left to overlap with)
         grads = [p.grad for p in pm.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         comms.all_reduce(flat, group=mesh.group("dp_cp"))
@@ -148,11 +124,9 @@ class GradientShards(OptimizerShards):
 
     @torch.no_grad()
     def reduce_gradients(self, pm, optimizer) -> None:
-        """The hooks reduce-scattered every gradient over dp during the backward, the
-        LayerNorms' and row biases' too, while those were still each tp rank's partial sums.
-        The tp ranks of one dp rank lay out the same TP-local shapes, so their flat shards
-        cover the same ranges: summing those parameters' slices of the shard over tp gives
-        the sum of the dp means, which is the dp mean of the sum (both are linear)."""
+        """The hooks reduce-scattered the LayerNorms' and row biases' gradients over dp while
+        they were each tp rank's partial sums. The tp ranks' flat shards cover the same ranges,
+        so summing those slices over tp gives the sum of the dp means, the dp mean of the sum."""
         if not (pm.mesh.tp > 1 and pm.config.sequence_parallel):
             return
         optimizer.reduce_gradients()  # the last buckets; step() will not reduce again
@@ -171,8 +145,7 @@ class GradientShards(OptimizerShards):
 
 class WholeModelShards(Replicas):
     """ZeRO-3 by blocks: `FSDP` wraps the whole model (tp = pp = 1) and runs its micro-batches
-    itself, gathering each block for its forward and backward and reduce-scattering its
-    gradient; nothing is left to reduce after the backward."""
+    itself, each block gathered for its forward and backward, its gradient reduce-scattered."""
 
     def __init__(self, fsdp, dp_cp: int):
         self.fsdp, self.dp_cp = fsdp, dp_cp
@@ -231,9 +204,8 @@ class ParameterShards(Replicas):
 
 class ReshardedAfterForward(ParameterShards):
     """The same shards, gathered per block and micro-batch by the executor's action hook and
-    freed after each forward and backward (`reference.zero.fsdp_reshard`); each gradient is
-    its shard's dp mean when the backward ends, and only the SP sum over tp is left, done on
-    the shards (a tp rank's shard holds the same rows on every tp rank)."""
+    freed after each forward and backward (`reference.zero.fsdp_reshard`); when the backward
+    ends only the SP sum over tp is left, done on the shards (the same rows on every tp rank)."""
 
     def forward_backward(self, pm, run):
         if self.reshard is None:

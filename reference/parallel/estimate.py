@@ -6,45 +6,33 @@ and an estimated step time.
     e.phases                              # composed ZeRO-3: the step's peak by phase
     step_time(e)["total"]                 # seconds, under Hardware()'s assumptions
 
-Memory per GPU of one pipeline rank, ``stage`` (default 0, the first: the heaviest of a
-pipeline cut by layers, whose 1F1B holds p micro-batches; with ``embedding_stage`` the first
-stage holds the embedding alone and the heaviest is the next): the tensors it holds and the
-activations each micro-batch stores (`reference.parallel.estimate_memory`, whose docstring
-gives the shapes and Korthikanti et al.'s terms), the gradients and optimizer state by ZeRO's
-formulas over the dp ranks (`reference.memory.model_state_bytes`), times the micro-batches the
-rank holds at its peak (`in_flight`; the zero-bubble schedules: `held_for_w`, `split_held`,
-`chunk_held`).
-
+Memory is that of one pipeline rank, ``stage`` (default 0: the heaviest of a pipeline cut by
+layers; with ``embedding_stage`` the next): the tensors it holds and the activations each
+micro-batch stores (`reference.parallel.estimate_memory`: the shapes and Korthikanti et al.'s
+terms), the gradients and optimizer state by ZeRO's formulas over the dp ranks
+(`reference.memory.model_state_bytes`), times the micro-batches the rank holds at its peak.
 `Estimate.total_bytes` is the step's peak: for ZeRO 0-2 (and ZeRO-3 by blocks) the model
-states plus the stored activations plus what a backward adds beside them (the gradient of
-the log-probabilities on the head's stage, 2 x theirs; with full recompute the stage's forward
-again, which this executor recomputes whole at the start of each backward). Composed ZeRO-3
-(`reference.zero.fsdp_param`) peaks in the largest of its phases, `Estimate.phases`
-(`zero3_phases`: gather, pipeline, reduce-scatter; with ``reshard_after_forward`` the pipeline
-alone). `tests/test_composed_peak.py` measures the three phases on 8 ranks: the estimate is an
-upper bound of every rank's peak within 10 %; resharding's, `tests/test_parallel_estimate.py`:
-above the measured peak by 15 and 22 %.
+states plus the stored activations plus what a backward adds beside them (the gradient of the
+log-probabilities on the head's stage; with full recompute the stage's forward again, which
+this executor recomputes whole at the start of each backward); for composed ZeRO-3 the largest
+of its phases, `Estimate.phases` (`zero3_phases`). `tests/test_composed_peak.py` measures the
+phases on 8 ranks: the estimate bounds every rank's peak within 10 %; resharding's,
+`tests/test_parallel_estimate.py`: above the measured peak by 15 and 22 %.
 
 Bubble: (pp - 1) / (m + pp - 1), m micro-batches per step (interleaved: (pp - 1) / (v m + pp - 1)).
 Bytes each GPU sends per step, by link (tp, pp, dp): `reference.parallel.estimate_traffic`.
 
-Step time (`step_time`, under `Hardware`'s assumptions, each shown in `Hardware.describe`):
-compute = the step's training FLOPs (`reference.profile.training_flops`, plus the forward
-again with full recompute, plus attention's with selective; an MoE layer counts k experts
-per token, on every tp rank) over the GPUs, at the peak FLOP/s; tp and pp traffic is exposed
-(a TP collective's output is the next matmul's input, a stage waits for its neighbour's
-activation); dp traffic hides under the compute it runs beside (DDP's buckets and ZeRO-1's
-reduce-scatter under the last micro-batch's backward, ZeRO-2's under each backward, ZeRO-3's
-prefetched gathers under each micro-batch) and only what outlasts it is exposed; the
-parameters' all-gather after the optimizer step is exposed; the bubble idles `idle_share`
-of the busy time (compute + tp + pp), (pp - 1) / (v m), the zero-bubble schedules less for
-more memory (a micro-batch held from its F to its W).
-A link is NVLink when its group fits in one node (`link_of`), else the GPU's share of the
-node's NICs; latency (alpha) is left out.
-"""
+Step time (`step_time`, under the assumptions `Hardware.describe` lists): the step's training
+FLOPs (`reference.profile.training_flops`, recompute included; an MoE layer counts k experts
+per token, on every tp rank) over the GPUs at the peak FLOP/s, plus the exposed communication
+(all of tp's and pp's: a TP collective's output is the next matmul's input, a stage waits for
+its neighbour; of dp's only what outlasts the compute it hides under), plus the bubble,
+`idle_share` of the busy time. A link is NVLink when its group fits in one node (`link_of`),
+else the GPU's share of the node's NICs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional
 
 from reference.comms.links import GPUS_PER_NODE, NIC, NICS_PER_NODE, NVLINK, Link
@@ -141,10 +129,9 @@ class Estimate:
 
 @dataclass(frozen=True)
 class Workload:
-    """What `estimate` models, in one object: the model (a `GPTConfig`) under ``config`` on
-    pipeline rank ``stage``, the batch, and how the step stores its numbers. Left None, a
-    field takes its default from the configuration (`__post_init__`), so every part of the
-    estimate reads the same resolved values."""
+    """What `estimate` models: the model (a `GPTConfig`) under ``config`` on pipeline rank
+    ``stage``, the batch, and how the step stores its numbers; a field left None is resolved
+    from the configuration once, so every part of the estimate reads the same values."""
 
     model: object
     config: ParallelConfig
@@ -202,6 +189,12 @@ class Workload:
     def moe_blocks(self) -> set:
         return set(self.tensors.of(True).units())
 
+    @cached_property
+    def moe(self) -> frozenset:
+        """The layers that are MoE (every one by default; none without experts)."""
+        layers = range(self.model.n_layer) if self.moe_layers is None else self.moe_layers
+        return frozenset(layers) if self.n_experts else frozenset()
+
     def holds(self, part: str) -> bool:
         """Whether the stage holds the "embedding" or the "head"."""
         return any(getattr(spec, part) for spec in rank_specs(self.model, self.config, self.stage))
@@ -223,8 +216,8 @@ def estimate(model, config: ParallelConfig, **workload) -> Estimate:
     w = Workload(model, config, **workload)
     c, m = w.config, w.m
     t, p = c.tp, c.pp
-    a1, work, first, later, peak = activations(w)
-    acts = held_activations(w, a1)  # peak * a1 unless split
+    a1, work, first, later = activations(w)
+    acts = held_activations(w, a1)
     states, phases, held = model_states(w, a1, first, later, work, acts)
     # a middle stage sends an activation on and a gradient back per micro-batch; with pp = 2
     # each end sends one of the two (sequence-split under SP)
@@ -258,22 +251,16 @@ def idle_share(c: ParallelConfig, m: int) -> float:
 
 
 def held_for_w(w: Workload, specs: Optional[tuple] = None) -> float:
-    """What one micro-batch holds on the rank from its I to its W under a zero-bubble schedule,
-    beside what its F stored (`split_held` says how many at the peak): the gradients caught at
-    the split points (`held_bytes_per_block`: a dense block's LayerNorms and linear layers, under
-    SP its row-parallel biases apart; an MoE block's router and its k routed copies per token
-    through the experts' two linear layers, no assignment dropped and, under ep, each rank's
-    experts receiving the rows it dispatches; `held_bytes_of_head`: the head's LayerNorm and
-    logits), none on the first stage, whose input is token ids (its I computes nothing), and,
-    with full recomputation, the forward run again in I, kept for W (`block_bytes`: an MoE
-    block's what it routes; the head's log-probabilities).
-    ``specs``: the rank's stages (default), or one chunk's."""
+    """What one micro-batch holds on the rank's stages ``specs`` (default all; or one chunk's)
+    from its I to its W under a zero-bubble schedule, beside what its F stored: the gradients
+    caught at the split points (`held_bytes_per_block`, `held_bytes_of_head`), none on the
+    first stage (its input is token ids), and with full recomputation the forward run again
+    in I, kept for W."""
     model, c = w.model, w.config
     s, b, h, t = w.seq_len, w.micro_batch, model.n_embd, c.tp
     specs = rank_specs(model, c, w.stage) if specs is None else specs
-    moe = set(range(model.n_layer) if w.moe_layers is None else w.moe_layers) if w.n_experts else set()
     layers = [i for spec in specs if spec.stage > 0 for i in spec.layers]
-    n_moe = sum(i in moe for i in layers)
+    n_moe = sum(i in w.moe for i in layers)
     caught = sum(n * held_bytes_per_block(s, b, h, t, c.sequence_parallel, w.act_bytes, model.d_ff,
                                           n_experts=experts, k=w.k, bias=model.bias)
                  for n, experts in ((len(layers) - n_moe, None), (n_moe, w.n_experts)) if n)
@@ -283,7 +270,7 @@ def held_for_w(w: Workload, specs: Optional[tuple] = None) -> float:
     if w.recompute != "full":
         return caught
     blocks = [i for spec in specs for i in spec.layers]  # every stage's: split_held counts whole stages
-    n_blocks, n_moe = len(blocks), sum(i in moe for i in blocks)
+    n_blocks, n_moe = len(blocks), sum(i in w.moe for i in blocks)
     return caught + head * logprob_bytes(w) + sum(
         n * (block_bytes(w, "none", moe) - block_bytes(w, "full", moe))
         for n, moe in ((n_blocks - n_moe, False), (n_moe, True)))
@@ -295,20 +282,16 @@ def logprob_bytes(w: Workload) -> float:
 
 
 def stored_per_f(w: Workload, specs: tuple) -> float:
-    """What one micro-batch's F leaves stored on the stages ``specs`` (one chunk's): `activations`'
-    a1, counted over these stages' blocks and head only."""
-    model = w.model
-    moe = set(range(model.n_layer) if w.moe_layers is None else w.moe_layers) if w.n_experts else set()
-    stored = sum(block_bytes(w, w.recompute, i in moe) for spec in specs for i in spec.layers)
+    """`activations`' a1 over the stages ``specs`` (one chunk's) alone."""
+    stored = sum(block_bytes(w, w.recompute, i in w.moe) for spec in specs for i in spec.layers)
     head = any(spec.head for spec in specs) and w.recompute != "full"
     return stored + head * logprob_bytes(w)
 
 
 def held_activations(w: Workload, a1: float) -> float:
     """The activation bytes at the rank's peak: the largest F-bytes x micro-batches held plus
-    I-bytes x those past their I over `split_held`'s candidates; on a V-shaped schedule's rank,
-    whose two chunks may store unequal bytes (an MoE stage beside a dense one, the head), over
-    `chunk_held`'s counts per chunk, each chunk with its own bytes."""
+    I-bytes x those past their I, over `split_held`'s candidates (a V-shaped schedule's rank:
+    over `chunk_held`'s, each chunk with its own bytes, which may differ)."""
     c = w.config
     if c.schedule in V_SHAPED and c.pp > 1:
         counts = chunk_held(c, w.m, w.stage)
@@ -335,9 +318,8 @@ def block_bytes(w: Workload, kind: str, moe: bool) -> float:
 
 
 def activations(w: Workload) -> tuple:
-    """(a1, work, first, later, peak): the bytes one micro-batch leaves stored, what a backward
-    adds beside them, and the micro-batches in flight at the first and later backwards and at
-    the peak (`in_flight`)."""
+    """(a1, work, first, later): the bytes one micro-batch leaves stored, what a backward adds
+    beside them, and the micro-batches in flight at the first and later backwards (`in_flight`)."""
     c, recompute = w.config, w.recompute
     n_blocks, n_moe = len(w.blocks), len(w.moe_blocks)
     stored = (n_blocks - n_moe) * block_bytes(w, recompute, False) + n_moe * block_bytes(w, recompute, True)
@@ -348,8 +330,8 @@ def activations(w: Workload) -> tuple:
     # stage's forward again (this executor recomputes a whole chunk at the start of its B)
     work = 2 * logprobs + {"full": (whole + logprobs) / c.virtual_stages,
                            "selective": (whole - stored) / c.virtual_stages}.get(recompute, 0.0)
-    first, later, peak = in_flight(c, w.m, w.stage)
-    return a1, work, first, later, peak
+    first, later, _ = in_flight(c, w.m, w.stage)
+    return a1, work, first, later
 
 
 def model_states(w: Workload, a1, first, later, work, acts) -> tuple:
@@ -387,9 +369,8 @@ def training_flops_per_gpu(w: Workload) -> tuple[float, float]:
 
 def link_of(config: ParallelConfig, kind: str, hardware: Hardware = Hardware()) -> str:
     """Whether the ``kind`` group (tp, pp, dp or dp_replicate) fits inside one node ("intra") or
-    not ("inter"): Megatron's order puts tp innermost (stride 1), then dp (stride tp), then pp
-    (stride tp dp). Under HSDP "dp" is the group ZeRO-3 shards over, dp / dp_replicate
-    consecutive dp ranks, and "dp_replicate" the replicas across them (stride tp dp_shard)."""
+    not ("inter") in Megatron's order: tp innermost, then dp, then pp. Under HSDP "dp" is the
+    group ZeRO-3 shards over and "dp_replicate" the replicas across such groups."""
     shard = config.dp // config.dp_replicate
     span = {"tp": config.tp, "dp": config.tp * shard, "dp_replicate": config.tp * config.dp,
             "pp": config.tp * config.dp * config.pp}[kind]

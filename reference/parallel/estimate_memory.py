@@ -4,17 +4,14 @@
     stage_params(model, config, 0)                                         # their numbers
     activation_bytes_per_block(s, b, h, a, tp, sequence_parallel, act_bytes=4)
 
-**Tensors.** `stage_tensors` lists the shape of every tensor one GPU of a stage holds after
-tensor, expert and pipeline parallelism, the cuts `parallelize` makes, from the configuration
-alone: a block's q|k|v matrix (3 C / tp, C), its projections (C, C / tp), the MLP's (d_ff / tp,
-C) and (C, d_ff / tp), LayerNorms and row-parallel biases whole, the embedding's rows of the
-vocabulary padded to a multiple of tp (V_pad / tp, C), the learned positions, the head's own
-copy of the embedding when it sits on another stage (or is untied). An MoE layer (`n_experts`)
-holds the router (E, C) and its E / ep experts whole (tensor parallelism never splits an
-expert). Each tensor is marked expert or dense (ZeRO-3 shards an expert over its
-expert-data-parallel group, dp / ep ranks, a dense tensor over dp) and sequence-parallel or not
-(with SP its gradient is summed over tp once a step: LayerNorms, row biases, every MoE tensor).
-ZeRO-3 shards each tensor's dim 0: a rank holds ceil(d0 / N) rows (`Tensor.shard`).
+**Tensors.** `stage_tensors` lists the TP-local shape of every tensor one GPU of a stage holds
+after the cuts `parallelize` makes, from the configuration alone (`_block` lists a block's):
+the embedding's rows of the vocabulary padded to a multiple of tp (V_pad / tp, C), the head's
+own copy of it when it sits on another stage (or is untied), an MoE layer's router (E, C) and
+its E / ep experts whole (tensor parallelism never splits an expert). Each tensor is marked
+expert or dense (ZeRO-3 shards an expert over its expert-data-parallel group, dp / ep ranks, a
+dense tensor over dp) and sequence-parallel or not (with SP its gradient is summed over tp once
+a step). ZeRO-3 shards each tensor's dim 0: a rank holds ceil(d0 / N) rows (`Tensor.shard`).
 
 **Activations** (Korthikanti et al., 2022, "Reducing Activation Recomputation in Large
 Transformer Models", section 4): bytes one block stores for one micro-batch of b sequences
@@ -30,12 +27,10 @@ of s tokens, h = n_embd, a heads. The paper counts 16-bit activations, 2 bytes e
 which at e = 2 and d_ff = 4 h is the paper's s b h (34 + 5 a s / h) with no tensor
 parallelism and s b h (10 + 24 / t + 5 a s / (h t)) with tp = t; sequence parallelism
 divides every term by t. Selective recompute drops the scores; full recompute keeps only
-each block's input, e s b h (/ t with SP). ``attention="fused"`` (PyTorch's
-`scaled_dot_product_attention`, FlashAttention) stores a log-sum-exp per head and token,
-4 a s b / t bytes, instead of the scores. An MoE layer in the MLP's place stores what
-`moe_activation_bytes` lists, on every tp rank. The stage that holds the head also keeps the
-loss's fp32 log-probabilities, 4 s b V_pad / t (the paper's 4 s b v / t).
-"""
+each block's input, e s b h (/ t with SP). ``attention="fused"`` (FlashAttention) stores a
+log-sum-exp per head and token, 4 a s b / t bytes, instead of the scores. An MoE layer stores
+`moe_activation_bytes` in the MLP's place. The head's stage also keeps the loss's fp32
+log-probabilities, 4 s b V_pad / t."""
 from __future__ import annotations
 
 import math
@@ -153,10 +148,8 @@ def _shape(model) -> tuple:
 
 def stage_tensors(model, config, stage: int, n_experts: Optional[int] = None,
                   moe_layers: Optional[Iterable[int]] = None) -> Tensors:
-    """Every tensor one GPU of pipeline rank ``stage`` holds (its chunks together), before ZeRO.
-
-    ``n_experts``: experts per MoE layer (None: a dense model); ``moe_layers``: the layers
-    that are MoE (default all, as `reference.expert_parallel.moe_factory`)."""
+    """Every tensor one GPU of pipeline rank ``stage`` holds (its chunks together), before ZeRO;
+    ``n_experts`` per MoE layer (None: dense), ``moe_layers`` the MoE ones (default all)."""
     moe = frozenset(range(model.n_layer) if moe_layers is None else moe_layers) if n_experts else frozenset()
     key = (_shape(model), config.n_stages, config.embedding_stage, config.tp, config.pp, config.ep,
            stage, n_experts, moe)
@@ -227,8 +220,7 @@ def mlp_activation_bytes(s: int, b: int, h: int, d_ff: int, tp: int = 1,
 def moe_activation_bytes(s: int, b: int, h: int, d_ff: int, k: int, act_bytes: int = 2, *,
                          n_experts: int, normalize_weights: Optional[bool] = None) -> float:
     """What an MoE layer (`reference.expert_parallel.moe`) stores in the MLP's place for one
-    micro-batch of b sequences of s tokens, on every tp rank (under SP it routes the gathered
-    sequence), E = ``n_experts``, per token:
+    micro-batch, on every tp rank (under SP it routes the gathered sequence), per token:
 
         activations, e bytes each   h (input) + k h (the dispatched copies) + 2 k d_ff (each
                                     copy's fc and GeLU outputs) + 2 k h (the expert outputs the
@@ -239,10 +231,9 @@ def moe_activation_bytes(s: int, b: int, h: int, d_ff: int, k: int, act_bytes: i
                                     the weights renormalised (the top-k probabilities, their sum)
         indices, int64              3 k (top-k choices, kept assignments, their token rows)
 
-    and E fp32 per sequence (the balance loss's assignment fractions). Exact, measured, when no
-    assignment is dropped at capacity (a dropped one stores none of its k-terms) and, under
-    ep, when a rank's experts receive as many rows as it dispatches (routing decides).
-    ``normalize_weights`` defaults to the router's, k > 1."""
+    and E = ``n_experts`` fp32 per sequence (the balance loss's assignment fractions). Exact,
+    measured, when no assignment is dropped at capacity and, under ep, when a rank's experts
+    receive as many rows as it dispatches. ``normalize_weights`` defaults to the router's, k > 1."""
     normalized = k > 1 if normalize_weights is None else normalize_weights
     tokens, e, n = s * b, act_bytes, n_experts
     activations = e * tokens * (h * (1 + 3 * k) + 2 * k * d_ff + k)
@@ -251,17 +242,13 @@ def moe_activation_bytes(s: int, b: int, h: int, d_ff: int, k: int, act_bytes: i
 
 
 def in_flight(config, m: int, rank: int) -> tuple[float, float, float]:
-    """Micro-batches whose activations pipeline ``rank`` holds, in whole-stage units:
-    (at its first backward, at its later backwards, at its peak).
-
-    1F1B holds min(p - r, m) on rank r, and one fewer from its first backward on when
-    m <= p - r; GPipe all m, then one fewer. Interleaved 1F1B (v chunks) holds
-    min(m v, 2 (p - r - 1) + (v - 1) p + 1) chunk-micro-batches, each 1 / v of the stage
-    (Megatron's warm-up, and the course's schedule; an upper bound when m < p). The zero-bubble
-    schedules hold a micro-batch from F to W: ZB-H1 min(p, m) on every rank (min(p - r, m) at
-    its first backward), ZB-V min(2p, m + r + 1, 2m) chunk-micro-batches, each half a stage,
-    DualPipeV min(2p + 1, 2m) (`reference.pipeline_parallel.zero_bubble`; the gradients an I
-    holds for its W aside)."""
+    """Micro-batches whose activations pipeline ``rank`` holds, in whole-stage units: (at its
+    first backward, at its later backwards, at its peak). 1F1B holds min(p - r, m) on rank r,
+    one fewer from its first backward on when m <= p - r; GPipe all m, then one fewer;
+    interleaved 1F1B min(m v, 2 (p - r - 1) + (v - 1) p + 1) chunks of 1 / v (an upper bound
+    when m < p). The zero-bubble schedules hold a micro-batch from F to W: ZB-H1 min(p, m)
+    (min(p - r, m) at its first backward), ZB-V min(2p, m + r + 1, 2m) half-stage chunks,
+    DualPipeV min(2p + 1, 2m) (the gradients an I holds for its W aside)."""
     p, v = config.pp, config.virtual_stages
     if config.schedule == "zb-h1" and p > 1:
         return min(p - rank, m), min(p, m), min(p, m)
@@ -296,13 +283,10 @@ def split_held(config, m: int, rank: int) -> tuple:
 def chunk_held(config, m: int, rank: int) -> tuple:
     """A V-shaped schedule's candidates for its peak on pipeline ``rank``, chunk by chunk:
     (F0, F1, I0, I1), the chunk-micro-batches of its first and second stage held from F to W and
-    of those the ones past their I, read off the schedule's action list (every state no other
-    state holds at least as much of in all four); () when the schedule cannot be built. With
-    equal chunks its best is `split_held`'s; ZB-V's rank r holds (2p - r, r, 1, 0),
-    (2p - 1 - r, r + 1, 0, 1) and (p, r, r + 1, r) for every m >= 2p, so a first stage heavier
-    than its second (an MoE stage beside a dense one) weighs more than half of the rank's bytes."""
-    # from m = 2p on the steady state only repeats: the counts are those of m = 2p (the test
-    # walks longer schedules), which keeps a sweep over large m from building each schedule
+    of those the ones past their I, read off the schedule's action list (the states no other
+    state dominates); () when the schedule cannot be built. ZB-V's rank r: (2p - r, r, 1, 0),
+    (2p - 1 - r, r + 1, 0, 1) and (p, r, r + 1, r) for every m >= 2p."""
+    # from m = 2p on the steady state only repeats: the counts are those of m = 2p
     return _chunk_held(config.schedule, config.pp, min(m, 2 * config.pp), rank)
 
 
@@ -330,25 +314,21 @@ def zero3_phases(sets, precision, a1: float, first: float, later: float, work: f
                  head: bool, reshard: bool = False, recompute: bool = False) -> tuple[dict, float]:
     """Composed ZeRO-3's step, phase by phase: ({phase: peak bytes}, bytes held whole).
 
-    ``sets``: [(`Tensors`, N)] sharded over N ranks each, gathered and reduce-scattered in that
-    order (dense over dp, then experts over edp); ``a1`` the activations one micro-batch
-    stores, ``first`` / ``later`` the micro-batches in flight at the first and the later
-    backwards (`in_flight`), ``work`` what a backward adds beside them (the head's
-    log-probabilities' gradient, the recomputed stage); ``head``: the stage holds the loss.
-    With P the stage's numbers, S the rank's shard (padded per tensor), O the optimizer
-    state of the shard, p and g bytes per parameter and gradient, gathering once a step:
+    ``sets``: [(`Tensors`, N)] sharded over N ranks each, in the order they are gathered (dense
+    over dp, then experts over edp); ``a1``, ``first``, ``later``, ``work`` as `estimate`'s
+    `activations` gives them; ``head``: the stage holds the loss. With P the stage's numbers,
+    S the rank's shard (padded per tensor), O the optimizer state of the shard, p and g bytes
+    per parameter and gradient, gathering once a step:
 
         gather          O + p (2 S + N S + P + the largest padded tensor)
         pipeline        O + p P + max(A(first - 1) + max(a1, g P), A(later) + g P) + work
         reduce-scatter  O + (p + g) P + g (N S + the largest shard) (+ 4: the loss)
 
     A(n) = n a1; the first backward's gradients grow as its micro-batch's activations go, so
-    they count max(a1, g P) there. Resharding after every forward (FSDP2's
-    ``reshard_after_forward=True``, `reference.zero.fsdp_reshard`) keeps the shards and their
-    gradients, 8 S in fp32, the root unit (embedding, head) and one block whole (every block
-    from the recomputation on with activation checkpointing), and during a backward one
-    unit's whole gradients and collective buffers beside the activations, which they outlast
-    only when larger than one micro-batch's:
+    they count max(a1, g P) there. Resharding after every forward (`reference.zero.fsdp_reshard`)
+    keeps the shards and their gradients, the root unit (embedding, head) and one block whole
+    (every block once recomputed), and during a backward one unit's whole gradients and
+    collective buffers beside the activations:
 
         pipeline        O + (p + g) S + p (root + block) + A(first - 1)
                         + max(a1, g (root + block) + (N + 1) x the largest unit's shard) + work
@@ -370,8 +350,6 @@ def zero3_phases(sets, precision, a1: float, first: float, later: float, work: f
         block = max((u.sizes(n)[0] for u in units.values()), default=0)
         unit_shard = max(u.sizes(n)[1] for u in [root, *units.values()])
         root = root.sizes(n)[0]
-        # whole: the root and the block at work (every block once recomputed); a unit's
-        # gradients and its collective's buffers live while its micro-batch's activations go
         params = pb * (P if recompute else root + block)
         unit = gb * (root + block) + max(pb, gb) * (n + 1) * unit_shard
         pipeline = O + (pb + gb) * S + params + (first - 1) * a1 + max(a1, unit) + work

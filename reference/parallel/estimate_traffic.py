@@ -4,44 +4,36 @@ Ring algorithms, as `reference.comms` counts them. S = b s h x activation bytes 
 activation of one micro-batch, U = (t - 1) / t S one all-gather or reduce-scatter of it over
 tp = t, and an all-reduce is 2 U:
 
-* tp (inside a node), per micro-batch: 4 U per block for its attention and 4 U for its MLP
-  (2 forward, 2 backward: all-reduces, or with sequence parallelism an all-gather and a
-  reduce-scatter for each, the same bytes); an MoE layer, which tp does not split, 0, or
-  with SP 2 U (its sequence all-gathered forward, reduce-scattered backward); the embedding
-  2 U (+ U with SP), the head 2 U and the loss 3 all-reduces of b s fp32 numbers; full
-  recompute repeats the forward's. Once per step, with SP, the all-reduce of the
-  sequence-parallel gradients (LayerNorms, row biases, every MoE tensor), 2 (t-1)/t x g x theirs;
-* pp (across nodes): one activation forward and one gradient backward per micro-batch, S each
-  (S / t with sequence parallelism: the activation between stages is sequence-split), for a
-  middle stage;
-* dp (across nodes), P the stage's parameters, g bytes per gradient element, m micro-batches
-  per step (accumulation when pp = 1), each where it happens, as `reference.zero` does it:
+* tp, per micro-batch: 4 U per block for its attention and 4 U for its MLP (2 forward,
+  2 backward: all-reduces, or with SP an all-gather and a reduce-scatter, the same bytes); an
+  MoE layer, which tp does not split, 0, or with SP 2 U; the embedding 2 U (+ U with SP), the
+  head 2 U and the loss 3 all-reduces of b s fp32 numbers; full recompute repeats the
+  forward's. Once per step with SP, the all-reduce of the sequence-parallel gradients;
+* pp: one activation forward and one gradient backward per micro-batch, S each (S / t with
+  SP), for a middle stage;
+* dp, P the stage's parameters, g bytes per gradient element, m micro-batches per step, each
+  where it happens, as `reference.zero` does it (`Estimate.dp_transfers` lists them with what
+  each may hide under):
 
       ZeRO-0     the gradients' all-reduce, once per step             2 (d-1)/d P g
                  (with experts, ep > 1: the experts' over dp / ep)
       ZeRO-1     reduce-scatter + all-gather, once per step           2 (d-1)/d P g
-      ZeRO-2     a reduce-scatter per micro-batch (its backward's hooks: no full gradient
-                 to accumulate into) + the all-gather once per step  (m + 1) (d-1)/d P g
-      ZeRO-3     per micro-batch, two all-gathers (forward, backward)
-                 and a reduce-scatter (FSDP by blocks: tp = pp = 1,
-                 no recompute, no experts)                            3 m (d-1)/d P g
-      ZeRO-3     composed with tp, pp, ep or recompute (`ShardedParameters`):
-                 the stage gathered once per step and kept through its
-                 micro-batches, its gradients reduce-scattered once   2 (N-1) S g
-                 per group: dense rows over N = dp, experts' over N = dp / ep
+      ZeRO-2     a reduce-scatter per micro-batch + the all-gather
+                 once per step                                        (m + 1) (d-1)/d P g
+      ZeRO-3     by blocks: per micro-batch two all-gathers and a
+                 reduce-scatter                                       3 m (d-1)/d P g
+      ZeRO-3     composed: the stage gathered once per step, its
+                 gradients reduce-scattered once, per group (dense
+                 over N = dp, experts over N = dp / ep)               2 (N-1) S g
       ZeRO-3     composed, ``reshard_after_forward=True``: gathered
                  for every forward and backward, reduce-scattered
                  after every backward                                 3 m (N-1) S g
 
-  with S the rank's shard, padded per tensor ((N-1) S = (N-1)/N P when N divides every
-  dim 0). (So ZeRO-2 and block-wise ZeRO-3 pay for accumulation, and `ParallelConfig` refuses
-  ZeRO-2 with a pipeline; composed ZeRO-3 pays in memory instead.)
-  `Estimate.dp_transfers` lists these transfers with what each may hide under.
+  with S the rank's shard, padded per tensor ((N-1) S = (N-1)/N P when N divides every dim 0).
 
-The experts' all-to-all is not counted here (it depends on the routing:
+The experts' all-to-all is not counted (it depends on the routing:
 `reference.expert_parallel.comms`). `tests/test_parallel_estimate.py` compares each of these
-with the bytes `reference.comms.meter` counts on the tiny model, exactly.
-"""
+with the bytes `reference.comms.meter` counts on the tiny model, exactly."""
 from __future__ import annotations
 
 __all__ = ["tp_bytes", "dp_transfers", "transfer_link"]
@@ -54,8 +46,7 @@ def transfer_link(what: str) -> str:
 
 
 def tp_bytes(w) -> float:
-    """Bytes one GPU sends over tp per step (the module docstring's list), for the
-    `reference.parallel.estimate.Workload` ``w``."""
+    """Bytes one GPU sends over tp per step (the module docstring's list), for the `Workload` ``w``."""
     config, tensors = w.config, w.tensors
     t, sp = config.tp, config.sequence_parallel
     U = (t - 1) / t * w.activation                              # one all-gather / reduce-scatter
@@ -82,9 +73,8 @@ def _tp_backward(n_blocks, dense, moe, embedding, head, sp) -> int:
 
 
 def dp_transfers(w) -> tuple:
-    """Data parallelism's transfers, each where it happens (the module docstring's table), for
-    the `reference.parallel.estimate.Workload` ``w``: (what, bytes each, times per step, what
-    it may hide under)."""
+    """Data parallelism's transfers for the `Workload` ``w`` (the module docstring's table): (what,
+    bytes each, times per step, what it may hide under)."""
     config, tensors, m, g, reshard = w.config, w.tensors, w.m, w.grad_bytes, w.reshard
     params = tensors.sizes()[0]
     d, ep = config.dp, config.ep

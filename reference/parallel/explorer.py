@@ -4,31 +4,17 @@
                             global_batch=1536)
     explorer = config_explorer()        # the same as an ipywidgets explorer
 
-`feasible_configs` tries every factorisation n_gpus = dp x tp x pp with tp inside a node
-(tp <= gpus_per_node: TP communicates in every layer, so it needs the node's fast links),
-pp dividing the layers (equal stages), m = global_batch / (dp micro_batch) micro-batches of
-`micro_batch` sequences, ZeRO 0-3, with and without sequence parallelism, with and without
-full activation recomputation, with each pipeline schedule of ``schedules`` (1F1B by default;
-the zero-bubble "zb-h1", "zb-v" and "dualpipev" idle less for the activations they hold
-longer); composed ZeRO-3 (with tp, pp, ep or recomputation) gathering its stage once a step
-and, where `ParallelConfig` has the option, resharding after every
-forward (FSDP2's ``reshard_after_forward``: 3 m transfers, shards and one block whole); with
-``n_experts`` every expert-parallel degree ep that divides dp and the experts. It keeps only
-what `ParallelConfig.validate` accepts for the model, the batch and ``n_experts`` (so no
-ZeRO-2 with a pipeline, no ZeRO-1/2 with ep > 1, heads and layers that divide) and whose
-peak memory per GPU (`estimate`'s `total_bytes`: for composed ZeRO-3 the largest of its
-gather, pipeline and reduce-scatter phases) fits on the heaviest pipeline rank, and ranks
-them by the estimated step time of `reference.parallel.estimate.step_time`:
-
-    step = compute + exposed tp, pp and dp communication + bubble
-
-under `Hardware`'s assumptions (peak FLOP/s and the links of `reference.comms.links`; the
-explorer prints them above its table, `Hardware().describe()`). Each row carries the parts
-(``row["time"]``). A pipeline can win: it divides the parameters each GPU reduces over dp by
-pp, which pays when that traffic outlasts the backward it hides under and m keeps the bubble
-small. The explorer shows the first rows as a table; like the course's other explorers it
-works with no frontend (`.html` holds the table of the current settings).
-"""
+`feasible_configs` tries every factorisation n_gpus = dp x tp x pp with tp inside a node (TP
+communicates in every layer, so it needs the node's fast links) and pp dividing the layers,
+with ZeRO 0-3 (composed ZeRO-3 also resharded after forward, and as HSDP), with and without
+sequence parallelism and full recomputation, each schedule of ``schedules``, and with
+``n_experts`` every ep that divides dp and the experts. It keeps what `ParallelConfig.validate`
+accepts and whose peak memory (`estimate`'s `total_bytes`, on the heaviest pipeline rank)
+fits, fastest first by `step_time`: compute + exposed tp, pp and dp communication + bubble,
+under `Hardware`'s assumptions (the explorer prints them above its table). A pipeline can win:
+it divides the parameters each GPU reduces over dp by pp, which pays when that traffic
+outlasts the backward it hides under and m keeps the bubble small. Like the course's other
+explorers it works with no frontend (`.html` holds the table of the current settings)."""
 from __future__ import annotations
 
 import html
@@ -75,10 +61,9 @@ def feasible_configs(model: GPTConfig, n_gpus: int, gpus_per_node: int = 8,
                      micro_batch: int = 1, n_experts: Optional[int] = None,
                      hardware: Optional[Hardware] = None,
                      schedules: Sequence[str] = ("1f1b",)) -> list[dict]:
-    """Every candidate that validates and fits, fastest estimated step first (rows: dicts of
-    config, estimate (of the pipeline rank with the largest peak), memory, bubble,
-    time = `step_time`'s parts, step_time, cross_node and inside = bytes one GPU sends per
-    step over links that leave / stay in its node)."""
+    """Every candidate that validates and fits, fastest estimated step first; a row holds config,
+    estimate, memory, bubble, time (`step_time`'s parts), step_time, and cross_node and inside:
+    the bytes one GPU sends per step over links that leave / stay in its node."""
     hardware = hardware or Hardware(gpus_per_node=gpus_per_node)
     if hardware.gpus_per_node != gpus_per_node:
         hardware = replace(hardware, gpus_per_node=gpus_per_node)

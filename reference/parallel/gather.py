@@ -1,23 +1,17 @@
 """Gather a parallel model back into the plain GPT's parameters, on every rank.
 
-`full_state_dict(pm)` undoes each split of `parallelize`, in reverse order:
+`full_state_dict(pm)` undoes each split of `parallelize`:
 
-* tensor parallelism: each parameter is all-gathered as its layer cut it, which the layer
-  recorded on it (``p.tp_cut``, `reference.tensor_parallel.cut`): a column-parallel weight
-  along its output rows (a fused q|k|v layer block by block, so that q, k and v come back
-  whole), a row-parallel weight along its input columns, the vocab-parallel embedding and
-  head along the vocabulary, then cut back from V_pad to V; replicated tensors (LayerNorms,
-  row biases) are taken as they are;
-* expert parallelism: each rank's experts are renamed from local to global indices
-  (expert l of ep rank r is expert r * E / ep + l) and collected over the ep group;
+* ZeRO-3: `FSDP.full_state_dict` (tp = pp = 1), or composed, every parameter's dim-0 rows
+  all-gathered over dp x cp first (data-parallel replicas hold equal values);
 * the pipeline: each stage's names are collected over the pp group;
-* ZeRO-3: `FSDP.full_state_dict` (tp = pp = 1), or composed (`ShardedParameters`) every
-  parameter's dim-0 rows all-gathered over dp x cp first, then the rest as above.
-  (Data-parallel replicas hold equal values.)
+* expert parallelism: expert l of ep rank r is renamed expert r * E / ep + l, collected over ep;
+* tensor parallelism: each parameter all-gathered as its layer cut it (``p.tp_cut``,
+  `reference.tensor_parallel.cut`: q|k|v block by block, the vocabulary cut back from V_pad
+  to V); replicated tensors (LayerNorms, row biases) taken as they are.
 
 Keys are the plain GPT's own (`h.3.attn.c_attn.weight`), values CPU tensors: what
-`GPT.load_state_dict` takes, and what the parity tests compare with one process.
-"""
+`GPT.load_state_dict` takes, and what the parity tests compare with one process."""
 from __future__ import annotations
 
 import torch
@@ -30,9 +24,7 @@ __all__ = ["full_state_dict", "tensor_parallel_full", "expert_names"]
 
 def tensor_parallel_full(module_of: dict, name: str, p: torch.Tensor, tp_group, vocab: int = 0):
     """Parameter ``name``'s whole value from this rank's piece ``p`` (a weight or its gradient;
-    collective over tp): gathered as its layer cut it (``tp_cut``, recorded on the parameter
-    where it was cut: q|k|v block by block, the vocabulary's padding dropped); a parameter
-    whole on every tp rank (LayerNorms, row-parallel biases, experts, router) as it is."""
+    collective over tp), gathered as its layer cut it; a parameter whole on every tp rank as it is."""
     owner, leaf = name.rsplit(".", 1)
     cut = getattr(getattr(module_of[owner], leaf), "tp_cut", None)
     return p if cut is None else cut.gather(p, tp_group)

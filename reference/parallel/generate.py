@@ -3,17 +3,11 @@
     tokens = generate(pm, prompt, max_new_tokens=20, temperature=1.0,
                       generator=torch.Generator().manual_seed(0))   # on every rank
 
-One token at a time, the context runs down the pipeline: the first stage embeds it, each
-stage sends its output to the rank of the next stage (point to point, inside the pp
-group), and the last stage's logits, split over the vocabulary by tensor parallelism, are
-gathered whole (`VocabParallelLMHead.gather`). The last stage samples exactly as
-`GPT.generate` does, from a generator in the same state on every rank, and broadcasts the
-token up the pipeline, so every rank appends the same token. Under sequence parallelism a
-context whose length tp does not divide is padded at the end in eval mode; attention is
-causal, so no real position sees the padding, and the logits are read at the last real one.
-Data-parallel replicas do the same work on the same prompt. (Only the last stage's
-generator draws; the other stages' generators are left as they were.)
-"""
+One token at a time, the context runs down the pipeline (each stage sends its output to the
+next stage's rank), the last stage's vocab-parallel logits are gathered whole, the last stage
+samples as `GPT.generate` does and broadcasts the token to every stage. Only the last stage's
+generator draws. Under sequence parallelism a context whose length tp does not divide is
+padded at the end; attention is causal, so no real position sees the padding."""
 from __future__ import annotations
 
 from typing import Optional
@@ -71,8 +65,7 @@ def generate(pm, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.
 
 @torch.no_grad()
 def _sample(pm, idx, max_new_tokens, temperature, top_k, generator) -> torch.Tensor:
-    """The tokens, one at a time: the stages' forward on the last `block_size` positions, the
-    last stage samples, every stage receives the token."""
+    """The tokens, one at a time, on the last `block_size` positions (the module docstring's loop)."""
     from reference.runtime import device as rank_device
 
     device = rank_device()

@@ -4,13 +4,9 @@
     python -m reference.parallel.golden --write    # regenerate tests/golden/debug_3d_losses.json
 
 The debug run: `GPTConfig.tiny(n_layer=4)`, AdamW, 20 steps of 8 sequences of 32 bytes of a
-fixed arithmetic text (built here, so it is the same on every machine), trained by one
-process that accumulates gradients over the 4 chunks that `ParallelConfig.debug_3d()`
-(dp 2 x microbatches 2) splits each batch into. The test suite recomputes these losses
-and runs the debug configuration on 8 ranks, which must reproduce them within the course's
-loss tolerance, `reference.tolerance.loss()` (the same sums in another order, on this CPU's
-kernels or another's).
-"""
+fixed arithmetic text, trained by one process that accumulates gradients over the 4 chunks
+`ParallelConfig.debug_3d()` splits each batch into. The test suite runs the debug
+configuration on 8 ranks, which must reproduce these losses within `reference.tolerance.loss()`."""
 from __future__ import annotations
 
 import argparse

@@ -1,40 +1,29 @@
 """`parallelize(model, mesh, config)`: the plain GPT, made this rank's part of a 3D (4D) run.
 
-Every rank builds the same plain `GPT` (same seed) and calls `parallelize` with the
-same `ParallelConfig`. The model's code is untouched: each parallelism is applied from
-outside, in a fixed order, each step the identity when its degree is 1:
+Every rank builds the same plain `GPT` (same seed) and calls `parallelize` with the same
+`ParallelConfig`. The model's code is untouched: each parallelism is applied from outside, in
+a fixed order, each the identity when its degree is 1:
 
-1. **tensor parallelism** (+ sequence parallelism) first: it replaces modules inside
-   every block (the attention's and MLP's linears, the embedding, the head) while the
-   model is still whole, so the swap sees every block and names stay the model's own;
-2. **context parallelism** (`reference.parallel.context`): every block's attention (TP's,
-   with its n_head / tp heads) becomes ring or Ulysses attention over the cp group and the
-   position embedding reads this rank's true positions. After TP, because it wraps the
-   projections TP made; before the cut, which hands the final modules out;
-3. **expert parallelism**: each MoE layer keeps only this rank's experts. After TP,
-   because TP does not touch the experts, and before the pipeline cut, which must see
-   the final modules it hands out. With SP each MoE layer then gathers the sequence
-   over tp and routes it whole (`reference.expert_parallel.sequence_parallel`);
-4. **the pipeline split**: the (now TP- and EP-sharded) model is cut into
-   pp x virtual_stages stages and this rank keeps its chunks; with tied weights the
-   first and last stages form the "embedding group" that sums the tied gradient;
-5. **activation checkpointing**: a property of how the executor runs each local stage
-   (recompute its forward in backward), so it applies to the stages once they exist;
-6. **data parallelism / ZeRO** last: it wraps what this rank finally holds (its local
-   stages' parameters) and averages gradients over the ranks that hold the same shard,
-   the dp group, or dp x cp (``dp_cp``) with context parallelism (experts over the
-   expert-data-parallel group). Wrapping earlier would wrap parameters that TP, CP, EP or
-   the pipeline then replace or drop.
+1. **tensor parallelism** (+ sequence parallelism) first, while the model is still whole, so
+   the swap sees every block and names stay the model's own;
+2. **context parallelism** (`reference.parallel.context`): after TP, because it wraps the
+   projections TP made;
+3. **expert parallelism**: each MoE layer keeps this rank's experts (with SP it routes the
+   sequence gathered over tp, `reference.expert_parallel.sequence_parallel`);
+4. **the pipeline cut** into pp x virtual_stages stages, after every module swap, because it
+   hands the final modules out; with tied weights the first and last stages form the
+   "embedding group" that sums the tied gradient;
+5. **activation checkpointing**: how the executor runs each local stage;
+6. **data parallelism / ZeRO** last, on what this rank finally holds, over the ranks holding
+   the same shard (dp x cp, the ``dp_cp`` group; experts over the expert-data-parallel group).
 
-ZeRO-3 comes in two forms. With tp = pp = 1 and no activation checkpointing, the flat
-`FSDP` wraps the whole model and gathers each block per micro-batch, forward and backward
-(the least memory: one block whole at a time; 3 m transfers a step, what `estimate`
-charges). Composed with tensor or pipeline parallelism or checkpointing, each parameter of
-this rank's stages is sharded on its own along dim 0 (`ShardedParameters`, the FSDP2
-design), gathered once before the step and kept whole through every micro-batch, and its
+ZeRO-3 comes in two forms. With tp = pp = 1 and no activation checkpointing, `FSDP` wraps the
+whole model and gathers each block per micro-batch, forward and backward (one block whole at
+a time; 3 m transfers a step). Composed with tensor or pipeline parallelism or checkpointing,
+each parameter of this rank's stages is sharded along dim 0 (`ShardedParameters`, the FSDP2
+design), gathered once before the step and kept whole through every micro-batch, its
 gradient reduce-scattered once after the last backward (torchtitan's
-``reshard_after_forward=False`` under a pipeline: the stage's memory against m-fold traffic).
-"""
+``reshard_after_forward=False`` under a pipeline)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -77,11 +66,9 @@ class ParallelGPT:
     schedule: object                 # the pipeline schedule (a pipeline of 1 when pp = 1)
     tied_group: Optional[object] = None
     fsdp: Optional[FSDP] = None      # ZeRO-3 at tp = pp = 1: the wrapped whole model
-    sharded: Optional[ShardedParameters] = None  # ZeRO-3 composed: per-parameter dim-0 shards
-    #                                    (a ShardedSets with ep > 1: experts over edp, the rest over dp)
+    sharded: Optional[ShardedParameters] = None  # ZeRO-3 composed (ShardedSets with ep > 1)
     has_experts: bool = False
-    data_parallel: object = field(default_factory=Replicas)  # how the replicas keep weights and
-    #                                    gradients (`data_parallelism`; plain replicas unless told)
+    data_parallel: object = field(default_factory=Replicas)  # how the replicas keep weights, gradients
     scaler: Optional[object] = None  # fp16: the DynamicLossScaler train_step uses
     extra: dict = field(default_factory=dict)
 
@@ -101,13 +88,7 @@ class ParallelGPT:
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's distinct parameters (a tied weight once)."""
-        seen, out = set(), []
-        for module in self.stages:
-            for p in module.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
+        return list({id(p): p for module in self.stages for p in module.parameters()}.values())
 
     def named_parameters(self):
         seen = set()
@@ -129,20 +110,13 @@ class ParallelGPT:
         return self.train(False)
 
     def make_optimizer(self, optimizer_class=torch.optim.AdamW, weight_decay=None, **kwargs):
-        """The optimizer of this rank's parameters, as the run's data-parallel way makes it
-        (`data_parallel.make_optimizer`): ZeRO's sharded one for zero_stage 1-2, a plain one
-        otherwise (ZeRO-3's FSDP, or `ShardedParameters`, already holds only its shards: the
-        parameters themselves are the shards between steps).
-
-        `weight_decay` given (the trainer always gives it): the single-process trainer's
-        groups (`reference.train.single.make_optimizer`), matrices (dim >= 2) decayed, biases
-        and LayerNorm gains (dim < 2) not, for every zero stage (ZeroOptimizer takes the
-        groups; ZeRO-3 by blocks refuses a decay > 0: FSDP's flat shards mix both kinds).
-        Unset: `optimizer_class`'s own default over every parameter, one group.
-        """
+        """The optimizer of this rank's parameters, as the run's data-parallel way makes it: ZeRO's
+        sharded one for zero_stage 1-2, a plain one otherwise (under ZeRO-3 the parameters are
+        the shards). With `weight_decay`, the single-process trainer's groups
+        (`reference.train.single.make_optimizer`): matrices decayed, biases and gains not."""
         params = [p for p in self.parameters() if p.requires_grad]
         if weight_decay is not None:
-            # (The per-parameter shards keep each tensor's dim: matrices stay dim >= 2.)
+            # (per-parameter shards keep each tensor's dim: matrices stay dim >= 2)
             params = ([{"params": params, "weight_decay": 0.0}] if weight_decay == 0 else
                       [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
                        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}])
@@ -173,9 +147,7 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
         shard_experts(model, mesh.group("ep"))
     if config.sequence_parallel and config.tp > 1:  # MoE layers route the gathered sequence
         sequence_parallel_experts(model, mesh.group("tp"))
-    # One stage (pp = 1) runs its micro-batches (gradient accumulation) as F0 B0 F1 B1 ...:
-    # 1F1B with no warm-up, so one micro-batch's activations are alive at a time, as in
-    # DeepSpeed's accumulation. ("gpipe" would keep all m alive until the first backward.)
+    # one stage (pp = 1) accumulates as F0 B0 F1 B1 ...: 1F1B with no warm-up, as DeepSpeed does
     schedule_kind = config.schedule if config.pp > 1 else "1f1b"
     schedule = build_schedule(schedule_kind, config.pp, config.microbatches,
                               virtual=config.virtual_stages)
@@ -193,10 +165,7 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
     mine = local_stages(stages, config.pp, mesh.pp_rank, schedule)  # ZB-V: rank r holds r and 2 pp - 1 - r
     tied = build_embedding_group(mesh) if config.pp > 1 else None
     # 5. activation checkpointing is the executor's per-chunk flag (see `train_step`);
-    # 6. data parallelism / ZeRO: the optimizer (`make_optimizer`) and `train_step`'s
-    #    gradient averaging act on exactly these local parameters; ZeRO-3 composed shards
-    #    each of them along dim 0 over dp x cp (TP slices included), `train_step` gathers
-    #    them before the schedule and reduce-scatters the gradients after it.
+    # 6. data parallelism / ZeRO on exactly these local parameters (ZeRO-3: each along dim 0)
     sharded = None
     if config.zero_stage == 3 and mesh.dp_cp > 1:
         params = list({id(p): p for m in mine for p in m.parameters()}.values())

@@ -1,15 +1,11 @@
 """Topology-aware placement: which ranks share a node decides which bytes cross the slow links.
 
 The mesh (`reference.mesh`) numbers ranks Megatron's way, TP innermost:
-``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``. With 8 GPUs a node and tp = 8, every TP
-group is one node, and TP, which communicates inside every layer, never leaves NVLink. Any
-other order puts some of those messages on the network. `group_ranks(order, ...)` builds the
-groups for any order of the axes (innermost first), `crossing_fraction` counts the ring edges
-of a group that join two nodes, and `placement_costs` prices one step of a configuration per
-GPU: each kind of traffic (tp, pp, dp, from `reference.parallel.estimate`) on the fast link
-when its ring stays inside a node, on the slow one when any edge crosses (a ring is as slow as
-its slowest link).
-"""
+``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``, so with 8 GPUs a node and tp = 8 TP, which
+communicates inside every layer, never leaves NVLink. `group_ranks` builds the groups for any
+order of the axes, `crossing_fraction` counts a group's ring edges that join two nodes, and
+`placement_costs` prices each kind of traffic of a step (`reference.parallel.estimate`) on the
+slow link when any edge of its ring crosses (a ring is as slow as its slowest link)."""
 from __future__ import annotations
 
 import itertools

@@ -1,29 +1,20 @@
 """Dynamic loss scaling for fp16, across every rank of a parallel run (DeepSpeed's rule).
 
-fp16 keeps 5 bits of exponent: gradients below about 6e-8 flush to zero. Multiplying the
-loss by a scale s multiplies every gradient by s, lifting the small ones into range; the
-optimizer then sees the gradients divided by s again. Too large an s overflows to inf, so
-the scale is dynamic:
+fp16 keeps 5 bits of exponent: gradients below about 6e-8 flush to zero. Multiplying the loss
+by a scale s multiplies every gradient by s, lifting the small ones into range; the optimizer
+sees them divided by s again. Too large an s overflows to inf, so the scale is dynamic:
 
-* a step whose gradients hold an inf or a NaN on *any* rank (every rank must agree: one
-  rank skipping a step alone would desynchronise the replicas) is skipped;
-* `hysteresis` (DeepSpeed's, its loss scaler's `delayed_shift`) is a budget of overflows
-  tolerated before the scale drops: each overflow spends one, and once one is left every
-  overflow multiplies the scale by `backoff` (1/2), never below `min_scale`;
-* the budget is refilled, with `consecutive_hysteresis=False` (DeepSpeed's default), only
-  when the scale grows; with `consecutive_hysteresis=True`, after every step without
-  overflow (so only overflows in a row lower the scale);
-* the scale is multiplied by `growth` (2) every `window` steps counted from the last
-  overflow (DeepSpeed: (iteration - last overflow iteration) % window == 0).
+* a step whose gradients hold an inf or a NaN on *any* rank is skipped on every rank (one
+  rank skipping alone would desynchronise the replicas);
+* `hysteresis` (DeepSpeed's `delayed_shift`) is a budget of overflows tolerated before the
+  scale drops: each overflow spends one, and once one is left every overflow multiplies the
+  scale by `backoff` (1/2), never below `min_scale` (where the run goes on, skipping steps);
+* the budget is refilled only when the scale grows, or with `consecutive_hysteresis=True`
+  after every step without overflow (then only overflows in a row lower the scale);
+* the scale is multiplied by `growth` (2) every `window` steps counted from the last overflow.
 
-So with hysteresis 2, overflows on alternate steps (O G O G ...) halve the scale from the
-second overflow on, as DeepSpeed does; with consecutive_hysteresis they never lower it.
-Unlike DeepSpeed's `raise_error_at_min_scale`, an overflow at `min_scale` does not stop
-the run: the step is skipped and the scale stays at the minimum.
-
-`DynamicLossScaler(static=s)` keeps s fixed (DeepSpeed's `loss_scale: s`, where 0 means
-dynamic). bf16 has fp32's exponent range and needs none of this.
-"""
+`DynamicLossScaler(static=s)` keeps s fixed (DeepSpeed's `loss_scale: s`). bf16 has fp32's
+exponent range and needs none of this."""
 from __future__ import annotations
 
 from typing import Optional

@@ -7,37 +7,25 @@
 
 What happens, in order, on every rank:
 
-1. its data: the global batch (B, T) split over the dp ranks, B / dp sequences each, and
-   with context parallelism each sequence over the cp ranks, T / cp tokens each (the tp
-   ranks of one dp and cp rank see the same tokens; only the first pipeline stage reads
-   the ids and only the last the targets);
-2. the pipeline schedule over `microbatches` micro-batches (`run_pipeline`; a pipeline of one
-   stage when pp = 1), gradients accumulating in `.grad` across micro-batches, with the
-   tied embedding's gradient summed over the first and last stage, under autocast for bf16;
-3. gradient synchronisation, once per step, after the last micro-batch's backward (no
-   reduction before it: that is what `no_sync` buys DDP), by the run's data-parallel way
-   (`pm.data_parallel`, `reference.parallel.data_parallelism`): the sequence-parallel
-   gradients summed over tp, then each gradient averaged over its replicas (dp x cp, the
-   ``dp_cp`` group, whose loss shares carry a factor dp x cp for it, `reference.loss`;
-   experts over their expert-data-parallel group), as one all-reduce, or as ZeRO's
-   reduce-scatter into shards (ZeRO-1 in the optimizer's `step()`, ZeRO-2 during the
-   backward, ZeRO-3 here or per block with ``reshard_after_forward``);
+1. its data (`local_batch`): B / dp sequences of the global batch (B, T), and with context
+   parallelism T / cp tokens of each (the tp ranks of one dp and cp rank see the same tokens);
+2. the pipeline schedule over `microbatches` micro-batches (`run_pipeline`; one stage when
+   pp = 1), gradients accumulating in `.grad`, the tied embedding's summed over the first and
+   last stage, under autocast for bf16 and fp16;
+3. gradient synchronisation, once, after the last backward (what `no_sync` buys DDP), by the
+   run's data-parallel way (`pm.data_parallel`, `reference.parallel.data_parallelism`): the
+   sequence-parallel gradients summed over tp, then each gradient averaged over its replicas
+   (dp x cp; experts over their expert-data-parallel group), by an all-reduce or ZeRO's
+   reduce-scatter;
 4. global-norm clipping over whatever this rank holds (`reference.parallel.clip`), when asked;
-5. the optimizer step;
-6. the loss made the global mean on every rank: the last stage's shares of it summed over
-   micro-batches, averaged over dp x cp and sent to every pipeline rank.
+5. the optimizer step (skipped on every rank when fp16 overflows on any);
+6. the loss made the global mean on every rank: the last stage's, averaged over dp x cp.
 
-The loss is one process's: the sum of every counted token's loss (targets of -100, such as
-padding, count for nothing) divided by the step's count of counted tokens in the global batch
-(`reference.loss.TokenMean`, counted here once before the backward); each micro-batch on each
+The loss is one process's (`reference.loss.TokenMean`): every counted token's loss (targets
+of -100 count for nothing) over the global batch's count of them; each micro-batch on each
 rank backpropagates its sum times dp x cp / count, which the gradient average over dp x cp
-turns into the whole batch's mean. ``ParallelConfig(loss_mean="mean_of_means")`` averages
-each micro-batch's own mean instead, which is one process's only when every piece counts as
-many tokens.
-
-`StepResult.trace` lists what the rank did with start and end times (the pipeline's F, B and
-messages, then the gradient reduction and the optimizer step), for `plot_step`.
-"""
+turns into the whole batch's mean. `StepResult.trace` lists what the rank did, with start
+and end times, for `plot_step`."""
 from __future__ import annotations
 
 import contextlib
@@ -46,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from reference import comms
 from reference.loss import counted_tokens, step_mean
@@ -121,10 +108,9 @@ def _global_loss(pm, loss: Optional[torch.Tensor], device) -> torch.Tensor:
 
 
 class StepRun:
-    """What the step's data-parallel way (`pm.data_parallel.forward_backward`) is handed: this
-    rank's batch, the loss scale, the precision's autocast, the step's clock and trace, and
-    `pipeline(hook)`, which runs the schedule (`run_pipeline`, a pipeline of one stage when
-    pp = 1) with ``hook`` called around each of its actions."""
+    """What the data-parallel way's `forward_backward` is handed: this rank's batch, the loss scale,
+    the precision's autocast, the step's clock and trace, and `pipeline(hook)`, which runs the
+    schedule with ``hook`` called around each of its actions."""
 
     def __init__(self, pm, x, y, device, loss_scale: float, loss_mean):
         self.pm, self.x, self.y, self.device, self.loss_scale = pm, x, y, device, loss_scale
@@ -166,10 +152,8 @@ class StepRun:
 
 def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
                max_norm: Optional[float] = None, scaler=None) -> StepResult:
-    """One step on the global batch ``idx``, ``targets`` (B, T), the same on every rank.
-
-    With fp16 the loss is scaled by ``scaler`` (default ``pm.scaler``, a
-    `DynamicLossScaler`); a step with an inf or NaN on any rank is skipped everywhere."""
+    """One step on the global batch ``idx``, ``targets`` (B, T), the same on every rank; with fp16
+    the loss is scaled by ``scaler`` (default ``pm.scaler``, a `DynamicLossScaler`)."""
     from reference.runtime import device as rank_device
 
     device, dp = rank_device(), pm.data_parallel
@@ -197,9 +181,3 @@ def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
     return StepResult(loss=_global_loss(pm, loss, device), grad_norm=norm, trace=run.trace,  # 6
                       peak_activation_bytes=peak, skipped=overflow,
                       loss_scale=scale if scaler is not None else None, tokens=counted_tokens(targets))
-
-
-def barrier_all(mesh) -> None:
-    """Every rank of the mesh waits for the others (between measured steps)."""
-    if mesh.world_size > 1:
-        dist.barrier()
