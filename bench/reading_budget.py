@@ -53,6 +53,10 @@ BUDGET = {"DDP": 300, "TP layers (Megatron)": 320, "1F1B": 400, "zero-bubble": 6
 # what the course reads towards
 TARGET = {"DDP": 300, "TP layers (Megatron)": 320, "1F1B": 400, "zero-bubble": 600,
           "ZeRO-3 composed with TP and PP": 400, "the composed step": 500}
+# the package's physical lines outside `course/` (code, docstrings, comments, blank lines) stay
+# under this size, what the package took before each technique was read as one way to do it:
+# a new part pays for its lines
+PACKAGE_LINES = 18_431
 LONG = 60  # lines of code: a function longer than this holds more than one idea
 DP_BRANCH = re.compile(r"\b(zero_stage|fsdp|sharded|reshard_after_forward)\b")
 
@@ -116,6 +120,10 @@ def _outside_course() -> list[Path]:
     return [p for p in sorted(PACKAGE.rglob("*.py")) if "course" not in p.relative_to(PACKAGE).parts]
 
 
+def package_lines() -> int:
+    return sum(len(p.read_text().splitlines()) for p in _outside_course())
+
+
 def long_functions() -> list[tuple[str, int]]:
     """(module:function, lines of code) of every function over `LONG` lines outside `course/`."""
     out = []
@@ -167,7 +175,7 @@ def data_parallel_branches() -> int:
 
 
 def shape() -> dict:
-    return {"lines outside course/": sum(len(p.read_text().splitlines()) for p in _outside_course()),
+    return {f"lines outside course/ (under {PACKAGE_LINES})": package_lines(),
             "functions over 60 lines of code": long_functions(),
             "private names imported across modules": private_imports(),
             "data-parallel branching lines in parallel/ and train/": data_parallel_branches()}

@@ -35,9 +35,16 @@ def test_a_topic_follows_the_imports_of_its_own_folder():
 def test_the_readme_prints_the_scripts_table():
     readme = (ROOT / "README.md").read_text()
     assert budget.table(markdown=True) in readme, "rerun: python bench/reading_budget.py --markdown"
+    assert f"under {budget.PACKAGE_LINES:,} lines" in readme
 
 
 def test_the_composing_layer_branches_on_the_data_parallel_way_only_in_its_factory():
     """`train_step`, the gather and sampling ask `pm.data_parallel`; the branch conditions that
     still name the ZeRO stage or FSDP in `parallel/` and `train/` are counted and held."""
     assert budget.data_parallel_branches() <= 20
+
+
+def test_the_package_outside_course_stays_under_its_size():
+    """Physical lines, prose included: a part that is added pays for its lines elsewhere."""
+    assert budget.package_lines() < budget.PACKAGE_LINES, \
+        f"reference/ outside course/ holds {budget.package_lines()} lines, over {budget.PACKAGE_LINES}"
