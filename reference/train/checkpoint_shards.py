@@ -1,10 +1,9 @@
 """Checkpoints saved as shards: each rank writes what it holds and reads what it needs.
 
-A tensor of the checkpoint (``model/<name>``, ``optim/<name>/<key>``) is the plain GPT's
-whole tensor, but no rank ever builds it. DCP stores it as chunks, each a box of the whole
-tensor (`ChunkStorageMetadata(offsets, sizes)` in the tensor's `TensorStorageMetadata`),
-and each rank hands DCP the boxes it holds, as views of its own parameters and optimizer
-states:
+A checkpoint's tensor (``model/<name>``, ``optim/<name>/<key>``) is the plain GPT's whole
+tensor, but no rank builds it. DCP stores it as chunks, each a box of the whole tensor
+(`ChunkStorageMetadata(offsets, sizes)`), and each rank declares the boxes it holds, as views
+of its own parameters and optimizer states:
 
     rank's tensor            its boxes, in the TP-local tensor (d0, *rest)
     whole (TP-local)         one box, the whole of it
@@ -16,28 +15,18 @@ states:
     column rows (a chunk per q|k|v block), row-parallel columns (offset in dim 1), the
     vocabulary's rows [start, end) with the padding rows past V dropped
 
-A replicated box (dp replicas, LayerNorms over tp, a tied head on the last pipeline stage)
-is declared by every rank holding it; DCP's global plan keeps one copy (`dedup_save_plans`,
-the rank with the fewest bytes so far) and checks that the boxes tile each tensor exactly.
-Loading declares the same boxes over this rank's destinations (the parameters themselves,
-zeroed first, and zero optimizer buffers shaped as the optimizer keeps them), and DCP reads,
-for each, the overlapping parts of the stored chunks (`create_read_items_for_chunk_list`),
-whatever layout wrote them. A rank's memory is its shard, plus, one at a time, DCP's copy of
-a box that is a view into a larger buffer (saving) or of a stored chunk it needs part of
-(loading: at most the largest chunk the saving layout wrote; the whole tensor when one
-process saved it).
-
-The planners hand DCP these boxes:
+A replicated box (dp replicas, LayerNorms over tp, a tied head) is declared by every rank
+holding it; DCP's global plan keeps one copy (`dedup_save_plans`) and checks that the boxes
+tile each tensor. Loading declares the same boxes over this rank's destinations (its
+parameters, zeroed first, and zero optimizer buffers) and DCP reads the overlapping parts of
+the stored chunks, whatever layout wrote them. A rank's memory is its shard plus, one at a
+time, DCP's copy of a box (saving) or of a stored chunk it needs part of (loading):
 
     dcp.save(plain, checkpoint_id=path, planner=ShardSavePlanner({fqn: (whole shape, boxes)}))
     dcp.load(plain, checkpoint_id=path, planner=ShardLoadPlanner({fqn: boxes}))
 
 ``plain`` holds what DCP's default planner handles as it is: the pickled meta bytes and the
-0-dim optimizer states. Saving, the local plan gets one `WriteItem` of type SHARD per box, with
-its `ChunkStorageMetadata(offsets, sizes)` and the whole tensor's size. Loading,
-`create_read_items_for_chunk_list` makes one `ReadItem` per stored chunk that overlaps a box
-(its offsets in the chunk and in the box), and DCP copies each piece into the view. Both
-planners count the bytes this rank writes or reads.
+0-dim optimizer states.
 """
 from __future__ import annotations
 
@@ -118,7 +107,7 @@ def _local_boxes(h: Holding, t: torch.Tensor) -> list[Box]:
             for o, s, f in _flat_boxes(h.shape, h.start, h.end)]
 
 
-def _segments(pm, e: Entry, shape) -> tuple[list[tuple[int, int, int]], int]:
+def _segments(e: Entry, shape) -> tuple[list[tuple[int, int, int]], int]:
     """How the TP-local tensor's rows sit in the whole tensor: [(local row, whole row, rows)]
     (the padded vocabulary's rows past V left out), and the column offset (row-parallel),
     read from the cut the tensor-parallel layer recorded on the parameter (``tp_cut``)."""
@@ -131,11 +120,11 @@ def _segments(pm, e: Entry, shape) -> tuple[list[tuple[int, int, int]], int]:
     return [(0, 0, d0)], whole
 
 
-def pieces(pm, h: Holding, t: torch.Tensor) -> list[Box]:
+def pieces(h: Holding, t: torch.Tensor) -> list[Box]:
     """The boxes of the whole tensor that ``t`` holds, each with a view of ``t``'s data."""
     if t.dim() == 0:
         return [((), t)]
-    rows, col = _segments(pm, h.entry, h.shape)
+    rows, col = _segments(h.entry, h.shape)
     out = []
     for offsets, data in _local_boxes(h, t):
         lo, n = offsets[0], data.shape[0]
@@ -161,7 +150,7 @@ def weight_holdings(pm) -> list[tuple[Holding, torch.Tensor]]:
     if pm.fsdp is None:
         out = []
         for e in es:
-            if is_sharded(pm, e.param):  # its rows, as ZeRO-3 recorded them where it cut
+            if is_sharded(e.param):  # its rows, as ZeRO-3 recorded them where it cut
                 rows = e.param.zero_rows
                 out.append((Holding(e, tuple(rows.whole), "rows", rows.first_row), e.param))
             else:
@@ -190,7 +179,7 @@ def state_holdings(pm, optimizer) -> list[tuple[Holding, torch.Tensor]]:
     shard under ZeRO-1/2 and FSDP, else the parameter itself (whole, or rows under ZeRO-3)."""
     groups = flat_groups(pm, optimizer)
     if not groups:
-        return [(h, t) for h, t in weight_holdings(pm)]
+        return weight_holdings(pm)
     by_id = {id(e.param): e for e in entries(pm)}
     out = []
     for shard, layout, params, shapes, group in groups:
@@ -226,8 +215,8 @@ def save_boxes(pm, optimizer) -> tuple[dict, dict]:
     scalars: dict[str, torch.Tensor] = {}
     for h, t in weight_holdings(pm):
         if not skip_tied_head(pm, h.entry):
-            whole = full_shape(pm, h.entry, h.shape)
-            boxes.setdefault(f"model/{h.entry.name}", (whole, []))[1].extend(pieces(pm, h, t.detach()))
+            whole = full_shape(h.entry, h.shape)
+            boxes.setdefault(f"model/{h.entry.name}", (whole, []))[1].extend(pieces(h, t.detach()))
     for h, src in state_holdings(pm, optimizer):
         if skip_tied_head(pm, h.entry):
             continue
@@ -239,8 +228,8 @@ def save_boxes(pm, optimizer) -> tuple[dict, dict]:
             if v.dim() == 0:  # AdamW's step: the same on every rank holding the parameter
                 scalars[fqn] = v.detach()
             else:
-                whole = full_shape(pm, h.entry, h.shape)
-                boxes.setdefault(fqn, (whole, []))[1].extend(pieces(pm, h, v.detach()))
+                whole = full_shape(h.entry, h.shape)
+                boxes.setdefault(fqn, (whole, []))[1].extend(pieces(h, v.detach()))
     return boxes, scalars
 
 
@@ -257,7 +246,7 @@ def load_boxes(pm, optimizer, metadata) -> tuple[dict, dict, callable, int]:
         if t.data_ptr() not in done:
             t.zero_()
             done.add(t.data_ptr())
-        boxes.setdefault(f"model/{h.entry.name}", []).extend(pieces(pm, h, t))
+        boxes.setdefault(f"model/{h.entry.name}", []).extend(pieces(h, t))
     keys: dict[str, list[str]] = {}
     for fqn in layout:
         if fqn.startswith("optim/"):
@@ -276,7 +265,7 @@ def load_boxes(pm, optimizer, metadata) -> tuple[dict, dict, callable, int]:
             mine = buffers.setdefault(id(src), {})
             if key not in mine:
                 mine[key] = torch.zeros(src.shape, dtype=md.properties.dtype, device=src.device)
-            boxes.setdefault(fqn, []).extend(pieces(pm, h, mine[key]))
+            boxes.setdefault(fqn, []).extend(pieces(h, mine[key]))
 
     def finish() -> dict[int, dict[str, torch.Tensor]]:
         out = {}
