@@ -1,11 +1,8 @@
-"""DeepSpeed's blocks of the trainer's configuration, as plain dataclasses (names and defaults
-from DeepSpeed's docs/config-json): `optimizer`, `fp16`, `bf16`, `zero_optimization`,
-`activation_checkpointing`. The `scheduler` block is `reference.train.lr_schedules`; the
-whole file, with the course's own blocks, is `reference.train.config`.
-
-Keys DeepSpeed documents that have no effect in the course's trainer (ZeRO's bucket sizes,
-`fp16.auto_cast`, the activation-checkpointing buffers...) are accepted, so that a DeepSpeed
-file loads, and `describe` lists each one set.
+"""DeepSpeed's blocks of the trainer's configuration as plain dataclasses, with DeepSpeed's names
+and defaults (docs/config-json): `optimizer`, `fp16`, `bf16`, `zero_optimization`,
+`activation_checkpointing`. Keys DeepSpeed documents that have no effect here (ZeRO's bucket
+sizes, `fp16.auto_cast`, ...) are accepted, so that a DeepSpeed file loads, and `describe`
+lists each one set.
 """
 from __future__ import annotations
 

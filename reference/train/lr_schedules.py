@@ -15,12 +15,10 @@ optimizer step (0, 1, 2, ...) and W = max(2, warmup_num_steps):
   x gamma during warm-up, then cos_min_ratio + (1 - cos_min_ratio) x (1 + cos(pi p)) / 2 with
   p = min(1, (s - W + 1) / max(1, T - W)).
 
-Optimizer step s runs at the schedule's value for s. (DeepSpeed's engine runs its first
-optimizer step at the value it sets before any `step()`, warmup_min_lr, and its second at s = 0,
-also warmup_min_lr; here the schedule starts at s = 0 and is not repeated.)
-WarmupLR and WarmupDecayLR set the lr outright: `make_scheduler` writes warmup_max_lr
-(DeepSpeed's default 0.001, not the optimizer's lr: `describe` says so when the two differ)
-into the optimizer, and the LambdaLR factor is lr(s) /
+Optimizer step s runs at the schedule's value for s (DeepSpeed's engine runs its first two steps
+at warmup_min_lr, before any `step()` and at s = 0; here s = 0 is not repeated). WarmupLR and
+WarmupDecayLR set the lr outright: `make_scheduler` writes warmup_max_lr (DeepSpeed's default
+0.001, not the optimizer's lr) into the optimizer, and the LambdaLR factor is lr(s) /
 warmup_max_lr. total_num_steps defaults to the configuration's `steps`.
 """
 from __future__ import annotations
@@ -90,7 +88,7 @@ class SchedulerConfig:
 
 
 def _gamma(s: int, warmup: int, kind: str) -> float:
-    """DeepSpeed's warm-up fraction at step s < warmup (W = max(2, warmup_num_steps))."""
+    """DeepSpeed's warm-up fraction gamma at step s < W."""
     return math.log(s + 1) / math.log(warmup) if kind == "log" else s / warmup
 
 
