@@ -68,8 +68,7 @@ def _steps(directory: Path) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(directory) -> Optional[Path]:
-    """The published checkpoint of the highest step in ``directory`` (partial folders are
-    ignored); None when there is none."""
+    """The published checkpoint of the highest step in ``directory``, or None."""
     found = _steps(Path(directory))
     return found[0][1] if found else None
 

@@ -35,8 +35,7 @@ PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas")
 
 
 def _group_names(pm, optimizer) -> list[list[str]]:
-    """For each param group of ``optimizer``, the plain-GPT names of the parameters it updates
-    (a flat shard of ZeRO-1/2 or FSDP stands for every parameter laid out in it)."""
+    """For each param group of ``optimizer``, the plain-GPT names of the parameters it updates."""
     name_of = {id(e.param): e.name for e in entries(pm)}
     flat = {id(shard): params for shard, _, params, _, _ in flat_groups(pm, optimizer)}
     out = []
@@ -62,8 +61,7 @@ def _per_group_keys(state: dict, n_groups: int) -> list[str]:
 
 
 def _records(groups: list[dict], state, keys: list[str]) -> tuple[list[dict], object]:
-    """Each group's record (its hyper-parameters, its entry of each of the scheduler's
-    per-group lists ``keys``), and the scheduler's ``state`` without those lists."""
+    """Each group's record, and the scheduler's ``state`` without its per-group lists ``keys``."""
     records = [{"hyper": _hyper(g), "scheduler": {k: state[k][i] for k in keys}}
                for i, g in enumerate(groups)]
     return records, ({k: v for k, v in state.items() if k not in keys} if isinstance(state, dict) else state)
@@ -95,8 +93,7 @@ def _differences(a: dict, b: dict) -> list[str]:
 
 
 def merge_groups(parts: list[dict]) -> dict:
-    """The layout-free form (the module's docstring) of every rank's {name: record}, in rank
-    order; a parameter two ranks hold with different records is a ValueError."""
+    """meta/param_groups from every rank's {name: record}, in rank order (one name, one record)."""
     records, of, clashes = [], {}, []
     for rank, part in enumerate(parts):
         for name, record in sorted(part.items()):

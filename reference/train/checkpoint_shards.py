@@ -68,8 +68,7 @@ class Holding:
 
 # ---------------------------------------------------------------------- boxes
 def _flat_boxes(shape, a: int, b: int, base: int = 0) -> list[tuple[tuple, tuple, int]]:
-    """Numbers [a, b) of a tensor of ``shape``, flattened, as boxes (offsets, sizes, first
-    number): a part of a row, whole rows, a part of a row (the parts recursively)."""
+    """Numbers [a, b) of a flattened tensor of ``shape`` as boxes (offsets, sizes, first number)."""
     if a >= b:
         return []
     if not shape:
@@ -175,8 +174,7 @@ def _flat_holdings(by_id, layout, params, shapes, rank, shard) -> list[tuple[Hol
 
 
 def state_holdings(pm, optimizer) -> list[tuple[Holding, torch.Tensor]]:
-    """(holding, the optimizer's parameter whose state holds it) for each parameter: a flat
-    shard under ZeRO-1/2 and FSDP, else the parameter itself (whole, or rows under ZeRO-3)."""
+    """(holding, the optimizer's parameter whose state holds it: a flat shard, or the parameter)."""
     groups = flat_groups(pm, optimizer)
     if not groups:
         return weight_holdings(pm)

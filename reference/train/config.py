@@ -252,8 +252,7 @@ class TrainConfig:
 
 
 def _normalize(raw: dict) -> dict:
-    """DeepSpeed's shorthands: `activation_checkpointing` as a bare bool, or a block that
-    does not say "enabled" (the block's presence turns checkpointing on)."""
+    """DeepSpeed's shorthands: `activation_checkpointing` as a bool, or a block without "enabled"."""
     ac = raw.get("activation_checkpointing")
     if isinstance(ac, bool):
         raw["activation_checkpointing"] = {"enabled": ac}

@@ -39,8 +39,7 @@ __all__ = ["run_rank", "batch_at", "peak_memory_bytes", "prepare_log", "show_pro
 
 
 def batch_at(source: str, batch: int, seq_len: int, step: int, seed: int, corpus=None):
-    """Global batch number ``step``: a function of (source, seed, step) alone, so the data
-    position of a run is its step and every rank draws the same batch."""
+    """Global batch number ``step``, a function of (source, seed, step) alone: the same on every rank."""
     if source == "stdlib":
         return get_batch(corpus.train, batch, seq_len, step, seed)
     if source == "arithmetic":
@@ -53,8 +52,7 @@ def batch_at(source: str, batch: int, seq_len: int, step: int, seed: int, corpus
 
 
 def peak_memory_bytes() -> int:
-    """This process's peak memory: the CUDA allocator's high-water mark, or the peak resident
-    set size (ru_maxrss, in KiB on Linux)."""
+    """This process's peak memory: the CUDA allocator's high-water mark, or ru_maxrss (KiB on Linux)."""
     if device().type == "cuda":
         return int(torch.cuda.max_memory_allocated())
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

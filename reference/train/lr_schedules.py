@@ -93,8 +93,7 @@ def _gamma(s: int, warmup: int, kind: str) -> float:
 
 
 def lr_factor(kind: str, p: dict, s: int) -> float:
-    """The schedule at optimizer step s: WarmupLR and WarmupDecayLR give the lr itself,
-    WarmupCosineLR a ratio of the optimizer's lr."""
+    """The schedule at optimizer step s: the lr itself, or WarmupCosineLR's ratio of the lr."""
     W = max(2, p["warmup_num_steps"])
     if kind == "WarmupCosineLR":
         if s < W:
@@ -112,8 +111,7 @@ def lr_factor(kind: str, p: dict, s: int) -> float:
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, config) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR running ``config``'s schedule (a TrainConfig: its `scheduler` and `steps`; or
-    a SchedulerConfig). No scheduler: a constant lr (factor 1)."""
+    """A LambdaLR running the schedule of ``config`` (a TrainConfig or a SchedulerConfig), or 1."""
     sched, steps = (config.scheduler, config.steps) if hasattr(config, "scheduler") else (config, None)
     if sched is None:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)

@@ -59,8 +59,7 @@ HELD = 2  # the steps held to the loss tolerance (the module's docstring says wh
 
 
 def compare(logged: list[dict], reference: list[float], steps: Optional[int] = None) -> float:
-    """Largest relative difference between the logged losses and one process's, over the
-    first ``steps`` steps (all by default)."""
+    """Largest relative difference of the logged losses from one process's, over ``steps`` steps."""
     by_step = {r["step"]: r["loss"] for r in logged}
     diffs = [abs(by_step[s + 1] - ref) / abs(ref) for s, ref in enumerate(reference[:steps])
              if s + 1 in by_step]

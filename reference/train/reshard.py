@@ -85,8 +85,7 @@ def is_sharded(p) -> bool:
 
 
 def flat_groups(pm, optimizer):
-    """(flat shard the optimizer steps on, layout, the parameters laid out in it, dp group) for
-    ZeRO-1/2 (one) and FSDP (one per unit); empty for a plain optimizer."""
+    """[(flat shard, layout, its parameters, their shapes, dp group)] of ZeRO-1/2 or FSDP, or []."""
     if isinstance(optimizer, ZeroOptimizer):
         return [(optimizer.shard, optimizer.layout, optimizer.params,
                  [p.shape for p in optimizer.params], optimizer.group)]
