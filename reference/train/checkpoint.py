@@ -165,13 +165,6 @@ def _layout(pm) -> dict:
 
 
 # ---------------------------------------------------------------------- save
-def _meta_to_save(pm, step, extra, scheduler_rest, scaler, rng, groups) -> dict:
-    """The pickled meta data handed to `dcp.save` (written once, by the coordinator)."""
-    meta = dict(step=step, extra=extra, layout=_layout(pm), rng=rng, param_groups=groups,
-                scheduler=scheduler_rest, scaler=None if scaler is None else scaler.state_dict())
-    return {f"meta/{k}": pickle.dumps(v) for k, v in meta.items()}
-
-
 def _write(path: Path, pm, optimizer, meta: dict) -> None:
     """Every rank writes the boxes it holds, rank 0 the meta data and .metadata."""
     boxes, scalars = save_boxes(pm, optimizer)
@@ -211,9 +204,10 @@ def save_checkpoint(directory, step: int, pm, optimizer, *, scheduler=None, scal
     gathered = [None] * dist.get_world_size() if dist.is_initialized() else [(mine, groups)]
     if dist.is_initialized():
         dist.all_gather_object(gathered, (mine, groups))  # rank r's at index r
-    rng = [r for r, _ in gathered]
-    meta = _meta_to_save(pm, step, extra, scheduler_rest, scaler, rng,
-                         merge_groups([g for _, g in gathered]))  # the same on every rank
+    meta = dict(step=step, extra=extra, layout=_layout(pm), rng=[r for r, _ in gathered],
+                param_groups=merge_groups([g for _, g in gathered]),  # the same on every rank
+                scheduler=scheduler_rest, scaler=None if scaler is None else scaler.state_dict())
+    meta = {f"meta/{k}": pickle.dumps(v) for k, v in meta.items()}  # written once, by the coordinator
     final = publish(directory, step, lambda partial: _write(partial, pm, optimizer, meta))
     _set_rng_state(pm, mine)
     return final

@@ -15,18 +15,15 @@ of its own parameters and optimizer states:
     column rows (a chunk per q|k|v block), row-parallel columns (offset in dim 1), the
     vocabulary's rows [start, end) with the padding rows past V dropped
 
-A replicated box (dp replicas, LayerNorms over tp, a tied head) is declared by every rank
-holding it; DCP's global plan keeps one copy (`dedup_save_plans`) and checks that the boxes
-tile each tensor. Loading declares the same boxes over this rank's destinations (its
-parameters, zeroed first, and zero optimizer buffers) and DCP reads the overlapping parts of
-the stored chunks, whatever layout wrote them. A rank's memory is its shard plus, one at a
-time, DCP's copy of a box (saving) or of a stored chunk it needs part of (loading):
-
     dcp.save(plain, checkpoint_id=path, planner=ShardSavePlanner({fqn: (whole shape, boxes)}))
     dcp.load(plain, checkpoint_id=path, planner=ShardLoadPlanner({fqn: boxes}))
 
-``plain`` holds what DCP's default planner handles as it is: the pickled meta bytes and the
-0-dim optimizer states.
+``plain`` holds the pickled meta bytes and the 0-dim optimizer states. A replicated box (dp
+replicas, LayerNorms over tp, a tied head) is declared by every rank holding it and saved once
+(DCP's `dedup_save_plans`). Loading declares the same boxes over this rank's parameters (zeroed
+first) and zero optimizer buffers, and DCP reads the overlapping parts of the stored chunks,
+whatever layout wrote them. A rank's memory is its shard plus, one at a time, DCP's copy of a
+box (saving) or of a stored chunk it needs part of (loading).
 """
 from __future__ import annotations
 
@@ -107,9 +104,8 @@ def _local_boxes(h: Holding, t: torch.Tensor) -> list[Box]:
 
 
 def _segments(e: Entry, shape) -> tuple[list[tuple[int, int, int]], int]:
-    """How the TP-local tensor's rows sit in the whole tensor: [(local row, whole row, rows)]
-    (the padded vocabulary's rows past V left out), and the column offset (row-parallel),
-    read from the cut the tensor-parallel layer recorded on the parameter (``tp_cut``)."""
+    """[(local row, whole row, rows)] of the TP-local tensor in the whole one (rows past V left out)
+    and the column offset (row-parallel), from the parameter's ``tp_cut``."""
     cut, d0 = getattr(e.param, "tp_cut", None), shape[0] if shape else 0
     if cut is None:
         return [(0, 0, d0)], 0
@@ -232,10 +228,9 @@ def save_boxes(pm, optimizer) -> tuple[dict, dict]:
 
 
 def load_boxes(pm, optimizer, metadata) -> tuple[dict, dict, callable, int]:
-    """({fqn: boxes}, {fqn: 0-dim tensor}, finish, bytes allocated) for `dcp.load`: the boxes
-    are views of this rank's parameters (zeroed here: the padding stays 0) and of zero
-    optimizer buffers shaped as the optimizer keeps them (the bytes allocated);
-    ``finish()`` returns {id(optimizer parameter): {key: state}} once they are read."""
+    """({fqn: boxes}, {fqn: 0-dim tensor}, finish, bytes allocated) for `dcp.load`: views of this
+    rank's parameters (zeroed: the padding stays 0) and of new zero optimizer buffers; ``finish()``
+    gives {id(optimizer parameter): {key: state}} once they are read."""
     layout = metadata.state_dict_metadata
     boxes: dict[str, list[Box]] = {}
     done = set()
