@@ -9,10 +9,9 @@
     python -m reference.train plot runs/debug_3d.jsonl --out loss.png
     python -m reference.train parity runs/debug_3d.jsonl --config configs/debug_3d.json --world-size 8
 
-The same configuration runs all three ways: standalone, the trainer starts its own gloo
-ranks (`--world-size N`); under torchrun it joins the process group torchrun describes
-(`WORLD_SIZE`), on one node or many. Flags override the config's keys (`--set KEY=VALUE`
-for any dotted key).
+Standalone, the trainer starts its own gloo ranks (`--world-size N`); under torchrun it joins
+torchrun's process group, on one node or many. Flags override the configuration's keys
+(`--set KEY=VALUE` for any dotted key).
 """
 from __future__ import annotations
 

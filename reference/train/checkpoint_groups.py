@@ -1,10 +1,9 @@
 """The optimizer's and the schedule's param-group state, saved by parameter, not by group.
 
 A param group belongs to the layout, not to the model: the trainer's two groups (matrices
-decayed, biases and LayerNorm gains not) stay two in a plain optimizer and ZeRO-3, fold into
-ZeRO-1/2's one flat shard, become one per unit under FSDP, and a pipeline stage without a bias
-has one. A scheduler keeps one entry per group (`base_lrs`, `_last_lr`, `lr_lambdas`), so state
-saved by group fits only the same groups. A checkpoint keeps them by plain-GPT parameter name:
+decayed, biases and gains not) fold into ZeRO-1/2's one flat shard, become one per FSDP unit,
+and one on a pipeline stage without a bias. A scheduler keeps one entry per group (`base_lrs`,
+`_last_lr`, `lr_lambdas`). So a checkpoint keeps them by plain-GPT parameter name:
 
     meta/param_groups   {"records": [record, ...], "of": {name: index of its record}}, where a
                         record is {"hyper": the group's hyper-parameters but params and
@@ -13,11 +12,10 @@ saved by group fits only the same groups. A checkpoint keeps them by plain-GPT p
     meta/scheduler      the scheduler's state without those lists (last_epoch, ...)
 
 Loading gives each new group the record of the parameters it updates and rebuilds the
-scheduler's lists for those groups; a group joining parameters with different records (two
-learning rates in one ZeRO shard) is a ValueError on every rank. `weight_decay` comes from the
-run's configuration, since the layout decides where it is applied. A meta/param_groups that is
-a list (one entry per saving group, the scheduler's state whole) loads by position, or into any
-number of groups when they differ in weight_decay only.
+scheduler's lists; a group joining different records (two learning rates in one ZeRO shard) is
+a ValueError on every rank. `weight_decay` comes from the run's configuration (the layout
+decides where it applies). A meta/param_groups that is a list of groups loads by position, or
+into any number of groups when they differ in weight_decay only.
 """
 from __future__ import annotations
 
@@ -75,8 +73,7 @@ def local_groups(pm, optimizer, scheduler) -> tuple[dict, Optional[dict]]:
     keys = (_per_group_keys(state, len(groups))
             if state is not None and getattr(scheduler, "optimizer", None) is optimizer else [])
     records, rest = _records(groups, state, keys)
-    names = _group_names(pm, optimizer)
-    return {name: record for record, group in zip(records, names) for name in group}, rest
+    return {name: record for record, names in zip(records, _group_names(pm, optimizer)) for name in names}, rest
 
 
 def _same(a, b) -> bool:

@@ -150,7 +150,6 @@ class TrainConfig:
                              f"gradient_accumulation_steps={self.gradient_accumulation_steps}, "
                              f"any two determine the third)")
 
-    # ------------------------------------------------------------------ derived
     @property
     def precision(self) -> str:
         return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
