@@ -4,15 +4,12 @@
     pc = config.parallel_config(8)          # a validated ParallelConfig, dp = 8 / (tp x pp)
     print(describe(config, 8))              # what it means on 8 ranks, and what is pointless
 
-DeepSpeed's keys mean what DeepSpeed's documentation says (docs/config-json):
-`train_batch_size` = `train_micro_batch_size_per_gpu` x `gradient_accumulation_steps` x dp,
-any two giving the third; `optimizer`, `scheduler` (`reference.train.lr_schedules`),
-`gradient_clipping` (the global norm, 0 = off), `fp16`, `bf16`, `zero_optimization` (its
-`offload_optimizer` is refused with its reason: nothing is offloaded here) and
-`activation_checkpointing` (`reference.train.deepspeed_blocks`). Unset keys take DeepSpeed's
-defaults, where they differ from torch's too: `weight_decay` 0 (torch's AdamW: 0.01), WarmupLR's
-`warmup_max_lr` 0.001 (not the optimizer's lr). Two choices where DeepSpeed leaves the reader
-guessing:
+DeepSpeed's keys (`deepspeed_blocks`, `lr_schedules`) mean what its docs/config-json says:
+`train_batch_size` = `train_micro_batch_size_per_gpu` x `gradient_accumulation_steps` x dp, any
+two giving the third; `zero_optimization.offload_optimizer` is refused with its reason (nothing
+is offloaded here). Unset keys take DeepSpeed's defaults, where they differ from torch's too:
+`weight_decay` 0 (torch's AdamW: 0.01), WarmupLR's `warmup_max_lr` 0.001 (not the optimizer's
+lr). Two choices where DeepSpeed leaves the reader guessing:
 
 * optimizer "Adam" is DeepSpeed's: its `adam_w_mode` defaults to true, which is decoupled
   weight decay, i.e. torch's AdamW; `"adam_w_mode": false` gives torch's Adam;
@@ -21,11 +18,9 @@ guessing:
   (`true` / `false` alone work too). `partition_activations` and the CPU and memory options are
   accepted and reported by `describe` as having no effect.
 
-The course's own blocks are the dataclasses below (`parallelism`, `model`, `data`, `checkpoint`,
-`log`, and `steps`, `seed`); dp is what the world size leaves, and the pipeline's micro-batches
-are DeepSpeed's accumulation steps. Keys starting with "_" are comments ("_about" says what a
-file is). Every error is a ValueError naming the dotted key and its value; the checks that need
-the world size run in `TrainConfig.parallel_config(world_size)`.
+The course's own blocks are the dataclasses below; dp is what the world size leaves, and the
+pipeline's micro-batches are DeepSpeed's accumulation steps. Keys starting with "_" are comments
+("_about" says what a file is). Every error is a ValueError naming the dotted key and its value.
 """
 from __future__ import annotations
 

@@ -1,16 +1,15 @@
 """`python -m reference.train parity LOG.jsonl --config C`: a run's losses against one process.
 
-One process trains the same model from the same seed on the same global batches, with the same
-optimizer, schedule and clipping, accumulating over the dp x micro-batch chunks of the parallel
-run. The first `HELD` steps are held to `reference.tolerance.loss(dtype)` in the run's precision
-(fp32: rtol 1e-5, only the order of additions differs; bf16 and fp16: 1e-3): step 1 is the same
-weights' loss, and step 2 follows one update, where a wrong gradient reduction already shows
-while AdamW's first step (lr times the gradient's sign) differs only where a gradient is a
-rounding away from 0.
-Later steps are printed, not held: each AdamW step can turn a last-bit difference into up to
-2 lr of a weight (`reference.tolerance.adamw_weights`), and the losses drift apart (2e-4 relative
-after 30 steps of `configs/debug_3d.json` at lr 3e-3) with nothing wrong; the sweep and the
-parity tests compare the weights instead.
+One process trains the same model on the same batches with the same optimizer, schedule and
+clipping, over the parallel run's dp x micro-batch chunks. The first `HELD` steps are held to
+`reference.tolerance.loss(dtype)` in the run's precision (fp32: rtol 1e-5, only the order of
+additions differs; bf16 and fp16: 1e-3): step 1 is the same weights' loss, and step 2 follows
+one update, where a wrong gradient reduction already shows while AdamW's first step (lr times
+the gradient's sign) differs only where a gradient is a rounding away from 0. Later steps are
+printed, not held: each AdamW step can turn a last-bit difference into up to 2 lr of a weight
+(`reference.tolerance.adamw_weights`), and the losses drift apart (2e-4 relative after 30 steps
+of `configs/debug_3d.json` at lr 3e-3) with nothing wrong; the sweep and the parity tests
+compare the weights instead.
 """
 from __future__ import annotations
 
