@@ -54,7 +54,6 @@ class Holding:
     """What this rank holds of one parameter-shaped tensor: ``kind`` "whole" (TP-local),
     "rows" (its rows from ``start`` on, ZeRO-3) or "flat" (its flattened numbers [start, end)
     at position ``at`` of a flat shard); ``shape`` the whole TP-local shape."""
-
     entry: Entry
     shape: tuple[int, ...]
     kind: str = "whole"

@@ -3,16 +3,13 @@
 `run_rank(plan, world_size, resume)` is what each rank executes, whether started by
 `reference.runtime.launch` or by torchrun (``plan``: a `reference.train.settings.RunPlan`):
 
-1. the layout (`cfg.parallel_config(world_size)`), the mesh, the plain GPT built from
-   `cfg.seed` on every rank and `parallelize`d;
+1. the layout, the mesh, the plain GPT built from `cfg.seed` on every rank and `parallelize`d;
 2. the optimizer (`pm.make_optimizer`), the learning-rate schedule and fp16's loss scaler;
-3. with `--resume` (a checkpoint must exist) or `checkpoint.resume: true` (the latest one if
-   any, else a fresh start: what a requeued SLURM job wants), the latest checkpoint: the run
-   continues exactly where it stopped, and the log keeps its lines up to that step;
-4. per step: global batch number `step` (the data position is the step), `train_step`, the
-   schedule's step (not after an fp16 overflow: DeepSpeed's rule); every `log.every` steps
-   rank 0 appends the step's record to the JSONL log; every `checkpoint.every` steps and at
-   the end, a checkpoint;
+3. with `--resume` (a checkpoint must exist) or `checkpoint.resume: true` (a requeued SLURM
+   job's case: a fresh start when there is none), the latest checkpoint, to continue exactly;
+4. per step: global batch number `step`, `train_step`, the schedule's step (not after an fp16
+   overflow: DeepSpeed's rule); every `log.every` steps rank 0 appends the record to the JSONL
+   log; every `checkpoint.every` steps and at the end, a checkpoint;
 5. at the end, a sample of generated text.
 """
 from __future__ import annotations

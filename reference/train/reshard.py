@@ -1,9 +1,8 @@
 """What a rank holds, named without its layout: what makes a checkpoint reshardable.
 
-A rank of a 3D run holds slices (rows of a column-parallel weight, columns of a row-parallel
-one, V_pad / tp rows of the vocabulary, one stage's blocks, its experts, a ZeRO flat shard);
-stored under the rank's own names they would load only into the same layout. This module
-names each slice by the plain GPT's parameter it belongs to, with that parameter's whole shape:
+A rank of a 3D run holds slices (tensor-parallel rows or columns, one stage's blocks, its
+experts, a ZeRO flat shard), which under the rank's own names would load only into the same
+layout. This module names each by the plain GPT's parameter, with its whole shape:
 
     entries(pm)              this rank's distinct parameters (a tied weight once): local name,
                              plain-GPT name (experts by global id), the owning module
@@ -12,7 +11,6 @@ names each slice by the plain GPT's parameter it belongs to, with that parameter
     flat_groups              ZeRO-1/2 and FSDP's flat shard (S,) and its layout
     load_optimizer_local_state   an optimizer's states and hyper-parameters, given back
 
-`reference.train.checkpoint_shards` maps each slice to its box in the whole tensor with these.
 A weight tied to the embedding (`lm_head.weight` when `tie_weights`) is stored once, as
 `wte.weight`, and both pipeline copies load from it.
 """
@@ -33,15 +31,12 @@ __all__ = ["Entry", "entries", "canonical_name", "full_shape", "full_shapes", "i
 
 def canonical_name(pm, name: str) -> str:
     """The plain GPT's name of a parameter: a tied lm_head is the embedding's matrix."""
-    if name == "lm_head.weight" and pm.model_config.tie_weights:
-        return "wte.weight"
-    return name
+    return "wte.weight" if name == "lm_head.weight" and pm.model_config.tie_weights else name
 
 
 @dataclass
 class Entry:
     """One parameter this rank holds: its local name, its plain-GPT name, the module owning it."""
-
     local: str
     name: str
     param: torch.nn.Parameter

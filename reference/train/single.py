@@ -131,10 +131,9 @@ def evaluate(model: nn.Module, data: torch.Tensor, batch_size: int, num_batches:
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    block_size = model.config.block_size
     losses = []
     for i in range(num_batches):
-        x, y = get_batch(data, batch_size, block_size, step=i, seed=seed, device=device)
+        x, y = get_batch(data, batch_size, model.config.block_size, step=i, seed=seed, device=device)
         logits, _ = model(x)
         losses.append(lm_loss(logits, y).item())
     model.train(was_training)
