@@ -4,9 +4,8 @@
     latest = latest_checkpoint("runs/ckpt")             # runs/ckpt/step_000010, or None
     info = load_checkpoint(latest, pm, optimizer, scheduler=sched)   # {"step": 10, "extra": {...}}
 
-Both are collective: every rank of the mesh calls them. Storage is DCP's (one folder per
-checkpoint: `.metadata` and the ranks' `__<rank>_0.distcp` files), layout-free
-(`reference.train.reshard`), under these keys:
+Both are collective. DCP stores one folder per checkpoint (`.metadata`, the ranks' `.distcp`
+files), layout-free (`reference.train.reshard`), under these keys:
 
     model/<name>               every parameter, under the plain GPT's name, shaped whole
     optim/<name>/<key>         the optimizer's per-parameter state (exp_avg, exp_avg_sq, step),
@@ -15,11 +14,10 @@ checkpoint: `.metadata` and the ranks' `__<rank>_0.distcp` files), layout-free
                                parameter name (`checkpoint_groups`), the scaler's state_dict,
                                the layout (dp, tp, pp, ep), every rank's RNG states by global rank
 
-Each rank writes and reads only the boxes it holds (`checkpoint_shards`), so any (dp, tp, pp,
-ep, ZeRO stage) loads any checkpoint of the same model; a load that fails part-way (a corrupt
-file) leaves the weights partly loaded. A save is published atomically, only when every rank
-agrees that its write succeeded (`checkpoint_publish`). Checkpoints are pickles: load only
-those you trust.
+Each rank writes and reads only the boxes it holds (`checkpoint_shards`), so any layout loads
+any checkpoint of the same model; a load that fails part-way (a corrupt file) leaves the weights
+partly loaded. A save is published atomically (`checkpoint_publish`). Checkpoints are pickles:
+load only those you trust.
 """
 from __future__ import annotations
 

@@ -2,11 +2,11 @@
 
     build(TrainConfig, json.load(f), where="configs/debug_3d.json")
 
-`build` walks a dataclass's fields (type hints, and `spec`'s choices and minimum) beside the JSON
-object. An unknown key is an error naming its dotted path and the nearest known key, at that
-level or in another block ("lr": did you mean "optimizer.params.lr"?); keys starting with "_"
-are comments; a value of the wrong type (a bool is not an int; an int is a float), outside its
-choices or under its minimum is an error naming the key, the value and what was expected.
+`build` walks a dataclass's fields (type hints, `spec`'s checks) beside the JSON object. An
+unknown key is an error naming its dotted path and the nearest known key ("lr": did you mean
+"optimizer.params.lr"?); a value of the wrong type (a bool is not an int; an int is a float),
+outside its choices or under its minimum is an error naming the key, the value and what was
+expected. Keys starting with "_" are comments.
 """
 from __future__ import annotations
 
