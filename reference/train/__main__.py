@@ -196,8 +196,7 @@ def _main_with_clear_errors() -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RankError as err:
-        # A checkpoint whose bytes were overwritten is found corrupt only when the ranks
-        # read it: said once, like the other bad inputs, not once per rank.
+        # bytes overwritten inside a checkpoint are found only as the ranks read: said once
         last = err.traceback.strip().splitlines()[-1] if err.traceback.strip() else ""
         if "CorruptCheckpointError: " in last:
             print(f"error: {last.split('CorruptCheckpointError: ', 1)[1]}", file=sys.stderr)

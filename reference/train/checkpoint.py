@@ -185,11 +185,9 @@ def _save_problem(directory: Path, step, extra) -> Optional[str]:
 
 def save_checkpoint(directory, step: int, pm, optimizer, *, scheduler=None, scaler=None,
                     extra: Optional[dict] = None) -> Path:
-    """Save the training state after ``step`` as ``directory/step_<step>``; returns that path.
-
-    ``optimizer`` is what ``pm.make_optimizer`` returned; ``extra`` a dict of plain data (the data
-    position, ...). Ranks that pass different steps, or a failed write, publish nothing and raise
-    `CheckpointNotPublishedError` on every rank. The RNG states are left as they were on entry."""
+    """Save the training state after ``step`` as ``directory/step_<step>`` and return that path;
+    ``extra`` is a dict of plain data (the data position, ...). Different steps, or a failed write,
+    publish nothing and raise `CheckpointNotPublishedError` on every rank. RNG states are kept."""
     directory = Path(directory)
     problem = _save_problem(directory, step, extra)
     groups, scheduler_rest = {}, None

@@ -27,8 +27,7 @@ from reference.train.reshard import flat_groups, entries
 
 __all__ = ["PER_GROUP", "local_groups", "merge_groups", "resolve_groups"]
 
-# The per-group lists of torch's LRScheduler (base_lrs, _last_lr) and of LambdaLR and
-# MultiplicativeLR (lr_lambdas: None, or the __dict__ of a callable object)
+# torch's per-group scheduler lists (lr_lambdas of LambdaLR, MultiplicativeLR: None or an object's __dict__)
 PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas")
 
 

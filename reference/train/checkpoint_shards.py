@@ -51,9 +51,8 @@ Box = tuple[tuple[int, ...], torch.Tensor]  # (offsets in the whole tensor, a vi
 
 @dataclass
 class Holding:
-    """What this rank holds of one parameter-shaped tensor: ``kind`` "whole" (TP-local),
-    "rows" (its rows from ``start`` on, ZeRO-3) or "flat" (its flattened numbers [start, end)
-    at position ``at`` of a flat shard); ``shape`` the whole TP-local shape."""
+    """This rank's part of a tensor of TP-local ``shape``: "whole", "rows" (from ``start`` on, ZeRO-3)
+    or "flat" (its flattened numbers [start, end) at position ``at`` of a flat shard)."""
     entry: Entry
     shape: tuple[int, ...]
     kind: str = "whole"

@@ -57,8 +57,7 @@ class ParallelismConfig:
     # composed ZeRO-3's FSDP2 option: False here, where PyTorch's fully_shard defaults to None
     # (True for every module but the root)
     reshard_after_forward: bool = False
-    # reference.loss: "tokens", the step's loss as one process has it (the sum over counted
-    # tokens divided by their count), or "mean_of_means"
+    # reference.loss: "tokens" (one process's loss: the sum over counted tokens / their count)
     loss_mean: str = spec("tokens", choices=LOSS_MEANS)
 
 

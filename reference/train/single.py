@@ -163,8 +163,7 @@ def train(model: nn.Module, steps: int, batch_size: int, lr: float = 1e-3,
     optimizer = make_optimizer(model, lr, weight_decay=weight_decay)
     losses: list[float] = []
     model.train()
-    # Dropout draws from the global RNG of the model's device: seed it, and
-    # give the caller back the state it had.
+    # dropout draws from the device's global RNG: seeded here, the caller's state given back after
     rng_devices = []
     if device.type == "cuda":
         rng_devices = [device.index if device.index is not None else torch.cuda.current_device()]
