@@ -216,11 +216,10 @@ def _read_error(err: BaseException) -> str:
 
 
 def load_checkpoint(path, pm, optimizer, *, scheduler=None, scaler=None) -> dict:
-    """Load ``path`` (a step_* folder, or a directory: its latest checkpoint) into ``pm``,
-    ``optimizer`` (None: the weights only), ``scheduler`` and ``scaler``, whatever layout saved
-    it; returns {"step": ..., "extra": ...}. Under the layout (dp, tp, pp, ep) that saved it the
-    RNG states (torch's, CUDA's, `random`'s, numpy's, the tensor-parallel dropout streams) are
-    restored too, so training continues bit for bit; under another each rank keeps its own."""
+    """Load ``path`` (a step_* folder, or a directory: its latest) into ``pm``, ``optimizer`` (None:
+    the weights only), ``scheduler`` and ``scaler``; returns {"step": ..., "extra": ...}. Under the
+    layout that saved it the RNG states (torch, CUDA, random, numpy, the tensor-parallel dropout
+    streams) are restored too, so training continues bit for bit; else each rank keeps its own."""
     path = _resolve(Path(path))
     check_checkpoint(path)
     metadata = dcp.FileSystemReader(str(path)).read_metadata()

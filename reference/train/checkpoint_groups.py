@@ -147,9 +147,8 @@ def _records_for(pm, optimizer, saved: dict) -> list[dict]:
 
 
 def resolve_groups(pm, optimizer, saved, scheduler_state) -> tuple[list[dict], Optional[dict]]:
-    """Collective: (each of ``optimizer``'s groups' hyper-parameters, the scheduler's state for
-    them) from meta/param_groups (``saved``) and meta/scheduler; one rank's refusal is a
-    ValueError on every rank, naming it."""
+    """Collective: (each of ``optimizer``'s groups' hyper-parameters, the scheduler's state for them)
+    from meta/param_groups and meta/scheduler; one rank's refusal is a ValueError on every rank."""
     if isinstance(saved, list):
         saved, scheduler_state = _legacy(saved, scheduler_state)
     problem = None

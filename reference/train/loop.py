@@ -56,9 +56,8 @@ def peak_memory_bytes() -> int:
 
 
 def prepare_log(log: Path, resumed_at=None):
-    """Make ``log`` ready for a run; returns where an earlier log was moved, or None. A fresh run
-    renames a non-empty log to the first free ``<name>.1``, ``<name>.2``, ...; a run resumed at
-    step s keeps the lines of steps <= s (the later ones are about to be run again)."""
+    """Make ``log`` ready; returns where a non-empty earlier log was moved (``<name>.1``, ...) or None.
+    A run resumed at step s keeps the lines of steps <= s instead (the later ones run again)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     if resumed_at is not None:
         kept = []

@@ -38,10 +38,8 @@ __all__ = ["DEFAULT_WARMUP_MAX_LR", "SCHEDULERS", "SchedulerParams", "SchedulerC
 # the params each DeepSpeed schedule takes (its constructor's keyword arguments)
 SCHEDULERS = {
     "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
-    "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
-                      "total_num_steps"),
-    "WarmupCosineLR": ("warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
-                       "total_num_steps"),
+    "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"),
+    "WarmupCosineLR": ("warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type", "total_num_steps"),
 }
 
 

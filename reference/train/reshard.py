@@ -90,9 +90,8 @@ def flat_groups(pm, optimizer):
 
 
 def load_optimizer_local_state(pm, optimizer, per_param: dict, hyper: list[dict]) -> None:
-    """Give ``optimizer``, through its own `load_state_dict`, the states ``per_param`` ({id(p):
-    {key: tensor}} of its own parameters, flat shards under ZeRO-1/2 and FSDP) and ``hyper``,
-    one dict per param group (`reference.train.checkpoint_groups`)."""
+    """Give ``optimizer`` (its `load_state_dict`) the states ``per_param`` ({id(its parameter or flat
+    shard): {key: tensor}}) and ``hyper``, one dict per param group (`checkpoint_groups`)."""
     if len(hyper) != len(optimizer.param_groups):
         raise ValueError(f"{len(hyper)} param groups' hyper-parameters for an optimizer of "
                          f"{len(optimizer.param_groups)}")

@@ -144,12 +144,10 @@ def train(model: nn.Module, steps: int, batch_size: int, lr: float = 1e-3,
           data: Optional[Union[ByteCorpus, torch.Tensor]] = None, seed: int = 0, progress: bool = True,
           eval_every: int = 0, on_eval: Optional[Callable[[int, float], None]] = None,
           weight_decay: float = 0.0, grad_clip: Optional[float] = None) -> list[float]:
-    """Train ``model`` in place for ``steps`` AdamW steps; returns the loss of every step.
-
-    ``data``: a `ByteCorpus` (default: ``ByteCorpus.load()``) or a 1-D tensor of tokens. Step ``s``
-    uses ``get_batch(train, batch_size, block_size, step=s, seed=seed)`` and dropout draws from
-    torch's RNG seeded with ``seed``: the same arguments give the same losses. With ``eval_every``
-    the validation loss (`evaluate`) goes to the progress bar and to ``on_eval(step, val_loss)``."""
+    """Train ``model`` in place for ``steps`` AdamW steps on ``data`` (a `ByteCorpus`, by default
+    ``ByteCorpus.load()``, or a 1-D tensor of tokens); returns every step's loss. Batches and dropout
+    follow ``seed``: the same arguments give the same losses. With ``eval_every`` the validation
+    loss (`evaluate`) goes to the progress bar and to ``on_eval(step, val_loss)``."""
     if steps < 0 or batch_size <= 0:
         raise ValueError(f"steps={steps} must be >= 0 and batch_size={batch_size} positive")
     if data is None:
