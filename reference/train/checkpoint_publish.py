@@ -138,9 +138,8 @@ class UnwritableCheckpointDirError(RuntimeError):
 
 
 def check_checkpoint_dir(directory) -> None:
-    """Raise `UnwritableCheckpointDirError` (one line) when no save could write into ``directory``:
-    it or the folder it would be made in is a file, or this user may not write there. Where the
-    permission bits allow it (always, for root), a hidden folder made and removed confirms it."""
+    """Raise `UnwritableCheckpointDirError` (one line) when no save could write into ``directory``;
+    where the permission bits allow it (always, for root), a hidden folder made and removed says."""
     directory = Path(directory)
     existing = directory
     while not existing.exists() and existing != existing.parent:

@@ -58,8 +58,7 @@ class OptimizerConfig:
         return torch.optim.AdamW if adam_w else torch.optim.Adam
 
     def kwargs(self) -> dict:
-        """`torch_class()(params, **kwargs())`, or `pm.make_optimizer(torch_class(), **kwargs())`:
-        the keys given, and DeepSpeed's weight_decay 0 when it is unset."""
+        """`torch_class()(params, **kwargs())`: the keys given, and DeepSpeed's weight_decay 0 if unset."""
         out = {k: getattr(self.params, k) for k in ("lr", "eps", "weight_decay", "momentum")
                if getattr(self.params, k) is not None}
         out.setdefault("weight_decay", 0.0)

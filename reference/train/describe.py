@@ -1,10 +1,9 @@
 """`describe(config, world_size)`: what a trainer configuration means on that many ranks.
 
-The trainer's `--check` prints it: the layout, the batch and its tokens, what ZeRO shards at
-that dp, the precision, the optimizer and schedule; then what is inconsistent (what
-`TrainConfig.parallel_config` refuses) or pointless (ZeRO at dp 1, DeepSpeed keys that do
-nothing here, a warm-up longer than the run...). It reports and never raises. It reads the
-configuration through its attributes only (`reference.train.config` imports this module).
+The trainer's `--check` prints it: the layout, the batch, what ZeRO shards, the precision, the
+optimizer and schedule; then what is inconsistent (what `TrainConfig.parallel_config` refuses)
+or pointless (ZeRO at dp 1, DeepSpeed keys that do nothing here, ...). It never raises, and
+reads the configuration through its attributes only (`reference.train.config` imports it).
 """
 from __future__ import annotations
 

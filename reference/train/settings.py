@@ -1,7 +1,5 @@
-"""`RunPlan`: a `TrainConfig` resolved once at one world size, what the loop and the parity
-check read: ``plan.config`` itself, plus the global batch B (DeepSpeed's `train_batch_size`), the
-micro-batch and the accumulation steps, whichever two of the three batch keys the file gave.
-"""
+"""`RunPlan`: a `TrainConfig` (``plan.config``) resolved at one world size for the loop and the
+parity check: the global batch (`train_batch_size`), the micro-batch and the accumulation steps."""
 from __future__ import annotations
 
 from dataclasses import dataclass
