@@ -1,4 +1,4 @@
-"""python -m reference.train: the workshop trainer (and `plot` for its logs).
+"""python -m reference.train: the workshop trainer (and `plot`, `parity` for its logs).
 
     python -m reference.train --config configs/debug_3d.json --world-size 8     # a laptop
     torchrun --standalone --nproc_per_node 8 -m reference.train --config configs/debug_3d.json

@@ -83,8 +83,7 @@ def accumulate_gradients(model: nn.Module, idx: torch.Tensor, targets: torch.Ten
     sum over counted tokens / the whole batch's count (``F.cross_entropy`` of the whole batch,
     whatever the chunks); "mean_of_means", its own mean / ``chunks``; plus its aux loss / ``chunks``.
     ``loss_fn(model, x, y) -> (mean loss, aux)`` replaces the GPT's forward and LM loss (a toy
-    model, a lone MoE layer): each chunk backpropagates (loss + aux) / chunks. Returns the LM loss
-    (with ``loss_fn``, the chunks' mean loss)."""
+    model, a lone MoE layer): each chunk backpropagates (loss + aux) / chunks. Returns the loss."""
     step = step_mean(loss_mean, targets, chunks, replicas=1) if loss_fn is None else None
     total = 0.0
     for x, y in zip(idx.chunk(chunks), targets.chunk(chunks)):
