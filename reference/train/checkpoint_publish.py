@@ -139,7 +139,7 @@ class UnwritableCheckpointDirError(RuntimeError):
 
 def check_checkpoint_dir(directory) -> None:
     """Raise `UnwritableCheckpointDirError` (one line) when no save could write into ``directory``;
-    where the permission bits allow it (always, for root), a hidden folder made and removed says."""
+    where the permission bits allow the write (as they always do for root), a real probe decides."""
     directory = Path(directory)
     existing = directory
     while not existing.exists() and existing != existing.parent:
