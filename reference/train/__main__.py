@@ -60,8 +60,7 @@ def _overrides(args) -> dict:
 
 
 def _follow(log: Path, total: int, start: int, stop: threading.Event) -> None:
-    """The caller's progress bar, fed by the log rank 0 writes (the ranks' own output is
-    printed rank by rank after the run, so a bar drawn inside a rank would not move)."""
+    """The caller's progress bar, fed by rank 0's log (a rank's own output shows only after the run)."""
     from tqdm.auto import tqdm
 
     from reference.train.loop import show_progress
