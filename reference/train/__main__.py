@@ -1,4 +1,4 @@
-"""python -m reference.train: the workshop trainer (and `plot` for its logs).
+"""python -m reference.train: the workshop trainer (and `plot`, `parity` for its logs).
 
     python -m reference.train --config configs/debug_3d.json --world-size 8     # a laptop
     torchrun --standalone --nproc_per_node 8 -m reference.train --config configs/debug_3d.json
@@ -9,10 +9,9 @@
     python -m reference.train plot runs/debug_3d.jsonl --out loss.png
     python -m reference.train parity runs/debug_3d.jsonl --config configs/debug_3d.json --world-size 8
 
-The same configuration runs all three ways: standalone, the trainer starts its own gloo
-ranks (`--world-size N`); under torchrun it joins the process group torchrun describes
-(`WORLD_SIZE`), on one node or many. Flags override the config's keys (`--set KEY=VALUE`
-for any dotted key).
+Standalone, the trainer starts its own gloo ranks (`--world-size N`); under torchrun it joins
+torchrun's process group, on one node or many. Flags override the configuration's keys
+(`--set KEY=VALUE` for any dotted key).
 """
 from __future__ import annotations
 
@@ -61,8 +60,7 @@ def _overrides(args) -> dict:
 
 
 def _follow(log: Path, total: int, start: int, stop: threading.Event) -> None:
-    """The caller's progress bar, fed by the log rank 0 writes (the ranks' own output is
-    printed rank by rank after the run, so a bar drawn inside a rank would not move)."""
+    """The caller's progress bar, fed by rank 0's log (a rank's own output shows only after the run)."""
     from tqdm.auto import tqdm
 
     from reference.train.loop import show_progress
@@ -197,8 +195,7 @@ def _main_with_clear_errors() -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RankError as err:
-        # A checkpoint whose bytes were overwritten is found corrupt only when the ranks
-        # read it: said once, like the other bad inputs, not once per rank.
+        # bytes overwritten inside a checkpoint are found only as the ranks read: said once
         last = err.traceback.strip().splitlines()[-1] if err.traceback.strip() else ""
         if "CorruptCheckpointError: " in last:
             print(f"error: {last.split('CorruptCheckpointError: ', 1)[1]}", file=sys.stderr)

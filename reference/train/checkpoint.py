@@ -4,35 +4,20 @@
     latest = latest_checkpoint("runs/ckpt")             # runs/ckpt/step_000010, or None
     info = load_checkpoint(latest, pm, optimizer, scheduler=sched)   # {"step": 10, "extra": {...}}
 
-Both are collective: every rank of the mesh calls them. Storage is DCP's (`dcp.save` /
-`dcp.load`, one folder per checkpoint: a `.metadata` file and the ranks' data files,
-`__<rank>_0.distcp`); the content is layout-free (`reference.train.reshard`), under these keys:
+Both are collective. DCP stores one folder per checkpoint (`.metadata`, the ranks' `.distcp`
+files), layout-free (`reference.train.reshard`), under these keys:
 
     model/<name>               every parameter, under the plain GPT's name, shaped whole
     optim/<name>/<key>         the optimizer's per-parameter state (exp_avg, exp_avg_sq, step),
                                shaped as its parameter, also under ZeRO-1/2 and FSDP
-    meta/<what>                pickled bytes (DCP saves a non-tensor leaf with torch.save):
-                               step, extra, the param groups and the schedule by parameter
-                               name (`reference.train.checkpoint_groups`), the scaler's
-                               state_dict, the layout (dp, tp, pp, ep), and every rank's RNG
-                               states as one list indexed by global rank
+    meta/<what>                pickled bytes: step, extra, the param groups and the schedule by
+                               parameter name (`checkpoint_groups`), the scaler's state_dict,
+                               the layout (dp, tp, pp, ep), every rank's RNG states by global rank
 
-No rank builds a whole tensor (`reference.train.checkpoint_shards`): each writes and reads
-only the boxes of the whole tensors it holds, so any (dp, tp, pp, ep, ZeRO stage) loads any
-checkpoint of the same model, holding only its shard; a load that fails part-way (a corrupt
-file) leaves the weights partly loaded. The optimizer's hyper-parameters and the schedule are
-stored by parameter (`reference.train.checkpoint_groups`): any layout with weight decay and a
-schedule loads any other's and continues the run.
-
-Same layout: everything is restored, the RNG states too (torch's CPU generator, the GPU's
-when a rank computes on one, Python's `random`, numpy's, the tensor-parallel dropout
-streams), so training continues bit for bit. Another layout: the model, the optimizer,
-the scheduler and the scaler are restored; the RNG states are not (a rank of the new
-layout has no counterpart in the old), and each rank keeps its current state.
-
-A save is published atomically, only when every rank agrees that its write succeeded
-(`reference.train.checkpoint_publish`); otherwise every rank raises the same
-`CheckpointNotPublishedError`. Checkpoints are pickles: load only those you trust.
+Each rank writes and reads only the boxes it holds (`checkpoint_shards`), so any layout loads
+any checkpoint of the same model; a load that fails part-way (a corrupt file) leaves the weights
+partly loaded. A save is published atomically (`checkpoint_publish`). Checkpoints are pickles:
+load only those you trust.
 """
 from __future__ import annotations
 
@@ -81,15 +66,13 @@ def _steps(directory: Path) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(directory) -> Optional[Path]:
-    """The complete checkpoint of the highest step in ``directory`` (partial folders, left
-    by a save that did not finish, are ignored); None when there is none."""
+    """The published checkpoint of the highest step in ``directory``, or None."""
     found = _steps(Path(directory))
     return found[0][1] if found else None
 
 
 def _problems(path: Path) -> Optional[str]:
-    """Why the checkpoint at ``path`` cannot load (its metadata or a data file missing, or a
-    file shorter than the metadata says), or None. Reads sizes, not the data."""
+    """Why the checkpoint at ``path`` cannot load (metadata or a data file missing or short), or None."""
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # missing, truncated or not DCP metadata at all
@@ -107,10 +90,8 @@ def _problems(path: Path) -> Optional[str]:
 
 
 def check_checkpoint(path) -> int:
-    """Raise `CorruptCheckpointError` (naming the earlier checkpoint that loads) when the
-    checkpoint folder ``path`` cannot load, as `load_checkpoint` would; else return its step.
-    Reads the metadata and the files' sizes, not the data: the trainer's command line runs
-    it before starting any rank."""
+    """The step of checkpoint ``path``, or `CorruptCheckpointError` (naming the earlier one that
+    loads) when it cannot load. Reads sizes, not data: the command line runs it before any rank."""
     path = Path(path)
     why = _problems(path)
     if why is not None:
@@ -182,13 +163,6 @@ def _layout(pm) -> dict:
 
 
 # ---------------------------------------------------------------------- save
-def _meta_to_save(pm, step, extra, scheduler_rest, scaler, rng, groups) -> dict:
-    """The pickled meta data handed to `dcp.save` (written once, by the coordinator)."""
-    meta = dict(step=step, extra=extra, layout=_layout(pm), rng=rng, param_groups=groups,
-                scheduler=scheduler_rest, scaler=None if scaler is None else scaler.state_dict())
-    return {f"meta/{k}": pickle.dumps(v) for k, v in meta.items()}
-
-
 def _write(path: Path, pm, optimizer, meta: dict) -> None:
     """Every rank writes the boxes it holds, rank 0 the meta data and .metadata."""
     boxes, scalars = save_boxes(pm, optimizer)
@@ -211,14 +185,9 @@ def _save_problem(directory: Path, step, extra) -> Optional[str]:
 
 def save_checkpoint(directory, step: int, pm, optimizer, *, scheduler=None, scaler=None,
                     extra: Optional[dict] = None) -> Path:
-    """Save the training state after ``step`` as ``directory/step_<step>``; returns that path.
-
-    ``pm`` a `ParallelGPT`, ``optimizer`` what ``pm.make_optimizer`` returned; ``scheduler``
-    and ``scaler`` anything with state_dict / load_state_dict; ``extra`` a dict of plain data
-    (the data position, ...). Collective: every rank calls it with the same arguments; ranks
-    that pass different steps, or a rank whose write fails, publish nothing and raise
-    `CheckpointNotPublishedError` on every rank (`reference.train.checkpoint_publish`).
-    The RNG states are left as they were on entry, so saving changes nothing in the run."""
+    """Save the training state after ``step`` as ``directory/step_<step>`` and return that path;
+    ``extra`` is a dict of plain data (the data position, ...). Different steps, or a failed write,
+    publish nothing and raise `CheckpointNotPublishedError` on every rank. RNG states are kept."""
     directory = Path(directory)
     problem = _save_problem(directory, step, extra)
     groups, scheduler_rest = {}, None
@@ -231,9 +200,10 @@ def save_checkpoint(directory, step: int, pm, optimizer, *, scheduler=None, scal
     gathered = [None] * dist.get_world_size() if dist.is_initialized() else [(mine, groups)]
     if dist.is_initialized():
         dist.all_gather_object(gathered, (mine, groups))  # rank r's at index r
-    rng = [r for r, _ in gathered]
-    meta = _meta_to_save(pm, step, extra, scheduler_rest, scaler, rng,
-                         merge_groups([g for _, g in gathered]))  # the same on every rank
+    meta = dict(step=step, extra=extra, layout=_layout(pm), rng=[r for r, _ in gathered],
+                param_groups=merge_groups([g for _, g in gathered]),  # the same on every rank
+                scheduler=scheduler_rest, scaler=None if scaler is None else scaler.state_dict())
+    meta = {f"meta/{k}": pickle.dumps(v) for k, v in meta.items()}  # written once, by the coordinator
     final = publish(directory, step, lambda partial: _write(partial, pm, optimizer, meta))
     _set_rng_state(pm, mine)
     return final
@@ -246,11 +216,10 @@ def _read_error(err: BaseException) -> str:
 
 
 def load_checkpoint(path, pm, optimizer, *, scheduler=None, scaler=None) -> dict:
-    """Load ``path`` (a step_* folder, or a directory: its latest checkpoint) into ``pm``,
-    ``optimizer`` (None: the weights only) and, when given, ``scheduler`` and ``scaler``,
-    whatever layout saved it.
-    Collective. Returns {"step": ..., "extra": ...}. RNG states are restored only when the
-    layout (dp, tp, pp, ep) is the one that saved them; otherwise each rank keeps its own."""
+    """Load ``path`` (a step_* folder, or a directory: its latest) into ``pm``, ``optimizer`` (None:
+    the weights only), ``scheduler`` and ``scaler``; returns {"step": ..., "extra": ...}. Under the
+    layout that saved it the RNG states (torch, CUDA, random, numpy, the tensor-parallel dropout
+    streams) are restored too, so training continues bit for bit; else each rank keeps its own."""
     path = _resolve(Path(path))
     check_checkpoint(path)
     metadata = dcp.FileSystemReader(str(path)).read_metadata()

@@ -1,36 +1,21 @@
 """The optimizer's and the schedule's param-group state, saved by parameter, not by group.
 
-A param group belongs to the layout, not to the model. The trainer gives `make_optimizer` two
-groups, the matrices (decayed) and the biases and LayerNorm gains (not); a plain optimizer
-keeps both (per-parameter ZeRO-3 too: its shards keep their dims), ZeRO-1/2 folds them into
-the one inner group of its flat shard (it applies each decay itself, range by range), FSDP by
-blocks has one group per run, and a pipeline rank whose stage holds no bias or gain (an
-embedding stage) has one group while the other stages' ranks have two. A scheduler keeps a
-list with one entry per group of its optimizer (`base_lrs`, `_last_lr`, LambdaLR's
-`lr_lambdas`). Saved as the groups stand, that state would fit only an optimizer with the same
-groups: a schedule of two groups loaded into ZeRO-1's one fails at its first `step()`.
+A param group belongs to the layout, not to the model: the trainer's two groups (matrices
+decayed, biases and gains not) fold into ZeRO-1/2's one flat shard, become one per FSDP unit,
+and one on a pipeline stage without a bias. A scheduler keeps one entry per group (`base_lrs`,
+`_last_lr`, `lr_lambdas`). So a checkpoint keeps them by plain-GPT parameter name:
 
-So a checkpoint keeps them by parameter, under the plain GPT's names, as it keeps the weights:
-
-    meta/param_groups   {"records": [record, ...], "of": {name: index of its record}}
-                        record: {"hyper": a group's hyper-parameters (lr, betas, eps,
-                        initial_lr, ...; not params, not weight_decay), "scheduler": {key:
-                        the group's entry of each of the scheduler's per-group lists}};
-                        equal records are stored once
+    meta/param_groups   {"records": [record, ...], "of": {name: index of its record}}, where a
+                        record is {"hyper": the group's hyper-parameters but params and
+                        weight_decay, "scheduler": {key: the group's entry of each per-group
+                        list}}; equal records are stored once
     meta/scheduler      the scheduler's state without those lists (last_epoch, ...)
 
-gathered from every rank (a rank knows only the parameters it holds). Loading gives each
-group of the new optimizer the record of the parameters it updates (a flat shard: every
-parameter laid out in it) and rebuilds the scheduler's lists for those groups. The trainer's
-groups differ in weight_decay only, so they share one record, and every layout loads every
-other. A group that would join parameters the checkpoint holds with different records (two
-learning rates in one ZeRO shard) cannot take both: every rank raises the same ValueError,
-naming them. `weight_decay` is not restored: the run's configuration sets it, and the layout
-decides where it is applied (ZeRO's inner group reads 0 when it applies the decays itself).
-
-Checkpoints saved in the earlier form (a list of the saving optimizer's groups, the scheduler's
-state as it stood) load positionally into an optimizer with as many groups, and into any
-other when their groups differ in weight_decay only.
+Loading gives each new group the record of the parameters it updates and rebuilds the
+scheduler's lists; a group joining different records (two learning rates in one ZeRO shard) is
+a ValueError on every rank. `weight_decay` comes from the run's configuration (the layout
+decides where it applies). A meta/param_groups that is a list of groups loads by position, or
+into any number of groups when they differ in weight_decay only.
 """
 from __future__ import annotations
 
@@ -42,14 +27,12 @@ from reference.train.reshard import flat_groups, entries
 
 __all__ = ["PER_GROUP", "local_groups", "merge_groups", "resolve_groups"]
 
-# The per-group lists of torch's LRScheduler (base_lrs, _last_lr) and of LambdaLR and
-# MultiplicativeLR (lr_lambdas: None, or the __dict__ of a callable object)
+# torch's per-group scheduler lists (lr_lambdas of LambdaLR, MultiplicativeLR: None or an object's __dict__)
 PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas")
 
 
 def _group_names(pm, optimizer) -> list[list[str]]:
-    """For each param group of ``optimizer``, the plain-GPT names of the parameters it updates
-    (a flat shard of ZeRO-1/2 or FSDP stands for every parameter laid out in it)."""
+    """For each param group of ``optimizer``, the plain-GPT names of the parameters it updates."""
     name_of = {id(e.param): e.name for e in entries(pm)}
     flat = {id(shard): params for shard, _, params, _, _ in flat_groups(pm, optimizer)}
     out = []
@@ -75,24 +58,21 @@ def _per_group_keys(state: dict, n_groups: int) -> list[str]:
 
 
 def _records(groups: list[dict], state, keys: list[str]) -> tuple[list[dict], object]:
-    """Each group's record (its hyper-parameters, its entry of each of the scheduler's
-    per-group lists ``keys``), and the scheduler's ``state`` without those lists."""
+    """Each group's record, and the scheduler's ``state`` without its per-group lists ``keys``."""
     records = [{"hyper": _hyper(g), "scheduler": {k: state[k][i] for k in keys}}
                for i, g in enumerate(groups)]
     return records, ({k: v for k, v in state.items() if k not in keys} if isinstance(state, dict) else state)
 
 
 def local_groups(pm, optimizer, scheduler) -> tuple[dict, Optional[dict]]:
-    """This rank's part: ({name: record} of every parameter its optimizer updates, the
-    scheduler's state without its per-group lists). The lists are taken apart only for a
-    scheduler of ``optimizer`` (its `optimizer` attribute); any other state is kept whole."""
+    """({name: record} of every parameter this rank's optimizer updates, the scheduler's state
+    without its per-group lists); the state of a scheduler of another optimizer stays whole."""
     state = None if scheduler is None else scheduler.state_dict()
     groups = optimizer.param_groups
     keys = (_per_group_keys(state, len(groups))
             if state is not None and getattr(scheduler, "optimizer", None) is optimizer else [])
     records, rest = _records(groups, state, keys)
-    names = _group_names(pm, optimizer)
-    return {name: record for record, group in zip(records, names) for name in group}, rest
+    return {name: record for record, names in zip(records, _group_names(pm, optimizer)) for name in names}, rest
 
 
 def _same(a, b) -> bool:
@@ -109,8 +89,7 @@ def _differences(a: dict, b: dict) -> list[str]:
 
 
 def merge_groups(parts: list[dict]) -> dict:
-    """The layout-free form (the module's docstring) of every rank's {name: record}, in rank
-    order; a parameter two ranks hold with different records is a ValueError."""
+    """meta/param_groups from every rank's {name: record}, in rank order (one name, one record)."""
     records, of, clashes = [], {}, []
     for rank, part in enumerate(parts):
         for name, record in sorted(part.items()):
@@ -129,7 +108,7 @@ def merge_groups(parts: list[dict]) -> dict:
 
 
 def _legacy(saved: list, scheduler_state) -> tuple[dict, Optional[dict]]:
-    """The earlier form (a list of groups, the scheduler's state whole) as positional records."""
+    """A list of groups, the scheduler's state whole, as positional records."""
     keys = _per_group_keys(scheduler_state, len(saved)) if isinstance(scheduler_state, dict) else []
     records, rest = _records(saved, scheduler_state, keys)
     return {"records": records, "of": None}, rest
@@ -138,7 +117,7 @@ def _legacy(saved: list, scheduler_state) -> tuple[dict, Optional[dict]]:
 def _records_for(pm, optimizer, saved: dict) -> list[dict]:
     """The record of each of ``optimizer``'s groups; a ValueError when one cannot be chosen."""
     records, of, n = saved["records"], saved["of"], len(optimizer.param_groups)
-    if of is None:  # the earlier form: by position
+    if of is None:  # a list of groups: by position
         if len(records) == n:
             return list(records)
         if all(_same(r, records[0]) for r in records):
@@ -168,10 +147,8 @@ def _records_for(pm, optimizer, saved: dict) -> list[dict]:
 
 
 def resolve_groups(pm, optimizer, saved, scheduler_state) -> tuple[list[dict], Optional[dict]]:
-    """Collective. (the hyper-parameters of each of ``optimizer``'s groups, the scheduler's
-    state for those groups) from a checkpoint's meta/param_groups (``saved``) and
-    meta/scheduler. Every rank raises the same ValueError, naming the rank, when one rank's
-    groups cannot take the saved state."""
+    """Collective: (each of ``optimizer``'s groups' hyper-parameters, the scheduler's state for them)
+    from meta/param_groups and meta/scheduler; one rank's refusal is a ValueError on every rank."""
     if isinstance(saved, list):
         saved, scheduler_state = _legacy(saved, scheduler_state)
     problem = None

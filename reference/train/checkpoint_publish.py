@@ -3,23 +3,13 @@
     agree(step, problem, "before writing")    # every rank: the same step, no problem
     publish(directory, step, write)           # write(partial) on every rank, then step_<step>
 
-A save writes `.step_000010.partial` inside the directory, and only then renames it to
-`step_000010` (`os.replace` of a folder on one filesystem: there is no moment when a
-half-written `step_000010` exists). The rename happens only when every rank agrees, twice:
-
-    before writing   each rank contributes (its step, its problem or None): a bad step, an
-                     existing step_<step> it sees, ... ; ranks that disagree write nothing
-    after writing    each rank contributes (its step, whether its write raised): a rank whose
-                     `dcp.save` raised catches the error and still takes part, so that no
-                     rank waits for it at a barrier
-
-Each agreement is one `all_gather_object` of a (step, error) pair per rank. When the ranks
-disagree, or one failed, the partial folder is cleared (never published) and every rank
-raises the same `CheckpointNotPublishedError`, naming each rank's step and error. After the
-rename, rank 0 sends its outcome to every rank (a rename can fail too), and nothing more is
-written. A save killed part-way leaves only a partial folder, which `latest_checkpoint`
-ignores and the next save of that step clears. `check_checkpoint_dir` says, before any rank
-starts, whether a save could write into a folder at all.
+A save writes `.step_000010.partial` and renames it to `step_000010` (`os.replace` of a folder:
+no half-written `step_000010` ever exists) only when every rank agrees twice, with one
+`all_gather_object` of a (step, error) pair per rank: before writing (the same step, no problem
+such as an existing step_<step>) and after (no rank's `dcp.save` raised; a failed rank still
+takes part, so none waits at a barrier). Otherwise the partial folder is cleared and every rank
+raises the same `CheckpointNotPublishedError`, naming each rank's step and error. A save killed
+part-way leaves a partial folder, which `latest_checkpoint` ignores and the next save clears.
 """
 from __future__ import annotations
 
@@ -38,8 +28,7 @@ __all__ = ["CheckpointNotPublishedError", "agree", "publish", "describe_error",
 
 
 class CheckpointNotPublishedError(RuntimeError):
-    """The ranks did not agree on a save (their steps differ, or a rank's write failed):
-    nothing was published. Raised on every rank with the same message."""
+    """The ranks did not agree on a save: nothing was published. Raised on every rank alike."""
 
 
 def _rank() -> int:
@@ -58,9 +47,8 @@ def describe_error(err: BaseException) -> str:
 
 
 def agree(step, error: Optional[str], when: str) -> None:
-    """Collective: every rank gives its ``step`` and its ``error`` (None: all went well);
-    raise `CheckpointNotPublishedError` on every rank unless all steps are equal and no
-    rank has an error. ``when`` says which agreement ("before writing", "after writing")."""
+    """Collective: raise `CheckpointNotPublishedError` on every rank unless all ranks give the
+    same ``step`` and ``error`` None; ``when`` is "before writing" or "after writing"."""
     pairs = [(step, error)]
     if dist.is_initialized():
         pairs = [None] * dist.get_world_size()
@@ -102,10 +90,8 @@ def _broadcast_outcome(error: Optional[str]) -> Optional[str]:
 
 
 def publish(directory: Path, step: int, write: Callable[[Path], None]) -> Path:
-    """Collective, after `agree` on ``step``: write every rank's files with
-    ``write(partial)``, agree that every write succeeded, rename the partial folder to
-    ``directory/step_<step>``. Returns that path; raises `CheckpointNotPublishedError` on
-    every rank when a write failed or the folder cannot be made or renamed."""
+    """Collective, after `agree` on ``step``: ``write(partial)`` on every rank, agree, rename the
+    partial folder to ``directory/step_<step>`` and return it; else `CheckpointNotPublishedError`."""
     final = directory / f"step_{step:06d}"
     partial = directory / f".{final.name}.partial"
     error = None
@@ -152,12 +138,8 @@ class UnwritableCheckpointDirError(RuntimeError):
 
 
 def check_checkpoint_dir(directory) -> None:
-    """Raise `UnwritableCheckpointDirError` (one line: the folder and why) when checkpoints
-    could not be saved into ``directory``: it, or the folder it would be made in, is a file,
-    or this user may not write there. Creates nothing that stays: where the permission bits
-    allow the write (and always for root, whom they do not stop), a real probe confirms it, a
-    hidden folder made and removed in the nearest existing folder, as a save makes its
-    `.step_N.partial`. The trainer's command line runs it before starting any rank."""
+    """Raise `UnwritableCheckpointDirError` (one line) when no save could write into ``directory``;
+    where the permission bits allow the write (as they always do for root), a real probe decides."""
     directory = Path(directory)
     existing = directory
     while not existing.exists() and existing != existing.parent:

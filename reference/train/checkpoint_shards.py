@@ -1,10 +1,9 @@
 """Checkpoints saved as shards: each rank writes what it holds and reads what it needs.
 
-A tensor of the checkpoint (``model/<name>``, ``optim/<name>/<key>``) is the plain GPT's
-whole tensor, but no rank ever builds it. DCP stores it as chunks, each a box of the whole
-tensor (`ChunkStorageMetadata(offsets, sizes)` in the tensor's `TensorStorageMetadata`),
-and each rank hands DCP the boxes it holds, as views of its own parameters and optimizer
-states:
+A checkpoint's tensor (``model/<name>``, ``optim/<name>/<key>``) is the plain GPT's whole
+tensor, but no rank builds it. DCP stores it as chunks, each a box of the whole tensor
+(`ChunkStorageMetadata(offsets, sizes)`), and each rank declares the boxes it holds, as views
+of its own parameters and optimizer states:
 
     rank's tensor            its boxes, in the TP-local tensor (d0, *rest)
     whole (TP-local)         one box, the whole of it
@@ -16,28 +15,15 @@ states:
     column rows (a chunk per q|k|v block), row-parallel columns (offset in dim 1), the
     vocabulary's rows [start, end) with the padding rows past V dropped
 
-A replicated box (dp replicas, LayerNorms over tp, a tied head on the last pipeline stage)
-is declared by every rank holding it; DCP's global plan keeps one copy (`dedup_save_plans`,
-the rank with the fewest bytes so far) and checks that the boxes tile each tensor exactly.
-Loading declares the same boxes over this rank's destinations (the parameters themselves,
-zeroed first, and zero optimizer buffers shaped as the optimizer keeps them), and DCP reads,
-for each, the overlapping parts of the stored chunks (`create_read_items_for_chunk_list`),
-whatever layout wrote them. A rank's memory is its shard, plus, one at a time, DCP's copy of
-a box that is a view into a larger buffer (saving) or of a stored chunk it needs part of
-(loading: at most the largest chunk the saving layout wrote; the whole tensor when one
-process saved it).
-
-The planners hand DCP these boxes:
-
     dcp.save(plain, checkpoint_id=path, planner=ShardSavePlanner({fqn: (whole shape, boxes)}))
     dcp.load(plain, checkpoint_id=path, planner=ShardLoadPlanner({fqn: boxes}))
 
-``plain`` holds what DCP's default planner handles as it is: the pickled meta bytes and the
-0-dim optimizer states. Saving, the local plan gets one `WriteItem` of type SHARD per box, with
-its `ChunkStorageMetadata(offsets, sizes)` and the whole tensor's size. Loading,
-`create_read_items_for_chunk_list` makes one `ReadItem` per stored chunk that overlaps a box
-(its offsets in the chunk and in the box), and DCP copies each piece into the view. Both
-planners count the bytes this rank writes or reads.
+``plain`` holds the pickled meta bytes and the 0-dim optimizer states. A replicated box (dp
+replicas, LayerNorms over tp, a tied head) is declared by every rank holding it and saved once
+(DCP's `dedup_save_plans`). Loading declares the same boxes over this rank's parameters (zeroed
+first) and zero optimizer buffers, and DCP reads the overlapping parts of the stored chunks,
+whatever layout wrote them. A rank's memory is its shard plus, one at a time, DCP's copy of a
+box (saving) or of a stored chunk it needs part of (loading).
 """
 from __future__ import annotations
 
@@ -65,10 +51,8 @@ Box = tuple[tuple[int, ...], torch.Tensor]  # (offsets in the whole tensor, a vi
 
 @dataclass
 class Holding:
-    """What this rank holds of one parameter-shaped tensor: ``kind`` "whole" (TP-local),
-    "rows" (its rows from ``start`` on, ZeRO-3) or "flat" (its flattened numbers [start, end)
-    at position ``at`` of a flat shard); ``shape`` the whole TP-local shape."""
-
+    """This rank's part of a tensor of TP-local ``shape``: "whole", "rows" (from ``start`` on, ZeRO-3)
+    or "flat" (its flattened numbers [start, end) at position ``at`` of a flat shard)."""
     entry: Entry
     shape: tuple[int, ...]
     kind: str = "whole"
@@ -79,8 +63,7 @@ class Holding:
 
 # ---------------------------------------------------------------------- boxes
 def _flat_boxes(shape, a: int, b: int, base: int = 0) -> list[tuple[tuple, tuple, int]]:
-    """Numbers [a, b) of a tensor of ``shape``, flattened, as boxes (offsets, sizes, first
-    number): a part of a row, whole rows, a part of a row (the parts recursively)."""
+    """Numbers [a, b) of a flattened tensor of ``shape`` as boxes (offsets, sizes, first number)."""
     if a >= b:
         return []
     if not shape:
@@ -118,10 +101,9 @@ def _local_boxes(h: Holding, t: torch.Tensor) -> list[Box]:
             for o, s, f in _flat_boxes(h.shape, h.start, h.end)]
 
 
-def _segments(pm, e: Entry, shape) -> tuple[list[tuple[int, int, int]], int]:
-    """How the TP-local tensor's rows sit in the whole tensor: [(local row, whole row, rows)]
-    (the padded vocabulary's rows past V left out), and the column offset (row-parallel),
-    read from the cut the tensor-parallel layer recorded on the parameter (``tp_cut``)."""
+def _segments(e: Entry, shape) -> tuple[list[tuple[int, int, int]], int]:
+    """[(local row, whole row, rows)] of the TP-local tensor in the whole one (rows past V left out)
+    and the column offset (row-parallel), from the parameter's ``tp_cut``."""
     cut, d0 = getattr(e.param, "tp_cut", None), shape[0] if shape else 0
     if cut is None:
         return [(0, 0, d0)], 0
@@ -131,11 +113,11 @@ def _segments(pm, e: Entry, shape) -> tuple[list[tuple[int, int, int]], int]:
     return [(0, 0, d0)], whole
 
 
-def pieces(pm, h: Holding, t: torch.Tensor) -> list[Box]:
+def pieces(h: Holding, t: torch.Tensor) -> list[Box]:
     """The boxes of the whole tensor that ``t`` holds, each with a view of ``t``'s data."""
     if t.dim() == 0:
         return [((), t)]
-    rows, col = _segments(pm, h.entry, h.shape)
+    rows, col = _segments(h.entry, h.shape)
     out = []
     for offsets, data in _local_boxes(h, t):
         lo, n = offsets[0], data.shape[0]
@@ -161,7 +143,7 @@ def weight_holdings(pm) -> list[tuple[Holding, torch.Tensor]]:
     if pm.fsdp is None:
         out = []
         for e in es:
-            if is_sharded(pm, e.param):  # its rows, as ZeRO-3 recorded them where it cut
+            if is_sharded(e.param):  # its rows, as ZeRO-3 recorded them where it cut
                 rows = e.param.zero_rows
                 out.append((Holding(e, tuple(rows.whole), "rows", rows.first_row), e.param))
             else:
@@ -186,11 +168,10 @@ def _flat_holdings(by_id, layout, params, shapes, rank, shard) -> list[tuple[Hol
 
 
 def state_holdings(pm, optimizer) -> list[tuple[Holding, torch.Tensor]]:
-    """(holding, the optimizer's parameter whose state holds it) for each parameter: a flat
-    shard under ZeRO-1/2 and FSDP, else the parameter itself (whole, or rows under ZeRO-3)."""
+    """(holding, the optimizer's parameter whose state holds it: a flat shard, or the parameter)."""
     groups = flat_groups(pm, optimizer)
     if not groups:
-        return [(h, t) for h, t in weight_holdings(pm)]
+        return weight_holdings(pm)
     by_id = {id(e.param): e for e in entries(pm)}
     out = []
     for shard, layout, params, shapes, group in groups:
@@ -226,8 +207,8 @@ def save_boxes(pm, optimizer) -> tuple[dict, dict]:
     scalars: dict[str, torch.Tensor] = {}
     for h, t in weight_holdings(pm):
         if not skip_tied_head(pm, h.entry):
-            whole = full_shape(pm, h.entry, h.shape)
-            boxes.setdefault(f"model/{h.entry.name}", (whole, []))[1].extend(pieces(pm, h, t.detach()))
+            whole = full_shape(h.entry, h.shape)
+            boxes.setdefault(f"model/{h.entry.name}", (whole, []))[1].extend(pieces(h, t.detach()))
     for h, src in state_holdings(pm, optimizer):
         if skip_tied_head(pm, h.entry):
             continue
@@ -239,16 +220,15 @@ def save_boxes(pm, optimizer) -> tuple[dict, dict]:
             if v.dim() == 0:  # AdamW's step: the same on every rank holding the parameter
                 scalars[fqn] = v.detach()
             else:
-                whole = full_shape(pm, h.entry, h.shape)
-                boxes.setdefault(fqn, (whole, []))[1].extend(pieces(pm, h, v.detach()))
+                whole = full_shape(h.entry, h.shape)
+                boxes.setdefault(fqn, (whole, []))[1].extend(pieces(h, v.detach()))
     return boxes, scalars
 
 
 def load_boxes(pm, optimizer, metadata) -> tuple[dict, dict, callable, int]:
-    """({fqn: boxes}, {fqn: 0-dim tensor}, finish, bytes allocated) for `dcp.load`: the boxes
-    are views of this rank's parameters (zeroed here: the padding stays 0) and of zero
-    optimizer buffers shaped as the optimizer keeps them (the bytes allocated);
-    ``finish()`` returns {id(optimizer parameter): {key: state}} once they are read."""
+    """({fqn: boxes}, {fqn: 0-dim tensor}, finish, bytes allocated) for `dcp.load`: views of this
+    rank's parameters (zeroed: the padding stays 0) and of new zero optimizer buffers; ``finish()``
+    gives {id(optimizer parameter): {key: state}} once they are read."""
     layout = metadata.state_dict_metadata
     boxes: dict[str, list[Box]] = {}
     done = set()
@@ -257,7 +237,7 @@ def load_boxes(pm, optimizer, metadata) -> tuple[dict, dict, callable, int]:
         if t.data_ptr() not in done:
             t.zero_()
             done.add(t.data_ptr())
-        boxes.setdefault(f"model/{h.entry.name}", []).extend(pieces(pm, h, t))
+        boxes.setdefault(f"model/{h.entry.name}", []).extend(pieces(h, t))
     keys: dict[str, list[str]] = {}
     for fqn in layout:
         if fqn.startswith("optim/"):
@@ -276,7 +256,7 @@ def load_boxes(pm, optimizer, metadata) -> tuple[dict, dict, callable, int]:
             mine = buffers.setdefault(id(src), {})
             if key not in mine:
                 mine[key] = torch.zeros(src.shape, dtype=md.properties.dtype, device=src.device)
-            boxes.setdefault(fqn, []).extend(pieces(pm, h, mine[key]))
+            boxes.setdefault(fqn, []).extend(pieces(h, mine[key]))
 
     def finish() -> dict[int, dict[str, torch.Tensor]]:
         out = {}

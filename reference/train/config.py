@@ -4,16 +4,12 @@
     pc = config.parallel_config(8)          # a validated ParallelConfig, dp = 8 / (tp x pp)
     print(describe(config, 8))              # what it means on 8 ranks, and what is pointless
 
-DeepSpeed's keys mean what DeepSpeed's documentation says (docs/config-json):
-`train_batch_size` = `train_micro_batch_size_per_gpu` x `gradient_accumulation_steps` x dp,
-any two giving the third; `optimizer` {type, params}; `scheduler` {type, params} (WarmupLR,
-WarmupDecayLR, WarmupCosineLR: `reference.train.lr_schedules`); `gradient_clipping` (the
-global norm, 0 = off); `fp16` (`loss_scale` 0 = dynamic, from 2^`initial_scale_power`) and
-`bf16`; `zero_optimization` {stage; `offload_optimizer` is read and refused with its reason:
-nothing is offloaded here}; `activation_checkpointing`. Unset keys take DeepSpeed's defaults,
-where they differ from torch's too: `weight_decay` 0 (torch's AdamW: 0.01), WarmupLR's
-`warmup_max_lr` 0.001 (not the optimizer's lr). Two
-choices where DeepSpeed leaves the reader guessing:
+DeepSpeed's keys (`deepspeed_blocks`, `lr_schedules`) mean what its docs/config-json says:
+`train_batch_size` = `train_micro_batch_size_per_gpu` x `gradient_accumulation_steps` x dp, any
+two giving the third; `zero_optimization.offload_optimizer` is refused with its reason (nothing
+is offloaded here). Unset keys take DeepSpeed's defaults, where they differ from torch's too:
+`weight_decay` 0 (torch's AdamW: 0.01), WarmupLR's `warmup_max_lr` 0.001 (not the optimizer's
+lr). Two choices where DeepSpeed leaves the reader guessing:
 
 * optimizer "Adam" is DeepSpeed's: its `adam_w_mode` defaults to true, which is decoupled
   weight decay, i.e. torch's AdamW; `"adam_w_mode": false` gives torch's Adam;
@@ -22,19 +18,9 @@ choices where DeepSpeed leaves the reader guessing:
   (`true` / `false` alone work too). `partition_activations` and the CPU and memory options are
   accepted and reported by `describe` as having no effect.
 
-The course's own blocks: `parallelism` {tensor, pipeline, expert, sequence_parallel,
-virtual_stages, schedule, embedding_stage, reshard_after_forward, loss_mean: what each means is
-said beside its field below} (dp is what the world size leaves), `model` {preset tiny | small
-| debug, or sizes, `experts`}, `data` {source stdlib | arithmetic | synthetic | documents
-(variable-length arithmetic documents, each padded to seq_len, the padding's targets -100:
-`reference.data.padded_documents`), seq_len, seed}, `steps`, `seed`, `checkpoint` {dir,
-every, resume: continue from the latest checkpoint when there is one}, `log` {path, every,
-sample_tokens}. The pipeline's micro-batches are DeepSpeed's accumulation steps.
-
-JSON has no comments: keys starting with "_" are comments ("_about" says what a file is).
-Every error is a ValueError naming the dotted key and its value (a missing file is a
-FileNotFoundError naming the path); the checks that need the world size (the batch triple,
-`ParallelConfig.validate`) run in `TrainConfig.parallel_config(world_size)`.
+The course's own blocks are the dataclasses below; dp is what the world size leaves, and the
+pipeline's micro-batches are DeepSpeed's accumulation steps. Keys starting with "_" are comments
+("_about" says what a file is). Every error is a ValueError naming the dotted key and its value.
 """
 from __future__ import annotations
 
@@ -71,8 +57,7 @@ class ParallelismConfig:
     # composed ZeRO-3's FSDP2 option: False here, where PyTorch's fully_shard defaults to None
     # (True for every module but the root)
     reshard_after_forward: bool = False
-    # reference.loss: "tokens", the step's loss as one process has it (the sum over counted
-    # tokens divided by their count), or "mean_of_means"
+    # reference.loss: "tokens" (one process's loss: the sum over counted tokens / their count)
     loss_mean: str = spec("tokens", choices=LOSS_MEANS)
 
 
@@ -102,6 +87,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    # documents: arithmetic documents of many lengths, padded to seq_len (reference.data.padded_documents)
     source: str = spec("stdlib", choices=("stdlib", "arithmetic", "synthetic", "documents"))
     seq_len: Optional[int] = spec(None, min=1)        # None: the model's block_size
     seed: int = spec(0, min=0)
@@ -111,7 +97,7 @@ class DataConfig:
 class CheckpointConfig:
     dir: Optional[str] = None
     every: int = spec(0, min=0)              # 0: only at the end (when dir is set)
-    resume: bool = False
+    resume: bool = False                     # continue from the latest checkpoint, if there is one
 
 
 @dataclass
@@ -158,7 +144,6 @@ class TrainConfig:
                              f"gradient_accumulation_steps={self.gradient_accumulation_steps}, "
                              f"any two determine the third)")
 
-    # ------------------------------------------------------------------ derived
     @property
     def precision(self) -> str:
         return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
@@ -200,8 +185,7 @@ class TrainConfig:
         return max(1, world_size // (self.parallelism.tensor * self.parallelism.pipeline))
 
     def batch_sizes(self, world_size: int) -> tuple[int, int, int]:
-        """(train_batch_size, micro-batch per GPU, accumulation steps) at this world size:
-        DeepSpeed's rule, train_batch_size = micro x accumulation x dp, any two give the third."""
+        """(train_batch_size, micro-batch per GPU, accumulation steps) at this world size."""
         dp = self.dp(world_size)
         B, mb, acc = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
                       self.gradient_accumulation_steps)
@@ -261,8 +245,7 @@ class TrainConfig:
 
 
 def _normalize(raw: dict) -> dict:
-    """DeepSpeed's shorthands: `activation_checkpointing` as a bare bool, or a block that
-    does not say "enabled" (the block's presence turns checkpointing on)."""
+    """DeepSpeed's shorthands: `activation_checkpointing` as a bool, or a block without "enabled"."""
     ac = raw.get("activation_checkpointing")
     if isinstance(ac, bool):
         raw["activation_checkpointing"] = {"enabled": ac}
@@ -273,9 +256,8 @@ def _normalize(raw: dict) -> dict:
 
 def load_config(path: Union[str, Path], overrides: Optional[dict] = None, *,
                 world_size: Optional[int] = None) -> TrainConfig:
-    """Read a JSON file, apply ``overrides`` ({"optimizer.params.lr": "3e-4", ...}; strings
-    are parsed as JSON numbers, booleans, lists), check every key and type, and with
-    ``world_size`` also the batch and the degrees (`TrainConfig.parallel_config`)."""
+    """Read a JSON file, apply ``overrides`` ({"optimizer.params.lr": "3e-4", ...}, strings parsed
+    as JSON), check every key and type, and with ``world_size`` the batch and the degrees too."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no configuration file at {str(path)!r}"

@@ -1,11 +1,8 @@
-"""DeepSpeed's blocks of the trainer's configuration, as plain dataclasses (names and defaults
-from DeepSpeed's docs/config-json): `optimizer`, `fp16`, `bf16`, `zero_optimization`,
-`activation_checkpointing`. The `scheduler` block is `reference.train.lr_schedules`; the
-whole file, with the course's own blocks, is `reference.train.config`.
-
-Keys DeepSpeed documents that have no effect in the course's trainer (ZeRO's bucket sizes,
-`fp16.auto_cast`, the activation-checkpointing buffers...) are accepted, so that a DeepSpeed
-file loads, and `describe` lists each one set.
+"""DeepSpeed's blocks of the trainer's configuration as plain dataclasses, with DeepSpeed's names
+and defaults (docs/config-json): `optimizer`, `fp16`, `bf16`, `zero_optimization`,
+`activation_checkpointing`. Keys DeepSpeed documents that have no effect here (ZeRO's bucket
+sizes, `fp16.auto_cast`, ...) are accepted, so that a DeepSpeed file loads, and `describe`
+lists each one set.
 """
 from __future__ import annotations
 
@@ -61,8 +58,7 @@ class OptimizerConfig:
         return torch.optim.AdamW if adam_w else torch.optim.Adam
 
     def kwargs(self) -> dict:
-        """`torch_class()(params, **kwargs())`, or `pm.make_optimizer(torch_class(), **kwargs())`:
-        the keys given, and DeepSpeed's weight_decay 0 when it is unset."""
+        """`torch_class()(params, **kwargs())`: the keys given, and DeepSpeed's weight_decay 0 if unset."""
         out = {k: getattr(self.params, k) for k in ("lr", "eps", "weight_decay", "momentum")
                if getattr(self.params, k) is not None}
         out.setdefault("weight_decay", 0.0)

@@ -1,23 +1,18 @@
 """`describe(config, world_size)`: what a trainer configuration means on that many ranks.
 
-The trainer's `--check` prints it before anything starts. First what the numbers mean: the
-layout (dp = world / (tp x pp)), the batch (DeepSpeed's train_batch_size = micro-batch x
-accumulation x dp, and the tokens of one step), what ZeRO shards at that dp, the precision and
-its loss scaling, the optimizer and schedule. Then a list of what is inconsistent (what
-`TrainConfig.parallel_config` would refuse, with `ParallelConfig.validate`'s reasons) or
-pointless (ZeRO at dp 1, sequence parallelism at tp 1, DeepSpeed keys that do nothing here, a
-warm-up longer than the run...). It never raises on a bad configuration: it reports.
-
-It reads the configuration through its attributes and methods only (no import of
-`reference.train.config`, which imports this module lazily).
+The trainer's `--check` prints it: the layout, the batch, what ZeRO shards, the precision, the
+optimizer and schedule; then what is inconsistent (what `TrainConfig.parallel_config` refuses)
+or pointless (ZeRO at dp 1, DeepSpeed keys that do nothing here, ...). It never raises, and
+reads the configuration through its attributes only (`reference.train.config` imports it).
 """
 from __future__ import annotations
 
+from reference.train.deepspeed_blocks import OFFLOAD_REFUSED
+
 __all__ = ["describe", "LARGE_MICRO_BATCH"]
 
-# Sequences in one micro-batch above which describe warns: the course's models run micro-batches
-# of a few to a few dozen sequences; hundreds per GPU means a batch sized for many more
-# data-parallel ranks than this world has.
+# Sequences in one micro-batch above which describe warns: the course's models run a few dozen at
+# most; hundreds per GPU means a batch sized for many more data-parallel ranks than this world has.
 LARGE_MICRO_BATCH = 64
 
 _ZERO_SHARDS = {0: "nothing (plain data parallelism: each dp rank holds every model state)",
@@ -114,8 +109,6 @@ def _zero_lines(config, line, issues, dp, fits, world_size):
                  "a step for less memory; the course's default is false, PyTorch's fully_shard's "
                  "None: true for every module but the root)")
     if offload:
-        from reference.train.deepspeed_blocks import OFFLOAD_REFUSED
-
         issues.append(OFFLOAD_REFUSED.format(device=offload))
     if z.stage and dp == 1 and fits:
         issues.append(f"dp is 1, so ZeRO-{z.stage} shards nothing: it splits "
@@ -147,8 +140,7 @@ def _precision_line(config, line):
 
 
 def _refusals(config, issues, world_size):
-    """What ParallelConfig refuses at this world size, said in DeepSpeed's terms where
-    DeepSpeed refuses it too, and ZeRO-2/3 beside a pipeline."""
+    """What ParallelConfig refuses at this world size, in DeepSpeed's terms where it refuses too."""
     z, pp = config.zero_optimization, config.parallelism.pipeline
     try:
         config.parallel_config(world_size)

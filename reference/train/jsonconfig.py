@@ -2,18 +2,11 @@
 
     build(TrainConfig, json.load(f), where="configs/debug_3d.json")
 
-`build` walks a dataclass's fields (their type hints and the `spec` metadata: choices, a
-minimum, whether the field is a JSON key at all) and the JSON object side by side:
-
-* an unknown key is an error naming its dotted path, with the nearest known key at that
-  level (`difflib.get_close_matches`), or elsewhere when the key belongs in another block
-  ("lr" at the top level: did you mean "optimizer.params.lr"?);
-* keys starting with "_" are comments and skipped;
-* a value of the wrong type (a bool is not an int; an int is a float), outside its choices
-  or under its minimum is an error naming the key, the value and what was expected.
-
-`parse_value` turns command-line strings into JSON values; `set_dotted` writes one override
-into the raw JSON before `build` checks it.
+`build` walks a dataclass's fields (type hints, `spec`'s checks) beside the JSON object. An
+unknown key is an error naming its dotted path and the nearest known key ("lr": did you mean
+"optimizer.params.lr"?); a value of the wrong type (a bool is not an int; an int is a float),
+outside its choices or under its minimum is an error naming the key, the value and what was
+expected. Keys starting with "_" are comments.
 """
 from __future__ import annotations
 
@@ -130,8 +123,7 @@ def _convert(tp, value, dotted: str, meta, where: str, root):
 
 
 def build(cls, raw: dict, *, where: str = "configuration", path: str = "", root=None):
-    """An instance of dataclass ``cls`` from the JSON object ``raw`` (a dict: the caller has
-    checked), every key checked."""
+    """An instance of dataclass ``cls`` from the JSON object ``raw``, every key checked."""
     root = root or cls
     known, hints, kwargs = _json_fields(cls), typing.get_type_hints(cls), {}
     for key, value in raw.items():
@@ -154,9 +146,8 @@ def build(cls, raw: dict, *, where: str = "configuration", path: str = "", root=
 
 
 def parse_value(value: Any) -> Any:
-    """A command-line string as the JSON value it spells ("3e-4" -> 0.0003, "true" -> True,
-    "[0.9, 0.95]" -> a list, "null" -> None; Python's True, False and None too); any other
-    string stays a string ("cpu"), and a non-string is returned as it is."""
+    """A command-line string as the JSON value it spells ("3e-4" -> 0.0003, "[0.9, 0.95]" -> a
+    list; Python's True, False and None too); any other string ("cpu") or non-string as it is."""
     if not isinstance(value, str):
         return value
     try:

@@ -1,25 +1,16 @@
 """The workshop trainer's loop, run on every rank: the 3D GPT from a `TrainConfig`.
 
-`run_rank(plan, world_size, resume)` is what each rank executes, whether the ranks were
-started by `reference.runtime.launch` on a laptop or by torchrun on one or many nodes
-(``plan``: `reference.train.settings.RunPlan`, its configuration ``cfg``):
+`run_rank(plan, world_size, resume)` is what each rank executes, whether started by
+`reference.runtime.launch` or by torchrun (``plan``: a `reference.train.settings.RunPlan`):
 
-1. the parallel layout from the config (`cfg.parallel_config(world_size)`), the mesh and
-   its groups, the plain GPT built from `cfg.seed` on every rank and `parallelize`d;
-2. the optimizer (`pm.make_optimizer`: ZeRO's for stage 1-2), the learning-rate schedule
-   and, for fp16, the dynamic loss scaler with the config's settings;
-3. with `resume` (`--resume`: a checkpoint must exist) or `checkpoint.resume: true` in the
-   JSON (the latest checkpoint if there is one, else a fresh start: what a job requeued by
-   SLURM wants), the latest checkpoint of `cfg.checkpoint.dir`: the run continues exactly
-   where it stopped, and the log keeps its lines up to that step (`prepare_log`);
-4. per step: the global batch number `step` (the same on every rank: the data position is
-   the step), `train_step`, the schedule's step (not after an fp16 step skipped for an
-   overflow: DeepSpeed's rule); every `cfg.log.every` steps rank 0 appends the step's record
-   (`_one_step`) as a JSON line to `cfg.log.path`; every `cfg.checkpoint.every` steps and at
-   the end, a checkpoint;
+1. the layout, the mesh, the plain GPT built from `cfg.seed` on every rank and `parallelize`d;
+2. the optimizer (`pm.make_optimizer`), the learning-rate schedule and fp16's loss scaler;
+3. with `--resume` (a checkpoint must exist) or `checkpoint.resume: true` (a requeued SLURM
+   job's case: a fresh start when there is none), the latest checkpoint, to continue exactly;
+4. per step: global batch number `step`, `train_step`, the schedule's step (not after an fp16
+   overflow: DeepSpeed's rule); every `log.every` steps rank 0 appends the record to the JSONL
+   log; every `checkpoint.every` steps and at the end, a checkpoint;
 5. at the end, a sample of generated text.
-
-It returns, on every rank, the list of the step records (rank 0's view).
 """
 from __future__ import annotations
 
@@ -44,18 +35,12 @@ from reference.train.lr_schedules import make_scheduler
 __all__ = ["run_rank", "batch_at", "peak_memory_bytes", "prepare_log", "show_progress"]
 
 
-def _arithmetic_batch(batch, seq_len: int, step: int, seed: int):
-    # a generator per (seed, step): batch number `step` does not depend on the steps before it
-    return text_windows(batch, seq_len, torch.Generator().manual_seed(seed * 1_000_003 + step))
-
-
 def batch_at(source: str, batch: int, seq_len: int, step: int, seed: int, corpus=None):
-    """Global batch number ``step``: a function of (source, seed, step) alone, so the data
-    position of a run is its step and every rank draws the same batch."""
+    """Global batch number ``step``, a function of (source, seed, step) alone: the same on every rank."""
     if source == "stdlib":
         return get_batch(corpus.train, batch, seq_len, step, seed)
     if source == "arithmetic":
-        return _arithmetic_batch(batch, seq_len, step, seed)
+        return text_windows(batch, seq_len, torch.Generator().manual_seed(seed * 1_000_003 + step))
     if source == "synthetic":
         return synthetic_batch(batch, seq_len, seed=seed, step=step)
     if source == "documents":  # the arithmetic text as documents of many lengths, padded
@@ -64,20 +49,15 @@ def batch_at(source: str, batch: int, seq_len: int, step: int, seed: int, corpus
 
 
 def peak_memory_bytes() -> int:
-    """This process's peak memory: the CUDA allocator's high-water mark on a GPU, else the
-    peak resident set size the kernel reports (ru_maxrss, in KiB on Linux)."""
+    """This process's peak memory: the CUDA allocator's high-water mark, or ru_maxrss (KiB on Linux)."""
     if device().type == "cuda":
         return int(torch.cuda.max_memory_allocated())
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def prepare_log(log: Path, resumed_at=None):
-    """Make ``log`` ready for a run; returns where an earlier log was moved, or None.
-
-    A fresh run (``resumed_at`` None) never deletes an earlier log: a non-empty one is
-    renamed to the first free ``<name>.1``, ``<name>.2``, ... beside it. A run resumed from
-    the checkpoint of step s keeps the lines of steps <= s and drops the later ones (the
-    killed run logged them after its last checkpoint; they are about to be run again)."""
+    """Make ``log`` ready; returns where a non-empty earlier log was moved (``<name>.1``, ...) or None.
+    A run resumed at step s keeps the lines of steps <= s instead (the later ones run again)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     if resumed_at is not None:
         kept = []
@@ -158,8 +138,7 @@ def _one_step(plan, pm, optimizer, scheduler, step: int, corpus, world_size: int
 
 
 def show_progress(bar, record: dict) -> None:
-    """Move the tqdm ``bar`` to the step of ``record`` (a log line) and show its loss, lr,
-    tokens/s and, under fp16, the loss scale."""
+    """Move the tqdm ``bar`` to the step of ``record`` (a log line) and show its numbers."""
     bar.n = record["step"]
     bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
                     tok_s=f"{record['tokens_per_s']:.0f}", refresh=False,
@@ -168,7 +147,7 @@ def show_progress(bar, record: dict) -> None:
 
 
 def run_rank(plan, world_size: int, resume: bool = False, sample_prompt: str = "12+7=") -> dict:
-    """Steps 1-5 on this rank (see the module's docstring); rank 0 writes the log."""
+    """Steps 1-5 on this rank; returns its records (rank 0's view) and the sample."""
     from reference.runtime import under_torchrun
     from reference.train.checkpoint import save_checkpoint
 

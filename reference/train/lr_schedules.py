@@ -15,12 +15,10 @@ optimizer step (0, 1, 2, ...) and W = max(2, warmup_num_steps):
   x gamma during warm-up, then cos_min_ratio + (1 - cos_min_ratio) x (1 + cos(pi p)) / 2 with
   p = min(1, (s - W + 1) / max(1, T - W)).
 
-Optimizer step s runs at the schedule's value for s. (DeepSpeed's engine runs its first
-optimizer step at the value it sets before any `step()`, warmup_min_lr, and its second at s = 0,
-also warmup_min_lr; here the schedule starts at s = 0 and is not repeated.)
-WarmupLR and WarmupDecayLR set the lr outright: `make_scheduler` writes warmup_max_lr
-(DeepSpeed's default 0.001, not the optimizer's lr: `describe` says so when the two differ)
-into the optimizer, and the LambdaLR factor is lr(s) /
+Optimizer step s runs at the schedule's value for s (DeepSpeed's engine runs its first two steps
+at warmup_min_lr, before any `step()` and at s = 0; here s = 0 is not repeated). WarmupLR and
+WarmupDecayLR set the lr outright: `make_scheduler` writes warmup_max_lr (DeepSpeed's default
+0.001, not the optimizer's lr) into the optimizer, and the LambdaLR factor is lr(s) /
 warmup_max_lr. total_num_steps defaults to the configuration's `steps`.
 """
 from __future__ import annotations
@@ -40,10 +38,8 @@ __all__ = ["DEFAULT_WARMUP_MAX_LR", "SCHEDULERS", "SchedulerParams", "SchedulerC
 # the params each DeepSpeed schedule takes (its constructor's keyword arguments)
 SCHEDULERS = {
     "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
-    "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
-                      "total_num_steps"),
-    "WarmupCosineLR": ("warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
-                       "total_num_steps"),
+    "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"),
+    "WarmupCosineLR": ("warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type", "total_num_steps"),
 }
 
 
@@ -90,13 +86,12 @@ class SchedulerConfig:
 
 
 def _gamma(s: int, warmup: int, kind: str) -> float:
-    """DeepSpeed's warm-up fraction at step s < warmup (W = max(2, warmup_num_steps))."""
+    """DeepSpeed's warm-up fraction gamma at step s < W."""
     return math.log(s + 1) / math.log(warmup) if kind == "log" else s / warmup
 
 
 def lr_factor(kind: str, p: dict, s: int) -> float:
-    """The schedule at optimizer step s: WarmupLR and WarmupDecayLR give the lr itself,
-    WarmupCosineLR a ratio of the optimizer's lr."""
+    """The schedule at optimizer step s: the lr itself, or WarmupCosineLR's ratio of the lr."""
     W = max(2, p["warmup_num_steps"])
     if kind == "WarmupCosineLR":
         if s < W:
@@ -114,8 +109,7 @@ def lr_factor(kind: str, p: dict, s: int) -> float:
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, config) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR running ``config``'s schedule (a TrainConfig: its `scheduler` and `steps`; or
-    a SchedulerConfig). No scheduler: a constant lr (factor 1)."""
+    """A LambdaLR running the schedule of ``config`` (a TrainConfig or a SchedulerConfig), or 1."""
     sched, steps = (config.scheduler, config.steps) if hasattr(config, "scheduler") else (config, None)
     if sched is None:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)

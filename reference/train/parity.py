@@ -1,18 +1,15 @@
 """`python -m reference.train parity LOG.jsonl --config C`: a run's losses against one process.
 
-One process trains the configuration's model from the same seed on the same global batches
-with the same optimizer, schedule and clipping, accumulating gradients over the dp x
-micro-batch chunks the parallel run splits each batch into, and the largest difference from
-the logged losses is printed. The first `HELD` steps are held to the course's loss tolerance
-in the run's precision, `reference.tolerance.loss(dtype)` (fp32: rtol 1e-5, the order of the
-additions is all that differs; bf16 and fp16 against one process in the same precision: rtol
-1e-3): step 1's loss is the same weights' and step 2's follows one update, where a wrong
-gradient reduction already shows while AdamW's first step (lr times the gradient's sign)
-moves a weight differently only where its gradient is a rounding away from 0. Later steps
-are printed, not held: each AdamW step can turn a last-bit difference into up to 2 lr of a
-weight (`reference.tolerance.adamw_weights`), and the losses drift apart by more than a
-loss's rounding (2e-4 relative after 30 steps of `configs/debug_3d.json` at lr 3e-3) with
-nothing wrong; the sweep and the parity tests compare the weights instead.
+One process trains the same model on the same batches with the same optimizer, schedule and
+clipping, over the parallel run's dp x micro-batch chunks. The first `HELD` steps are held to
+`reference.tolerance.loss(dtype)` in the run's precision (fp32: rtol 1e-5, only the order of
+additions differs; bf16 and fp16: 1e-3): step 1 is the same weights' loss, and step 2 follows
+one update, where a wrong gradient reduction already shows while AdamW's first step (lr times
+the gradient's sign) differs only where a gradient is a rounding away from 0. Later steps are
+printed, not held: each AdamW step can turn a last-bit difference into up to 2 lr of a weight
+(`reference.tolerance.adamw_weights`), and the losses drift apart (2e-4 relative after 30 steps
+of `configs/debug_3d.json` at lr 3e-3) with nothing wrong; the sweep and the parity tests
+compare the weights instead.
 """
 from __future__ import annotations
 
@@ -28,8 +25,7 @@ __all__ = ["single_process_losses", "compare", "tolerance", "HELD"]
 
 def single_process_losses(plan, world_size: int, steps: int | None = None) -> list[float]:
     """One process's losses (`reference.train.single.accumulated_step`) for the run ``plan``
-    describes at ``world_size``: its model, seed, batches, optimizer, schedule, clipping,
-    precision and fp16 loss scaler; the schedule does not advance on a skipped step."""
+    describes at ``world_size``; the schedule does not advance on a skipped step."""
     from reference.data import ByteCorpus
     from reference.parallel.scaler import DynamicLossScaler
     from reference.train.loop import batch_at
@@ -62,8 +58,7 @@ HELD = 2  # the steps held to the loss tolerance (the module's docstring says wh
 
 
 def compare(logged: list[dict], reference: list[float], steps: Optional[int] = None) -> float:
-    """Largest relative difference between the logged losses and one process's, over the
-    first ``steps`` steps (all by default)."""
+    """Largest relative difference of the logged losses from one process's, over ``steps`` steps."""
     by_step = {r["step"]: r["loss"] for r in logged}
     diffs = [abs(by_step[s + 1] - ref) / abs(ref) for s, ref in enumerate(reference[:steps])
              if s + 1 in by_step]

@@ -1,25 +1,18 @@
 """What a rank holds, named without its layout: what makes a checkpoint reshardable.
 
-A rank of a 3D run holds slices: rows of a column-parallel weight, columns of a
-row-parallel one, V_pad / tp rows of the vocabulary, one pipeline stage's blocks, its
-experts, and under ZeRO a flat shard of the optimizer state. A checkpoint that stored
-those slices under the rank's own names could only be loaded by the same layout. This
-module names each of them by the plain GPT's parameter it belongs to, with that
-parameter's whole shape:
+A rank of a 3D run holds slices (tensor-parallel rows or columns, one stage's blocks, its
+experts, a ZeRO flat shard), which under the rank's own names would load only into the same
+layout. This module names each by the plain GPT's parameter, with its whole shape:
 
     entries(pm)              this rank's distinct parameters (a tied weight once): local name,
                              plain-GPT name (experts by global id), the owning module
-    full_shape(pm, e, shape) the whole tensor's shape, from this rank's slice of it
+    full_shape(e, shape)     the whole tensor's shape, from this rank's slice of it
     full_shapes(pm)          every parameter's whole shape, on every rank (collective)
     flat_groups              ZeRO-1/2 and FSDP's flat shard (S,) and its layout
     load_optimizer_local_state   an optimizer's states and hyper-parameters, given back
 
-`reference.train.checkpoint_shards` maps each slice to its box (offsets and sizes) in the
-whole tensor with these, and `reference.train.checkpoint` saves and loads the boxes with
-DCP, so that any layout reads only the parts of the stored chunks it needs. A weight tied
-to the embedding (`lm_head.weight` when `tie_weights`) is stored once, as `wte.weight`;
-both pipeline copies are loaded from it. Every function here that moves data is collective
-over the mesh: every rank calls it, in the same order.
+A weight tied to the embedding (`lm_head.weight` when `tie_weights`) is stored once, as
+`wte.weight`, and both pipeline copies load from it.
 """
 from __future__ import annotations
 
@@ -38,15 +31,12 @@ __all__ = ["Entry", "entries", "canonical_name", "full_shape", "full_shapes", "i
 
 def canonical_name(pm, name: str) -> str:
     """The plain GPT's name of a parameter: a tied lm_head is the embedding's matrix."""
-    if name == "lm_head.weight" and pm.model_config.tie_weights:
-        return "wte.weight"
-    return name
+    return "wte.weight" if name == "lm_head.weight" and pm.model_config.tie_weights else name
 
 
 @dataclass
 class Entry:
     """One parameter this rank holds: its local name, its plain-GPT name, the module owning it."""
-
     local: str
     name: str
     param: torch.nn.Parameter
@@ -77,22 +67,20 @@ def is_head(e: Entry) -> bool:
     return e.local.startswith("lm_head.")
 
 
-def full_shape(pm, e: Entry, local_shape: torch.Size) -> tuple[int, ...]:
-    """The whole tensor's shape, given this rank's slice of it: the inverse of the cut its
-    tensor-parallel layer recorded on the parameter (``tp_cut``), the vocabulary's padding
-    dropped; a tensor no layer cut is whole already."""
+def full_shape(e: Entry, local_shape: torch.Size) -> tuple[int, ...]:
+    """The whole tensor's shape from this rank's slice: the inverse of the ``tp_cut`` its
+    tensor-parallel layer recorded (the vocabulary's padding dropped), or the slice itself."""
     cut = getattr(e.param, "tp_cut", None)
     return tuple(local_shape) if cut is None else cut.whole_shape(local_shape)
 
 
-def is_sharded(pm, p) -> bool:
+def is_sharded(p) -> bool:
     """Whether ``p`` is a per-parameter ZeRO-3 shard (its dim-0 rows of the TP-local tensor)."""
     return hasattr(p, "zero_rows")  # recorded by `ShardedParameters` where it cut p
 
 
 def flat_groups(pm, optimizer):
-    """(flat shard the optimizer steps on, layout, the parameters laid out in it, dp group) for
-    ZeRO-1/2 (one) and FSDP (one per unit); empty for a plain optimizer."""
+    """[(flat shard, layout, its parameters, their shapes, dp group)] of ZeRO-1/2 or FSDP, or []."""
     if isinstance(optimizer, ZeroOptimizer):
         return [(optimizer.shard, optimizer.layout, optimizer.params,
                  [p.shape for p in optimizer.params], optimizer.group)]
@@ -102,10 +90,8 @@ def flat_groups(pm, optimizer):
 
 
 def load_optimizer_local_state(pm, optimizer, per_param: dict, hyper: list[dict]) -> None:
-    """Give ``optimizer`` the states ``per_param`` ({id(p): {key: tensor}}, by id of each of its
-    own parameters: under ZeRO-1/2 and FSDP its flat shards) and the hyper-parameters
-    ``hyper`` (one dict per param group, already matched to this optimizer's groups:
-    `reference.train.checkpoint_groups`), through its own `load_state_dict`."""
+    """Give ``optimizer`` (its `load_state_dict`) the states ``per_param`` ({id(its parameter or flat
+    shard): {key: tensor}}) and ``hyper``, one dict per param group (`checkpoint_groups`)."""
     if len(hyper) != len(optimizer.param_groups):
         raise ValueError(f"{len(hyper)} param groups' hyper-parameters for an optimizer of "
                          f"{len(optimizer.param_groups)}")
@@ -120,7 +106,7 @@ def load_optimizer_local_state(pm, optimizer, per_param: dict, hyper: list[dict]
 
 def full_shapes(pm) -> dict[str, tuple[int, ...]]:
     """{plain-GPT name: whole shape} of every parameter of the model, on every rank (collective)."""
-    shapes = {e.name: full_shape(pm, e, e.param.zero_rows.whole if is_sharded(pm, e.param)
+    shapes = {e.name: full_shape(e, e.param.zero_rows.whole if is_sharded(e.param)
                                  else e.param.shape) for e in entries(pm)}
     if not dist.is_initialized():
         return shapes

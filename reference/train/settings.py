@@ -1,12 +1,5 @@
-"""`RunPlan`: a `TrainConfig` resolved once at one world size, what the loop and the parity
-check read.
-
-``plan.config`` is the configuration itself (the model and its layout, the optimizer, the
-schedule, fp16's scaler, the data, the checkpoint folder and the log); the plan adds what
-depends on the world size: the global batch B (DeepSpeed's `train_batch_size`, whatever pair
-of the three batch keys the file gave), the micro-batch and the accumulation steps. It
-pickles to the ranks with the configuration inside.
-"""
+"""`RunPlan`: a `TrainConfig` (``plan.config``) resolved at one world size for the loop and the
+parity check: the global batch (`train_batch_size`), the micro-batch and the accumulation steps."""
 from __future__ import annotations
 
 from dataclasses import dataclass

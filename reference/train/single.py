@@ -1,12 +1,9 @@
 """The single-process training loop: the run every parallel version is compared with.
 
 `accumulated_step` is the oracle of every parity check (the tests, the golden losses, the
-trainer's `parity` command, the all-pairs sweep): one process, the global batch in the
-parallel run's dp x micro-batch chunks, its precision, loss scaler and clipping.
-`train_step` and `train` are the plain loop of the first notebooks: AdamW at a constant
-learning rate on reproducible batches (:func:`reference.data.get_batch`), so that a
-parallel run fed the same weights, the same global batches and the same optimizer settings
-must produce the same losses, step by step.
+trainer's `parity` command, the all-pairs sweep): one process, the global batch in the parallel
+run's dp x micro-batch chunks, its precision, loss scaler and clipping. `train_step` and `train`
+are the plain loop of the first notebooks: AdamW on reproducible batches (`reference.data.get_batch`).
 """
 from __future__ import annotations
 
@@ -29,13 +26,8 @@ __all__ = ["make_optimizer", "train_step", "accumulate_gradients", "accumulated_
 
 def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.0,
                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> torch.optim.AdamW:
-    """AdamW over the model's parameters (those with ``requires_grad``).
-
-    With ``weight_decay=0`` (the default) there is a single parameter group,
-    the easiest optimizer for a parallel version to reproduce. With decay,
-    only matrices (dim >= 2: Linear weights, embeddings) are decayed; biases
-    and LayerNorm gains are not, as in GPT-2 and nanoGPT.
-    """
+    """AdamW over the parameters that require grad: one group without decay, else two, with
+    only the matrices (dim >= 2) decayed and not the biases and LayerNorm gains, as in nanoGPT."""
     params = [p for p in model.parameters() if p.requires_grad]
     if weight_decay == 0.0:
         groups = [{"params": params, "weight_decay": 0.0}]
@@ -49,21 +41,15 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.0,
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
                grad_clip: Optional[float] = None, mesh=None) -> float:
-    """One optimizer step on the batch (x, y); returns the loss (lm loss + aux losses) as a float.
-
-    ``grad_clip`` clips the gradients' norm. In one process that is torch's
-    ``clip_grad_norm_``. Inside a rank of a parallel run each rank holds only part of
-    the gradients (a slice, a stage, a shard), and a per-rank norm would scale each
-    part differently: pass the run's ``mesh`` and the global norm is used
-    (`reference.parallel.clip`, with the model's gradients already synchronised).
-    """
+    """One optimizer step on (x, y); returns the loss (LM loss + aux losses). ``grad_clip`` clips
+    the gradients' norm; inside a parallel run each rank holds only part of the gradients, so pass
+    the run's ``mesh`` and the global norm is used (`reference.parallel.clip`)."""
     _, loss = model(x, y)
     loss.backward()
     if grad_clip is not None:
         _clip(model, grad_clip, mesh)
     optimizer.step()
-    # set_to_none frees the gradient memory between steps, as PyTorch does by default.
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)  # frees the gradients' memory between steps
     return loss.item()
 
 
@@ -92,19 +78,12 @@ def accumulate_gradients(model: nn.Module, idx: torch.Tensor, targets: torch.Ten
                          *, precision: str = "fp32", loss_scale: float = 1.0,
                          loss_mean: str = "tokens", loss_fn: Optional[LossFn] = None) -> float:
     """The oracle's forward and backward: the global batch in ``chunks`` equal chunks of rows
-    (a parallel run's dp x micro-batch split), gradients adding up in ``.grad``, under
-    autocast for bf16 and fp16. Each chunk backpropagates its share of the batch's loss times
-    ``loss_scale`` (`reference.loss`): with ``loss_mean="tokens"`` its sum over counted tokens
-    divided by the whole batch's count, which adds up to ``F.cross_entropy`` over the whole
-    batch whatever the chunks; with ``"mean_of_means"`` its own mean divided by ``chunks``.
-    Experts' balance loss: each chunk's, divided by ``chunks``. Returns the LM loss.
-
-    ``loss_fn(model, x, y) -> (loss, aux)`` replaces the GPT's forward and LM loss, for a
-    module without ``logits_and_aux`` (a toy model, a lone MoE layer) or another loss:
-    ``loss`` is the chunk's own mean, ``aux`` its auxiliary loss (0 for none), and each chunk
-    backpropagates ``(loss + aux) / chunks`` times ``loss_scale``: the mean over the equal
-    chunks (``loss_mean``, which counts LM target tokens, does not apply). Returns the mean
-    of the ``loss``es."""
+    (dp x micro-batches), gradients adding up in ``.grad``, autocast for bf16 and fp16. Each chunk
+    backpropagates its share of the loss times ``loss_scale`` (`reference.loss`): "tokens", its
+    sum over counted tokens / the whole batch's count (``F.cross_entropy`` of the whole batch,
+    whatever the chunks); "mean_of_means", its own mean / ``chunks``; plus its aux loss / ``chunks``.
+    ``loss_fn(model, x, y) -> (mean loss, aux)`` replaces the GPT's forward and LM loss (a toy
+    model, a lone MoE layer): each chunk backpropagates (loss + aux) / chunks. Returns the loss."""
     step = step_mean(loss_mean, targets, chunks, replicas=1) if loss_fn is None else None
     total = 0.0
     for x, y in zip(idx.chunk(chunks), targets.chunk(chunks)):
@@ -124,13 +103,9 @@ def accumulated_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx: to
                      targets: torch.Tensor, chunks: int = 1, *, precision: str = "fp32",
                      scaler=None, max_norm: Optional[float] = None,
                      loss_mean: str = "tokens", loss_fn: Optional[LossFn] = None) -> tuple[float, bool]:
-    """One step of the single process every parallel run is compared with: the gradients of
-    the global batch accumulated over ``chunks`` (`accumulate_gradients`); with fp16's
-    ``scaler`` (`reference.parallel.DynamicLossScaler`) unscaled and a step with an inf or
-    NaN skipped; the global norm clipped at ``max_norm``; the optimizer's step. ``loss_fn``:
-    another model's or another loss (`accumulate_gradients`). Returns (the LM loss, or
-    ``loss_fn``'s, whether the step was skipped). The step's gradients (unscaled, clipped)
-    stay in ``.grad`` until the next call."""
+    """The oracle's step: `accumulate_gradients`; with fp16's ``scaler`` (`DynamicLossScaler`)
+    unscaled, a step with an inf or NaN skipped; clipped at ``max_norm``; the optimizer's step.
+    Returns (loss, skipped); the step's gradients stay in ``.grad`` until the next call."""
     optimizer.zero_grad(set_to_none=True)
     loss = accumulate_gradients(model, idx, targets, chunks, precision=precision,
                                 loss_scale=scaler.scale if scaler is not None else 1.0,
@@ -151,17 +126,13 @@ def accumulated_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx: to
 @torch.no_grad()
 def evaluate(model: nn.Module, data: torch.Tensor, batch_size: int, num_batches: int = 4,
              seed: int = 0) -> float:
-    """Mean language-model loss (no aux losses) over ``num_batches`` fixed batches of ``data``.
-
-    The batches are the same on every call; runs in eval mode (no dropout) and restores the mode.
-    """
+    """Mean LM loss (no aux losses) over ``num_batches`` fixed batches of ``data``, in eval mode."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    block_size = model.config.block_size
     losses = []
     for i in range(num_batches):
-        x, y = get_batch(data, batch_size, block_size, step=i, seed=seed, device=device)
+        x, y = get_batch(data, batch_size, model.config.block_size, step=i, seed=seed, device=device)
         logits, _ = model(x)
         losses.append(lm_loss(logits, y).item())
     model.train(was_training)
@@ -172,18 +143,10 @@ def train(model: nn.Module, steps: int, batch_size: int, lr: float = 1e-3,
           data: Optional[Union[ByteCorpus, torch.Tensor]] = None, seed: int = 0, progress: bool = True,
           eval_every: int = 0, on_eval: Optional[Callable[[int, float], None]] = None,
           weight_decay: float = 0.0, grad_clip: Optional[float] = None) -> list[float]:
-    """Train ``model`` in place for ``steps`` AdamW steps; returns the loss of every step.
-
-    ``data`` is a :class:`ByteCorpus` (default: ``ByteCorpus.load()``) or a
-    1-D tensor of training tokens. Step ``s`` uses ``get_batch(train, batch_size,
-    model.config.block_size, step=s, seed=seed)``, and dropout (if any) draws
-    from torch's RNG seeded with ``seed`` (the caller's RNG state is restored
-    afterwards): the same model, arguments and seed give the same losses.
-
-    With ``eval_every > 0`` the validation loss (:func:`evaluate`; needs a
-    ByteCorpus) is computed every ``eval_every`` steps and after the last,
-    shown in the progress bar and passed to ``on_eval(step, val_loss)``.
-    """
+    """Train ``model`` in place for ``steps`` AdamW steps on ``data`` (a `ByteCorpus`, by default
+    ``ByteCorpus.load()``, or a 1-D tensor of tokens); returns every step's loss. Batches and dropout
+    follow ``seed``: the same arguments give the same losses. With ``eval_every`` the validation
+    loss (`evaluate`) goes to the progress bar and to ``on_eval(step, val_loss)``."""
     if steps < 0 or batch_size <= 0:
         raise ValueError(f"steps={steps} must be >= 0 and batch_size={batch_size} positive")
     if data is None:
@@ -197,8 +160,7 @@ def train(model: nn.Module, steps: int, batch_size: int, lr: float = 1e-3,
     optimizer = make_optimizer(model, lr, weight_decay=weight_decay)
     losses: list[float] = []
     model.train()
-    # Dropout draws from the global RNG of the model's device: seed it, and
-    # give the caller back the state it had.
+    # dropout draws from the device's global RNG: seeded here, the caller's state given back after
     rng_devices = []
     if device.type == "cuda":
         rng_devices = [device.index if device.index is not None else torch.cuda.current_device()]
