@@ -10,8 +10,9 @@ The feed-forward slot: ``GPT(config, ffn_factory=fn)`` builds each block's ``ffn
 ``fn(config, layer_index)`` instead of the dense :class:`MLP`; a mixture of experts fills the
 slot this way. The ffn maps ``(B, T, C) -> (B, T, C)`` and returns that tensor or
 ``(tensor, aux_loss)``, ``aux_loss`` 0-dim (a load-balancing loss, already multiplied by its
-coefficient); :meth:`GPT.forward`'s loss adds every block's aux loss to the cross-entropy. GPT does not re-initialise a module the
-factory built; the factory may call :func:`init_weights` on it to match the dense MLP.
+coefficient); :meth:`GPT.forward`'s loss adds every block's aux loss to the cross-entropy.
+GPT does not re-initialise a module the factory built; the factory may call
+:func:`init_weights` on it to match the dense MLP.
 """
 
 from __future__ import annotations
