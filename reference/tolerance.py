@@ -207,7 +207,8 @@ def loss(dtype: torch.dtype = torch.float32) -> Tolerance:
     """A loss (a mean over the batch's tokens) against one process's in the same precision."""
     _check_dtype(dtype)
     if dtype in (torch.float32, torch.float64):
-        return Tolerance(forward(dtype).rtol, 0.0, f"{str(dtype)[6:]} loss, the same sums added in another order (section 1)")
+        return Tolerance(forward(dtype).rtol, 0.0,
+                         f"{str(dtype)[6:]} loss, the same sums added in another order (section 1)")
     return Tolerance(HALF_LOSS_RTOL, 0.0, f"{str(dtype)[6:]} loss: a mean over roundings that do not "
                                           f"line up (section 2)")
 

@@ -46,7 +46,7 @@ def plot_memory_vs_length(lengths: Sequence[int], measured: Mapping[str, Sequenc
     fig, (ax,) = _figure(6.0, 3.6)
     for k, (name, values) in enumerate(measured.items()):
         ax.plot(lengths, values, "o-", color=rank_colour(k), label=f"{name} (measured)")
-    for k, (name, values) in enumerate((formula or {}).items()):
+    for name, values in (formula or {}).items():
         ax.plot(lengths, values, "--", color="0.3", lw=1, label=name)
     _log2_axes(ax, "sequence length T (tokens)", "bytes", title)
     return fig

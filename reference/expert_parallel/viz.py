@@ -17,11 +17,11 @@ from reference.viz import NotebookFigure, fmt_bytes
 __all__ = ["plot_tokens_per_expert", "plot_routing", "plot_all_to_all", "plot_expert_memory", "plot_gate",
            "plot_balance_history"]
 
-# Counts may be a list, a numpy array or a torch tensor (converted with as_array).
+# Counts may be a list, a numpy array or a torch tensor (converted with _as_array).
 Counts = Union[Sequence[int], np.ndarray]
 
 
-def as_array(x) -> np.ndarray:
+def _as_array(x) -> np.ndarray:
     if hasattr(x, "detach"):
         x = x.detach().cpu().numpy()
     return np.asarray(x)
@@ -32,7 +32,7 @@ def plot_tokens_per_expert(counts: Union[Counts, Mapping[str, Counts]], *,
     """Bars of assignments per expert; pass ``{"before": c0, "after": c1}`` to compare runs. Dotted:
     the balanced load, total / E; dashed: `capacity`, the slots of each expert for the whole batch."""
     series = dict(counts) if isinstance(counts, Mapping) else {"tokens": counts}
-    series = {label: as_array(c).reshape(-1) for label, c in series.items()}
+    series = {label: _as_array(c).reshape(-1) for label, c in series.items()}
     n_experts = max(len(c) for c in series.values())
     fig = NotebookFigure(figsize=(max(5.0, 0.45 * n_experts * len(series) + 2.0), 3.4), layout="constrained")
     ax = fig.add_subplot()
@@ -57,10 +57,10 @@ def plot_routing(expert_idx: Counts, kept: Optional[Counts] = None, n_experts: O
                  title: str = "routes of one sequence") -> Figure:
     """One sequence's routes (`expert_idx` (T, k) as ``stats.expert_idx[g]``, `kept` (T, k) bool): a
     column per token, a row per expert, a first choice darker than a second, a dropped one crossed out."""
-    idx = as_array(expert_idx)
+    idx = _as_array(expert_idx)
     if idx.ndim != 2:
         raise ValueError(f"expert_idx must be (T, k) for one sequence, got shape {idx.shape}")
-    keep = np.ones_like(idx, dtype=bool) if kept is None else as_array(kept).astype(bool)
+    keep = np.ones_like(idx, dtype=bool) if kept is None else _as_array(kept).astype(bool)
     T, k = idx.shape
     E = int(idx.max()) + 1 if n_experts is None else n_experts
     fig = NotebookFigure(figsize=(max(4.0, 0.3 * T + 1.5), max(2.0, 0.3 * E + 1.0)), layout="constrained")
@@ -86,7 +86,7 @@ def plot_routing(expert_idx: Counts, kept: Optional[Counts] = None, n_experts: O
 def plot_all_to_all(send_counts: Counts, *, title: str = "all-to-all: rows sent") -> Figure:
     """The dispatch as a matrix, every rank's ``stats.send_counts`` stacked: [s, d] the rows ep rank
     s sends to ep rank d. The diagonal stays on its rank; the combine sends the transpose back."""
-    m = as_array(send_counts)
+    m = _as_array(send_counts)
     if m.ndim != 2 or m.shape[0] != m.shape[1]:
         raise ValueError(f"send_counts must be a square (P, P) matrix, got shape {m.shape}")
     P = m.shape[0]
@@ -108,7 +108,7 @@ def plot_all_to_all(send_counts: Counts, *, title: str = "all-to-all: rows sent"
 def plot_expert_memory(expert_bytes: Sequence[int], dense_bytes: Sequence[int], *,
                        title: str = "parameter bytes per rank") -> Figure:
     """Stacked bars per rank: expert parameters (split by ep) over the replicated dense ones."""
-    experts, dense = as_array(expert_bytes).reshape(-1), as_array(dense_bytes).reshape(-1)
+    experts, dense = _as_array(expert_bytes).reshape(-1), _as_array(dense_bytes).reshape(-1)
     if experts.shape != dense.shape:
         raise ValueError(f"one value per rank in each: {experts.shape} expert vs {dense.shape} dense")
     ranks = np.arange(len(experts))
@@ -130,7 +130,7 @@ def plot_expert_memory(expert_bytes: Sequence[int], dense_bytes: Sequence[int], 
 def plot_gate(probs, expert_idx, weights, *, title: str = "the gate: softmax, then top-k") -> Figure:
     """Heat map of one sequence's `probs` (T, E), an expert per row: the chosen cells (`expert_idx`
     (T, k), best first) framed with their combine `weights` (T, k), which sum to 1 when k > 1."""
-    p, idx, w = as_array(probs), as_array(expert_idx), as_array(weights)
+    p, idx, w = _as_array(probs), _as_array(expert_idx), _as_array(weights)
     if p.ndim != 2 or idx.ndim != 2 or idx.shape != w.shape or idx.shape[0] != p.shape[0]:
         raise ValueError(f"expected probs (T, E), expert_idx and weights (T, k); got shapes "
                          f"{p.shape}, {idx.shape}, {w.shape}")
@@ -159,7 +159,7 @@ def plot_balance_history(loads: Mapping[str, Sequence], balance_loss: Optional[M
                          *, title: str = "tokens per expert during training") -> Figure:
     """Top row: a heat map per run of `loads` ({name: (steps, E) ``stats.tokens_per_expert``
     stacked}); bottom row: max / mean load per step (1: balanced) and, given, each run's balance loss."""
-    runs = {name: as_array(l).astype(float) for name, l in loads.items()}
+    runs = {name: _as_array(l).astype(float) for name, l in loads.items()}
     for name, l in runs.items():
         if l.ndim != 2:
             raise ValueError(f"loads[{name!r}] must be (steps, E), got shape {l.shape}")
@@ -188,7 +188,7 @@ def plot_balance_history(loads: Mapping[str, Sequence], balance_loss: Optional[M
     if balance_loss is not None:
         ax = curve_axes[1]
         for j, (name, values) in enumerate(balance_loss.items()):
-            ax.plot(as_array(values).reshape(-1), color=colours[j], label=name)
+            ax.plot(_as_array(values).reshape(-1), color=colours[j], label=name)
         ax.axhline(1.0, color="black", ls=":", lw=1)
         ax.set_xlabel("step")
         ax.set_ylabel("balance loss")
