@@ -62,6 +62,17 @@ def test_validate_lists_all_problems_at_once():
         assert part in text
 
 
+@pytest.mark.parametrize("config, world", [
+    (ParallelConfig(precision="fp8"), 1),
+    (ParallelConfig(pp=2, microbatches=2, precision="fp8"), 2),
+    (ParallelConfig(dp=2, pp=2, zero_stage=2, microbatches=1, precision="int8", schedule="zigzag"), 4),
+    (ParallelConfig(tp=3, virtual_stages=2, precision="fp8"), 3),
+])
+def test_validate_lists_each_problem_once(config, world):
+    problems = config.problems(world, TINY, None, None)
+    assert problems and len(problems) == len(set(problems)), problems
+
+
 def test_str_names_what_is_on():
     assert str(ParallelConfig.debug_3d()) == "dp=2 tp=2 pp=2 sp 1f1b m=2"
     assert str(ParallelConfig.single()) == "dp=1 tp=1 pp=1"
