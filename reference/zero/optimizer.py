@@ -44,13 +44,12 @@ import torch
 import torch.distributed as dist
 
 from reference import comms
-from reference.zero.fsdp import FSDP
 from reference.zero.groups import decay_kind as _decay_kind
 from reference.zero.groups import parse_groups as _parse_groups
 from reference.zero.reducer import BucketReducer
 from reference.zero.shard import FlatLayout, trainable_unique
 
-__all__ = ["ZeroOptimizer", "FSDP", "FlatLayout"]
+__all__ = ["ZeroOptimizer"]
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
