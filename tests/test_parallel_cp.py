@@ -54,7 +54,7 @@ def _gathered_grads(pm) -> dict[str, torch.Tensor]:
         for name, p in stage.named_parameters():
             g = p.grad.detach()
             if group is not None:
-                g = tensor_parallel_full(module_of, name, g, group, pm.model_config.vocab_size)
+                g = tensor_parallel_full(module_of, name, g, group)
             out[name] = g.cpu().clone()
     return out
 

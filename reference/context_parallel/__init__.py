@@ -18,7 +18,7 @@ attention every query must meet every earlier key, so the ranks exchange either 
   all-to-all from a sequence split to a head split and back;
 * `attention`, `gpt`: the course's attention module and a whole GPT on this rank's tokens;
 * `cost`, `measure`: bytes, memory and work per rank as formulas, and the meters of memory;
-* `viz`: notebook 08's pictures.
+* `viz`: notebook 08's pictures (imported on its own: matplotlib stays out of the ranks).
 
 Ring attention holds one (T/cp)^2 score block per head and runs on any cp; Ulysses sends less
 as cp grows but needs cp to divide the heads and holds (T, T) scores per local head.
@@ -37,7 +37,6 @@ from reference.context_parallel.layout import (
     zigzag_chunks,
 )
 from reference.context_parallel.measure import LargestTensor, SavedTensorBytes
-from reference.context_parallel import viz
 from reference.context_parallel.ring import ring_attention
 from reference.context_parallel.ulysses import (
     check_heads, heads_to_sequence, sequence_to_heads, ulysses_attention,
@@ -51,4 +50,4 @@ __all__ = ["split_sequence", "gather_sequence", "sequence_positions", "gather_or
            "allreduce_context_parallel_grads", "ring_attention_sent_bytes", "ulysses_sent_bytes",
            "ring_attention_saved_bytes", "score_block_elements", "causal_pairs_per_rank",
            "ring_pairs_per_rank", "ring_block_elements_per_rank", "SavedTensorBytes",
-           "LargestTensor", "viz"]
+           "LargestTensor"]

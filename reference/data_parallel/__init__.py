@@ -2,7 +2,7 @@
 
     from reference.data_parallel import DDP, naive_all_reduce_gradients
     model = DDP(GPT(config).to(device()), bucket_cap_mb=1)   # inside a rank; device from reference.runtime
-    loss = lm_loss(model(idx), targets); loss.backward()   # buckets all-reduced during backward
+    logits, loss = model(idx, targets); loss.backward()     # buckets all-reduced during backward
 
 Where each part lives:
 

@@ -21,7 +21,8 @@ of them imports it. Where each part lives:
 * `estimate`: memory, bubble, bytes and step time per GPU of a configuration, from formulas
   (`estimate_memory`, `estimate_traffic`); `explorer`: which configurations fit a cluster;
   `placement`: which traffic crosses nodes for an order of the axes;
-* `golden`: the debug run's committed losses; `viz`: a composed step drawn rank by rank.
+* `golden`: the debug run (its model, data and 8-rank run; its committed losses are
+  `reference.train.golden`'s); `viz`: a composed step drawn rank by rank.
 
 `viz` and `explorer` (which load matplotlib and ipywidgets, which a rank does not need) and
 `golden` are imported from their modules."""

@@ -22,7 +22,7 @@ from reference.expert_parallel import ExpertParallelMoE
 __all__ = ["full_state_dict", "tensor_parallel_full", "expert_names"]
 
 
-def tensor_parallel_full(module_of: dict, name: str, p: torch.Tensor, tp_group, vocab: int = 0):
+def tensor_parallel_full(module_of: dict, name: str, p: torch.Tensor, tp_group):
     """Parameter ``name``'s whole value from this rank's piece ``p`` (a weight or its gradient;
     collective over tp), gathered as its layer cut it; a parameter whole on every tp rank as it is."""
     owner, leaf = name.rsplit(".", 1)
@@ -59,7 +59,7 @@ def _stages_state_dict(pm) -> dict[str, torch.Tensor]:
         for name, p in stage.named_parameters():
             value = p.detach()
             if tp_group is not None:
-                value = tensor_parallel_full(module_of, name, value, tp_group, pm.model_config.vocab_size)
+                value = tensor_parallel_full(module_of, name, value, tp_group)
             mine[renames.get(name, name)] = value.cpu().clone()
     for dim in ("ep", "pp"):
         if getattr(mesh, dim) > 1:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
+from reference import comms
 from reference.model import sample_next_token
 from reference.tensor_parallel.loss import VocabParallelLMHead
 
@@ -41,10 +41,10 @@ def _logits_of_last_position(pm, context: torch.Tensor, device) -> Optional[torc
             x = out
         else:
             x = torch.empty(B, t_msg, C, device=device)
-            dist.recv(x, src=pp_ranks[sched.rank_of(s - 1)], group=mesh.group("pp"))
+            comms.recv(x, src=pp_ranks[sched.rank_of(s - 1)], group=mesh.group("pp"))
         out, _ = stage(x)
         if s < config.n_stages - 1 and sched.rank_of(s + 1) != owner:
-            dist.send(out.contiguous(), dst=pp_ranks[sched.rank_of(s + 1)], group=mesh.group("pp"))
+            comms.send(out.contiguous(), dst=pp_ranks[sched.rank_of(s + 1)], group=mesh.group("pp"))
     if not pm.is_last_stage:
         return None
     head = pm.stages[-1].lm_head
@@ -81,7 +81,7 @@ def _sample(pm, idx, max_new_tokens, temperature, top_k, generator) -> torch.Ten
                 token = sample_next_token(logits, temperature, top_k, generator)
             if pm.mesh.pp > 1:  # the last stage's token, to every stage
                 last = pm.mesh.group_ranks_of(pm.mesh.rank, "pp")[pm.schedule.rank_of(pm.schedule.n_stages - 1)]
-                dist.broadcast(token, src=last, group=pm.mesh.group("pp"))
+                comms.broadcast(token, src=last, group=pm.mesh.group("pp"))
             idx = torch.cat([idx, token], dim=1)
     finally:
         for st, mode in zip(pm.stages, was_training):

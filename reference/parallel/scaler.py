@@ -22,6 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from reference import comms
+
 __all__ = ["DynamicLossScaler"]
 
 
@@ -49,7 +51,7 @@ class DynamicLossScaler:
         local = any(not torch.isfinite(g).all() for g in grads)
         flag = torch.tensor([float(local)], device=grads[0].device if grads else "cpu")
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            comms.all_reduce(flag, op=comms.ReduceOp.MAX, group=group)  # metered: 4 bytes
         overflow = bool(flag.item())
         if not overflow:
             for g in grads:

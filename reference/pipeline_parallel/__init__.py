@@ -22,7 +22,7 @@ and receives; it is plain data, checked before it runs, drawn, and run by one ex
 
 Where each part lives:
 
-* `actions`: the six actions (`Action`, `OPS`) and `ScheduleError`, the words every other module speaks;
+* `actions`: the eight actions (`Action`, `OPS`) and `ScheduleError`, the words every other module speaks;
 * `schedules`: `Schedule`, `build_schedule` (naive, GPipe, 1F1B, interleaved, and the kinds of `BUILDERS`)
   and the textbook `bubble_formula`;
 * `zero_bubble`: ZB-H1 and ZB-V (Qi et al., 2024), whose backward is split into I (the input's gradient)
@@ -53,7 +53,6 @@ from reference.pipeline_parallel.schedules import (KINDS, OPS, Action, Schedule,
 from reference.pipeline_parallel.stage import (DelayedStage, GPTStage, StageSpec, local_stages, plan_stages,
                                                split_stages)
 from reference.pipeline_parallel.tied import build_embedding_group, sync_tied_grads
-from reference.pipeline_parallel.viz import plot_bubble_curve, plot_stage_balance, plot_timeline
 from reference.pipeline_parallel.zero_bubble import ZB_KINDS, VSchedule, peak_bytes, zero_bubble_formula
 from reference.pipeline_parallel import check, executor, schedules, split_backward, zero_bubble  # noqa: E402
 
@@ -62,6 +61,18 @@ from reference.pipeline_parallel import check, executor, schedules, split_backwa
 schedules.BUILDERS.update(zero_bubble.BUILDERS)
 executor.COMPUTE.update(split_backward.COMPUTE)
 schedules.Schedule.checker = check
+
+_PICTURES = ("plot_timeline", "plot_bubble_curve", "plot_stage_balance")
+
+
+def __getattr__(name: str):
+    """The pictures, loaded when first asked for: a rank that only runs a schedule never imports
+    matplotlib (PEP 562's module ``__getattr__``)."""
+    if name in _PICTURES:
+        from reference.pipeline_parallel import viz
+
+        return getattr(viz, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     # schedules as data

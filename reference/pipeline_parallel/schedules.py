@@ -2,7 +2,8 @@
 
 A pipeline of ``pp`` ranks runs ``m`` micro-batches through ``pp * virtual`` model stages; rank
 ``r``'s chunk ``c`` is model stage ``c * pp + r`` (Megatron-LM's interleaved layout). A schedule
-says, for every rank, in which order to do six kinds of action:
+says, for every rank, in which order to do its actions (six kinds here; the zero-bubble
+schedules split B into two more, I and W: `reference.pipeline_parallel.actions`):
 
     F       forward of micro-batch mb on chunk c
     B       backward of micro-batch mb on chunk c
@@ -36,7 +37,6 @@ from itertools import groupby
 from typing import Optional
 
 from reference.pipeline_parallel.actions import OPS, Action, ScheduleError  # noqa: F401 (OPS re-exported)
-from reference.pipeline_parallel.viz import plot_schedule
 
 __all__ = ["Action", "Schedule", "ScheduleError", "build_schedule", "bubble_formula", "KINDS", "OPS"]
 
@@ -187,6 +187,8 @@ class Schedule:
 
     def plot(self, t_f: float = 1.0, t_b: float = 2.0, ax=None, title: Optional[str] = None):
         """The ideal timeline as a figure: ranks as rows, F and B as labelled boxes."""
+        from reference.pipeline_parallel.viz import plot_schedule  # matplotlib stays out of the ranks
+
         return plot_schedule(self, t_f, t_b, ax, title)
 
     def __repr__(self) -> str:

@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from reference import comms
 
 __all__ = ["TensorParallelCut", "record_cut"]
 
@@ -49,9 +50,9 @@ class TensorParallelCut:
 
     def gather(self, piece: torch.Tensor, group) -> torch.Tensor:
         """The whole tensor from every rank's ``piece`` (collective over the tp ``group``)."""
-        parts = [torch.empty_like(piece) for _ in range(self.parts)]
-        dist.all_gather(parts, piece.contiguous(), group=group)
-        split = [p.chunk(self.blocks, dim=self.dim) for p in parts]  # [rank][block]: block by block
+        rows = piece.new_empty((self.parts * piece.shape[0], *piece.shape[1:]))  # rank r's rows r-th
+        comms.all_gather_into_tensor(rows, piece.contiguous(), group=group)
+        split = [p.chunk(self.blocks, dim=self.dim) for p in rows.chunk(self.parts)]  # [rank][block]
         return torch.cat([split[r][b] for b in range(self.blocks) for r in range(self.parts)],
                          dim=self.dim).narrow(self.dim, 0, self.real)
 
