@@ -65,6 +65,10 @@ class DDP(nn.Module):
     * Buckets of at most `bucket_cap_mb` MiB, bucket 0 of `first_bucket_cap_mb` (`plan_buckets`),
       are launched strictly in bucket order, so every rank issues the same all-reduces in the
       same order whatever order autograd finishes the gradients in.
+    * A parameter's gradient is marked ready by ``register_post_accumulate_grad_hook``, not by a
+      hook on the gradient itself. It fires once per backward, after autograd has added every
+      use into ``.grad``. So a tied weight, used twice (the embedding and the LM head), joins
+      its bucket once, with both uses summed.
     * ``with ddp.no_sync():`` backward accumulates locally; the next backward whose forward ran
       outside ``no_sync`` all-reduces the sum.
     * A parameter with no gradient on this rank contributes zeros (its bucket launches only at

@@ -128,9 +128,20 @@ class RowShards:
 class Unit:
     """Parameters ``params`` gathered, freed and reduce-scattered together over ``group``.
 
-    ``dtype``: the whole parameters' compute dtype; ``grad_dtype``: the gradients' averaging one.
-    ``mean_over``: None averages with AVG; a number sums, then divides by it (experts divide by
-    all of dp). ``replicate_group`` (HSDP): the rows are then summed across the replicas.
+    Args:
+        dtype: the dtype the whole parameters compute in (bf16 under mixed precision).
+        grad_dtype: the dtype the gradients are averaged in. Under mixed precision it is fp32:
+            a sum of N bf16 gradients would round away the low bits of each; in fp32 the mean
+            loses nothing the shards' fp32 master weights could use.
+        mean_over: None averages with the collective's AVG. A number sums, then divides by it:
+            experts sharded over their expert-data-parallel group divide by all of dp.
+        replicate_group: HSDP. The reduce-scattered rows are then summed across the replicas,
+            one all-reduce.
+
+    Freeing shrinks ``full``'s storage to zero bytes (`untyped_storage().resize_(0)`) instead of
+    dropping the tensor: the parameters are views of ``full``, and so are the tensors autograd
+    saved for the backward. Gathering grows the same storage back and writes the numbers in,
+    so every view sees them again without a module or a graph being rebuilt.
     """
 
     def __init__(self, name: str, params, layout, group, dtype, device, grad_dtype=None,
