@@ -135,6 +135,8 @@ class Adam8bit(torch.optim.Optimizer):
     (fp32, one per block) and `step`. `code`: "dynamic" or "linear" (unsigned for sqrt(v)).
     """
 
+    decoupled_weight_decay = True  # AdamW's p *= 1 - lr wd: what `ZeroOptimizer` asks (zero/groups.py)
+
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, block_size: int = 256,
                  code: str = "dynamic"):

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from reference.zero.adam8bit import Adam8bit
-
 __all__ = ["parse_groups", "decay_kind"]
 
 
@@ -49,7 +47,9 @@ def parse_groups(params, optimizer_kwargs: dict):
 
 def decay_kind(optimizer_class, defaults: dict) -> str:
     """'decoupled' (AdamW's p *= 1 - lr wd) or 'coupled' (L2: grad += wd p), as `optimizer_class` decays."""
-    if issubclass(optimizer_class, (torch.optim.AdamW, Adam8bit)) or defaults.get("decoupled_weight_decay"):
+    # torch's Adam(decoupled_weight_decay=True) is AdamW; an optimizer of the course's says so itself
+    if (issubclass(optimizer_class, torch.optim.AdamW) or getattr(optimizer_class, "decoupled_weight_decay", False)
+            or defaults.get("decoupled_weight_decay")):
         return "decoupled"
     if issubclass(optimizer_class, (torch.optim.SGD, torch.optim.Adam, torch.optim.Adagrad,
                                     torch.optim.RMSprop, torch.optim.Adamax)):
