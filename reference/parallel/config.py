@@ -34,7 +34,7 @@ from reference.loss import LOSS_MEANS
 
 __all__ = ["ParallelConfig", "SCHEDULES", "V_SHAPED", "PRECISIONS", "CP_KINDS"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev")
 V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank in a V: rank r holds stages r and 2 pp - 1 - r
 PRECISIONS = ("fp32", "bf16", "fp16")
 CP_KINDS = ("ring", "ulysses")  # reference.context_parallel.KINDS
@@ -260,7 +260,7 @@ class ParallelConfig:
         if self.schedule == "zb-h1" and 1 < self.pp and self.microbatches < self.pp:
             out.append(f"ZB-H1 with microbatches={self.microbatches} < pp={self.pp} never reaches "
                        f"1F1B's steady state, whose idle end its W's fill; use microbatches >= pp")
-        if self.schedule in ("zb-h1",) + V_SHAPED and self.zero_stage == 3 and self.dp * self.cp > 1:
+        if self.schedule in ("zb-h1", "zb-h2") + V_SHAPED and self.zero_stage == 3 and self.dp * self.cp > 1:
             out.append(f"schedule={self.schedule!r} splits each backward into I and W, and composed "
                        f"ZeRO-3 gathers and reduce-scatters around a whole backward B: use zero_stage "
                        f"<= 1 or schedule='1f1b'")
