@@ -31,7 +31,8 @@ that step's own update. Here the checks' all-reduces run while the eager optimiz
 and complete at the end of the same `train_step`: the result (loss, norm, skipped) is final when
 `train_step` returns, but the next step's forwards do not overlap the check. The ideal timeline
 of overlapping steps is the simulator's (`multistep`). Refused with ZeRO (its sharded step
-all-gathers the parameters; undoing it is not built).
+all-gathers the parameters; undoing it is not built), and with experts balanced by a bias (it
+moves in an optimizer pre-hook, outside the copy).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from reference import comms
+from reference.expert_parallel.bias_balance import biased_routers
 from reference.parallel.clip import clipped, global_norm, local_norm, scale_gradients
 
 __all__ = ["Backup", "post_validated_step"]
@@ -70,6 +72,15 @@ class Backup:
 def post_validated_step(pm, optimizer, max_norm: Optional[float], scaler, run) -> tuple:
     """Steps 4 and 5 of `reference.parallel.step.train_step` the other way round (module
     docstring): (the global norm before clipping or None, whether fp16 overflowed)."""
+    if any(biased_routers(stage) for stage in pm.stages):
+        raise ValueError("optimizer_post_validation with bias-balanced experts (bias_update_rate > 0): "
+                         "their bias moves in an optimizer pre-hook, outside what a rollback restores; "
+                         "turn one of them off")
+    if scaler is None and max_norm is None:  # nothing to check: nothing to undo
+        start = run.now()
+        optimizer.step()
+        run.event("optimizer", "step", start)
+        return None, False
     dp, distributed = pm.data_parallel, dist.is_available() and dist.is_initialized()
     grads = dp.local_grads(pm, optimizer)
     pending = []  # the checks' all-reduces, in flight while the optimizer steps
