@@ -69,7 +69,7 @@ def test_a_combination_that_cannot_run_is_reported_not_raised():
 
 
 def test_bad_arguments_name_the_value():
-    with pytest.raises(ValueError, match="kind must be one of naive, gpipe, 1f1b, interleaved, zb-h1, zb-v, "
+    with pytest.raises(ValueError, match="kind must be one of naive, gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, "
                                          "dualpipev, got 'zb'"):
         schedule_explorer(kind="zb")
     with pytest.raises(ValueError, match=f"pp must be an int from 1 to {MAX_PP}, got 9"):

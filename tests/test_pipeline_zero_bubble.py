@@ -34,7 +34,7 @@ A = Action
 CFG = dict(n_layer=8, n_head=2, n_embd=16, block_size=8, vocab_size=64)
 B, T, STEPS, LR = 8, 8, 3, 1e-3
 FROZEN = ("wpe.weight", "h.1.ln_1.weight", "h.6.ffn.c_fc.bias")
-V = {"zb-h1": 1, "zb-v": 2, "dualpipev": 2}
+V = {"zb-h1": 1, "zb-h2": 1, "zb-v": 2, "dualpipev": 2}
 
 
 # ---------------------------------------------------------------------------
@@ -55,7 +55,7 @@ def test_the_letters_are_torchs():
     assert tuple(letters[n] for n in ("FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT")) == COMPUTE
 
 
-@pytest.mark.parametrize("kind", ["zb-h1", "zb-v", "dualpipev"])
+@pytest.mark.parametrize("kind", ["zb-h1", "zb-h2", "zb-v", "dualpipev"])
 def test_every_zero_bubble_schedule_is_complete(kind):
     for pp in range(1, 6):
         for m in range(2 * pp if kind == "dualpipev" else 1, 12):
@@ -79,7 +79,7 @@ def test_the_bubble_equals_the_formula():
     """F, B = I + W and W as in `zero_bubble_formula`'s ranges; messages free."""
     costs = [(1.0, 2.0, 1.0), (1.0, 2.0, 0.5), (1.0, 3.0, 1.0), (2.0, 4.0, 2.0), (1.0, 2.0, 0.8)]
     checked = 0
-    for kind in ("zb-h1", "zb-v", "dualpipev"):
+    for kind in ("zb-h1", "zb-h2", "zb-v", "dualpipev"):
         for pp in (2, 3, 4):
             for m in (pp, 2 * pp - 1, 2 * pp, 3 * pp + 1):
                 if kind == "dualpipev" and m < 2 * pp:
@@ -168,7 +168,7 @@ def test_refusals_say_why():
         build_schedule("zb-h1", 2, 4, 2)
     with pytest.raises(ValueError, match="'dualpipev' needs at least as many micro-batches as stages"):
         build_schedule("dualpipev", 2, 3, 2)
-    with pytest.raises(ValueError, match="expected one of .*zb-h1, zb-v, dualpipev"):
+    with pytest.raises(ValueError, match="expected one of .*zb-h1, zb-h2, zb-v, dualpipev"):
         build_schedule("zb", 2, 4)
 
     def problems(**kw):
@@ -382,6 +382,7 @@ def _cases(pp):
              for kind in ("zb-h1", "zb-v") for m in (1, 4, 8)]
     cases.append((("dualpipev", 2 * pp), "dualpipev", 2 * pp, {}, dict(tied=True, frozen=False), False))
     cases.append((("recompute", "zb-h1"), "zb-h1", 4, {}, dict(tied=True, frozen=False), True))
+    cases.append((("zb-h2", 2 * pp), "zb-h2", 2 * pp, {}, dict(tied=True, frozen=False), False))
     cases.append((("variant", "zb-v"), "zb-v", 4, dict(balance="params", embedding_stage=True),
                   dict(tied=False, frozen=True), [True, False]))
     return cases

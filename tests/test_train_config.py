@@ -327,3 +327,19 @@ def test_warmup_cosine_lr(tmp_path):
 
 def test_no_scheduler_keeps_the_lr(tmp_path):
     assert lrs(tmp_path, None, lr=0.25, n=3) == [0.25, 0.25, 0.25]
+
+
+def test_optimizer_post_validation_is_a_parallelism_key():
+    """``parallelism.optimizer_post_validation`` reaches `ParallelConfig` (off by default), and
+    ``--check`` says what it does; with ZeRO it is refused."""
+    plain = load_config(CONFIGS / "debug_3d.json", world_size=8)
+    assert plain.parallel_config(8).optimizer_post_validation is False
+    assert "optimizer_post_validation" not in describe(plain, 8)
+    config = load_config(CONFIGS / "debug_3d.json", {"parallelism.optimizer_post_validation": True},
+                         world_size=8)
+    assert config.parallel_config(8).optimizer_post_validation is True
+    text = describe(config, 8)
+    assert "optimizer_post_validation: each rank steps at once" in text and text.endswith("nothing found")
+    with pytest.raises(ValueError, match="optimizer_post_validation undoes a step"):
+        load_config(CONFIGS / "debug_3d.json", {"parallelism.optimizer_post_validation": True,
+                                               "zero_optimization.stage": 1}, world_size=8)

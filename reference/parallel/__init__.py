@@ -10,7 +10,8 @@ of them imports it. Where each part lives:
 * `config`: `ParallelConfig`, the degrees and options of a run, validated before any rank starts;
 * `parallelize`: tensor, context, expert and pipeline parallelism applied from outside in a
   fixed order (`ParallelGPT`); `context`: context parallelism as a mesh dimension;
-* `step`: `train_step`, one training step for any combination;
+* `step`: `train_step`, one training step for any combination; `post_validation`: the optimizer
+  step taken before the global checks (clip norm, fp16 overflow) and undone when they fail;
 * `data_parallelism`: how the replicas keep weights and gradients, one object per way (plain
   replicas, ZeRO-1/2 shards, ZeRO-3 by blocks, per parameter, resharded after forward),
   `pm.data_parallel`, which `train_step`, `full_state_dict` and `generate` ask;

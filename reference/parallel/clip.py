@@ -53,7 +53,8 @@ from reference.pipeline_parallel import GPTStage
 from reference.runtime import device as rank_device
 from reference.zero import FSDP, ZeroOptimizer
 
-__all__ = ["clip_grad_norm_", "mark_parallel_params", "MARKS"]
+__all__ = ["clip_grad_norm_", "mark_parallel_params", "MARKS", "local_norm", "global_norm", "scale_gradients",
+           "clipped"]
 
 # The attributes `mark_parallel_params` sets on every parameter (Megatron's names for the first two).
 MARKS = ("tensor_model_parallel", "shared", "expert_parallel", "data_parallel_shard")
@@ -170,8 +171,25 @@ def clip_grad_norm_(params, max_norm: float, mesh=None, norm_type: float = 2.0) 
     `params`: this rank's gradients, as modules (a model, DDP, its pipeline chunks), a
     `ZeroOptimizer` after ``reduce_gradients()``, an `FSDP` module after backward, or marked
     tensors; `mesh`: the run's `reference.mesh.Mesh` (None: one process); `norm_type`: 2 or inf."""
+    _check_max_norm(max_norm)
+    local, targets, norm_type = local_norm(params, mesh, norm_type)
+    if local.dim() == 1:  # several ranks: every rank's sum of squares (or max) is the whole model's
+        comms.all_reduce(local, op=dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX)
+    total = global_norm(local, norm_type)
+    scale_gradients(targets, total, max_norm)
+    return total
+
+
+def _check_max_norm(max_norm) -> None:
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
         raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
+
+
+def local_norm(params, mesh=None, norm_type: float = 2.0):
+    """This rank's part of the global norm, before any communication: (a (1,) tensor holding
+    its sum of g^2 over what it counts (its max for inf), to be all-reduced over the world, or,
+    with one process, the 0-dim norm itself; the gradients to scale; norm_type as a float).
+    `clip_grad_norm_` is this, one all-reduce, `global_norm` and `scale_gradients`."""
     norm_type = float(norm_type)
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"norm_type must be 2 or inf, got {norm_type!r}")
@@ -192,14 +210,30 @@ def clip_grad_norm_(params, max_norm: float, mesh=None, norm_type: float = 2.0) 
     if world == 1:  # torch's own reduction of the per-tensor norms
         total = (torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms
                  else torch.zeros((), device=device))
-    else:
-        local = torch.zeros(1, device=device)  # this rank's sum of squares (or max)
-        if norms:
-            local[0] = torch.stack(norms).square().sum() if norm_type == 2.0 else torch.stack(norms).max()
-        op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
-        comms.all_reduce(local, op=op)  # every rank's: the whole model's
-        total = local[0].sqrt() if norm_type == 2.0 else local[0]
-    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula, 1e-6 included
+        return total, targets, norm_type
+    local = torch.zeros(1, device=device)  # this rank's sum of squares (or max)
+    if norms:
+        local[0] = torch.stack(norms).square().sum() if norm_type == 2.0 else torch.stack(norms).max()
+    return local, targets, norm_type
+
+
+def global_norm(reduced: torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm from `local_norm`'s value once all-reduced (or one process's norm, as it is)."""
+    if reduced.dim() == 0:
+        return reduced
+    return reduced[0].sqrt() if norm_type == 2.0 else reduced[0]
+
+
+@torch.no_grad()
+def clipped(total: torch.Tensor, max_norm: float) -> bool:
+    """Whether `scale_gradients` changes anything: max_norm / (total + 1e-6) < 1 (or a NaN norm)."""
+    coef = max_norm / (total + 1e-6)
+    return not bool(coef >= 1.0)
+
+
+@torch.no_grad()
+def scale_gradients(targets, total: torch.Tensor, max_norm: float) -> None:
+    """Every gradient times min(1, max_norm / (total + 1e-6)), torch's formula, 1e-6 included."""
+    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in targets:
         g.mul_(clip_coef.to(device=g.device, dtype=g.dtype))
-    return total

@@ -34,7 +34,7 @@ from reference.loss import LOSS_MEANS
 
 __all__ = ["ParallelConfig", "SCHEDULES", "V_SHAPED", "PRECISIONS", "CP_KINDS"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev")
 V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank in a V: rank r holds stages r and 2 pp - 1 - r
 PRECISIONS = ("fp32", "bf16", "fp16")
 CP_KINDS = ("ring", "ulysses")  # reference.context_parallel.KINDS
@@ -68,6 +68,9 @@ class ParallelConfig:
     # HSDP (FSDP2's 2D mesh, torchtitan's data_parallel_replicate_degree): ZeRO-3 shards over
     # dp / dp_replicate ranks and all-reduces across dp_replicate such blocks; 1: over all of dp
     dp_replicate: int = 1
+    # Qi et al.'s optimizer post-validation (reference.parallel.post_validation): step at once,
+    # complete the global checks (clip norm, fp16 overflow) after, undo a step that fails them
+    optimizer_post_validation: bool = False
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -260,7 +263,11 @@ class ParallelConfig:
         if self.schedule == "zb-h1" and 1 < self.pp and self.microbatches < self.pp:
             out.append(f"ZB-H1 with microbatches={self.microbatches} < pp={self.pp} never reaches "
                        f"1F1B's steady state, whose idle end its W's fill; use microbatches >= pp")
-        if self.schedule in ("zb-h1",) + V_SHAPED and self.zero_stage == 3 and self.dp * self.cp > 1:
+        if self.optimizer_post_validation and self.zero_stage > 0:
+            out.append(f"optimizer_post_validation undoes a step from a copy of each rank's parameters "
+                       f"and optimizer state; ZeRO-{self.zero_stage}'s sharded step is not undone here: "
+                       f"use zero_stage=0 or optimizer_post_validation=False")
+        if self.schedule in ("zb-h1", "zb-h2") + V_SHAPED and self.zero_stage == 3 and self.dp * self.cp > 1:
             out.append(f"schedule={self.schedule!r} splits each backward into I and W, and composed "
                        f"ZeRO-3 gathers and reduce-scatters around a whole backward B: use zero_stage "
                        f"<= 1 or schedule='1f1b'")

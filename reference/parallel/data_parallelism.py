@@ -75,7 +75,11 @@ class Replicas:
         return [p.grad for p in pm.parameters() if p.grad is not None]
 
     def clip(self, pm, optimizer, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm_(pm.stages, max_norm, pm.mesh)
+        return clip_grad_norm_(self.clipped_params(pm, optimizer), max_norm, pm.mesh)
+
+    def clipped_params(self, pm, optimizer):
+        """What `clip_grad_norm_` is handed: this rank's gradients, marked."""
+        return pm.stages
 
     def whole(self, pm):
         """A context in which this rank's stages hold their whole weights."""
@@ -109,12 +113,12 @@ class OptimizerShards(Replicas):
         optimizer.reduce_gradients()  # the shard's averaged gradients; step() will not reduce again
         return [optimizer.shard.grad] if optimizer.shard.grad is not None else []
 
-    def clip(self, pm, optimizer, max_norm: float) -> torch.Tensor:
+    def clipped_params(self, pm, optimizer):
         optimizer.reduce_gradients()
         # The flat shard mixes tensor-parallel slices, replicas over tp and the tied
         # embedding's second copy: each slice of it is counted by its parameter's marks.
         mark_parallel_params(pm.stages)
-        return clip_grad_norm_(optimizer, max_norm, pm.mesh)
+        return optimizer
 
 
 class GradientShards(OptimizerShards):

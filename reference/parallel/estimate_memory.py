@@ -39,6 +39,7 @@ from functools import cached_property, lru_cache
 from typing import Iterable, Optional
 
 from reference.parallel.config import V_SHAPED
+from reference.pipeline_parallel import build_schedule
 
 __all__ = ["Tensor", "Tensors", "stage_specs", "rank_specs", "stage_tensors",
            "split_held", "block_params", "stage_params", "activation_bytes_per_block", "mlp_activation_bytes",
@@ -252,6 +253,9 @@ def in_flight(config, m: int, rank: int) -> tuple[float, float, float]:
     p, v = config.pp, config.virtual_stages
     if config.schedule == "zb-h1" and p > 1:
         return min(p - rank, m), min(p, m), min(p, m)
+    if config.schedule == "zb-h2" and p > 1:  # read off its action list (up to 2p - 1)
+        peak = max(held for held, _ in _walk(config, m, rank))
+        return peak, peak, peak
     if config.schedule in V_SHAPED and p > 1:
         peak = (min(2 * p, m + rank + 1, 2 * m) if config.schedule == "zb-v" else min(2 * p + 1, 2 * m)) / 2
         return peak, peak, peak
@@ -261,6 +265,18 @@ def in_flight(config, m: int, rank: int) -> tuple[float, float, float]:
     first = m if config.schedule == "gpipe" and p > 1 else min(p - rank, m)
     later = first - 1 if first == m else first
     return first, later, first
+
+
+def _walk(config, m: int, rank: int) -> list:
+    """(micro-batches held from F to W, of which past their I) after each action of ``rank``
+    under ``config``'s schedule (one chunk per rank), read off its action list."""
+    held = past = 0
+    out = []
+    for a in build_schedule(config.schedule, config.pp, m).actions(rank):
+        held += (a.op == "F") - (a.op == "W")
+        past += (a.op == "I") - (a.op == "W")
+        out.append((held, past))
+    return out
 
 
 def split_held(config, m: int, rank: int) -> tuple:
@@ -273,6 +289,8 @@ def split_held(config, m: int, rank: int) -> tuple:
     p = config.pp
     if config.schedule == "zb-h1" and p > 1:
         return ((min(p, m), min(rank + 1, m)),)
+    if config.schedule == "zb-h2" and p > 1:
+        return tuple(sorted(set(_walk(config, m, rank))))
     if config.schedule == "zb-v" and p > 1:
         return ((p, 0.5),) + (((p + rank) / 2, rank + 0.5),) * (rank > 0)
     if config.schedule == "dualpipev" and p > 1:

@@ -18,7 +18,9 @@ What happens, in order, on every rank:
    (dp x cp; experts over their expert-data-parallel group), by an all-reduce or ZeRO's
    reduce-scatter;
 4. global-norm clipping over whatever this rank holds (`reference.parallel.clip`), when asked;
-5. the optimizer step (skipped on every rank when fp16 overflows on any);
+5. the optimizer step (skipped on every rank when fp16 overflows on any); with
+   ``optimizer_post_validation`` the step comes first and the checks of 4 after it, a step that
+   fails them undone (`reference.parallel.post_validation`);
 6. the loss made the global mean on every rank: the last stage's, averaged over dp x cp.
 
 The loss is one process's (`reference.loss.TokenMean`): every counted token's loss (targets
@@ -39,6 +41,7 @@ from reference import comms
 from reference.loss import counted_tokens, step_mean
 from reference.model import lm_loss
 from reference.parallel.context import context_parallel_batch
+from reference.parallel.post_validation import post_validated_step
 from reference.pipeline_parallel import run_pipeline
 from reference.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -150,6 +153,22 @@ class StepRun:
         return result.loss, result.peak_activation_bytes
 
 
+def _checked_step(pm, optimizer, max_norm, scaler, run) -> tuple:
+    """Steps 4 and 5: the global checks, then the optimizer; (the norm or None, overflowed)."""
+    dp, overflow = pm.data_parallel, False
+    if scaler is not None:  # unscale, and agree across every rank whether to step
+        overflow = scaler.unscale_and_check(dp.local_grads(pm, optimizer))
+        scaler.update(overflow)
+    norm = dp.clip(pm, optimizer, max_norm) if max_norm is not None and not overflow else None  # 4
+    start = run.now()
+    if overflow:
+        optimizer.zero_grad(set_to_none=True)  # also clears a ZeRO optimizer's reduced flag
+    else:
+        optimizer.step()                                # 5
+    run.event("optimizer", "skipped" if overflow else "step", start)
+    return norm, overflow
+
+
 def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
                max_norm: Optional[float] = None, scaler=None) -> StepResult:
     """One step on the global batch ``idx``, ``targets`` (B, T), the same on every rank; with fp16
@@ -167,17 +186,10 @@ def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
     start = run.now()
     dp.reduce_gradients(pm, optimizer)                 # 3: once, after the last backward
     run.event("reduce", "gradients", start)
-    overflow = False
-    if scaler is not None:  # unscale, and agree across every rank whether to step
-        overflow = scaler.unscale_and_check(dp.local_grads(pm, optimizer))
-        scaler.update(overflow)
-    norm = dp.clip(pm, optimizer, max_norm) if max_norm is not None and not overflow else None  # 4
-    start = run.now()
-    if overflow:
-        optimizer.zero_grad(set_to_none=True)  # also clears a ZeRO optimizer's reduced flag
+    if pm.config.optimizer_post_validation:  # 5 before 4: step, then check, undo on a failure
+        norm, overflow = post_validated_step(pm, optimizer, max_norm, scaler, run)
     else:
-        optimizer.step()                                # 5
-    run.event("optimizer", "skipped" if overflow else "step", start)
+        norm, overflow = _checked_step(pm, optimizer, max_norm, scaler, run)
     return StepResult(loss=_global_loss(pm, loss, device), grad_norm=norm, trace=run.trace,  # 6
                       peak_activation_bytes=peak, skipped=overflow,
                       loss_scale=scale if scaler is not None else None, tokens=counted_tokens(targets))

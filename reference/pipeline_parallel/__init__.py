@@ -8,7 +8,7 @@ and receives; it is plain data, checked before it runs, drawn, and run by one ex
     from reference.pipeline_parallel import (build_schedule, split_stages,
                                              local_stages, run_pipeline)
     schedule = build_schedule("1f1b", pp=4, m=8)         # validated: complete, no deadlock
-    # or "zb-h1", or build_schedule("zb-v", 4, 8, virtual=2) ("dualpipev"): B split into I and W
+    # or "zb-h1", "zb-h2", or build_schedule("zb-v", 4, 8, virtual=2) ("dualpipev"): B split into I and W
     schedule.actions(0)       # rank 0: [F0, SEND_F0->1, F1, SEND_F1->1, ...]
     schedule.bubble_fraction(), schedule.peak_in_flight(0), schedule.plot()
 
@@ -25,9 +25,11 @@ Where each part lives:
 * `actions`: the eight actions (`Action`, `OPS`) and `ScheduleError`, the words every other module speaks;
 * `schedules`: `Schedule`, `build_schedule` (naive, GPipe, 1F1B, interleaved, and the kinds of `BUILDERS`)
   and the textbook `bubble_formula`;
-* `zero_bubble`: ZB-H1 and ZB-V (Qi et al., 2024), whose backward is split into I (the input's gradient)
-  and W (the weights'), and DualPipeV (DeepSeek-V3's DualPipe on the V); `VSchedule`,
+* `zero_bubble`: ZB-H1, ZB-H2 and ZB-V (Qi et al., 2024), whose backward is split into I (the input's
+  gradient) and W (the weights'), and DualPipeV (DualPipe's V-shaped half); `VSchedule`,
   `zero_bubble_formula`, `peak_bytes`;
+* `multistep`: consecutive steps, overlapping (optimizer post-validation) or not: `repeat`,
+  `idle_per_step`, and the paper's and DualPipe's bubble formulas;
 * `check`: `validate` (completeness, message matching, deadlock), the ideal timeline `simulate`, and
   `bubble_of` any timeline, plugged into every `Schedule` here;
 * `stage`: `plan_stages` / `split_stages` (by layers or by parameters), `GPTStage`, and `DelayedStage`

@@ -27,7 +27,7 @@ MAX_PP, MAX_M, MAX_VIRTUAL = 8, 16, 4
 def _formula_text(kind: str, pp: int, m: int) -> str:
     """The textbook bubble of a schedule as text (zero-bubble ones: `zero_bubble_formula` at F = I = W)."""
     if kind in ZB_KINDS:
-        return "(p-1)/(3m+p-1)" if kind == "zb-h1" else "(p-1)/(6m+p-1)"
+        return "(p-1)/(3m+p-1)" if kind in ("zb-h1", "zb-h2") else "(p-1)/(6m+p-1)"
     if kind == "naive":
         return "(p-1)/p"
     if kind != "interleaved":

@@ -10,13 +10,21 @@ plain data, reached through `build_schedule`, checked by the same deadlock check
   putting off its first r W's. Every rank holds min(p, m) micro-batches from F to W, 1F1B's
   peak on rank 0. The bubble shrinks from (p - 1)(F + B) to (p - 1)(F + I - W): with F = I = W
   a third of 1F1B's.
+* ``zb-h2`` (the paper's "handcrafted 2"): 2 (p - r) - 1 warm-up forwards on rank r, enough to
+  reach its first I without waiting, then I, W, F, and 2 r W's put off to the end. With
+  F = I = W and m >= 2p - 1 no rank idles between its first and its last action: the step is a
+  parallelogram, rank r running from r F to 3 m F + r F. Every rank holds up to 2p - 1
+  micro-batches (the paper's (2p - 1) M_B, twice 1F1B's peak). One step alone still idles
+  (p - 1) F, the parallelogram's slant; the slant vanishes only when consecutive steps overlap
+  (optimizer post-validation, `reference.pipeline_parallel.multistep`).
 * ``zb-v`` (the paper's section 6; torch's ``ScheduleZBVZeroBubble``): two chunks per rank in a
   V, rank r holding model stages r and 2p - 1 - r, so the last rank turns a micro-batch round by
   a message to itself and the first rank holds both the first and the last stage. With
   F = I = W a rank idles only (p - 1) I / 2, half of ZB-H1's; rank r holds min(2p, m + r + 1, 2m)
   chunk micro-batches, each half a stage: at most p whole stages, 1F1B's peak.
-* ``dualpipev`` (DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024: DualPipe's V-shaped half, as
-  torch's ``ScheduleDualPipeV`` lays it out), m >= 2p: after its warm-up each rank runs pairs,
+* ``dualpipev`` (DualPipe, DeepSeek-AI's "DeepSeek-V3 Technical Report", 2024, cut in half into a
+  V by Sea AI Lab, their "cut-in-half" variant, as DualPipe's README credits it; in the order
+  of torch's ``ScheduleDualPipeV``), m >= 2p: after its warm-up each rank runs pairs,
   the forward of one chunk with the whole backward B of the other. DeepSeek overlaps a pair's
   halves (one's computation under the other's all-to-all of experts); here, as in torch without
   an overlap callback, they run one after the other, so it has ZB-V's bubble (at F = I = W) and
@@ -26,6 +34,7 @@ The bubble (`zero_bubble_formula`), with F, I and W the times of a whole stage's
 (B = I + W; a chunk of the V takes half of each) and messages free, is idle / (m (F + B) + idle):
 
     zb-h1      idle = (p - 1) (F + max(I - W, 0))    for m >= p and W <= F
+    zb-h2      idle = (p - 1) F                      for m >= 2p - 1 and F = I = W
     zb-v       idle = (p - 1) max(I - W, I / 2)      for m >= 2p - 1 and W, F <= I
     dualpipev  idle = (p - 1) I / 2                  for m >= 2p and F = I = W
 
@@ -45,10 +54,10 @@ from reference.pipeline_parallel.actions import Action
 from reference.pipeline_parallel.async_messages import AsyncMailbox
 from reference.pipeline_parallel.schedules import Schedule
 
-__all__ = ["ZeroBubbleSchedule", "VSchedule", "build_zb_h1", "build_zb_v", "build_dualpipev",
+__all__ = ["ZeroBubbleSchedule", "VSchedule", "build_zb_h1", "build_zb_h2", "build_zb_v", "build_dualpipev",
            "zero_bubble_formula", "peak_bytes", "BUILDERS", "ZB_KINDS"]
 
-ZB_KINDS = ("zb-h1", "zb-v", "dualpipev")
+ZB_KINDS = ("zb-h1", "zb-h2", "zb-v", "dualpipev")
 
 
 class ZeroBubbleSchedule(Schedule):
@@ -121,6 +130,22 @@ def _zb_h1_order(pp: int, m: int, rank: int) -> list[tuple]:
         # steady state: hold at most pp micro-batches from F to W; cool-down: one W per I
         if len(waiting) > rank or warmup + i >= m:
             order.append(("W", waiting.pop(0), 0))
+    return order + [("W", i, 0) for i in waiting]
+
+
+def _zb_h2_order(pp: int, m: int, rank: int) -> list[tuple]:
+    """ZB-H2 on one rank: forwards until the first I arrives, then I, W, F, the last ``2 rank``
+    W's put off to the end (they fill the wait for the last I's: the parallelogram's right side)."""
+    warmup = min(2 * (pp - rank) - 1, m)  # the first I reaches rank r at (2p - 1 - r) F
+    order = [("F", i, 0) for i in range(warmup)]
+    waiting = []  # micro-batches whose I has run and W has not
+    for i in range(m):
+        order.append(("I", i, 0))
+        waiting.append(i)
+        if len(waiting) > 2 * rank or warmup + i >= m:  # W before the next F: at most 2p - 1 held
+            order.append(("W", waiting.pop(0), 0))
+        if warmup + i < m:
+            order.append(("F", warmup + i, 0))
     return order + [("W", i, 0) for i in waiting]
 
 
@@ -217,6 +242,11 @@ def build_zb_h1(pp: int, m: int, virtual: int = 1) -> ZeroBubbleSchedule:
     return _build(ZeroBubbleSchedule, "zb-h1", pp, m, virtual, 1, _zb_h1_order)
 
 
+def build_zb_h2(pp: int, m: int, virtual: int = 1) -> ZeroBubbleSchedule:
+    """ZB-H2 for ``pp`` ranks and ``m`` micro-batches (one chunk per rank); not yet validated."""
+    return _build(ZeroBubbleSchedule, "zb-h2", pp, m, virtual, 1, _zb_h2_order)
+
+
 def build_zb_v(pp: int, m: int, virtual: int = 2) -> VSchedule:
     """ZB-V for ``pp`` ranks and ``m`` micro-batches (two chunks per rank, in a V); not yet validated."""
     return _build(VSchedule, "zb-v", pp, m, virtual, 2, _zb_v_order)
@@ -228,25 +258,28 @@ def build_dualpipev(pp: int, m: int, virtual: int = 2) -> VSchedule:
     return _build(VSchedule, "dualpipev", pp, m, virtual, 2, _dualpipev_order)
 
 
-BUILDERS = {"zb-h1": build_zb_h1, "zb-v": build_zb_v, "dualpipev": build_dualpipev}
+BUILDERS = {"zb-h1": build_zb_h1, "zb-h2": build_zb_h2, "zb-v": build_zb_v, "dualpipev": build_dualpipev}
 
 
 def zero_bubble_formula(kind: str, pp: int, m: int, t_f: float = 1.0, t_b: float = 2.0,
                         t_w: Optional[float] = None) -> float:
-    """The bubble fraction of ``kind`` ("zb-h1", "zb-v", "dualpipev") in closed form, F = ``t_f``,
-    B = ``t_b``, W = ``t_w`` (t_b / 2 unless given), I = B - W; see the module's docstring."""
+    """The bubble fraction of one step of ``kind`` ("zb-h1", "zb-h2", "zb-v", "dualpipev") in
+    closed form, F = ``t_f``, B = ``t_b``, W = ``t_w`` (t_b / 2 unless given), I = B - W; see the
+    module's docstring (steps that overlap: `reference.pipeline_parallel.multistep`)."""
     t_w = t_b / 2 if t_w is None else t_w
     t_i = t_b - t_w
     if kind == "zb-h1" and m >= pp and t_w <= t_f:
         idle = (pp - 1) * (t_f + max(t_i - t_w, 0.0))
+    elif kind == "zb-h2" and m >= 2 * pp - 1 and t_f == t_i == t_w:
+        idle = (pp - 1) * t_f
     elif kind == "zb-v" and m >= 2 * pp - 1 and max(t_w, t_f) <= t_i:
         idle = (pp - 1) * max(t_i - t_w, t_i / 2)
     elif kind == "dualpipev" and m >= 2 * pp and t_f == t_i == t_w:
         idle = (pp - 1) * t_i / 2
     else:
         raise ValueError(f"no closed form for {kind!r} with pp={pp}, m={m}, W={t_w}, I={t_i} (zb-h1 "
-                         f"needs m >= pp and W <= F; zb-v m >= 2 pp - 1 and W, F <= I; dualpipev "
-                         f"m >= 2 pp and F = I = W): simulate it")
+                         f"needs m >= pp and W <= F; zb-h2 m >= 2 pp - 1 and F = I = W; zb-v "
+                         f"m >= 2 pp - 1 and W, F <= I; dualpipev m >= 2 pp and F = I = W): simulate it")
     return idle / (m * (t_f + t_b) + idle)
 
 

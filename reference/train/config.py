@@ -59,6 +59,8 @@ class ParallelismConfig:
     reshard_after_forward: bool = False
     # reference.loss: "tokens" (one process's loss: the sum over counted tokens / their count)
     loss_mean: str = spec("tokens", choices=LOSS_MEANS)
+    # Qi et al.'s optimizer post-validation (reference.parallel.post_validation); not DeepSpeed's
+    optimizer_post_validation: bool = False
 
 
 @dataclass
@@ -214,7 +216,8 @@ class TrainConfig:
                             schedule=p.schedule, precision=self.precision,
                             activation_checkpointing=self.activation_checkpointing.enabled,
                             embedding_stage=p.embedding_stage,
-                            reshard_after_forward=p.reshard_after_forward, loss_mean=p.loss_mean)
+                            reshard_after_forward=p.reshard_after_forward, loss_mean=p.loss_mean,
+                            optimizer_post_validation=p.optimizer_post_validation)
         where = f"{self.path or 'configuration'} at world_size={world_size}"
         try:
             try:

@@ -78,6 +78,10 @@ def describe(config, world_size: int) -> str:
             line("pipeline", f"{p.schedule} over {m} micro-batches (DeepSpeed's accumulation steps)"
                  + (f", {v} chunks per rank" if v > 1 else "")
                  + f": bubble (p-1)/({'v' if v > 1 else ''}m+p-1) = {bubble:.0%} of the step")
+        if p.optimizer_post_validation:
+            line("", "optimizer_post_validation: each rank steps at once; the clip norm and fp16's "
+                     "overflow test complete after, and a step that fails them is undone from an exact "
+                     "copy on every rank (and redone clipped), as Qi et al. (2024, section 4) describe")
         if mb > LARGE_MICRO_BATCH:
             issues.append(f"a batch of {B} in {acc} accumulation steps at dp {dp} is a micro-batch "
                           f"of {mb} sequences per GPU"

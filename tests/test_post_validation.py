@@ -1,0 +1,130 @@
+"""Optimizer post-validation (`reference.parallel.post_validation`) in the real step.
+
+Four steps of the tiny GPT, each configuration run twice on the same ranks, with the global checks
+before the step (the synchronous step) and after it (``optimizer_post_validation``): step 0 passes
+the checks, step 1's norm is above ``max_norm`` (the clip bites: rolled back, clipped, stepped
+again), step 2 holds an inf in one rank's gradient (the fp16 overflow test fails: every stage
+rolls back and the step is skipped), step 3 passes. The overflow is injected into one rank's
+gradient and the run is fp32 under a static loss scale of 1, so that the scaler's test runs and one
+process stays comparable. Both runs end with the same losses, norms and weights bit for bit
+(`tolerance.exact`: the rollback restores an exact copy and the checks are the synchronous
+step's own arithmetic), and the weights equal one process's (`adamw_weights`). Pipelines of 2
+ranks (alone; with dp 2; with tp 2 and SP) and of 4, under ZB-H1, ZB-H2 and ZB-V: one launch of 2
+ranks and one of 4.
+"""
+import functools
+
+import pytest
+import torch
+
+from reference.model import GPT, GPTConfig
+from reference.runtime import launch
+from reference.tolerance import adamw_weights, exact, loss
+
+CFG = GPTConfig.tiny(n_layer=8, block_size=16)
+B, T, LR, EPS = 8, 16, 1e-3, 1e-6
+NORMS = (1e3, 1e-2, 1e3, 1e3)  # max_norm per step: only step 1's is below the gradient's norm
+OVERFLOW_STEP, OVERFLOW_RANK = 2, 1
+
+
+def _batches():
+    g = torch.Generator().manual_seed(99)
+    data = torch.randint(0, 256, (len(NORMS), B, T + 1), generator=g)
+    return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+
+
+def _train(config):
+    import torch.distributed as dist
+
+    from reference.parallel import parallelize, train_step
+    from reference.parallel.gather import full_state_dict
+    from reference.parallel.scaler import DynamicLossScaler
+
+    torch.manual_seed(0)
+    pm = parallelize(GPT(CFG), config.mesh().build_groups(), config, batch=(B, T))
+    opt = pm.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    scaler = DynamicLossScaler(static=1.0)
+    step = [0]
+    plain = pm.data_parallel.local_grads
+
+    def poisoned(pm_, opt_):  # one rank's gradient overflows at OVERFLOW_STEP
+        grads = plain(pm_, opt_)
+        if step[0] == OVERFLOW_STEP and dist.get_rank() == OVERFLOW_RANK:
+            grads[0].view(-1)[0] = float("inf")
+        return grads
+
+    pm.data_parallel.local_grads = poisoned
+    out = dict(losses=[], norms=[], skipped=[], labels=[])
+    for step[0], ((idx, tgt), max_norm) in enumerate(zip(_batches(), NORMS)):
+        r = train_step(pm, opt, idx, tgt, max_norm=max_norm, scaler=scaler)
+        out["losses"].append(float(r.loss))
+        out["norms"].append(None if r.grad_norm is None else r.grad_norm.clone())
+        out["skipped"].append(r.skipped)
+        out["labels"].append([e.label for e in r.trace if e.kind == "optimizer"])
+    out["params"] = [p.detach().clone() for p in pm.parameters()]
+    out["state"] = full_state_dict(pm)
+    return out
+
+
+def _body(configs):
+    return [(_train(c), _train(c.with_(optimizer_post_validation=True))) for c in configs]
+
+
+def _configs(world):
+    from reference.parallel.config import ParallelConfig
+
+    if world == 2:
+        return [ParallelConfig(pp=2, microbatches=4, schedule="zb-h2")]
+    return [ParallelConfig(pp=2, dp=2, microbatches=4, schedule="zb-h1"),
+            ParallelConfig(pp=2, tp=2, sequence_parallel=True, microbatches=4, schedule="zb-h2"),
+            ParallelConfig(pp=4, microbatches=8, schedule="zb-v", virtual_stages=2)]
+
+
+@functools.lru_cache(maxsize=None)
+def _one_process(chunks):
+    from reference.train.single import accumulate_gradients, accumulated_step
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for i, ((idx, tgt), max_norm) in enumerate(zip(_batches(), NORMS)):
+        if i == OVERFLOW_STEP:  # skipped: the gradients computed, no step
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(accumulate_gradients(model, idx, tgt, chunks)))
+        else:
+            losses.append(accumulated_step(model, opt, idx, tgt, chunks, max_norm=max_norm)[0])
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_post_validation_equals_the_synchronous_step_and_one_process(world):
+    configs = _configs(world)
+    ranks = launch(_body, world, configs, timeout=300)
+    for i, config in enumerate(configs):
+        for rank, runs in enumerate(ranks):
+            sync, post = runs[i]
+            where = f"{config} rank {rank}"
+            assert post["skipped"] == sync["skipped"] == [False, False, True, False], where
+            assert post["losses"] == sync["losses"], where
+            for a, b in zip(post["norms"], sync["norms"]):
+                assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), where
+            for a, b in zip(post["params"], sync["params"]):
+                exact().assert_close(a, b, f"{where}: weights after the rollbacks")
+            # what happened: stepped, rolled back and redone clipped, rolled back and skipped, stepped
+            assert post["labels"] == [["step (eager)"], ["step (eager)", "rolled back, clipped, stepped"],
+                                      ["step (eager)", "rolled back (overflow)"], ["step (eager)"]], where
+            assert sync["labels"] == [["step"], ["step"], ["skipped"], ["step"]], where
+        losses, state = _one_process(config.dp * config.microbatches)
+        loss().assert_losses(ranks[0][i][1]["losses"], losses, str(config))
+        got = ranks[0][i][1]["state"]
+        want = {k: v for k, v in state.items() if k in got}
+        assert set(want) >= {k for k in state if k != "lm_head.weight"}
+        adamw_weights(len(NORMS) - 1, LR).assert_weights(got, want, f"{config} against one process")
+
+
+def test_refused_with_zero():
+    from reference.parallel.config import ParallelConfig
+
+    config = ParallelConfig(dp=2, zero_stage=1, optimizer_post_validation=True)
+    assert any("optimizer_post_validation" in p for p in config.problems(2, None, None, None))
