@@ -162,7 +162,7 @@ def test_65b_readings_with_offload():
     assert 160 - cuts[2] < cuts[3] - 160                                  # nearer 2 ranks
     assert gb(2, 3) * 2 == gb(2, 2)                                       # the model states halve, not 2/3
     assert (480 - gb(2, 2), 320 - gb(2, 3)) == (220, 190)                 # 30 GB of the cut not model states
-    assert 320e9 > 141e9                                                  # more than any one accelerator (H200)
+    assert 320e9 > 288e9                                # more than any one accelerator (2025: MI355X, B300, 288 GB)
     embedding = 32_000 * 8192
     assert round(embedding / 1e9, 2) == 0.26 and round(100 * embedding / PSI_65B, 1) == 0.4
     assert round(2 * embedding / 1e9, 2) == 0.52                         # "0.52 GB" of fp16 weights on the GPUs

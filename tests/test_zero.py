@@ -139,6 +139,35 @@ def _torch_fully_shard(name):
     return {k: v.full_tensor().detach().clone() for k, v in model.named_parameters()}
 
 
+def _torch_fully_shard_wire(reduce_dtype):
+    """What FSDP2 puts on the wire in one bf16 step: (collective, dtype, bytes) per call, read by
+    wrapping the two collectives its default communication calls."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    seen, all_gather, reduce_scatter = [], dist.all_gather_single, dist.reduce_scatter_single
+
+    def gather(output_tensor, input_tensor, *args, **kwargs):
+        seen.append(("all_gather", input_tensor.dtype, input_tensor.numel() * input_tensor.element_size()))
+        return all_gather(output_tensor, input_tensor, *args, **kwargs)
+
+    def scatter(*args, **kwargs):
+        x = kwargs["input"]
+        seen.append(("reduce_scatter", x.dtype, x.numel() * x.element_size()))
+        return reduce_scatter(*args, **kwargs)
+
+    dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
+    try:
+        model = _model("even")
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+        for block in model.h:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        _, loss = model(*_batch(0, dist.get_rank(), dist.get_world_size()))
+        loss.backward()
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = all_gather, reduce_scatter
+    return seen
+
+
 def _ddp_bytes(name):
     """What plain data parallelism sends per step: one all-reduce of every gradient."""
     numel = sum(p.numel() for p in _model(name).parameters() if p.requires_grad)
@@ -203,6 +232,7 @@ def _rank_body():
     out["even", "fsdp_offload"] = _train("even", _fsdp(offload=True))
     out["even", "torch_zero"] = _train("even", _torch_zero_redundancy)
     out["even", "torch_fsdp"] = _torch_fully_shard("even")
+    out["fsdp2_wire"] = {dtype: _torch_fully_shard_wire(dtype) for dtype in (None, torch.float32)}
     out["offload"] = _offload_facts()
     out["schedule"] = _fsdp_schedule_facts()
     with torch.no_grad():
@@ -292,6 +322,25 @@ def test_mixed_precision_loss_close_to_fp32(run):
         # apart; 0.1 (under 2% of the loss) allows for that.
         assert all(abs(a - b) < 0.1 for a, b in zip(fp32, bf16)), (fp32, bf16)
         assert bf16 != fp32  # it really computed in bf16
+
+
+def test_fsdp2_reduce_dtype_none_reduce_scatters_in_bf16(run):
+    # Notebook 02: FSDP2 with bf16 parameters and reduce_dtype=None reduce-scatters in the
+    # compute dtype, bf16, so ZeRO-3's 1.5x DDP holds dtype for dtype only; with
+    # reduce_dtype=float32 it reduce-scatters fp32 gradients as the course's FSDP(mixed_precision=True).
+    n, results = run
+    for rank in range(n):
+        wire = results[rank]["fsdp2_wire"]
+        ours = {r["op"]: r["sent_bytes"] for r in results[rank]["even", "fsdp_bf16"]["comm"]}
+        for reduce_dtype, want in ((None, torch.bfloat16), (torch.float32, torch.float32)):
+            calls = wire[reduce_dtype]
+            assert {dtype for op, dtype, _ in calls if op == "all_gather"} == {torch.bfloat16}
+            assert {dtype for op, dtype, _ in calls if op == "reduce_scatter"} == {want}
+        # the reduce-scatter's input is the unit's whole gradient: its bytes halve in bf16
+        scattered = {d: sum(b for op, _, b in wire[d] if op == "reduce_scatter") for d in (None, torch.float32)}
+        assert scattered[torch.float32] == 2 * scattered[None]
+        # the course's FSDP sends (N-1)/N of an fp32 reduce-scatter input, as FSDP2 with reduce_dtype=float32
+        assert ours["reduce_scatter"] * n == (n - 1) * scattered[torch.float32]
 
 
 def test_offload_keeps_master_and_state_on_cpu(run):

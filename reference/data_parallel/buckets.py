@@ -7,6 +7,12 @@ flat buffers of at most `cap_bytes`, each all-reduced as soon as its gradients a
 Backward produces the last layers' gradients first, so buckets are filled walking the
 parameters backwards: bucket 0 holds the last layers, the last bucket the embeddings.
 
+PyTorch's DDP differs in three ways (notebook 01 measures them side by side): it closes a
+bucket once it has reached the cap, so a bucket may pass the cap by one tensor; its 1 MiB first
+bucket applies only when `bucket_cap_mb` is left at its default; and it rebuilds its buckets
+after the first iteration in the order the gradients arrived. The course keeps one layout,
+each bucket under its cap, planned from the registration order.
+
     buckets = plan_buckets(model.named_parameters(), cap_bytes=2**20)
     print(format_buckets(buckets))
 """

@@ -18,10 +18,11 @@ and each piece is a reduction over the vocabulary, which one all-reduce finishes
 instead of an all-gather of B * T * V. Backward needs no communication:
 d loss / d z_v = softmax_v - [v = target], and each rank holds the softmax of its columns.
 Targets equal to ``ignore_index`` count as in `F.cross_entropy` (loss 0, gradient 0, left out
-of the mean; every rank holds the same targets, so the count needs no communication). As in
-Megatron-LM the max, the exponentials, their sums and the all-reduces run in fp32 whatever the
-logits' dtype (a sum of V exponentials in bf16 is off in the third digit); the loss is fp32,
-the gradient in the logits' dtype.
+of the mean; every rank holds the same targets, so the count needs no communication); Megatron-LM's
+version has none, its caller masks the per-token losses with a ``loss_mask``. As in Megatron-LM
+the max, the exponentials, their sums and the all-reduces run in fp32 whatever the logits' dtype
+(a sum of V exponentials computed in bf16 is off in the third significant digit, as notebook 03
+measures); the loss is fp32, the gradient in the logits' dtype.
 
 With tied weights the output layer, `VocabParallelLMHead`, shares this rank's embedding shard
 (one Parameter, one gradient); it knows the true V, scores its own logits (`loss`) and
