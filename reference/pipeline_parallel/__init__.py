@@ -56,13 +56,6 @@ from reference.pipeline_parallel.stage import (DelayedStage, GPTStage, StageSpec
                                                split_stages)
 from reference.pipeline_parallel.tied import build_embedding_group, sync_tied_grads
 from reference.pipeline_parallel.zero_bubble import ZB_KINDS, VSchedule, peak_bytes, zero_bubble_formula
-from reference.pipeline_parallel import check, executor, schedules, split_backward, zero_bubble  # noqa: E402
-
-# The zero-bubble schedules, the split backward's I and W, and the checker join 1F1B's
-# `build_schedule`, executor and `Schedule` here, so that 1F1B's files need not import them.
-schedules.BUILDERS.update(zero_bubble.BUILDERS)
-executor.COMPUTE.update(split_backward.COMPUTE)
-schedules.Schedule.checker = check
 
 _PICTURES = ("plot_timeline", "plot_bubble_curve", "plot_stage_balance")
 

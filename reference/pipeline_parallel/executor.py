@@ -2,8 +2,9 @@
 
 `run_schedule` takes this rank's steps (`Schedule.steps`) one after the other: F and B by
 `reference.pipeline_parallel.forward_backward`, a run of SEND/RECV by
-`reference.pipeline_parallel.messages`. A new kind of compute action (the split backward's I and
-W) is one more entry of `COMPUTE`; a ``recorder`` watches every step (`run_pipeline` measures with it).
+`reference.pipeline_parallel.messages`. `HANDLERS` names what runs each compute action: F and B
+(`forward_backward`), and the split backward's I and W (`split_backward`), which only the
+zero-bubble schedules use. A ``recorder`` watches every step (`run_pipeline` measures with it).
 """
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from reference.loss import MeanOfMeans
 from reference.pipeline_parallel.forward_backward import RankState, backward, forward
 from reference.pipeline_parallel.messages import Mailbox
 from reference.pipeline_parallel.schedules import Schedule
+from reference.pipeline_parallel.split_backward import backward_input, backward_weight
 from reference.pipeline_parallel.tied import sync_tied_grads
 
-__all__ = ["run_schedule", "COMPUTE"]
+__all__ = ["run_schedule", "HANDLERS"]
 
-COMPUTE = {"F": forward, "B": backward}  # what each compute action runs: handler(rank_state, action)
+# What each compute action runs: handler(rank_state, action).
+HANDLERS = {"F": forward, "B": backward, "I": backward_input, "W": backward_weight}
 
 
 def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],
@@ -63,7 +66,7 @@ def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],
                 w.mail.exchange(step)  # every SEND and RECV of the step at once
             else:
                 hook("before", step[0])
-                COMPUTE[step[0].op](w, step[0])
+                HANDLERS[step[0].op](w, step[0])
                 hook("after", step[0])
     w.mail.finish()  # sends a zero-bubble schedule left going
     sync_tied_grads(stages, tied_group)  # nothing without a group

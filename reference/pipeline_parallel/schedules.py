@@ -28,14 +28,17 @@ the other (Megatron's ``send_forward_recv_backward``). The schedules:
   forwards going round in groups of p micro-batches per chunk. The bubble shrinks to
   (p - 1) / (v m + p - 1) when m is a multiple of p, for v times more messages.
 
-The zero-bubble schedules (`reference.pipeline_parallel.zero_bubble`) join `BUILDERS`, and the
-checker (`reference.pipeline_parallel.check`) `Schedule.checker`, when the package is imported.
+Every schedule is checked by `reference.pipeline_parallel.check` (imported here) before it runs.
+The zero-bubble kinds are built in `reference.pipeline_parallel.zero_bubble`, which adds its
+builders to `BUILDERS` when it is imported (the package imports it): it builds on `Schedule`, so
+this module cannot import it without a circle.
 """
 from __future__ import annotations
 
 from itertools import groupby
 from typing import Optional
 
+from reference.pipeline_parallel import check
 from reference.pipeline_parallel.actions import OPS, Action, ScheduleError  # noqa: F401 (OPS re-exported)
 
 __all__ = ["Action", "Schedule", "ScheduleError", "build_schedule", "bubble_formula", "KINDS", "OPS"]
@@ -168,22 +171,20 @@ class Schedule:
             peak = max(peak, held)
         return peak
 
-    checker = None  # `reference.pipeline_parallel.check` (validate, simulate, bubble_of), plugged in by the package
-
     def validate(self) -> "Schedule":
         """Prove every rank's list complete and the schedule free of deadlock (or raise `ScheduleError`)."""
         if not self._validated:
-            self.checker.validate(self)
+            check.validate(self)
             self._validated = True
         return self
 
     def simulate(self, t_f: float = 1.0, t_b: float = 2.0, t_w: Optional[float] = None):
         """The ideal timeline, a list per rank of `TraceEvent` (`reference.pipeline_parallel.check.simulate`)."""
-        return self.checker.simulate(self, t_f, t_b, t_w)
+        return check.simulate(self, t_f, t_b, t_w)
 
     def bubble_fraction(self, t_f: float = 1.0, t_b: float = 2.0, t_w: Optional[float] = None) -> float:
         """Idle share of the ideal timeline: 1 - busy / (pp * makespan)."""
-        return self.checker.bubble_of(self.simulate(t_f, t_b, t_w))
+        return check.bubble_of(self.simulate(t_f, t_b, t_w))
 
     def plot(self, t_f: float = 1.0, t_b: float = 2.0, ax=None, title: Optional[str] = None):
         """The ideal timeline as a figure: ranks as rows, F and B as labelled boxes."""

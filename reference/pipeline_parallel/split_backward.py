@@ -32,7 +32,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from reference.pipeline_parallel.actions import Action
 from reference.pipeline_parallel.forward_backward import RankState, backward_roots
 
-__all__ = ["WeightPass", "backward_input", "backward_weight", "COMPUTE"]
+__all__ = ["WeightPass", "backward_input", "backward_weight"]
 
 
 def _children(node):
@@ -132,4 +132,3 @@ def backward_weight(w: RankState, a: Action) -> None:
     w.kept.pop((a.mb, a.chunk)).weights.run()
 
 
-COMPUTE = {"I": backward_input, "W": backward_weight}  # the executor's handlers (registered by the package)

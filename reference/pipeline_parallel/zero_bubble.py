@@ -52,6 +52,7 @@ from typing import Optional, Sequence
 
 from reference.pipeline_parallel.actions import Action
 from reference.pipeline_parallel.async_messages import AsyncMailbox
+from reference.pipeline_parallel import schedules
 from reference.pipeline_parallel.schedules import Schedule
 
 __all__ = ["ZeroBubbleSchedule", "VSchedule", "build_zb_h1", "build_zb_h2", "build_zb_v", "build_dualpipev",
@@ -259,6 +260,7 @@ def build_dualpipev(pp: int, m: int, virtual: int = 2) -> VSchedule:
 
 
 BUILDERS = {"zb-h1": build_zb_h1, "zb-h2": build_zb_h2, "zb-v": build_zb_v, "dualpipev": build_dualpipev}
+schedules.BUILDERS.update(BUILDERS)  # `build_schedule` reaches them by kind (schedules.py says why here)
 
 
 def zero_bubble_formula(kind: str, pp: int, m: int, t_f: float = 1.0, t_b: float = 2.0,
