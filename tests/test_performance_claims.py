@@ -396,6 +396,13 @@ def test_the_utilisation_the_hang_row_and_powersgd_s_compute_as_sourced():
 
     text, code = _sources("markdown"), _sources("code")
     assert "theoretical peak" in text and "46.2 % MFU, 57.8 % HFU" in text and H100_BF16_PEAK == 989e12
+    # Narayanan et al.'s 96 B s l H^2 (1 + s / 6H + V / 16 l H), B = 1: four passes of a layer's
+    # forward (24 s H^2: q, k, v 6, the projection 2, the MLP 16; 4 s^2 H attention), the
+    # logits' 2 s H V three times (not recomputed), where MFU counts the layers three times
+    L, H, s, V = 2, 64, 16, 100
+    assert 96 * s * L * H**2 * (1 + s / (6 * H) + V / (16 * L * H)) == pytest.approx(
+        4 * L * (24 * s * H**2 + 4 * s * s * H) + 3 * 2 * s * H * V, rel=1e-12)
+    assert "its 96 is four passes" in text
     assert "not MFU: the denominator is measured" in code and "The peak is *measured*" not in text
     assert "PaLM 540B 46.2 %" in text and "Llama 3 405B 38-43 %" in text
     assert "roughly matches the ring" not in text and "multiplies it by 0.92" in text
