@@ -12,7 +12,10 @@
 * the transfer of a block hides behind a causal zig-zag step's compute from
   T/cp = 2 b F / (2 W): 16,000 tokens at 400 Tflop/s (the notebook prints both) and 50 GB/s, 1,778 at 450 GB/s, so
   a 131,072-token sequence on cp = 8 (16,384 a rank) just breaks even across nodes (1.02)
-  in the forward; the backward (3x the bytes for 2.5x the compute) hides only from 19,200;
+  in the forward; the backward (3x the bytes for 2.5x the compute) hides only from 19,200 with
+  dK, dV in float32, from 12,800 with them in bf16 (Transformer Engine: 2x the bytes);
+* over a bf16 step the ring sends cp (float32 dK, dV) or 3 cp / 4 (bf16) times Ulysses' bytes;
+  with GQA its forward sends less exactly when cp < 1 + H / H_kv;
 * the contiguous split's last rank computes cp times rank 0's score entries (the diagonal
   block whole) for about 2 cp - 1 times its pairs;
 * the pictures of `reference.context_parallel.viz`.
@@ -108,16 +111,18 @@ def test_ring_sends_cp_over_2_times_ulysses():
     assert ulysses_at[8] / ulysses_at[4] == pytest.approx((7 / 64) / (3 / 16), rel=1e-12)
 
 
-def _hidden_from(flops_per_s, bytes_per_s, bytes_per_element=2, B=1, H=1, D=128, cp=8, backward=False):
+def _hidden_from(flops_per_s, bytes_per_s, bytes_per_element=2, B=1, H=1, D=128, cp=8, backward=False,
+                 grad_bytes=4):
     """Smallest n = T/cp (even) whose causal zig-zag step computes at least as long as its
     message takes, counted from the block plans and the byte formula (the backward: five
-    products of the block instead of two, K and V again with dK and dV in float32)."""
+    products of the block instead of two, K and V again with dK and dV at ``grad_bytes``)."""
     n = 2
     while True:
         plan = block_plan(1, 0, cp, n, True, True)              # a step after the first
         products = 5 if backward else 2                          # q k^T and P V; S, dV, dP, dQ, dK
         flops = 2 * products * B * H * D * plan.block_elements(n)
-        sent = ring_attention_sent_bytes(B, H, n * cp, D, cp, element_size=bytes_per_element)
+        sent = ring_attention_sent_bytes(B, H, n * cp, D, cp, element_size=bytes_per_element,
+                                         grad_element_size=grad_bytes)
         per_step = sent["backward" if backward else "forward"] // (cp - 1)
         if flops * bytes_per_s >= per_step * flops_per_s:        # flops / F >= bytes / W, in integers
             return n
@@ -132,6 +137,8 @@ def test_ring_transfer_hides_behind_compute_from_the_notebooks_thresholds():
     assert 16_384 / across == pytest.approx(1.024)                 # "just breaks even"
     back = _hidden_from(400 * 10**12, 50 * 10**9, backward=True)   # 3x the bytes, 2.5x the compute
     assert back == 19_200 > 16_384                                 # the backward does not hide there
+    # Transformer Engine's AttnFuncWithCPAndKVP2P sends [kv, dkv] in kv's dtype: 2x the bytes
+    assert _hidden_from(400 * 10**12, 50 * 10**9, backward=True, grad_bytes=2) == 12_800 < 16_384
     from reference.comms.links import NIC, NVLINK
     assert (NIC.bandwidth, NVLINK.bandwidth) == (50e9, 450e9)      # the course's links
 
@@ -171,3 +178,50 @@ def test_pictures():
     assert fig.axes[0].get_legend() is not None
     fig = cpviz.plot_memory_vs_length([8, 16], {"m": [1, 4]}, {"f": [1, 4]})
     assert len(fig.axes[0].lines) == 2
+
+
+def test_a_step_s_bytes_with_dk_dv_in_either_dtype_and_the_gqa_condition():
+    """Over a bf16 step with every head the ring sends cp times Ulysses' bytes when dK and dV
+    travel in float32 (the course's ring_attention, ring-flash-attention) and 3 cp / 4 times
+    when they travel in bf16 (Transformer Engine's [kv, dkv] buffer): 6 at cp = 8. With GQA the
+    ring's forward sends less exactly when cp < 1 + H / H_kv (not at cp = 4 with 8 and 4 heads:
+    6,144 against 4,608 bytes on the notebook's small layer; Llama-3-70B's 64 and 8 at cp = 8)."""
+    B, H, T, D = 1, 32, 131_072, 128
+    for cp in (2, 4, 8, 16):
+        uly = sum(ulysses_sent_bytes(B, H, T, D, cp, 2).values())
+        fp32 = sum(ring_attention_sent_bytes(B, H, T, D, cp, 2).values())
+        bf16 = sum(ring_attention_sent_bytes(B, H, T, D, cp, 2, grad_element_size=2).values())
+        assert fp32 == cp * uly and 4 * bf16 == 3 * cp * uly
+    for H, kv in ((8, 4), (64, 8), (32, 8), (16, 16)):
+        for cp in range(2, 33):
+            ring = ring_attention_sent_bytes(1, H, 64 * cp, 8, cp, 2, kv_heads=kv)["forward"]
+            uly = ulysses_sent_bytes(1, H, 64 * cp, 8, cp, 2, kv_heads=kv)["forward"]
+            assert (ring < uly) == (cp < 1 + H / kv), (H, kv, cp)
+    small = (ring_attention_sent_bytes(1, 8, 64, 8, 4, 2, kv_heads=4)["forward"],
+             ulysses_sent_bytes(1, 8, 64, 8, 4, 2, kv_heads=4)["forward"])
+    assert small == (6_144, 4_608)
+
+
+def test_sequence_parallelism_fits_t_times_the_tokens_with_a_fused_kernel():
+    """Korthikanti et al.: with SP a layer stores sbh(34/t + 5as/(ht)) bytes, every term divided
+    by t, so in the memory one GPU gives a layer of s tokens, t GPUs hold t s with a fused kernel
+    (no s x s scores), between sqrt(t) s and t s with the scores stored; what the notebook says
+    in its introduction and SP section (not that SP "does not lengthen the context"), with a
+    self-check that has its answers."""
+    import json
+    from pathlib import Path
+    from reference.parallel.estimate_memory import activation_bytes_per_block
+
+    h, a, t, s = 12_288, 96, 8, 2_048
+    for attention in ("fused", "unfused"):
+        one = activation_bytes_per_block(s, 1, h, a, attention=attention)
+        sp = activation_bytes_per_block(s, 1, h, a, t, True, attention=attention)
+        assert one == t * sp                                      # every term divided by t
+        assert activation_bytes_per_block(t * s, 1, h, a, t, True, attention=attention) == (
+            one if attention == "fused" else pytest.approx(one * (34 + 5 * a * t * s / h) / (34 + 5 * a * s / h)))
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "08_context_parallel.ipynb").read_text())
+    text = " ".join(" ".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown").split())
+    assert "does not lengthen the context" not in text and "$t$ times the tokens fit" in text
+    assert "$\\mathrm{cp} < 1 + H/H_{kv}$" in text and "Transformer Engine" in text
+    ids = [c["id"] for c in nb["cells"]]
+    assert ids.index("selfcheck-answers") == ids.index("59e155b0") + 1

@@ -149,17 +149,31 @@ def test_gpt3_175b_readings():
     assert not plain.fits(80e9) and zero1.fits(80e9)
     assert plain.bubble == 3 / 51  # (p - 1) / (m + p - 1): the same division
     megatron = ParallelConfig(dp=8, tp=8, pp=16, sequence_parallel=False, microbatches=192, precision="fp16")
+    # the script's --attention-backend auto: a fused kernel, no s x s scores stored
     meg = estimate(gpt3, megatron, micro_batch=1, global_batch=1536,
-                   precision=Precision(param=2, grad=2, optimizer=16))
+                   precision=Precision(param=2, grad=2, optimizer=16), attention="fused")
     gib = 80 * 2**30  # an "80 GB" GPU
-    assert meg.fits(gib) and not meg.fits(80e9) and meg.bubble == 15 / 207
+    assert meg.fits(gib) and meg.bubble == 15 / 207
     assert meg.model_states.model_states == 20 * meg.params_per_gpu
-    assert round(meg.activations / 2**30) == 52 and gib - meg.total_bytes < 2**31
+    assert round(meg.activations / 2**30, 1) == 29.3 and round(meg.total_bytes / 2**30, 1) == 56.5
+    assert meg.bytes_per_step["pp"] == 9 * 2**30  # the first stage sends activations only: 192 x 48 MiB
     assert 1024 // 8 == 128 and article.tp * article.pp == 32
+    # Megatron's distributed optimizer: fp32 gradients reduce-scattered, bf16 parameters all-gathered
+    (_, scatter, _, _), (_, gather, _, _) = zero1.dp_transfers
+    assert scatter == 31 / 32 * 4 * zero1.params_per_gpu and gather == scatter / 2
+    assert round(zero1.bytes_per_step["dp"] / 2**30) == 30 and zero1.bytes_per_step["pp"] == 288 * 2**20
+    # tp with Megatron's backward re-all-gather of the column-parallel inputs (SP): 478 GiB, 671 recomputing
+    assert round(zero1.bytes_per_step["tp"] / 2**30) == 478
+    ckpt = estimate(gpt3, article.with_(zero_stage=1, activation_checkpointing=True), micro_batch=1,
+                    global_batch=1536, precision=megatron_bf16)
+    assert round(ckpt.bytes_per_step["tp"] / 2**30) == 671
     ns = _namespace("setup", "gpt3-table", "gpt3-facts", "gpt3-links", "megatron", "megatron-facts")
     assert ns["MEGATRON_FACTS"]["memory_gib"] == meg.total_bytes / 2**30 and ns["MEGATRON_FACTS"]["fits"]
+    assert round(ns["MEGATRON_FACTS"]["unfused_gib"], 1) == 79.0  # the unfused estimate it replaces
     assert "sequence-parallel" in _markdown("c43") and "20 bytes" in _markdown("c43")
-    assert 0.09 < ns["shares"]["dp"] < 0.11 and ns["shares"]["pp"] < 0.002  # not "a few percent"
+    assert "attention-backend auto" in _markdown("c43") and "not Megatron's" in _markdown("c11")
+    assert 0.06 < ns["shares"]["dp"] < 0.065 and ns["shares"]["pp"] < 0.001  # not "a few percent"
+    assert round(ns["again"] / 2**30, 1) == 8.0 and round(ns["one_block"] / 2**30, 2) == 0.33
 
 
 def _markdown(cell_id):

@@ -329,8 +329,9 @@ def measured():
 
 def _estimate_of(i, stage):
     config, experts = MEASURED[i]
+    # the course's executor keeps a column-parallel layer's gathered input (regather_input=False)
     return estimate(CFG, config, micro_batch=16 // (config.dp * config.microbatches), global_batch=16,
-                    stage=stage, n_experts=MOE if experts else None)
+                    stage=stage, n_experts=MOE if experts else None, regather_input=False)
 
 
 @pytest.mark.parametrize("i", range(len(MEASURED)), ids=[str(c) for c, _ in MEASURED])
@@ -405,3 +406,31 @@ def test_the_step_peak_against_the_measured_one(measured, i):
         # some corrected peak in [peak - most, peak - least] lies in [est / upper, est / lower]
         assert peak - most <= est / lower and (est - over) / upper <= peak - least, (
             MEASURED[i], pp_rank, est / peak, (least, most))
+
+
+def test_traffic_counts_what_megatron_sends():
+    """Three counts against Megatron-LM's code, each failing on the estimate before them. Its
+    distributed optimizer in bf16 reduce-scatters fp32 gradients (4 bytes) and all-gathers bf16
+    parameters (2 bytes). Under SP its column-parallel layers all-gather their input again in
+    backward (`wgrad_compute`), what Korthikanti's sbh/t activations assume: one U more for
+    c_attn, each dense c_fc and the head. A pipeline's first stage sends activations only, its
+    last gradients only, a middle one both; interleaved, rank 0 holds chunks 0 and pp."""
+    from reference.memory import Precision
+
+    model = GPTConfig(vocab_size=50257, block_size=2048, n_layer=24, n_head=32, n_embd=2048)
+    e = estimate(model, ParallelConfig(dp=4, zero_stage=1, precision="bf16"), micro_batch=1, global_batch=4,
+                 precision=Precision(param=2, grad=4, optimizer=12))
+    (_, scatter, _, _), (_, gather, _, _) = e.dp_transfers
+    assert (scatter, gather) == (3 / 4 * 4 * e.params_per_gpu, 3 / 4 * 2 * e.params_per_gpu)
+    sp = ParallelConfig(tp=4, sequence_parallel=True, precision="bf16")
+    kept, regathered = (estimate(model, sp, micro_batch=1, global_batch=1, regather_input=r).bytes_per_step["tp"]
+                        for r in (False, True))
+    assert estimate(model, sp, micro_batch=1, global_batch=1).bytes_per_step["tp"] == regathered  # the default
+    assert regathered - kept == (2 * 24 + 1) * 3 / 4 * 2048 * 2048 * 2
+    S = 2048 * 2048 * 2
+    for config, want in ((ParallelConfig(pp=4, microbatches=8, precision="bf16"), [1, 2, 2, 1]),
+                         (ParallelConfig(pp=2, microbatches=8, precision="bf16"), [1, 1]),
+                         (ParallelConfig(pp=4, virtual_stages=2, microbatches=8, precision="bf16"), [3, 4, 4, 3])):
+        sends = [estimate(model, config, micro_batch=1, global_batch=8, stage=r).bytes_per_step["pp"] / (8 * S)
+                 for r in range(config.pp)]
+        assert sends == want, config

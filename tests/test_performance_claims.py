@@ -379,3 +379,45 @@ def test_the_estimate_bounds_the_tiny_steps_measured_peak_from_above():
                  precision=Precision.fp32_adam(), act_bytes=4, attention="fused")
     assert held.model_states == e.model_states.model_states
     assert 0.5 < (held.params + peak.peak_bytes) / e.total_bytes <= 1
+
+
+def test_the_utilisation_the_hang_row_and_powersgd_s_compute_as_sourced():
+    """MFU is PaLM's (Appendix B): the model's FLOPs over the theoretical peak, beside HFU, with
+    the published figures the prose quotes (PaLM's Table 3, Llama 3's Table 4); the CPU cell's
+    measured denominator is named as something else. NCCL's tree is rated below the ring by
+    NCCL's own tuning model (`src/graph/tuning.cc`: 0.92 and a per-size factor from 0.5 to 1).
+    The hang row: the timeout is init_process_group's (10 min for NCCL in ProcessGroupNCCL.hpp,
+    30 min for the other backends, read from the pinned PyTorch), TORCH_NCCL_ASYNC_ERROR_HANDLING
+    what follows (0-3, default 3). PowerSGD's products for GPT-3 1.3B at rank 4, against a
+    GPU's training FLOPs on 1024 GPUs: under 1 %."""
+    from datetime import timedelta
+    from torch.distributed.constants import default_pg_timeout
+    from reference.parallel.estimate import H100_BF16_PEAK
+
+    text, code = _sources("markdown"), _sources("code")
+    assert "theoretical peak" in text and "46.2 % MFU, 57.8 % HFU" in text and H100_BF16_PEAK == 989e12
+    # Narayanan et al.'s 96 B s l H^2 (1 + s / 6H + V / 16 l H), B = 1: four passes of a layer's
+    # forward (24 s H^2: q, k, v 6, the projection 2, the MLP 16; 4 s^2 H attention), the
+    # logits' 2 s H V three times (not recomputed), where MFU counts the layers three times
+    L, H, s, V = 2, 64, 16, 100
+    assert 96 * s * L * H**2 * (1 + s / (6 * H) + V / (16 * L * H)) == pytest.approx(
+        4 * L * (24 * s * H**2 + 4 * s * s * H) + 3 * 2 * s * H * V, rel=1e-12)
+    assert "its 96 is four passes" in text
+    assert "not MFU: the denominator is measured" in code and "The peak is *measured*" not in text
+    assert "PaLM 540B 46.2 %" in text and "Llama 3 405B 38-43 %" in text
+    assert "roughly matches the ring" not in text and "multiplies it by 0.92" in text
+    assert default_pg_timeout == timedelta(minutes=30) and "30 for gloo" in text
+    assert "`init_process_group(timeout=...)` (10 minutes by default for NCCL" in text
+    assert "3, the default" in text and "busbw = algbw · 2(N−1)/N" in text
+    xl = MODELS["GPT-3 1.3B"]
+    n = stage_params(xl, ParallelConfig(), 0)
+    products = sum(3 * 2 * s[0] * math.prod(s[1:]) * 4 for s in gpt_gradient_shapes(xl) if len(s) > 1)
+    assert products * 1024 / training_flops(n, 512 * 2048, xl.n_layer, 2048, xl.n_embd) < 0.01
+    assert "counting its messages alone" in text
+
+
+def test_gpt3_xl_keeps_the_width_and_the_heads_width_of_brown_et_al():
+    """Table 2.1 gives GPT-3 XL 24 layers, width 2048 and heads of 128 (and 24 heads, which do
+    not multiply out to 2048): the course's 1.3B keeps the width, the depth and the heads' width."""
+    xl = MODELS["GPT-3 1.3B"]
+    assert (xl.n_layer, xl.n_embd, xl.n_embd // xl.n_head) == (24, 2048, 128)

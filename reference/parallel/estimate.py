@@ -147,6 +147,9 @@ class Workload:
     moe_layers: Optional[tuple] = None  # which layers are MoE (default all)
     k: int = 2
     attention: str = "unfused"        # the paper's stored scores, or "fused"
+    # under SP, whether a column-parallel layer keeps only its input's shard and all-gathers it
+    # again in backward (Megatron's form, what Korthikanti's sbh/t terms store); default: with SP
+    regather_input: Optional[bool] = None
 
     def __post_init__(self):
         c = self.config
@@ -162,7 +165,9 @@ class Workload:
         resolved = dict(precision=precision, seq_len=self.seq_len or self.model.block_size,
                         grad_bytes=precision.grad if self.grad_bytes is None else self.grad_bytes,
                         act_bytes=self.act_bytes or (4 if c.precision == "fp32" else 2),
-                        recompute=self.recompute or ("full" if c.activation_checkpointing else "none"))
+                        recompute=self.recompute or ("full" if c.activation_checkpointing else "none"),
+                        regather_input=(c.sequence_parallel and c.tp > 1 if self.regather_input is None
+                                        else self.regather_input))
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
 
@@ -170,6 +175,12 @@ class Workload:
     def m(self) -> int:
         """Micro-batches per step (accumulation when pp = 1)."""
         return self.global_batch // (self.config.dp * self.micro_batch)
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per parameter an all-gather of the parameters sends (the precision's, bf16 under
+        Megatron's distributed optimizer while its gradients are reduced in fp32)."""
+        return self.precision.param
 
     @property
     def activation(self) -> float:
@@ -219,10 +230,8 @@ def estimate(model, config: ParallelConfig, **workload) -> Estimate:
     a1, work, first, later = activations(w)
     acts = held_activations(w, a1)
     states, phases, held = model_states(w, a1, first, later, work, acts)
-    # a middle stage sends an activation on and a gradient back per micro-batch; with pp = 2
-    # each end sends one of the two (sequence-split under SP)
     per_gpu = {"tp": tp_bytes(w) if t > 1 else 0.0,
-               "pp": (2 if p > 2 else 1) * m * w.activation / (t if c.sequence_parallel and t > 1 else 1)
+               "pp": pp_sends(w) * m * w.activation / (t if c.sequence_parallel and t > 1 else 1)
                if p > 1 else 0.0}
     transfers = dp_transfers(w)
     for kind in ("dp",) + (("dp_replicate",) if c.dp_replicate > 1 else ()):
@@ -232,6 +241,16 @@ def estimate(model, config: ParallelConfig, **workload) -> Estimate:
     idle = idle_share(c, m)
     return Estimate(c, tensors.sizes()[0], states, acts, idle / (1 + idle), per_gpu, m,
                     flops, forward, transfers, held, phases, w.stage, tensors.of(True).sizes()[0])
+
+
+def pp_sends(w: Workload) -> int:
+    """Tensors the rank sends per micro-batch (each sequence-split under SP): every stage it holds
+    sends its activation on unless it is the last, and its input's gradient back unless it is the
+    first, when the neighbouring stage sits on another rank. The first rank of a plain pipeline
+    sends activations only, a middle one both."""
+    mine = {spec.stage for spec in rank_specs(w.model, w.config, w.stage)}
+    last = w.config.n_stages - 1
+    return sum((s < last and s + 1 not in mine) + (s > 0 and s - 1 not in mine) for s in mine)
 
 
 def idle_share(c: ParallelConfig, m: int) -> float:
