@@ -1,7 +1,7 @@
 """What a student reads: the files behind each technique, and their lines of code.
 
     python bench/reading_budget.py              # the table, then the package's shape
-    python bench/reading_budget.py --markdown   # the table as the README prints it
+    python bench/reading_budget.py --markdown   # the table as docs/reading-budget.md prints it
 
 A topic starts at the module a student opens first (DDP at `data_parallel/ddp.py`) and
 takes in every module of its own folder that module imports, and what those import, in
@@ -14,7 +14,7 @@ parallelisms they call through their packages count under their own topics.
 A line of code is a line holding a token of Python other than a comment, its docstrings
 (a module's, a class's, a function's) left out. Each topic has a budget (`BUDGET`) that
 `tests/test_reading_budget.py` holds, and a target the course reads towards (`TARGET`);
-the README's reading budget is this script's table.
+docs/reading-budget.md's table is this script's table.
 
 Below the table, the package's shape: its lines outside `course/`, the functions over 60
 lines of code, the names starting with `_` that one module imports from another, and the
@@ -195,7 +195,7 @@ def table(markdown: bool) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--markdown", action="store_true", help="the table as the README prints it")
+    parser.add_argument("--markdown", action="store_true", help="the table as docs/reading-budget.md prints it")
     args = parser.parse_args()
     print(table(args.markdown))
     if not args.markdown:
