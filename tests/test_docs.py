@@ -102,3 +102,9 @@ def test_the_readmes_picture_is_the_one_the_course_draws(tmp_path):
         assert committed.exists(), f"rerun: python docs/pictures.py ({drawn.name} is not committed)"
         assert matplotlib.image.imread(committed).shape == matplotlib.image.imread(drawn).shape, \
             f"rerun: python docs/pictures.py ({drawn.name} differs in size from what it draws)"
+    # the caption's numbers, as the pictures' titles print them (F = 1, B = 2)
+    from reference.pipeline_parallel import build_schedule
+
+    one_f_one_b, zb_v = build_schedule("1f1b", 4, 8), build_schedule("zb-v", 4, 8, 2)
+    assert f"{one_f_one_b.bubble_fraction(1, 2):.0%}" == "27%" and "1F1B idles 27 %" in readme
+    assert f"{zb_v.bubble_fraction(1, 2):.0%}" == "6%" and "where 1F1B waits, 6 %" in readme
