@@ -22,10 +22,16 @@ LAB_ARGS ?=
 lab: $(STAMP)
 	$(BIN)/jupyter lab $(ROOT_FLAG) --notebook-dir=. $(LAB_ARGS) notebooks/00_distributed_primer.ipynb
 
-# Two workers, each taking whole test files (module fixtures such as the graded homework
-# run once): the ranks a test starts wait on each other often enough that two files at a
-# time use the two cores of a laptop better than one.
-PYTEST_WORKERS ?= 2
+# Workers, each taking whole test files (module fixtures such as the graded homework run
+# once): one per core this make may use (CPU affinity, so `taskset -c 0-3 make test` gives
+# 4), at least 2. A file's ranks (2 to 8 processes) wait on each other often enough that on
+# 2 cores two files at a time beat one (measured); a worker per core on larger machines is
+# that ratio kept, not yet measured against others. The files go out in the order
+# tests/conftest.py sorts them, longest first: --no-loadscope-reorder keeps pytest-xdist
+# from sorting them by their number of tests instead. `make test PYTEST_WORKERS=N` sets the
+# workers, `CORES=N` the cores they follow (docs/testing.md).
+CORES ?= $(shell $(PYTHON) -c "import os; print(len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1)")
+PYTEST_WORKERS ?= $(shell [ "$(CORES)" -gt 2 ] 2>/dev/null && echo "$(CORES)" || echo 2)
 #
 # Then the parity files once more under a second set of kernels, so that one machine sees
 # two: ATen's AVX2 kernels and MKL's reproducible COMPATIBLE path round matrix products
@@ -35,9 +41,9 @@ SECOND_KERNELS ?= MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=avx2
 SECOND_KERNEL_TESTS ?= tests/test_tolerance.py tests/test_parallel_parity.py tests/test_parallel_cp.py \
 	tests/test_pipeline_parity.py
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 	@echo "== the parity tests again under $(SECOND_KERNELS)"
-	env $(SECOND_KERNELS) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -q $(SECOND_KERNEL_TESTS)
+	env $(SECOND_KERNELS) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -q $(SECOND_KERNEL_TESTS)
 
 # The course as a student sees it: JupyterLab started by `make lab`, driven in Chromium
 # (tests/test_browser.py). Needs /usr/bin/chromium (apt-get install chromium); without
@@ -86,6 +92,6 @@ numerics: $(STAMP)
 	@settings="$(NUMERICS_SETTINGS)"; grep -q avx512f /proc/cpuinfo 2>/dev/null && settings="$$settings $(NUMERICS_AVX512)"; \
 	for setting in $$settings; do \
 	  vars=$$(echo $$setting | tr , ' '); echo "== $$vars"; \
-	  env $$vars $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -q $(NUMERICS_TESTS) \
+	  env $$vars $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -q $(NUMERICS_TESTS) \
 	    || { echo "failed under: $$vars"; exit 1; }; \
 	done

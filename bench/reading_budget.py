@@ -18,7 +18,7 @@ A line of code is a line holding a token of Python other than a comment, its doc
 (a module's, a class's, a function's) left out: prose is never counted, so an explanation never
 has to go to meet a budget. Each topic has a target (`TARGET`) and a budget (`BUDGET`) that
 `tests/test_reading_budget.py` holds: the target, or what the topic takes today where it is
-still over its target.
+still over its target. docs/reading-budget.md's table is this script's table.
 
 Below the table, the package's shape: its lines of code outside `course/` (held under
 `PACKAGE_CODE_LINES`), the functions over 60 lines of code, the names starting with `_` that
@@ -215,7 +215,7 @@ def table(markdown: bool) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--markdown", action="store_true", help="the table as the README prints it")
+    parser.add_argument("--markdown", action="store_true", help="the table as docs/reading-budget.md prints it")
     args = parser.parse_args()
     print(table(args.markdown))
     if not args.markdown:

@@ -2,7 +2,7 @@
 
     python bench/sweep_3d.py            # the all-pairs set (what tests/test_parallel_sweep.py runs)
     python bench/sweep_3d.py --full     # every accepted case of the full product (hours)
-    python bench/sweep_3d.py --markdown # the tables as the README shows them
+    python bench/sweep_3d.py --markdown # the tables as docs/sweep.md shows them
 
 Prints one row per accepted case (world size, the largest relative loss difference and
 absolute weight difference against one process after 3 AdamW steps, within tolerance or
@@ -30,7 +30,7 @@ from reference.runtime import launch  # noqa: E402
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--full", action="store_true", help="the full product, not the all-pairs set")
-    p.add_argument("--markdown", action="store_true", help="print the README's tables")
+    p.add_argument("--markdown", action="store_true", help="print docs/sweep.md's tables")
     p.add_argument("--chunk", type=int, default=12, help="cases per launch")
     args = p.parse_args(argv)
     accepted, refused = covering_set()

@@ -14,9 +14,11 @@ def one_intra_op_thread():
 
 
 # The files that take minutes, longest first (measured with `--durations`). `make test`
-# hands whole files to two workers in the order collected: starting with the longest and
-# leaving the many short files for the end lets both workers finish at about the same time,
-# instead of one worker starting a long file when the other has nothing left.
+# hands work to its workers in the order collected (`--no-loadscope-reorder`: without it
+# pytest-xdist 3.5 and later order the files by their number of tests, which sent the
+# checkpoint matrix and the sweep, a few tests each, to the end): starting with the longest
+# and leaving the many short files for the end lets the workers finish at about the same
+# time, instead of one worker starting a long file when the others have nothing left.
 LONGEST_FIRST = ("test_notebooks.py", "test_course_homework.py", "test_course_grade.py",
                  "test_parallel_sweep.py", "test_checkpoint_reshard_matrix.py", "test_train_cli.py",
                  "test_course_exercises.py",

@@ -1,6 +1,10 @@
 """The pip and conda environments list the same packages, and the set-up files agree."""
 import os
 import re
+import shutil
+import subprocess
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # conda-forge names that differ from PyPI's.
@@ -66,3 +70,32 @@ def test_ci_runs_the_readme_test_command():
     readme = open(os.path.join(ROOT, "README.md")).read()
     assert "make test" in ci
     assert readme.index("make lab") < 800 and readme.index("make test") < 800
+
+
+@pytest.mark.skipif(shutil.which("make") is None or not hasattr(os, "sched_getaffinity"),
+                    reason="needs make and Linux's CPU affinity")
+def test_make_test_takes_a_worker_per_core_it_may_use():
+    """`make test`'s workers follow the cores this process may run on (at least 2), and
+    PYTEST_WORKERS overrides them; `make -n` prints the commands without running them."""
+    def workers(*args, cpus=None):
+        cmd = ["make", "-n", "--no-print-directory", "test", *args]
+        if cpus is not None:
+            cmd = ["taskset", "-c", cpus, *cmd]
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        return {int(n) for n in re.findall(r"pytest -n (\d+)", out)}
+
+    assert workers() == {max(2, len(os.sched_getaffinity(0)))}
+    assert workers("CORES=8") == {8} and workers("CORES=3") == {3}
+    assert workers("CORES=1") == {2}
+    assert workers("PYTEST_WORKERS=5") == {5}
+    if shutil.which("taskset"):
+        assert workers(cpus="0") == {2}
+
+
+def test_make_hands_out_the_test_files_in_the_order_conftest_gives():
+    """pytest-xdist 3.5 and later sort the files by their number of tests unless told not to
+    (3.8's --no-loadscope-reorder); the longest files would then start last."""
+    makefile = open(os.path.join(ROOT, "Makefile")).read()
+    commands = re.findall(r"pytest -n \S+ [^\n]*", makefile)
+    assert len(commands) == 3 and all("--dist loadfile --no-loadscope-reorder" in c for c in commands), commands
+    assert pip_requirements()["pytest-xdist"] == ">=3.8"

@@ -281,7 +281,7 @@ def test_the_course_states_pytorchs_default_as_the_pinned_version_has_it():
 
     assert inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
     root = Path(__file__).resolve().parent.parent
-    for name in ("README.md", "notebooks/06_3d_parallel.ipynb", "reference/parallel/config.py",
+    for name in ("docs/parallel-gpt.md", "docs/trainer.md", "docs/benchmarks.md", "notebooks/06_3d_parallel.ipynb", "reference/parallel/config.py",
                  "reference/zero/fsdp_reshard.py", "reference/train/config.py",
                  "reference/train/describe.py"):
         text = " ".join((root / name).read_text().replace("\\n\",\n", " ").split())

@@ -229,17 +229,17 @@ def test_the_private_name_checker_finds_both_forms(tmp_path):
                     "reference/model.py:1: from reference.viz import _Figure"], uses
 
 
-def test_the_readme_lists_every_module():
-    """The README's package table names each module of each folder of `reference/`."""
-    readme = (ROOT / "README.md").read_text()
-    rows = {line.split("|")[1].strip().strip("`"): line for line in readme.splitlines()
+def test_the_design_manual_lists_every_module():
+    """docs/design.md's package table names each module of each folder of `reference/`."""
+    manual = (ROOT / "docs" / "design.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`"): line for line in manual.splitlines()
             if line.startswith("| `reference/")}
     missing = []
     for folder in sorted(p for p in (ROOT / "reference").iterdir() if (p / "__init__.py").exists()):
         row = rows.get(f"reference/{folder.name}/", "")
         missing += [f"reference/{folder.name}/{m.stem}" for m in sorted(folder.glob("*.py"))
                     if m.stem not in ("__init__", "__main__") and f"`{m.stem}`" not in row]
-    assert not missing, "the README's package table does not name: " + ", ".join(missing)
+    assert not missing, "docs/design.md's package table does not name: " + ", ".join(missing)
 
 
 def _write(root: Path, files: dict[str, str]) -> Path:
@@ -296,12 +296,12 @@ def test_public_imports(statement):
     exec(statement, {})
 
 
-def test_readme_names_only_what_exists():
-    """Every `reference/...` path and `reference.x` module the README names exists."""
+def test_readme_and_manuals_name_only_what_exists():
+    """Every `reference/...` path and `reference.x` module the README and docs/ name exists."""
     import importlib.util
     import re
 
-    text = (ROOT / "README.md").read_text()
+    text = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     paths = set(re.findall(r"\breference/[\w/.]*\w", text))
     missing = [p for p in sorted(paths) if not (ROOT / p).exists()]
     dotted = set(re.findall(r"\breference(?:\.\w+)+", text))
@@ -318,4 +318,4 @@ def test_readme_names_only_what_exists():
             parts.pop()
         if len(parts) == 1:
             missing.append(name)
-    assert paths and not missing, f"the README names what does not exist: {missing}"
+    assert paths and not missing, f"the README or docs/ name what does not exist: {missing}"

@@ -5,7 +5,7 @@ workshop trainer that runs the 3D GPT from a JSON configuration.
 
 * `single`: the single-process loop, the oracle of the parity tests; importing this package
   loads only it;
-* the workshop trainer, `python -m reference.train` (`__main__`; the README's "Workshop"):
+* the workshop trainer, `python -m reference.train` (`__main__`; docs/trainer.md):
   `config` (the JSON configuration), `jsonconfig` (dataclasses from JSON, errors naming the
   dotted key), `deepspeed_blocks`, `lr_schedules` (DeepSpeed's schedules as a LambdaLR),
   `describe` (what a configuration means on N ranks), `settings` (`RunPlan`, a configuration at

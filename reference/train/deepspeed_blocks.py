@@ -14,7 +14,7 @@ from reference.train.jsonconfig import spec
 __all__ = ["OFFLOAD_REFUSED", "OPTIMIZERS", "OptimizerParams", "OptimizerConfig", "FP16Config", "BF16Config",
            "OffloadConfig", "ZeroConfig", "ActivationCheckpointingConfig"]
 
-# Why zero_optimization.offload_optimizer is refused (`--check` and the README say it too).
+# Why zero_optimization.offload_optimizer is refused (`--check` and docs/trainer.md say it too).
 OFFLOAD_REFUSED = ("zero_optimization.offload_optimizer (device {device!r}) is not implemented by this "
                    "trainer: the optimizer state and its step stay on each rank's device. DeepSpeed "
                    "would keep them, and the reduced gradients, in CPU memory and step there "
