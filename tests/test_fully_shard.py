@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from reference import comms
 from reference.runtime import launch
 from reference.tolerance import adamw_weights, exact, gradient, loss as loss_tol
 from reference.zero import MixedPrecisionPolicy, full_state_dict, fully_shard
@@ -191,8 +192,44 @@ def _torch(name):
     return out
 
 
+def _wrapped(mp):
+    model = make_model(SEED)
+    norms = {m.weight for m in model.modules() if isinstance(m, RMSNorm)}
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp, replicate_params=norms)
+    return fully_shard(model, mp_policy=mp, replicate_params=norms)
+
+
+def _facts():
+    """Bytes on the wire for one step, per reduce_dtype; gradient accumulation; an eval forward."""
+    r, out = dist.get_rank(), {}
+    for reduce in (None, torch.float32):
+        model = _wrapped(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce))
+        with comms.meter() as m:
+            model(*batch(0, r)).backward()
+        out["meter", reduce] = {op: (m.calls(op), m.payload_bytes(op))
+                                for op in ("all_gather", "reduce_scatter", "all_reduce")}
+    # N S per unit: each sharded tensor (d0, *rest) padded to N ceil(d0 / N) rows (p.zero_rows:
+    # where it was cut); the norms' gains are not sharded
+    units = [list(b.parameters()) for b in model.blocks] + [[model.embed.weight, model.head.weight]]
+    out["unit numels"] = [sum(WORLD * math.ceil(w[0] / WORLD) * w[1:].numel()
+                              for w in (p.zero_rows.whole for p in ps if hasattr(p, "zero_rows")))
+                          for ps in units]
+    model = _wrapped(MixedPrecisionPolicy())
+    model(*batch(0, r)).backward()
+    once = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model(*batch(0, r)).backward()  # a second backward adds into the shards' gradients
+    out["accumulated"] = all(torch.equal(p.grad, 2 * once[k]) for k, p in model.named_parameters())
+    with torch.no_grad():
+        model(*batch(1, r))          # no backward follows: the step ends at the root's forward
+    out["shards after eval"] = {k: tuple(p.shape) for k, p in model.named_parameters()}
+    return out
+
+
 def _rank_body():
-    return {(impl, name): fn(name) for name in DTYPES for impl, fn in (("ours", _ours), ("torch", _torch))}
+    out = {(impl, name): fn(name) for name in DTYPES for impl, fn in (("ours", _ours), ("torch", _torch))}
+    out["facts"] = _facts()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +287,35 @@ def test_root_stays_whole_after_forward_blocks_are_freed_as_fsdp2(runs):
         for name in DTYPES:
             assert result["ours", name]["whole after forward"] == {"root": True, "block": False}
             assert result["torch", name]["whole after forward"] == {"root": True, "block": False}
+
+
+def test_bytes_per_step_follow_the_policy(runs):
+    """bf16 compute: the all-gathers move 2 bytes a number; the reduce-scatters 2 with
+    ``reduce_dtype=None`` (FSDP2: reduce in ``param_dtype``) and 4 with fp32. Blocks are gathered
+    in forward and again in backward, the root once; the norms' gains all-reduced once per unit."""
+    facts = runs[0]["facts"]
+    blocks, root = facts["unit numels"][:-1], facts["unit numels"][-1]
+    gathered = 2 * 2 * sum(blocks) + 2 * root
+    for reduce, size in ((None, 2), (torch.float32, 4)):
+        meter = facts["meter", reduce]
+        assert meter["all_gather"] == (2 * len(blocks) + 1, gathered), reduce
+        assert meter["reduce_scatter"] == (len(blocks) + 1, size * (sum(blocks) + root)), reduce
+        assert meter["all_reduce"] == (len(blocks) + 1, size * (2 * 32 * len(blocks) + 32)), reduce
+
+
+def test_gradients_accumulate_over_backward_passes_and_eval_ends_the_step(runs):
+    for rank, result in enumerate(runs):
+        facts = result["facts"]
+        assert facts["accumulated"]
+        assert facts["shards after eval"] == result["ours", "fp32"]["shapes"]
+        assert facts["shards after eval"]["embed.weight"] == (31, 32)  # ceil(61 / 2) rows
+        assert facts["shards after eval"]["norm.weight"] == (32,)      # replicated: whole
+
+
+def test_bad_arguments_are_refused_before_any_collective():
+    with pytest.raises(TypeError, match="nn.Module"):
+        fully_shard([Linear(2, 2)])
+    with pytest.raises(ValueError, match="reshard_after_forward"):
+        fully_shard(Linear(2, 2), reshard_after_forward=2)
+    with pytest.raises(TypeError, match="MixedPrecisionPolicy"):
+        fully_shard(Linear(2, 2), mp_policy={"param_dtype": torch.bfloat16})
