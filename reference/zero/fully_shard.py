@@ -290,6 +290,15 @@ def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool | 
     return module
 
 
+def _state_of(module: nn.Module) -> ShardState | None:
+    """The `ShardState` `fully_shard` attached to ``module``, or None (FSDP2's
+    ``fully_shard.state(module)``)."""
+    return getattr(module, _STATE, None)
+
+
+fully_shard.state = _state_of
+
+
 @torch.no_grad()
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter of ``module`` by its original name (a tied weight once), whole, in its
