@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from reference import comms
 from reference.runtime import launch
@@ -87,10 +88,12 @@ class TinyTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.norm, self.head = RMSNorm(dim), Linear(dim, vocab)
 
+    checkpoint = False  # activation checkpointing of every block
+
     def forward(self, idx, targets):
         x = self.embed(idx)
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint else block(x)
         logits = self.head(self.norm(x))                                   # (B, T, vocab)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
@@ -223,6 +226,11 @@ def _facts():
     with torch.no_grad():
         model(*batch(1, r))          # no backward follows: the step ends at the root's forward
     out["shards after eval"] = {k: tuple(p.shape) for k, p in model.named_parameters()}
+    model.zero_grad()
+    model.checkpoint = True          # each block's forward runs again inside the backward, whole
+    with set_checkpoint_early_stop(False):  # (early stop would skip the block's forward hook)
+        model(*batch(0, r)).backward()
+    out["checkpointed"] = all(torch.equal(p.grad, once[k]) for k, p in model.named_parameters())
     return out
 
 
@@ -303,10 +311,11 @@ def test_bytes_per_step_follow_the_policy(runs):
         assert meter["all_reduce"] == (len(blocks) + 1, size * (2 * 32 * len(blocks) + 32)), reduce
 
 
-def test_gradients_accumulate_over_backward_passes_and_eval_ends_the_step(runs):
+def test_gradients_accumulate_eval_ends_the_step_and_checkpointing_recomputes(runs):
     for rank, result in enumerate(runs):
         facts = result["facts"]
         assert facts["accumulated"]
+        assert facts["checkpointed"]  # the same arithmetic, recomputed: bit for bit
         assert facts["shards after eval"] == result["ours", "fp32"]["shapes"]
         assert facts["shards after eval"]["embed.weight"] == (31, 32)  # ceil(61 / 2) rows
         assert facts["shards after eval"]["norm.weight"] == (32,)      # replicated: whole

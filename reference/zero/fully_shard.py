@@ -190,7 +190,9 @@ class ShardState:
         return args, kwargs
 
     def post_forward(self, module, args, output):
-        if self.reshard and self.unit is not None:
+        # (A forward inside the backward is activation checkpointing's recomputation: its
+        # backward follows at once, and the unit is freed when its gradients are reduced.)
+        if self.reshard and self.unit is not None and not self.root.in_backward:
             self.unit.free()
         on_output_grad(output, self.pre_backward)  # its backward gathers it again
         if self.mp.output_dtype is not None:
