@@ -123,7 +123,8 @@ def main():
     print(f"{'':24} {'ours':>14} {'fully_shard':>14} {'ours / theirs':>14}")
     for key in sorted(set(ours["sent"]) | set(theirs["sent"])):
         a, b = ours["sent"].get(key, 0), theirs["sent"].get(key, 0)
-        print(f"{'sent, ' + key[0]:<24} {a:>14,} {b:>14,} {a / b if b else float('nan'):>13.2f}x")
+        ratio = f"{a / b:>13.2f}x" if b else f"{'-':>14}"  # (FSDP2 all-reduces nothing: it shards the norms)
+        print(f"{'sent, ' + key[0]:<24} {a:>14,} {b:>14,} {ratio}")
     for label, key, fmt in (("sent, all", "sent total", ","), ("peak bytes", "peak", ","),
                             ("s / step", "median", ".4f")):
         a, b = ours[key], theirs[key]
