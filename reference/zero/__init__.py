@@ -23,6 +23,9 @@ The three stages of Rajbhandari et al. (2020) keep 1/N per rank of the optimizer
   `ShardedSets` shards experts over their expert-data-parallel group;
 * `reference.zero.fsdp_reshard`: `ReshardAfterForward`, the same shards gathered per block and
   micro-batch (FSDP2's ``reshard_after_forward=True``);
+* `reference.zero.fully_shard`: `fully_shard`, the same per-tensor shards on any `nn.Module` in
+  the shape of PyTorch's FSDP2 (a unit per wrapped module, ``reshard_after_forward``,
+  `MixedPrecisionPolicy`, replicated parameters, `full_state_dict`): the optimizer steps on the shards;
 * `reference.zero.adam8bit`: `Adam8bit`, AdamW with block-wise 8-bit moments (Dettmers et al.,
   2022): about 2 bytes of state per parameter instead of 8;
 * `reference.zero.viz`: what each rank holds at each stage, measured bytes against the formula;
@@ -36,10 +39,11 @@ from reference.zero.adam8bit import Adam8bit
 from reference.zero.fsdp import FSDP
 from reference.zero.fsdp_param import ShardedParameters, ShardedSets
 from reference.zero.fsdp_reshard import ReshardAfterForward
+from reference.zero.fully_shard import MixedPrecisionPolicy, full_state_dict, fully_shard
 from reference.zero.optimizer import ZeroOptimizer
 from reference.zero.shard import FlatBucket, FlatLayout, trainable_unique
 
 __all__ = [
     "ZeroOptimizer", "FSDP", "ShardedParameters", "ShardedSets", "ReshardAfterForward", "FlatLayout",
-    "FlatBucket", "trainable_unique", "Adam8bit",
+    "FlatBucket", "trainable_unique", "Adam8bit", "fully_shard", "MixedPrecisionPolicy", "full_state_dict",
 ]

@@ -4,6 +4,7 @@
     check_clip_sharded_grad_norm_(clip_sharded_grad_norm_)
     check_fsdp_schedule(fsdp_schedule)
     check_zero_max_params(zero_max_params)            # the text's worked values, then the kind
+    check_wrap_tiny_lm(wrap_tiny_lm)
 
 zero1_optimizer runs on 2 ranks with `reference.runtime.launch`: a small MLP trained
 for 3 steps (AdamW, AdamW with weight decay, SGD with momentum, and a model of one
@@ -11,7 +12,8 @@ number), each rank on its own batch, compared with one process training on the w
 batch, and checks that the inner optimizer holds only this rank's shard.
 clip_sharded_grad_norm_ runs on 2 and 3 ranks, on shards whose padding holds garbage,
 against the norm of the real numbers; fsdp_schedule runs on one rank and replays your
-actions in the simulator the grader uses. The cases are those of the hidden checks with
+actions in the simulator the grader uses; wrap_tiny_lm trains your wrapped model on 2 ranks
+for 3 steps in fp32, bf16 and fp16 against one process on the whole batch. The cases are those of the hidden checks with
 a fixed seed. While grading, `skip=True` is passed and the check does nothing.
 """
 from __future__ import annotations
@@ -20,10 +22,11 @@ from reference.course.checks.data_parallel import run_model_check
 from reference.course.checks.questions import Worked, check_question
 from reference.course.checks.runner import NOT_IMPLEMENTED, public_cases, run_cases, run_visible
 from reference.course.homework.zero import ZERO1
+from reference.course.homework.zero_fully_shard import WRAP_TINY_LM
 from reference.course.homework.zero_transfer import CLIP, FSDP_SCHEDULE, ZERO_MAX_PARAMS
 
 __all__ = ["check_zero1_optimizer", "check_clip_sharded_grad_norm_", "check_fsdp_schedule",
-           "check_zero_max_params"]
+           "check_zero_max_params", "check_wrap_tiny_lm"]
 
 _HINTS = {
     "not implemented": NOT_IMPLEMENTED,
@@ -63,6 +66,23 @@ _CLIP_HINTS = {
                  "bullet"),
     "norm": ("the norm differs from the whole gradient's: reread exercise 2's norm_type bullet "
              "and the accumulation rule"),
+}
+
+_WRAP_HINTS = {
+    "not implemented": NOT_IMPLEMENTED,
+    "not the wrapped model": "return the model itself: reread exercise 5's last bullet",
+    "not each block": ("fully_shard each block first, then the root: reread exercise 5's "
+                       "'Wrap' bullet"),
+    "policies": "pass mp_policy to every fully_shard call: reread exercise 5's 'Wrap' bullet",
+    "exercise's names": ("the parameters' names differ from the weights' keys: reread exercise "
+                         "5's table of names and shapes"),
+    "stays whole": ("a norm's gain was sharded: put every norm's weight in replicate_params, in "
+                    "every call"),
+    "is sharded": "a Linear or Embedding weight is whole: it belongs to a unit (not replicated)",
+    "gradient of": ("the gradients differ from one process's: reread the model's formulas "
+                    "(norm in fp32, causal attention, GELU, residuals)"),
+    "differ from one process": ("the weights after the steps differ from one process's: did you "
+                                "load the weights, and follow the formulas exactly?"),
 }
 
 _SCHEDULE_HINTS = {
@@ -118,3 +138,10 @@ def check_zero_max_params(fn, skip: bool = False) -> bool | None:
                                   2_285_714_284),
                            Worked({"memory_bytes": 16_000_000_000, "n": 4, "stage": 3, "k": 12},
                                   4_000_000_000)))
+
+
+def check_wrap_tiny_lm(fn, skip: bool = False) -> None:
+    """Visible check of exercise wrap_tiny_lm on 2 ranks (the hidden checks' kinds of case)."""
+    _check(WRAP_TINY_LM, fn, (2,), "a unit per block and the root, the norms replicated, the "
+           "shards' gradients and 3 AdamW steps equal one process in fp32, bf16 and fp16",
+           _WRAP_HINTS, skip)

@@ -29,7 +29,8 @@ tells them apart in every case. Only all-reduce, reduce-scatter and all-gather a
 allowed.
 
 The transfer exercises (clip_sharded_grad_norm_, fsdp_schedule) and the written question
-(zero_max_params) are checked in `zero_transfer`.
+(zero_max_params) are checked in `zero_transfer`; FSDP around the student's own Transformer
+(wrap_tiny_lm) in `zero_fully_shard`.
 """
 from __future__ import annotations
 
@@ -233,10 +234,12 @@ ZERO1 = on_subgroup(ExerciseSpec(
     banned=("reference.course.homework.zero.course_zero1_optimizer", "reference.zero.optimizer",
             "reference.zero.reducer", "reference.zero.shard")), (4,), (0, 3))
 HOMEWORK_ID = "02_zero_fsdp"
-# The warm-up, two transfers to what the lecture did not build (zero_transfer) and the question.
+# The warm-up, two transfers to what the lecture did not build (zero_transfer), the question,
+# and fully_shard around the student's own model (zero_fully_shard).
 from reference.course.homework.zero_transfer import CLIP, FSDP_SCHEDULE, ZERO_MAX_PARAMS  # noqa: E402
+from reference.course.homework.zero_fully_shard import WRAP_TINY_LM  # noqa: E402
 
 # An answer failing any case keeps at most half: a rule broken alone shows only in the
 # cases that can show it.
 WRONG_KEEPS = 0.5
-EXERCISES = (ZERO1, CLIP, FSDP_SCHEDULE, ZERO_MAX_PARAMS)
+EXERCISES = (ZERO1, CLIP, FSDP_SCHEDULE, ZERO_MAX_PARAMS, WRAP_TINY_LM)
