@@ -194,9 +194,8 @@ class ExpertParallelMoE(MoELayer):
         """This rank's share of `moe`: the same router and shared expert, its experts copied."""
         with torch.random.fork_rng(devices=[]):  # the throw-away init must not move the caller's RNG
             layer = cls(**moe.hparams, group=group)
-        layer.router.load_state_dict(moe.router.state_dict())
-        if moe.router.expert_bias is not None:  # buffers state_dict leaves out (not checkpointed)
-            layer.router.expert_bias.copy_(moe.router.expert_bias)
+        layer.router.load_state_dict(moe.router.state_dict())  # the gate, and the bias if any
+        if moe.router.expert_bias is not None:  # the step's counts so far (not in state_dict)
             layer.router.step_tokens_per_expert.copy_(moe.router.step_tokens_per_expert)
         for local, global_id in zip(layer.experts, layer.expert_ids):
             local.load_state_dict(moe.experts[global_id].state_dict())

@@ -109,8 +109,10 @@ class Router(nn.Module):
         self.balance_coef, self.z_coef = float(balance_coef), float(z_coef)
         self.bias_update_rate = float(bias_update_rate)
         self.gate = nn.Linear(d_model, n_experts, bias=False)
-        if self.bias_update_rate > 0:  # not saved in state_dict: checkpoints do not carry it
-            self.register_buffer("expert_bias", torch.zeros(n_experts), persistent=False)
+        if self.bias_update_rate > 0:
+            # The bias is state, saved with the weights (a resumed run routes as the run that never
+            # stopped); the step's counts are not: a step starts them at 0 (torchtitan, Megatron).
+            self.register_buffer("expert_bias", torch.zeros(n_experts))
             self.register_buffer("step_tokens_per_expert", torch.zeros(n_experts, dtype=torch.int64),
                                  persistent=False)
         else:
