@@ -31,7 +31,6 @@ from reference.course.homework.guard import exercise_rules
 from reference.course.homework.refuse import REFUSED, refusal_for
 from reference.course.checks.unfinished import unfinished
 from reference.course.homework.scoring import Case, ExerciseSpec, one_line
-from reference.course.homework.subgroup import MEMBERS
 from reference.runtime import RankError, RankTimeoutError, launch
 
 __all__ = ["VISIBLE_SEED", "NOT_IMPLEMENTED", "REFUSED", "hint_for", "describe_launch_failure", "traffic_rows",
@@ -94,7 +93,21 @@ def run_cases(spec: ExerciseSpec, fn, world_size: int, cases: Sequence[Case], ti
     the part of it that should pick the hint: the judge's reason without the case's
     name, which could match a key, or "" for an exception, whose traceback could).
 
-    What the student's code prints shows as "[rank r] ..." lines (the launch is not quiet)."""
+    What the student's code prints shows as "[rank r] ..." lines (the launch is not quiet).
+    A case marked ``alone`` (on a subgroup) runs after the others, in a launch of its own."""
+    together = [c for c in cases if not c.alone]
+    for batch in ([together] if together else []) + [[c] for c in cases if c.alone]:
+        failure = _run_batch(spec, fn, world_size, batch, timeout, hang_hint, record_traffic)
+        if failure[0]:
+            return failure
+    return "", ""
+
+
+def _run_batch(spec, fn, world_size, cases, timeout, hang_hint, record_traffic) -> tuple[str, str]:
+    """`run_cases` for ``cases`` in one launch."""
+    if len(cases) == 1 and cases[0].alone:  # a hang here is this case's: say which, and why
+        hang_hint = (f"{cases[0].name}: pass group=group to every collective; one without it "
+                     f"waits for global rank 0, which is not in the group")
     inputs = {case.name: case.inputs for case in cases}
     try:
         ranks = launch(_rank_outputs, world_size, spec, cloudpickle.dumps(fn), inputs,
@@ -112,11 +125,12 @@ def run_cases(spec: ExerciseSpec, fn, world_size: int, cases: Sequence[Case], ti
 
 
 def public_cases(spec: ExerciseSpec, world_size: int, seed: int = VISIBLE_SEED) -> list[Case]:
-    """The visible check's cases: the hidden checks' kinds, drawn from a public seed, but
-    those on a subgroup (`reference.course.homework.subgroup`): an answer that forgets its
-    group hangs there until the check's timeout, a minute of waiting that says little."""
+    """The visible check's cases: the hidden checks' kinds, drawn from a public seed, with one
+    case on a subgroup (`reference.course.homework.subgroup`) where the exercise has some at
+    this world size: an answer that forgets ``group=`` must fail here, not only in the grader.
+    `run_cases` runs it last, in a launch of its own, and names it if it hangs."""
     cases = spec.make_cases(torch.Generator().manual_seed(seed + world_size), world_size)
-    return [c for c in cases if not (isinstance(c.inputs[0], dict) and MEMBERS in c.inputs[0])]
+    return [c for c in cases if not c.alone] + [c for c in cases if c.alone][:1]
 
 
 def report(spec: ExerciseSpec, reason: str, success: str, hints: Mapping[str, str],
