@@ -90,6 +90,7 @@ class ExerciseSpec:
             course's homework and checks code is refused besides (`refuse.Refusal`)
     weight: the exercise's points (None: by its stars, `WEIGHTS`)
     bonus:  optional: its points add to a submission's total, not to the maximum
+    subgroup_sizes: the world sizes with cases on a subgroup (`subgroup.on_subgroup`)
     """
     id: str
     title: str
@@ -105,6 +106,7 @@ class ExerciseSpec:
     weight: float | None = None
     bonus: bool = False
     wrong_keeps: float = 1.0  # the share an answer failing any case keeps at most
+    subgroup_sizes: tuple = ()
 
 
 def weight(spec: ExerciseSpec) -> float:

@@ -106,4 +106,5 @@ def on_subgroup(spec: ExerciseSpec, sizes: tuple, pick: tuple) -> ExerciseSpec:
                           [_within_group(outputs[g], members) for g in members], len(members))
         return f"{why} (ranks counted within the group)" if why else ""
 
-    return dataclasses.replace(spec, make_cases=make_cases, call=call, expect=expect, judge=judge)
+    return dataclasses.replace(spec, make_cases=make_cases, call=call, expect=expect, judge=judge,
+                               subgroup_sizes=tuple(sizes))
