@@ -185,7 +185,7 @@ class Router(nn.Module):
 
         # Switch load balancing per group (a sequence: DeepSeek-V3's sequence-wise loss with the
         # sigmoid gate), then the mean over groups. f_i counts the gate's own top-k, not the
-        # bias's choice (DeepSeek-V3's eq. 18: the bias must not hide the scores' imbalance).
+        # bias's choice (DeepSeek-V3's eq. 18 counts the top-k of s, without the bias).
         density = F.one_hot(own_idx.reshape(G, T * k), E).float().mean(dim=1)  # (G, E): f_i
         shares = scores if self.score_function == "softmax" else scores / scores.sum(-1, keepdim=True)
         mean_share = shares.mean(dim=1)  # (G, E): P_i, the mean normalised score
