@@ -63,7 +63,8 @@ HSDP (FSDP2's 2D mesh, torchtitan's ``dp_replicate x dp_shard``) splits the dp r
 way, ``dp_rank = dp_replicate_rank * dp_shard + dp_shard_rank``: ZeRO-3 shards inside a
 ``dp_shard`` group of consecutive dp ranks (a node) and all-reduces across the ``dp_replicate``
 group (same dp_shard rank: the same rows). Those groups exist when dp_replicate > 1
-(`HSDP_DIMS`); HSDP is refused with cp > 1 or experts (they have their own ``edp``).
+(`HSDP_DIMS`); HSDP is refused with experts (they have their own ``edp``) and with cp > 1
+(`HSDP_WITH_CP` says why).
 
 Everything but :meth:`Mesh.build_groups` is arithmetic that needs no process started.
 """
@@ -79,6 +80,12 @@ from typing import NamedTuple, Optional
 DIMS = ("tp", "dp", "pp", "ep", "edp")
 CP_DIMS = ("cp", "dp_cp")
 HSDP_DIMS = ("dp_shard", "dp_replicate")  # only when dp_replicate > 1
+# Why HSDP is refused with context parallelism: said by the mesh and by ParallelConfig alike.
+HSDP_WITH_CP = ("HSDP with context parallelism is not built: cp ranks hold the same weights as "
+                "dp ranks, so the shards would have to span dp_shard x cp (torchtitan's dp_shard_cp "
+                "mesh dimension) while the replicas still all-reduce across dp_replicate; the course's "
+                "mesh has no dp_shard x cp group and its HSDP shards over dp_shard alone. Use cp with "
+                "ZeRO-3 over dp x cp (dp_replicate=1), or HSDP without cp")
 
 # For each dimension, the coordinates that stay fixed inside one of its groups;
 # the group's members differ only in the dimension's own coordinate.
@@ -151,10 +158,13 @@ class Mesh:
         if self.ep > 1 and self.cp > 1:
             raise ValueError(f"ep={self.ep} with cp={self.cp} is not supported (a router counts capacity "
                              f"per whole sequence); mesh {self._describe()}")
-        if self.dp % self.dp_replicate or (self.dp_replicate > 1 and (self.ep > 1 or self.cp > 1)):
-            raise ValueError(f"dp_replicate={self.dp_replicate} must divide dp={self.dp}, with ep = cp = 1 "
-                             f"(HSDP splits the dense data-parallel ranks only); mesh "
-                             f"{self._describe()}")
+        if self.dp % self.dp_replicate or (self.dp_replicate > 1 and self.ep > 1):
+            raise ValueError(f"dp_replicate={self.dp_replicate} must divide dp={self.dp}, with ep = 1 "
+                             f"(HSDP splits the dense data-parallel ranks only; experts shard over "
+                             f"their own edp group); mesh {self._describe()}")
+        if self.dp_replicate > 1 and self.cp > 1:
+            raise ValueError(f"dp_replicate={self.dp_replicate} with cp={self.cp}: {HSDP_WITH_CP}; "
+                             f"mesh {self._describe()}")
 
     @classmethod
     def from_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> "Mesh":

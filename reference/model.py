@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["GPTConfig", "causal_attention", "CausalSelfAttention", "MLP", "Block", "GPT", "init_weights",
-           "lm_loss", "sample_next_token"]
+           "lm_loss", "sample_next_token", "saved_buffers"]
 
 
 @dataclass
@@ -157,6 +157,13 @@ def init_weights(module: nn.Module, config: GPTConfig) -> None:
                 nn.init.zeros_(sub.bias)
         elif isinstance(sub, nn.Embedding):
             nn.init.normal_(sub.weight, mean=0.0, std=0.02)
+
+
+def saved_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """{name: buffer} of the buffers ``module.state_dict()`` saves (the persistent ones: a router's
+    ``expert_bias``), by the names state_dict gives them; state like the weights, never sharded."""
+    params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    return {k: v for k, v in module.state_dict(keep_vars=True).items() if k not in params}
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

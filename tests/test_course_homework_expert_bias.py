@@ -197,16 +197,32 @@ def test_each_mistake_keeps_at_most_half_and_the_world_passes_the_whole_world():
     assert not [f for f in score.failures if f.startswith(f"3 ranks, {WORLD}: ")], score.failures
 
 
-def test_the_world_instead_of_the_group_loses_the_subgroup_case():
-    """Without group= the all-reduce waits for global rank 0, which is not in the group."""
-    spec = dataclasses.replace(SPEC, make_cases=lambda g, w, make=SPEC.make_cases: [
-        c for c in make(g, w) if "subgroup" in c.name][:1])
-    score = _score(spec, _function(WORLD_EDIT), timeout=5, world_sizes=(3,))
-    assert score.max == 1 and score.points == 0 and "timed out" in score.reason, score.failures
+HANG = 12  # s: a launch that hangs waits this long; the others finish in a few seconds
+
+
+def test_the_world_instead_of_the_group_loses_the_subgroup_case_named_and_only_it():
+    """Without group= the all-reduce waits for global rank 0, which is not in the group. The
+    subgroup case runs in a launch of its own: the grader names it as the one that hung, and
+    the 5 cases of the whole world, right, keep their points."""
+    spec = dataclasses.replace(SPEC, make_cases=lambda g, w, make=SPEC.make_cases: (
+        lambda cases: [c for c in cases if not c.alone] + [c for c in cases if c.alone][:1])(make(g, w)))
+    score = _score(spec, _function(WORLD_EDIT), timeout=HANG, world_sizes=(3,))
+    assert (score.max, score.points) == (6, 5), score.failures
+    (failure,) = score.failures
+    assert "on the subgroup of global ranks [1, 2]" in failure and "this case alone" in failure, failure
+    assert "subgroup" in score.reason and "group=group" in score.reason, score.reason
     # even were every other case of the grader's 12 passed, it keeps at most half
     whole = ExerciseScore(id=WORLD, points=12 - 2, max=12, weight=4,
                           wrong_keeps=SPEC.wrong_keeps)
     assert whole.weighted() <= 2
+
+
+def test_the_visible_check_runs_a_subgroup_case_and_names_it_when_it_hangs(capsys):
+    from reference.course.checks.expert_parallel import check_balanced_step
+    check_balanced_step(_function(WORLD_EDIT), world_sizes=(3,), timeout=HANG)
+    out = capsys.readouterr().out
+    assert "FAIL balanced_step: on 3 ranks: timed out" in out, out
+    assert "on the subgroup of global ranks [1, 2]" in out and "pass group=group" in out, out
 
 
 def test_balanced_step_may_use_only_all_reduce():

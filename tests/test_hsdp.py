@@ -98,7 +98,10 @@ def test_hsdp_groups_and_refusals():
     assert mesh.group_ranks("dp_shard")[:2] == [[0, 2], [1, 3]]   # consecutive dp ranks, per tp slice
     with pytest.raises(ValueError, match="dp_replicate=3 must divide dp=4"):
         Mesh(dp=4, dp_replicate=3)
+    with pytest.raises(ValueError, match="dp_shard_cp"):  # not built, and the refusal says why
+        Mesh(dp=4, cp=2, dp_replicate=2)
     for bad, why in [(dict(zero_stage=1), "needs zero_stage=3"), (dict(zero_stage=3, ep=2), "ep=2"),
+                     (dict(zero_stage=3, cp=2), "context parallelism is not built.*dp_shard x cp"),
                      (dict(zero_stage=3, reshard_after_forward=True, pp=2, microbatches=2),
                       "reshard_after_forward")]:
         config = ParallelConfig(dp=4, dp_replicate=2, **bad)

@@ -57,6 +57,29 @@ def test_moe_4d_has_experts_on_top_of_3d():
     assert describe(config, 8).endswith("nothing found")
 
 
+def test_moe_deepseek_turns_on_deepseek_v3s_router_with_megatrons_keys():
+    """The experts block's router keys mean what Megatron-Core's ``--moe-router-*`` mean, defaults
+    included (softmax, no bias, rate 1e-3); the bias needs sigmoid scores, as there."""
+    from reference.expert_parallel import MoE
+    from reference.model import GPT
+
+    config = load_config(CONFIGS / "moe_deepseek.json", world_size=4)
+    model = GPT(config.gpt_config(), ffn_factory=config.ffn_factory())
+    routers = [m.router for m in model.modules() if isinstance(m, MoE)]
+    assert len(routers) == config.gpt_config().n_layer
+    assert {(r.score_function, r.bias_update_rate, r.balance_coef) for r in routers} == {("sigmoid", 0.01, 1e-4)}
+    assert all(torch.equal(r.expert_bias, torch.zeros(4)) for r in routers)
+    text = describe(config, 4)
+    assert "sigmoid gate" in text and "loss-free balancing" in text and text.endswith("nothing found")
+    plain = load_config(CONFIGS / "moe_4d.json", world_size=8)
+    e = plain.model.experts
+    assert (e.score_function, e.enable_expert_bias, e.bias_update_rate) == ("softmax", False, 1e-3)
+    plain_model = GPT(plain.gpt_config(), ffn_factory=plain.ffn_factory())
+    assert all(m.router.expert_bias is None for m in plain_model.modules() if isinstance(m, MoE))
+    with pytest.raises(ValueError, match="enable_expert_bias=true needs model.experts.score_function='sigmoid'"):
+        load_config(CONFIGS / "moe_4d.json", {"model.experts.enable_expert_bias": "true"}, world_size=8)
+
+
 def test_debug_padded_trains_on_padded_documents_with_the_token_mean():
     from reference.train.loop import batch_at
 

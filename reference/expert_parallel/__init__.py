@@ -4,11 +4,13 @@
     dense = GPT(config, ffn_factory=moe_factory(n_experts=8, k=2))   # one process
     layer = ExpertParallelMoE.from_dense(moe, mesh.ep_group)          # E / ep experts per rank
 
-* `router`: the gate, top-k routing (Switch k = 1, GShard k = 2), capacity and dropping, the
-  load-balancing and z losses, the dispatch plan (`sort_by_expert`, `combine`);
+* `router`: the gate (softmax: Switch, GShard; sigmoid: DeepSeek-V3), top-k routing (Switch
+  k = 1, GShard k = 2), capacity and dropping, the load-balancing (sequence-wise) and z losses,
+  the dispatch plan (`sort_by_expert`, `combine`);
 * `moe`: `MoE`, the single-process oracle, and `ExpertParallelMoE`, which sends each token to the
   rank holding its expert and back; `moe_all_reduce_gradients` for data parallelism;
-* `bias_balance`: balancing by a per-expert bias instead of a loss (DeepSeek-V3, `update_expert_bias`);
+* `bias_balance`: balancing by a per-expert bias instead of a loss (loss-free balancing, DeepSeek-V3,
+  `update_expert_bias`);
 * `comms`: the counts exchanged before the all-to-all, and the bytes it moves per step;
 * `sequence_parallel`: MoE layers under Megatron sequence parallelism (`sequence_parallel_experts`);
 * `viz`: loads, routes, the all-to-all drawn from real routes, memory per rank, the gate, balance.

@@ -1,14 +1,18 @@
 """Balancing experts without an auxiliary loss: a bias on the router's choice, moved after each step.
 
-DeepSeek-V3 (Liu et al. 2024, "DeepSeek-V3 Technical Report", section 2.1.2; Wang et al. 2024)
-adds a bias b_i per expert to the router's scores only to choose the top-k (the combine weights
-and the gradient never see it; `Router` with ``bias_update_rate`` u > 0). After each step every
-expert's load c_i, its assignments over the *whole step*, moves its bias against the load:
+Loss-free balancing (Wang et al. 2024; DeepSeek-V3, Liu et al. 2024, section 2.1.2) adds a bias
+b_i per expert to the router's scores only to choose the top-k (`Router` with ``bias_update_rate``
+u > 0): the combine weights stay the chosen experts' own scores, no term is added to the loss
+and the bias gets no gradient. It does change which experts a token goes to, and so the
+output, the loss and the gradients. After each step every expert's load c_i, its assignments
+over the *whole step*, moves its bias against the load (Megatron-Core's
+`get_updated_expert_bias`; torchtitan also subtracts the update's mean):
 
     b_i <- b_i + u * sign(mean(c) - c_i)
 
-An overloaded expert is chosen a little less next step, an idle one a little more; nothing in
-the loss pulls the router away from the task.
+An overloaded expert is chosen a little less next step, an idle one a little more. The bias
+moves by u a step in the scores' units: DeepSeek-V3's u = 0.001 is for its sigmoid scores (each
+in (0, 1)) over some hundred thousand steps; a softmax's probabilities are about 1/E each.
 
 "The whole step" is every micro-batch's counts on the rank (the router counts each forward run
 with autograd: a recomputed chunk counts once), summed over the dp group by one all-reduce of

@@ -76,16 +76,18 @@ class MoELayer(nn.Module):
                  capacity_factor: Optional[float] = 1.25, *, shared_expert: bool = False,
                  normalize_weights: Optional[bool] = None, balance_coef: float = 0.01,
                  z_coef: float = 0.001, bias: bool = True, n_local_experts: Optional[int] = None,
-                 bias_update_rate: float = 0.0):
+                 bias_update_rate: float = 0.0, score_function: str = "softmax"):
         super().__init__()
         # Everything needed to build the same layer again (from_dense uses it).
         self.hparams = dict(d_model=d_model, d_ff=d_ff, n_experts=n_experts, k=k,
                             capacity_factor=capacity_factor, shared_expert=shared_expert,
                             normalize_weights=normalize_weights, balance_coef=balance_coef,
-                            z_coef=z_coef, bias=bias, bias_update_rate=bias_update_rate)
+                            z_coef=z_coef, bias=bias, bias_update_rate=bias_update_rate,
+                            score_function=score_function)
         self.d_model, self.n_experts, self.k = d_model, n_experts, k
         self.router = Router(d_model, n_experts, k, capacity_factor, normalize_weights=normalize_weights,
-                             balance_coef=balance_coef, z_coef=z_coef, bias_update_rate=bias_update_rate)
+                             score_function=score_function, balance_coef=balance_coef, z_coef=z_coef,
+                             bias_update_rate=bias_update_rate)
         n_local = n_experts if n_local_experts is None else n_local_experts
         self.experts = nn.ModuleList(Expert(d_model, d_ff, bias) for _ in range(n_local))
         # A shared expert sees every token, as in DeepSeekMoE; it is dense (not split by ep).
@@ -123,8 +125,9 @@ class MoELayer(nn.Module):
 class MoE(MoELayer):
     """Single-process mixture-of-experts feed-forward layer: the oracle.
 
-    Routing, capacity (per sequence), the losses (``balance_coef``, ``z_coef``) and the bias
-    (``bias_update_rate``, `bias_balance`) are `router`'s. ``shared_expert=True`` adds an expert
+    Routing, its gate (``score_function``: softmax, or DeepSeek-V3's sigmoid), capacity (per
+    sequence), the losses (``balance_coef``, ``z_coef``) and the bias (``bias_update_rate``,
+    `bias_balance`) are `router`'s. ``shared_expert=True`` adds an expert
     every token goes through; ``normalize_weights`` defaults to k > 1 (GShard renormalises top-2).
     """
 
@@ -194,9 +197,8 @@ class ExpertParallelMoE(MoELayer):
         """This rank's share of `moe`: the same router and shared expert, its experts copied."""
         with torch.random.fork_rng(devices=[]):  # the throw-away init must not move the caller's RNG
             layer = cls(**moe.hparams, group=group)
-        layer.router.load_state_dict(moe.router.state_dict())
-        if moe.router.expert_bias is not None:  # buffers state_dict leaves out (not checkpointed)
-            layer.router.expert_bias.copy_(moe.router.expert_bias)
+        layer.router.load_state_dict(moe.router.state_dict())  # the gate, and the bias if any
+        if moe.router.expert_bias is not None:  # the step's counts so far (not in state_dict)
             layer.router.step_tokens_per_expert.copy_(moe.router.step_tokens_per_expert)
         for local, global_id in zip(layer.experts, layer.expert_ids):
             local.load_state_dict(moe.experts[global_id].state_dict())

@@ -1,11 +1,18 @@
 """Routing tokens to experts: the gate, top-k, capacity, and the router's losses.
 
-1. **Gate.** A linear map with no bias gives E logits per token; a softmax (in fp32) turns them
-   into ``probs``.
-2. **Top-k.** The k most probable experts are chosen (k = 1: the Switch Transformer, k = 2:
-   GShard). The combine weights are the chosen probabilities renormalised to sum to 1 (GShard);
-   with k = 1 they stay the raw probability (Switch): a single renormalised weight would always
-   be 1 and the gate would get no gradient from the task loss.
+1. **Gate.** A linear map with no bias gives E logits per token, turned (in fp32) into E
+   *scores* by the ``score_function`` (Megatron-Core's ``--moe-router-score-function``):
+
+   * ``"softmax"``, the softmax gate (Switch, GShard): probabilities, summing to 1 over the E
+     experts, so each is about 1/E;
+   * ``"sigmoid"``, DeepSeek-V3's gate (section 2.1.2): affinities s_i = sigmoid(u . e_i),
+     each in (0, 1) on its own, whatever E.
+
+2. **Top-k.** The k highest-scoring experts are chosen (k = 1: the Switch Transformer, k = 2:
+   GShard, k = 8 of 256: DeepSeek-V3). The combine weights are the chosen scores normalised
+   over the k to sum to 1 (GShard; DeepSeek-V3's g_i = s_i / sum of the chosen s); with k = 1
+   they stay the raw score (Switch, and Megatron's sigmoid gate): a single normalised weight
+   would always be 1 and the gate would get no gradient from the task loss.
 3. **Capacity.** Each row of the layer's (G, T, C) input, one sequence, is a *group* (GShard's
    term), and each expert takes at most
 
@@ -22,16 +29,25 @@
    micro-batches gives the whole batch's loss:
 
    * load balancing (Switch, eq. 4): ``E * sum_i f_i * P_i``, ``f_i`` the fraction of the
-     group's k*T assignments choosing expert i (before capacity; not differentiable), ``P_i``
-     the mean probability of expert i (differentiable). It is 1 for uniform routing and up to
-     E/k when every token's k choices are the same k experts, with all the probability;
+     group's k*T assignments choosing expert i (the gate's own top-k, before capacity and
+     without the bias of 5; not differentiable), ``P_i`` the mean over the group's tokens of
+     expert i's score normalised over the E experts (the probability itself under softmax;
+     s_i / sum_j s_j under sigmoid; differentiable). It is 1 for uniform routing and up to
+     E/k when every token's k choices are the same k experts, with all the score. With the
+     sigmoid gate and a group of one sequence this is DeepSeek-V3's *complementary
+     sequence-wise balance loss* (eq. 17-20, its f_i being E/(kT) times the count, i.e. E
+     times ours), meant with a tiny ``balance_coef`` (alpha = 0.0001 there);
    * router z-loss (ST-MoE): the mean of ``logsumexp(logits)**2``, keeping the logits small.
 
    ``aux_loss = balance_coef * balance_loss + z_coef * z_loss``.
-5. **Balancing by a bias** (DeepSeek-V3, Wang et al. 2024): with ``bias_update_rate`` u > 0 a
-   per-expert bias (a buffer, not a parameter) is added to the probabilities *for choosing* the
-   top-k only, and the assignments each expert got (before capacity) are counted into
-   ``step_tokens_per_expert`` once per micro-batch; `bias_balance` moves the bias after the step.
+5. **Balancing by a bias** (loss-free balancing, Wang et al. 2024; DeepSeek-V3): with
+   ``bias_update_rate`` u > 0 a per-expert bias (a buffer, saved with the weights, no gradient)
+   is added to the scores *for choosing* the top-k only; the combine weights are the chosen
+   experts' own scores. The assignments each expert got (before capacity) are counted into
+   ``step_tokens_per_expert`` once per micro-batch; `bias_balance` moves the bias after the
+   step. DeepSeek-V3 adds it to sigmoid scores (u = 0.001); Megatron-Core allows it with
+   sigmoid scores only; torchtitan with either. The course keeps both: u is in the scores'
+   units, so the same u is a much larger step for softmax probabilities of 1/E each.
 
 `sort_by_expert` lays the kept assignments out expert by expert, the layout of both the
 single-process layer and the all-to-all dispatch.
@@ -66,12 +82,12 @@ class Routing:
     """What the router decided for a (G, T, C) input; E experts, k choices."""
 
     logits: torch.Tensor      # (G, T, E) gate output, fp32
-    probs: torch.Tensor       # (G, T, E) softmax of the logits
-    expert_idx: torch.Tensor  # (G, T, k) chosen experts, most probable first
+    probs: torch.Tensor       # (G, T, E) the scores: softmax probabilities, or sigmoid affinities
+    expert_idx: torch.Tensor  # (G, T, k) chosen experts, highest (biased) score first
     weights: torch.Tensor     # (G, T, k) combine weights
     kept: torch.Tensor        # (G, T, k) bool: the assignment got a slot
     capacity: int             # slots per expert per group
-    balance_loss: torch.Tensor  # 0-dim, Switch load-balancing loss (without coefficient)
+    balance_loss: torch.Tensor  # 0-dim, Switch (sequence-wise) load-balancing loss, no coefficient
     z_loss: torch.Tensor        # 0-dim, router z-loss (without coefficient)
     aux_loss: torch.Tensor      # 0-dim, balance_coef * balance_loss + z_coef * z_loss
 
@@ -93,24 +109,35 @@ class Routing:
         return int((~self.kept).sum())
 
 
+SCORE_FUNCTIONS = ("softmax", "sigmoid")  # the softmax gate (Switch, GShard); DeepSeek-V3's
+
+
 class Router(nn.Module):
-    """Linear gate, softmax, top-k, capacity and auxiliary losses (see the module docstring)."""
+    """Linear gate, scores (softmax or sigmoid), top-k, capacity and auxiliary losses (see the
+    module docstring). DeepSeek-V3's router is ``score_function="sigmoid"`` with
+    ``bias_update_rate=1e-3`` and ``balance_coef=1e-4``."""
 
     def __init__(self, d_model: int, n_experts: int, k: int = 2,
                  capacity_factor: Optional[float] = 1.25, *,
-                 normalize_weights: Optional[bool] = None,
+                 normalize_weights: Optional[bool] = None, score_function: str = "softmax",
                  balance_coef: float = 0.01, z_coef: float = 0.001, bias_update_rate: float = 0.0):
         super().__init__()
         check_routing_args(n_experts, k, capacity_factor)
         if not bias_update_rate >= 0:
             raise ValueError(f"bias_update_rate must be >= 0 (0: no bias), got {bias_update_rate!r}")
+        if score_function not in SCORE_FUNCTIONS:
+            raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS} (softmax: Switch and "
+                             f"GShard's gate; sigmoid: DeepSeek-V3's), got {score_function!r}")
+        self.score_function = score_function
         self.n_experts, self.k, self.capacity_factor = n_experts, k, capacity_factor
         self.normalize_weights = k > 1 if normalize_weights is None else bool(normalize_weights)
         self.balance_coef, self.z_coef = float(balance_coef), float(z_coef)
         self.bias_update_rate = float(bias_update_rate)
         self.gate = nn.Linear(d_model, n_experts, bias=False)
-        if self.bias_update_rate > 0:  # not saved in state_dict: checkpoints do not carry it
-            self.register_buffer("expert_bias", torch.zeros(n_experts), persistent=False)
+        if self.bias_update_rate > 0:
+            # The bias is state, saved with the weights (a resumed run routes as the run that never
+            # stopped); the step's counts are not: a step starts them at 0 (torchtitan, Megatron).
+            self.register_buffer("expert_bias", torch.zeros(n_experts))
             self.register_buffer("step_tokens_per_expert", torch.zeros(n_experts, dtype=torch.int64),
                                  persistent=False)
         else:
@@ -126,25 +153,27 @@ class Router(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"n_experts={self.n_experts}, k={self.k}, capacity_factor={self.capacity_factor}, "
-                f"balance_coef={self.balance_coef}, z_coef={self.z_coef}"
+                f"score_function={self.score_function}, balance_coef={self.balance_coef}, z_coef={self.z_coef}"
                 + (f", bias_update_rate={self.bias_update_rate}" if self.bias_update_rate else ""))
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x: (G, T, C), one group per row -> the `Routing` of its G * T tokens."""
         G, T, _ = x.shape
         E, k = self.n_experts, self.k
-        # fp32 routing: the softmax and top-k decide discrete choices, and a
+        # fp32 routing: the scores and top-k decide discrete choices, and a
         # low-precision tie-break would make ranks disagree with the oracle.
         logits = self.gate(x).float()  # (G, T, E)
-        probs = logits.softmax(dim=-1)  # (G, T, E)
-        if self.expert_bias is None:
-            top_probs, expert_idx = probs.topk(k, dim=-1)  # (G, T, k) each, best first
-        else:  # the bias chooses; the weights are the chosen experts' own probabilities
-            expert_idx = (probs.detach() + self.expert_bias).topk(k, dim=-1).indices  # (G, T, k)
-            top_probs = probs.gather(-1, expert_idx)
+        # softmax: probabilities p_i, sum 1; sigmoid: DeepSeek-V3's affinities s_i = sigmoid(u . e_i)
+        scores = logits.softmax(dim=-1) if self.score_function == "softmax" else logits.sigmoid()
+        top_scores, own_idx = scores.topk(k, dim=-1)  # (G, T, k) each, the gate's own choice, best first
+        expert_idx = own_idx
+        if self.expert_bias is not None:  # the bias chooses; the weights stay the chosen experts' scores
+            expert_idx = (scores.detach() + self.expert_bias).topk(k, dim=-1).indices  # (G, T, k)
+            top_scores = scores.gather(-1, expert_idx)
             if torch.is_grad_enabled():  # once per micro-batch (a recompute's first run has no grad)
                 self.step_tokens_per_expert += torch.bincount(expert_idx.reshape(-1), minlength=E)
-        weights = top_probs / top_probs.sum(dim=-1, keepdim=True) if self.normalize_weights else top_probs
+        # normalised over the chosen k (GShard; DeepSeek-V3's g_i), or the raw score (k = 1)
+        weights = top_scores / top_scores.sum(dim=-1, keepdim=True) if self.normalize_weights else top_scores
 
         # Slots in GShard's order: choice-major, then position. Reorder the
         # assignments to (G, k * T) so a cumulative count gives each its slot.
@@ -154,13 +183,16 @@ class Router(nn.Module):
         slot = ((onehot.cumsum(dim=1) - 1) * onehot).sum(dim=-1)  # (G, k*T): slot taken in its expert
         kept = (slot < capacity).reshape(G, k, T).transpose(1, 2)  # (G, T, k)
 
-        # Switch load balancing per group, then the mean over groups.
-        density = onehot.float().mean(dim=1)  # (G, E): f_i, fraction of assignments
-        mean_prob = probs.mean(dim=1)  # (G, E): P_i
-        balance_loss = E * (density * mean_prob).sum(dim=-1).mean()
+        # Switch load balancing per group (a sequence: DeepSeek-V3's sequence-wise loss with the
+        # sigmoid gate), then the mean over groups. f_i counts the gate's own top-k, not the
+        # bias's choice (DeepSeek-V3's eq. 18 counts the top-k of s, without the bias).
+        density = F.one_hot(own_idx.reshape(G, T * k), E).float().mean(dim=1)  # (G, E): f_i
+        shares = scores if self.score_function == "softmax" else scores / scores.sum(-1, keepdim=True)
+        mean_share = shares.mean(dim=1)  # (G, E): P_i, the mean normalised score
+        balance_loss = E * (density * mean_share).sum(dim=-1).mean()
         z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()  # mean over G * T tokens
         aux_loss = self.balance_coef * balance_loss + self.z_coef * z_loss
-        return Routing(logits, probs, expert_idx, weights, kept, capacity,
+        return Routing(logits, scores, expert_idx, weights, kept, capacity,
                        balance_loss, z_loss, aux_loss)
 
 

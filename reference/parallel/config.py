@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Optional, Union
 
 from reference.loss import LOSS_MEANS
+from reference.mesh import HSDP_WITH_CP
 
 __all__ = ["ParallelConfig", "SCHEDULES", "V_SHAPED", "PRECISIONS", "CP_KINDS"]
 
@@ -220,10 +221,11 @@ class ParallelConfig:
         if self.zero_stage != 3:
             out.append(f"dp_replicate={r} shards ZeRO-3 inside blocks of dp / dp_replicate = "
                        f"{self.dp // r} ranks: it needs zero_stage=3, got {self.zero_stage}")
-        if self.ep > 1 or self.cp > 1:
-            out.append(f"dp_replicate={r} with ep={self.ep}, cp={self.cp}: HSDP is built for the dense "
-                       f"data-parallel ranks only (experts shard over their own edp group, cp ranks "
-                       f"share dp's gradient average)")
+        if self.ep > 1:
+            out.append(f"dp_replicate={r} with ep={self.ep}: HSDP is built for the dense data-parallel "
+                       f"ranks only (experts shard over their own edp group)")
+        if self.cp > 1:
+            out.append(f"dp_replicate={r} with cp={self.cp}: {HSDP_WITH_CP}")
         if self.reshard_after_forward:
             out.append(f"dp_replicate={r} with reshard_after_forward: resharding after forward "
                        f"reduce-scatters block by block, and its all-reduce across replicas is not "

@@ -10,7 +10,8 @@
   `reference.tensor_parallel.cut`: q|k|v block by block, the vocabulary cut back from V_pad
   to V); replicated tensors (LayerNorms, row biases) taken as they are.
 
-Keys are the plain GPT's own (`h.3.attn.c_attn.weight`), values CPU tensors: what
+Buffers that state_dict saves (a router's ``expert_bias``) are whole on every rank holding
+them. Keys are the plain GPT's own (`h.3.attn.c_attn.weight`), values CPU tensors: what
 `GPT.load_state_dict` takes, and what the parity tests compare with one process."""
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from reference.expert_parallel import ExpertParallelMoE
+from reference.model import saved_buffers
 
 __all__ = ["full_state_dict", "tensor_parallel_full", "expert_names"]
 
@@ -43,8 +45,8 @@ def expert_names(stage) -> dict[str, str]:
 
 @torch.no_grad()
 def full_state_dict(pm) -> dict[str, torch.Tensor]:
-    """The plain GPT's parameters from a `ParallelGPT`, whole, on every rank (collective:
-    every rank of the mesh calls it)."""
+    """The plain GPT's state (its parameters, and the routers' ``expert_bias``) from a
+    `ParallelGPT`, whole, on every rank (collective: every rank of the mesh calls it)."""
     return pm.data_parallel.full_state_dict(pm, _stages_state_dict)  # ZeRO-3: gathered first
 
 
@@ -61,6 +63,8 @@ def _stages_state_dict(pm) -> dict[str, torch.Tensor]:
             if tp_group is not None:
                 value = tensor_parallel_full(module_of, name, value, tp_group)
             mine[renames.get(name, name)] = value.cpu().clone()
+        for name, b in saved_buffers(stage).items():  # a router's bias: whole on every rank
+            mine[name] = b.detach().cpu().clone()
     for dim in ("ep", "pp"):
         if getattr(mesh, dim) > 1:
             parts = [None] * getattr(mesh, dim)

@@ -7,7 +7,8 @@
 Both are collective. DCP stores one folder per checkpoint (`.metadata`, the ranks' `.distcp`
 files), layout-free (`reference.train.reshard`), under these keys:
 
-    model/<name>               every parameter, under the plain GPT's name, shaped whole
+    model/<name>               every parameter, under the plain GPT's name, shaped whole, and
+                               every buffer state_dict saves (a router's expert_bias)
     optim/<name>/<key>         the optimizer's per-parameter state (exp_avg, exp_avg_sq, step),
                                shaped as its parameter, also under ZeRO-1/2 and FSDP
     meta/<what>                pickled bytes: step, extra, the param groups and the schedule by

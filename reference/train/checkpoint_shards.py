@@ -40,10 +40,10 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from reference.train.reshard import (Entry, entries, flat_groups, full_shape, full_shapes, is_head,
-                                     is_sharded)
+from reference.train.reshard import (Entry, buffer_entries, entries, flat_groups, full_shape,
+                                     full_shapes, is_head, is_sharded)
 
-__all__ = ["Holding", "weight_holdings", "state_holdings", "pieces", "check_shapes", "save_boxes",
+__all__ = ["Holding", "weight_holdings", "model_holdings", "state_holdings", "pieces", "check_shapes", "save_boxes",
            "load_boxes", "ShardSavePlanner", "ShardLoadPlanner"]
 
 Box = tuple[tuple[int, ...], torch.Tensor]  # (offsets in the whole tensor, a view of the data)
@@ -157,6 +157,11 @@ def weight_holdings(pm) -> list[tuple[Holding, torch.Tensor]]:
     return out + [(Holding(e, tuple(e.param.shape)), e.param) for e in es if id(e.param) not in flat]
 
 
+def model_holdings(pm) -> list[tuple[Holding, torch.Tensor]]:
+    """`weight_holdings` and the buffers state_dict saves (a router's ``expert_bias``), whole."""
+    return weight_holdings(pm) + [(Holding(e, tuple(e.param.shape)), e.param) for e in buffer_entries(pm)]
+
+
 def _flat_holdings(by_id, layout, params, shapes, rank, shard) -> list[tuple[Holding, torch.Tensor]]:
     s, end = layout.shard_range(rank)
     out = []
@@ -205,7 +210,7 @@ def save_boxes(pm, optimizer) -> tuple[dict, dict]:
     {fqn: 0-dim state}): what `dcp.save` gets, with no copy of any tensor."""
     boxes: dict[str, tuple[tuple, list[Box]]] = {}
     scalars: dict[str, torch.Tensor] = {}
-    for h, t in weight_holdings(pm):
+    for h, t in model_holdings(pm):
         if not skip_tied_head(pm, h.entry):
             whole = full_shape(h.entry, h.shape)
             boxes.setdefault(f"model/{h.entry.name}", (whole, []))[1].extend(pieces(h, t.detach()))
@@ -232,7 +237,7 @@ def load_boxes(pm, optimizer, metadata) -> tuple[dict, dict, callable, int]:
     layout = metadata.state_dict_metadata
     boxes: dict[str, list[Box]] = {}
     done = set()
-    for h, t in weight_holdings(pm):
+    for h, t in model_holdings(pm):
         t = t.detach()  # the same storage, outside autograd: DCP copies into its views
         if t.data_ptr() not in done:
             t.zero_()

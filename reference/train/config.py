@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Union
 
+from reference.expert_parallel.router import SCORE_FUNCTIONS
 from reference.loss import LOSS_MEANS
 from reference.model import GPTConfig
 from reference.parallel.config import SCHEDULES, ParallelConfig
@@ -65,9 +66,27 @@ class ParallelismConfig:
 
 @dataclass
 class ExpertsConfig:
+    """MoE layers in every block. The router's keys are Megatron-Core's, without its ``moe_router_``
+    prefix, with its meanings and defaults: ``score_function`` ("softmax", or DeepSeek-V3's
+    "sigmoid"), ``enable_expert_bias`` (loss-free balancing: a per-expert bias that only chooses,
+    moved after each step by ``bias_update_rate`` against the step's loads; sigmoid scores only, as
+    Megatron requires). ``balance_coef`` is the course's `Router`'s: the Switch load-balancing
+    loss's coefficient, per sequence (DeepSeek-V3's sequence-wise loss with sigmoid: 0.0001)."""
     num_experts: int = spec(min=1)          # required
     top_k: int = spec(2, min=1)
     capacity_factor: Optional[float] = spec(1.25, min=0.0, exclusive=True)   # null = no limit
+    score_function: str = spec("softmax", choices=SCORE_FUNCTIONS)   # --moe-router-score-function
+    enable_expert_bias: bool = False                                  # --moe-router-enable-expert-bias
+    bias_update_rate: float = spec(1e-3, min=0.0, exclusive=True)    # --moe-router-bias-update-rate
+    balance_coef: float = spec(0.01, min=0.0)
+
+    def __post_init__(self):
+        if self.enable_expert_bias and self.score_function != "sigmoid":
+            raise ValueError(f"model.experts.enable_expert_bias=true needs model.experts.score_function="
+                             f"'sigmoid' (got {self.score_function!r}): as in Megatron-Core, the bias "
+                             f"balances DeepSeek-V3's sigmoid scores; with softmax probabilities of about "
+                             f"1/{self.num_experts} each, bias_update_rate={self.bias_update_rate:g} a "
+                             f"step would be another, much larger step")
 
 
 @dataclass
@@ -177,7 +196,9 @@ class TrainConfig:
         from reference.expert_parallel import moe_factory
 
         e = self.model.experts
-        return moe_factory(e.num_experts, k=e.top_k, capacity_factor=e.capacity_factor)
+        return moe_factory(e.num_experts, k=e.top_k, capacity_factor=e.capacity_factor,
+                           score_function=e.score_function, balance_coef=e.balance_coef,
+                           bias_update_rate=e.bias_update_rate if e.enable_expert_bias else 0.0)
 
     def seq_len(self) -> int:
         return self.data.seq_len or self.gpt_config().block_size

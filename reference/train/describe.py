@@ -35,6 +35,18 @@ def _try(issues: list, fn):
         return None
 
 
+def _gate(e) -> str:
+    """What the experts block's router keys mean, in words."""
+    gate = ("sigmoid gate (DeepSeek-V3: scores sigmoid(u . e_i), weights normalised over the "
+            "chosen)" if e.score_function == "sigmoid" else "softmax gate (Switch, GShard)")
+    loss = f"balance loss x {e.balance_coef:g} per sequence"
+    if not e.enable_expert_bias:
+        return f"{gate}, {loss}"
+    return (f"{gate}, {loss}; loss-free balancing: a per-expert bias added to the scores only to "
+            f"choose, moved by {e.bias_update_rate:g} x sign(mean load - load) after each step, "
+            f"from the step's loads over dp (saved in checkpoints)")
+
+
 def describe(config, world_size: int) -> str:
     p, issues = config.parallelism, []
     tp, pp, ep, v = p.tensor, p.pipeline, p.expert, p.virtual_stages
@@ -59,6 +71,7 @@ def describe(config, world_size: int) -> str:
         line("model", f"{config.model.preset or 'GPTConfig'}: {cfg.n_layer} layers, C {cfg.n_embd}, "
              f"{cfg.n_head} heads, block {cfg.block_size}, vocab {cfg.vocab_size}"
              + (f"; {e.num_experts} experts top-{e.top_k} per layer ({per_rank} per ep rank)" if e else "")
+             + (f"; {_gate(e)}" if e else "")
              + (f"; {per_stage:g} layer{'' if per_stage == 1 else 's'} per stage" if pp > 1 else ""))
         if cfg.vocab_size < 256 and config.data.source != "synthetic":
             issues.append(f"data.source={config.data.source!r} is bytes (256 token ids) but "

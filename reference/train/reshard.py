@@ -6,6 +6,7 @@ layout. This module names each by the plain GPT's parameter, with its whole shap
 
     entries(pm)              this rank's distinct parameters (a tied weight once): local name,
                              plain-GPT name (experts by global id), the owning module
+    buffer_entries(pm)       the buffers state_dict saves (a router's expert_bias), whole
     full_shape(e, shape)     the whole tensor's shape, from this rank's slice of it
     full_shapes(pm)          every parameter's whole shape, on every rank (collective)
     flat_groups              ZeRO-1/2 and FSDP's flat shard (S,) and its layout
@@ -22,10 +23,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from reference.model import saved_buffers
 from reference.parallel.gather import expert_names
 from reference.zero import ZeroOptimizer
 
-__all__ = ["Entry", "entries", "canonical_name", "full_shape", "full_shapes", "is_head", "is_sharded",
+__all__ = ["Entry", "entries", "buffer_entries", "canonical_name", "full_shape", "full_shapes", "is_head", "is_sharded",
            "flat_groups", "load_optimizer_local_state"]
 
 
@@ -61,6 +63,14 @@ def entries(pm) -> list[Entry]:
             out.append(Entry(local, canonical_name(pm, renames.get(local, local)), p,
                              module_of[local.rsplit(".", 1)[0]], module_of))
     return out
+
+
+def buffer_entries(pm) -> list[Entry]:
+    """The buffers this rank's modules save in state_dict (a router's ``expert_bias``), as entries
+    by their plain-GPT names: never cut, whole on every rank holding their module (a LayerNorm's
+    way), so they are saved once and any layout loads them."""
+    modules = [pm.fsdp.module] if pm.fsdp is not None else pm.stages
+    return [Entry(name, name, b, None, None) for m in modules for name, b in saved_buffers(m).items()]
 
 
 def is_head(e: Entry) -> bool:
@@ -105,9 +115,10 @@ def load_optimizer_local_state(pm, optimizer, per_param: dict, hyper: list[dict]
 
 
 def full_shapes(pm) -> dict[str, tuple[int, ...]]:
-    """{plain-GPT name: whole shape} of every parameter of the model, on every rank (collective)."""
+    """{plain-GPT name: whole shape} of every parameter and saved buffer of the model, on every
+    rank (collective)."""
     shapes = {e.name: full_shape(e, e.param.zero_rows.whole if is_sharded(e.param)
-                                 else e.param.shape) for e in entries(pm)}
+                                 else e.param.shape) for e in entries(pm) + buffer_entries(pm)}
     if not dist.is_initialized():
         return shapes
     parts = [None] * dist.get_world_size()

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from reference import comms
+from reference.model import saved_buffers
 from reference.runtime import device as rank_device
 from reference.zero.shard import FlatLayout
 from reference.zero.units import Unit, on_output_grad
@@ -281,15 +282,16 @@ class FSDP(nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of the module by its name (a tied weight once), whole, in the master
-        dtype, as fresh CPU tensors."""
+        dtype, and the buffers state_dict saves (never sharded), as fresh CPU tensors."""
         values: dict[int, torch.Tensor] = {}
         for unit in self.units:
             flat = unit.full_flat()
             for p, v in zip(unit.params, unit.layout.views(flat, unit.shapes)):
                 values[id(p)] = v.cpu().clone()
         # (A frozen parameter is never freed, so reading it directly is safe.)
-        return {name: values[id(p)] if id(p) in values else p.detach().cpu().clone()
-                for name, p in self.module.named_parameters(remove_duplicate=True)}
+        return {**{name: values[id(p)] if id(p) in values else p.detach().cpu().clone()
+                   for name, p in self.module.named_parameters(remove_duplicate=True)},
+                **{name: b.detach().cpu().clone() for name, b in saved_buffers(self.module).items()}}
 
     def state_dict(self, *args, **kwargs):
         raise RuntimeError("FSDP's module parameters are freed between uses, so state_dict() "

@@ -148,7 +148,7 @@ def run_case_check(spec: ExerciseSpec, fn, world_sizes, what: str, timeout: floa
         return ""
 
     return run_visible(spec, fn, attempt, lambda: f"{checked} cases equal {what}",
-                       _HINTS if hints is None else hints, skip)
+                       _HINTS if hints is None else hints, skip, timeout)
 
 
 # The check_* functions print and return None, so a notebook cell shows only their line.

@@ -31,11 +31,10 @@ from reference.course.homework.guard import exercise_rules
 from reference.course.homework.refuse import REFUSED, refusal_for
 from reference.course.checks.unfinished import unfinished
 from reference.course.homework.scoring import Case, ExerciseSpec, one_line
-from reference.course.homework.subgroup import MEMBERS
 from reference.runtime import RankError, RankTimeoutError, launch
 
 __all__ = ["VISIBLE_SEED", "NOT_IMPLEMENTED", "REFUSED", "hint_for", "describe_launch_failure", "traffic_rows",
-           "run_cases", "report", "run_visible"]
+           "run_cases", "subgroup_case", "report", "run_visible"]
 
 VISIBLE_SEED = 2024  # public; the grader draws its cases from a seed of its own
 
@@ -94,7 +93,21 @@ def run_cases(spec: ExerciseSpec, fn, world_size: int, cases: Sequence[Case], ti
     the part of it that should pick the hint: the judge's reason without the case's
     name, which could match a key, or "" for an exception, whose traceback could).
 
-    What the student's code prints shows as "[rank r] ..." lines (the launch is not quiet)."""
+    What the student's code prints shows as "[rank r] ..." lines (the launch is not quiet).
+    A case marked ``alone`` (on a subgroup) runs after the others, in a launch of its own."""
+    together = [c for c in cases if not c.alone]
+    for batch in ([together] if together else []) + [[c] for c in cases if c.alone]:
+        failure = _run_batch(spec, fn, world_size, batch, timeout, hang_hint, record_traffic)
+        if failure[0]:
+            return failure
+    return "", ""
+
+
+def _run_batch(spec, fn, world_size, cases, timeout, hang_hint, record_traffic) -> tuple[str, str]:
+    """`run_cases` for ``cases`` in one launch."""
+    if len(cases) == 1 and cases[0].alone:  # a hang here is this case's: say which, and why
+        hang_hint = (f"{cases[0].name}: pass group=group to every collective; one without it "
+                     f"waits for global rank 0, which is not in the group")
     inputs = {case.name: case.inputs for case in cases}
     try:
         ranks = launch(_rank_outputs, world_size, spec, cloudpickle.dumps(fn), inputs,
@@ -112,11 +125,21 @@ def run_cases(spec: ExerciseSpec, fn, world_size: int, cases: Sequence[Case], ti
 
 
 def public_cases(spec: ExerciseSpec, world_size: int, seed: int = VISIBLE_SEED) -> list[Case]:
-    """The visible check's cases: the hidden checks' kinds, drawn from a public seed, but
-    those on a subgroup (`reference.course.homework.subgroup`): an answer that forgets its
-    group hangs there until the check's timeout, a minute of waiting that says little."""
+    """The visible check's cases: the hidden checks' kinds, drawn from a public seed, but those
+    on a subgroup (`reference.course.homework.subgroup`): `run_visible` runs one of those once,
+    after the others pass (`subgroup_case`)."""
     cases = spec.make_cases(torch.Generator().manual_seed(seed + world_size), world_size)
-    return [c for c in cases if not (isinstance(c.inputs[0], dict) and MEMBERS in c.inputs[0])]
+    return [c for c in cases if not c.alone]
+
+
+def subgroup_case(spec: ExerciseSpec, fn, timeout: float, seed: int = VISIBLE_SEED) -> tuple[str, str]:
+    """`run_cases` of one case on a subgroup, at the smallest world size the exercise has
+    them, in a launch of its own: an answer that forgets ``group=`` hangs there, and the
+    failure names the case and says why (the grader runs such cases the same way)."""
+    world_size = min(spec.subgroup_sizes)
+    cases = spec.make_cases(torch.Generator().manual_seed(seed + world_size), world_size)
+    return run_cases(spec, fn, world_size, [c for c in cases if c.alone][:1], timeout,
+                     record_traffic=True)
 
 
 def report(spec: ExerciseSpec, reason: str, success: str, hints: Mapping[str, str],
@@ -134,10 +157,11 @@ def report(spec: ExerciseSpec, reason: str, success: str, hints: Mapping[str, st
 
 def run_visible(spec: ExerciseSpec, fn, attempt: Callable[[], str | tuple[str, str]],
                 success: str | Callable[[], str], hints: Mapping[str, str],
-                skip: bool = False) -> bool | None:
+                skip: bool = False, timeout: float = 30.0) -> bool | None:
     """The frame of every visible check: skip while grading, refuse what is not a
     function, say "not implemented yet" while its stub is there, run `attempt()` (the reason, or (reason, the text that picks the hint)),
-    and print the line. True/False, None when skipped; never raises."""
+    then, for an exercise that takes ``group=``, one case on a subgroup (`subgroup_case`,
+    ``timeout`` seconds at most), and print the line. True/False, None when skipped; never raises."""
     if skip:
         print(f"skipped {spec.id}: the grader runs its own hidden checks")
         return None
@@ -151,7 +175,13 @@ def run_visible(spec: ExerciseSpec, fn, attempt: Callable[[], str | tuple[str, s
             reason = attempt()
             if isinstance(reason, tuple):
                 reason, key = reason
+            if not reason and spec.subgroup_sizes:
+                reason, key = subgroup_case(spec, fn, timeout)
+                key = key or None
     except Exception as exc:  # noqa: BLE001 - a check must never stop the notebook
         reason = f"the check could not run your function: {one_line(f'{type(exc).__name__}: {exc}')}"
         key = None
-    return report(spec, reason, success() if callable(success) else success, hints, key)
+    text = success() if callable(success) else success
+    if spec.subgroup_sizes:
+        text += f", and one case on the subgroup of ranks 1 .. {min(spec.subgroup_sizes) - 1}"
+    return report(spec, reason, text, hints, key)

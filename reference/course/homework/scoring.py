@@ -17,7 +17,9 @@ exercise's rules (`guard`: its forbidden collectives switched off) and its
 `Refusal` (`refuse`: the course's own answers, `spec.banned` and the expected
 answers of every homework, refuse to run from the student's code).
 
-One launch per world size runs every case of the exercise. When it fails:
+One launch per world size runs every case of the exercise but those marked ``alone`` (the
+subgroup cases), each of which then runs in a launch of its own: one that times out is named
+and costs only itself. When the shared launch fails:
   * NotImplementedError: the exercise is not done; no further launches.
   * timeout (a rank waits for a message nobody sends): the remaining world sizes
     are not tried (each would cost a full timeout).
@@ -64,9 +66,12 @@ GRADER_STATE = threading.RLock()
 
 @dataclass
 class Case:
-    """One input per rank, e.g. name "float32 (5,)" and `world_size` tensors."""
+    """One input per rank, e.g. name "float32 (5,)" and `world_size` tensors. ``alone``: run in
+    a launch of its own (a subgroup case: an answer that forgets its group hangs there, and a
+    hang must cost that case only, named, while the other cases are graded on their own)."""
     name: str
     inputs: list
+    alone: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,7 @@ class ExerciseSpec:
             course's homework and checks code is refused besides (`refuse.Refusal`)
     weight: the exercise's points (None: by its stars, `WEIGHTS`)
     bonus:  optional: its points add to a submission's total, not to the maximum
+    subgroup_sizes: the world sizes with cases on a subgroup (`subgroup.on_subgroup`)
     """
     id: str
     title: str
@@ -100,6 +106,7 @@ class ExerciseSpec:
     weight: float | None = None
     bonus: bool = False
     wrong_keeps: float = 1.0  # the share an answer failing any case keeps at most
+    subgroup_sizes: tuple = ()
 
 
 def weight(spec: ExerciseSpec) -> float:
@@ -226,48 +233,79 @@ def score_exercise(spec: ExerciseSpec, fn_bytes: bytes | None, seed: int, timeou
         plan = [(ws, spec.make_cases(_generator(seed, spec.id, ws), ws)) for ws in spec.world_sizes]
     lost: list[tuple[int, str, str]] = []  # (world size, case name, reason)
     stop = None if fn_bytes is not None else missing
-    for world_size, cases in plan:
+    for world_size, every_case in plan:
         if stop:
-            lost += [(world_size, c.name, stop) for c in cases]
+            lost += [(world_size, c.name, stop) for c in every_case]
             continue
-        try:
-            outputs = _launch_cases(spec, fn_bytes, world_size, cases, timeout, cleanup)
-            lost += [(world_size, c.name, why) for c in cases
-                     if (why := _judge(spec, c, outputs[c.name], world_size))]
-            continue
-        except RankTimeoutError:
-            stop = _timeout_text(timeout, world_size)
-        except RankError as err:
-            text = _error_text(err)
-            if text.startswith("NotImplementedError"):
-                stop = "not implemented (raises NotImplementedError)"
-            elif text.startswith("NotAllowedError"):
-                stop = text  # a forbidden collective: every case would call it again
-            elif len(cases) == 1:
-                lost.append((world_size, cases[0].name, f"raised {text}"))
+        stop = _score_together(spec, fn_bytes, world_size, [c for c in every_case if not c.alone],
+                               timeout, cleanup, lost)
+        for case in (c for c in every_case if c.alone):  # after the others: each on its own
+            if stop:
+                lost.append((world_size, case.name, stop))
                 continue
-        if stop:
-            lost += [(world_size, c.name, stop) for c in cases]
-            continue
-        # Some case raised: run each alone to find which.
-        for case in cases:
             try:
                 out = _launch_cases(spec, fn_bytes, world_size, [case], timeout, cleanup)
                 why = _judge(spec, case, out[case.name], world_size)
-            except RankTimeoutError:
-                why = stop = _timeout_text(timeout, world_size)
+            except RankTimeoutError:  # this case alone: the rest of the exercise goes on
+                why = (f"timed out after {timeout:g} s on {world_size} ranks, this case alone (a "
+                       f"collective without group=group waits for a rank outside the group?)")
             except RankError as err:
-                why = f"raised {_error_text(err)}"
+                text = _error_text(err)
+                why = f"raised {text}"
+                if text.startswith("NotImplementedError"):
+                    stop = why = "not implemented (raises NotImplementedError)"
+                elif text.startswith("NotAllowedError"):
+                    stop = why = text
             if why:
                 lost.append((world_size, case.name, why))
-            if stop:
-                lost += [(world_size, c.name, stop) for c in cases[cases.index(case) + 1:]]
-                break
     total = sum(len(cases) for _, cases in plan)
     return ExerciseScore(id=spec.id, points=total - len(lost), max=total,
                          reason=summarize(lost, total),
                          failures=[f"{ws} ranks, {name}: {why}" for ws, name, why in lost],
                          weight=weight(spec), bonus=spec.bonus, wrong_keeps=spec.wrong_keeps)
+
+
+def _score_together(spec, fn_bytes, world_size, cases, timeout, cleanup, lost) -> str | None:
+    """Run ``cases`` in one launch (each alone if one raises), appending (world size, case,
+    reason) to ``lost`` for each that fails; returns why every later case would fail too
+    (not implemented, not allowed, a hang), or None."""
+    if not cases:
+        return None
+    stop = None
+    try:
+        outputs = _launch_cases(spec, fn_bytes, world_size, cases, timeout, cleanup)
+        lost += [(world_size, c.name, why) for c in cases
+                 if (why := _judge(spec, c, outputs[c.name], world_size))]
+        return None
+    except RankTimeoutError:
+        stop = _timeout_text(timeout, world_size)
+    except RankError as err:
+        text = _error_text(err)
+        if text.startswith("NotImplementedError"):
+            stop = "not implemented (raises NotImplementedError)"
+        elif text.startswith("NotAllowedError"):
+            stop = text  # a forbidden collective: every case would call it again
+        elif len(cases) == 1:
+            lost.append((world_size, cases[0].name, f"raised {text}"))
+            return None
+    if stop:
+        lost += [(world_size, c.name, stop) for c in cases]
+        return stop
+    # Some case raised: run each alone to find which.
+    for case in cases:
+        try:
+            out = _launch_cases(spec, fn_bytes, world_size, [case], timeout, cleanup)
+            why = _judge(spec, case, out[case.name], world_size)
+        except RankTimeoutError:
+            why = stop = _timeout_text(timeout, world_size)
+        except RankError as err:
+            why = f"raised {_error_text(err)}"
+        if why:
+            lost.append((world_size, case.name, why))
+        if stop:
+            lost += [(world_size, c.name, stop) for c in cases[cases.index(case) + 1:]]
+            return stop
+    return None
 
 
 def summarize(lost: list, total: int, limit: int = 300) -> str:

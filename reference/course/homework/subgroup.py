@@ -11,8 +11,9 @@ confuses the two numberings or forgets the group.
 `on_subgroup(spec, sizes, pick)` is `spec` with more cases: on each world size w in
 `sizes`, the cases `spec` makes for w - 1 ranks (those `pick` names, by position), run on
 the subgroup of global ranks 1 .. w - 1 (group rank i is global rank i + 1; rank 0 stays
-out). They go last in that world size's launch, so that a rank waiting on the whole world
-meets no other case's message. In a rank, every rank creates the group (`new_group` is
+out). Each runs in a launch of its own (``Case.alone``), after the world's cases: an answer
+that forgets its group hangs there, and the grader names that case and grades the others
+on their own. In a rank, every rank creates the group (`new_group` is
 collective over the world), rank 0 returns at once, and the members run `spec.call`
 with the student's function bound to `group=` the subgroup. In the grader, the members'
 point-to-point peers (recorded as global ranks) must be members; they are then turned into
@@ -78,7 +79,7 @@ def on_subgroup(spec: ExerciseSpec, sizes: tuple, pick: tuple) -> ExerciseSpec:
         for case in (drawn[i] for i in pick):
             inputs = [{MEMBERS: members}] + [{MEMBERS: members, "input": x} for x in case.inputs]
             cases.append(Case(f"{case.name}, on the subgroup of global ranks {members} "
-                              f"(group rank i is global rank i + 1)", inputs))
+                              f"(group rank i is global rank i + 1)", inputs, alone=True))
         return cases
 
     def call(fn, case):
@@ -105,4 +106,5 @@ def on_subgroup(spec: ExerciseSpec, sizes: tuple, pick: tuple) -> ExerciseSpec:
                           [_within_group(outputs[g], members) for g in members], len(members))
         return f"{why} (ranks counted within the group)" if why else ""
 
-    return dataclasses.replace(spec, make_cases=make_cases, call=call, expect=expect, judge=judge)
+    return dataclasses.replace(spec, make_cases=make_cases, call=call, expect=expect, judge=judge,
+                               subgroup_sizes=tuple(sizes))
