@@ -77,31 +77,7 @@ def describe(config, world_size: int) -> str:
             issues.append(f"data.source={config.data.source!r} is bytes (256 token ids) but "
                           f"vocab_size={cfg.vocab_size}")
     if batch:
-        B, mb, acc = batch
-        tokens = f"; {B * T:,} tokens per step ({B} sequences x {T})" if T else ""
-        line("batch", f"train_batch_size {B} = micro-batch {mb} x accumulation {acc} x dp {dp}{tokens}")
-        line("loss", "the mean over the step's counted tokens, as one process (reference.loss)"
-             if p.loss_mean == "tokens" else "each micro-batch's mean, averaged (mean_of_means)")
-        if p.loss_mean == "mean_of_means" and config.data.source == "documents":
-            issues.append("parallelism.loss_mean='mean_of_means' on padded documents: micro-batches "
-                          "and ranks count different numbers of tokens, so the average of their means "
-                          "is not one process's loss; use 'tokens'")
-        if pp > 1:
-            m, bubble = acc, (pp - 1) / (v * acc + pp - 1)
-            line("pipeline", f"{p.schedule} over {m} micro-batches (DeepSpeed's accumulation steps)"
-                 + (f", {v} chunks per rank" if v > 1 else "")
-                 + f": bubble (p-1)/({'v' if v > 1 else ''}m+p-1) = {bubble:.0%} of the step")
-        if p.optimizer_post_validation:
-            line("", "optimizer_post_validation: each rank steps at once; the clip norm and fp16's "
-                     "overflow test complete after, and a step that fails them is undone from an exact "
-                     "copy on every rank (and redone clipped), as Qi et al. (2024, section 4) describe")
-        if mb > LARGE_MICRO_BATCH:
-            issues.append(f"a batch of {B} in {acc} accumulation steps at dp {dp} is a micro-batch "
-                          f"of {mb} sequences per GPU"
-                          + (f" ({mb * T:,} tokens in one forward)" if T else "")
-                          + f": train_batch_size counts every data-parallel rank, and here only {dp} "
-                          f"share{'s' if dp == 1 else ''} it; raise gradient_accumulation_steps or "
-                          f"lower train_batch_size")
+        _batch_lines(config, line, issues, batch, T, dp)
     _zero_lines(config, line, issues, dp, fits, world_size)
     _precision_line(config, line)
     _optimizer_lines(config, line, issues)
@@ -110,6 +86,37 @@ def describe(config, world_size: int) -> str:
     out.append("inconsistent or pointless:" if issues else "inconsistent or pointless: nothing found")
     out += [f"  - {i}" for i in issues]
     return "\n".join(out)
+
+
+def _batch_lines(config, line, issues, batch, T, dp):
+    """The batch, the loss's mean, the pipeline's bubble and post-validation."""
+    p = config.parallelism
+    pp, v = p.pipeline, p.virtual_stages
+    B, mb, acc = batch
+    tokens = f"; {B * T:,} tokens per step ({B} sequences x {T})" if T else ""
+    line("batch", f"train_batch_size {B} = micro-batch {mb} x accumulation {acc} x dp {dp}{tokens}")
+    line("loss", "the mean over the step's counted tokens, as one process (reference.loss)"
+         if p.loss_mean == "tokens" else "each micro-batch's mean, averaged (mean_of_means)")
+    if p.loss_mean == "mean_of_means" and config.data.source == "documents":
+        issues.append("parallelism.loss_mean='mean_of_means' on padded documents: micro-batches "
+                      "and ranks count different numbers of tokens, so the average of their means "
+                      "is not one process's loss; use 'tokens'")
+    if pp > 1:
+        m, bubble = acc, (pp - 1) / (v * acc + pp - 1)
+        line("pipeline", f"{p.schedule} over {m} micro-batches (DeepSpeed's accumulation steps)"
+             + (f", {v} chunks per rank" if v > 1 else "")
+             + f": bubble (p-1)/({'v' if v > 1 else ''}m+p-1) = {bubble:.0%} of the step")
+    if p.optimizer_post_validation:
+        line("", "optimizer_post_validation: each rank steps at once; the clip norm and fp16's "
+                 "overflow test complete after, and a step that fails them is undone from an exact "
+                 "copy on every rank (and redone clipped), as Qi et al. (2024, section 4) describe")
+    if mb > LARGE_MICRO_BATCH:
+        issues.append(f"a batch of {B} in {acc} accumulation steps at dp {dp} is a micro-batch "
+                      f"of {mb} sequences per GPU"
+                      + (f" ({mb * T:,} tokens in one forward)" if T else "")
+                      + f": train_batch_size counts every data-parallel rank, and here only {dp} "
+                      f"share{'s' if dp == 1 else ''} it; raise gradient_accumulation_steps or "
+                      f"lower train_batch_size")
 
 
 def _zero_lines(config, line, issues, dp, fits, world_size):
