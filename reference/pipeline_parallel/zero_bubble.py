@@ -33,9 +33,10 @@ The bubble (`zero_bubble_formula`), with F, I and W the times of a whole stage's
 at p = 4, m = 8: 1F1B idles 27.3 %, interleaved (v = 2) 15.8 %, zb-h1 11.1 %, zb-v and
 dualpipev 5.9 % (3.0 % at m = 16).
 
-Between its I and its W a micro-batch holds, beside what its F stored, the gradients caught at
-the split points (`reference.pipeline_parallel.costs.held_bytes_formula`); `peak_bytes` gives
-the peak of both that the executor measures, exactly.
+From its I to its W a micro-batch holds, in place of what its F stored, each linear layer's
+input X and output gradient dY, which W needs (`reference.pipeline_parallel.split_backward`;
+`reference.pipeline_parallel.costs.held_bytes_formula`); `peak_bytes` gives the peak of both that
+the executor measures, exactly.
 """
 from __future__ import annotations
 
@@ -43,10 +44,12 @@ from typing import Optional, Sequence
 
 from reference.pipeline_parallel.actions import Action
 from reference.pipeline_parallel.async_messages import AsyncMailbox
-from reference.pipeline_parallel.schedules import Schedule
+from reference.pipeline_parallel.costs import held_bytes_formula, held_bytes_of_head, stored_bytes_formula
+from reference.pipeline_parallel.schedules import Schedule, build_schedule
+from reference.pipeline_parallel.stage import plan_stages
 
 __all__ = ["ZeroBubbleSchedule", "VSchedule", "build_zb_h1", "build_zb_v", "build_dualpipev",
-           "zero_bubble_formula", "peak_bytes", "BUILDERS", "ZB_KINDS"]
+           "zero_bubble_formula", "peak_bytes", "peak_bytes_by_rank", "BUILDERS", "ZB_KINDS"]
 
 ZB_KINDS = ("zb-h1", "zb-v", "dualpipev")
 
@@ -58,6 +61,7 @@ class ZeroBubbleSchedule(Schedule):
 
     strict = False
     mailbox = AsyncMailbox
+    splits_backward = True  # F records each linear layer's product for a later W (`split_backward`)
 
 
 class VSchedule(ZeroBubbleSchedule):
@@ -252,11 +256,32 @@ def zero_bubble_formula(kind: str, pp: int, m: int, t_f: float = 1.0, t_b: float
 
 def peak_bytes(schedule: Schedule, rank: int, stored: Sequence[int], held: Sequence[int]) -> int:
     """The most activation bytes ``rank`` holds at once running ``schedule``, when each F of its
-    chunk c stores ``stored[c]`` bytes, each I holds ``held[c]`` more, and a B, or a W, frees
-    them: the count the executor measures (`PipelineResult.peak_activation_bytes`)."""
+    chunk c stores ``stored[c]`` bytes, each I frees them and holds instead the ``held[c]`` bytes
+    its W needs, and a W frees those (a whole B, what F stored): the count the executor measures
+    (`PipelineResult.peak_activation_bytes`)."""
     now = peak = 0
     for a in schedule.actions(rank):
-        now += {"F": stored[a.chunk], "I": held[a.chunk], "W": -stored[a.chunk] - held[a.chunk],
-                "B": -stored[a.chunk]}.get(a.op, 0)
+        c = a.chunk
+        now += {"F": stored[c], "I": held[c] - stored[c], "W": -held[c], "B": -stored[c]}.get(a.op, 0)
         peak = max(peak, now)
     return peak
+
+
+def peak_bytes_by_rank(config, kind: str, pp: int, m: int, micro_batch: int = 1,
+                       head_w_deferred: bool = False) -> list[int]:
+    """Each rank's `peak_bytes` running ``kind`` (``pp`` ranks, ``m`` micro-batches, the V's two
+    chunks a rank) on the GPT ``config`` cut by layers (`plan_stages`), fp32, no recomputation:
+    each F storing `stored_bytes_formula`, each I holding `held_bytes_formula` instead, the counts
+    the executor measures. ``head_w_deferred``: as if the head's W were put off like a block's
+    (`held_bytes_of_head` more on its stage), which the executor does not do."""
+    v = 2 if kind in ("zb-v", "dualpipev") else 1
+    schedule, specs = build_schedule(kind, pp, m, v), plan_stages(config, pp * v)
+    out = []
+    for rank in range(pp):
+        mine = [specs[schedule.stage(rank, c)] for c in range(v)]
+        stored = [sum(stored_bytes_formula(config, micro_batch, spec).values()) for spec in mine]
+        held = [held_bytes_formula(config, micro_batch, spec) + (head_w_deferred and spec.head) * int(
+            held_bytes_of_head(config.block_size, micro_batch, config.n_embd, config.vocab_size, act_bytes=4))
+            for spec in mine]
+        out.append(peak_bytes(schedule, rank, stored, held))
+    return out
