@@ -27,14 +27,15 @@ Where each part lives:
   and the textbook `bubble_formula`;
 * `zero_bubble`: ZB-H1 and ZB-V (Qi et al., 2024), whose backward is split into I (the input's gradient)
   and W (the weights'), and DualPipeV (DeepSeek-V3's DualPipe on the V); `VSchedule`,
-  `zero_bubble_formula`, `peak_bytes`;
+  `zero_bubble_formula`, `peak_bytes` (and `peak_bytes_by_rank` of a GPT);
 * `check`: `validate` (completeness, message matching, deadlock), the ideal timeline `simulate`, and
   `bubble_of` any timeline, plugged into every `Schedule` here;
 * `stage`: `plan_stages` / `split_stages` (by layers or by parameters), `GPTStage`, and `DelayedStage`
   (a stage that takes a fixed time, to time schedules on a laptop);
 * `tied`: the tied embedding's two copies, on the first and last stage, kept equal;
 * `costs`: each stage's flops and stored bytes measured (`stage_costs`) against their formulas, and what
-  a split backward holds from its I to its W (`held_bytes_formula`, `held_bytes_per_block`);
+  a split backward holds from its I to its W, each linear layer's X and dY (`held_bytes_formula`,
+  `held_bytes_per_block`);
 * `executor`: `run_schedule`, the loop over a rank's steps, each kind of step done by a part of its own:
   `forward_backward` (F and B), `split_backward` (I and W), `recompute` (activation checkpointing),
   `messages` (batched point-to-point, sized by a handshake on micro-batch 0) and `async_messages` (the
@@ -54,7 +55,8 @@ from reference.pipeline_parallel.stage import (DelayedStage, GPTStage, StageSpec
                                                split_stages)
 from reference.pipeline_parallel.tied import build_embedding_group, sync_tied_grads
 from reference.pipeline_parallel.viz import plot_bubble_curve, plot_stage_balance, plot_timeline
-from reference.pipeline_parallel.zero_bubble import ZB_KINDS, VSchedule, peak_bytes, zero_bubble_formula
+from reference.pipeline_parallel.zero_bubble import (ZB_KINDS, VSchedule, peak_bytes, peak_bytes_by_rank,
+                                                     zero_bubble_formula)
 from reference.pipeline_parallel import check, executor, schedules, split_backward, zero_bubble  # noqa: E402
 
 # The zero-bubble schedules, the split backward's I and W, and the checker join 1F1B's
@@ -76,7 +78,7 @@ __all__ = [
     "run_pipeline", "PipelineResult",
     # zero-bubble schedules
     "ZB_KINDS", "VSchedule", "zero_bubble_formula", "held_bytes_formula", "held_bytes_per_block",
-    "held_bytes_of_head", "peak_bytes",
+    "held_bytes_of_head", "peak_bytes", "peak_bytes_by_rank",
     # pictures
     "plot_timeline", "plot_bubble_curve", "plot_stage_balance",
 ]
