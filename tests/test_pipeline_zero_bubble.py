@@ -744,7 +744,7 @@ def test_gpt2_medium_zero_bubble_peaks_stay_near_1f1b():
     stores 2 S + 2 s + 4 b T V + 8 b T + 4 more: 1 + (2 + V / C) / (16 L) against 1F1B's rank 0,
     about. Put off like a block's, the head's W (its dY the (b, T, V) logits' gradient) would
     bring ZB-H1 to 1.5 x."""
-    from reference.pipeline_parallel.zero_bubble import peak_bytes_by_rank
+    from reference.pipeline_parallel import peak_bytes_by_rank
 
     cfg = GPTConfig(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024)
     gib = {kind: [round(x / 2 ** 30, 2) for x in peak_bytes_by_rank(cfg, kind, 4, 8)]

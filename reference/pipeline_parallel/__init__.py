@@ -27,7 +27,7 @@ Where each part lives:
   and the textbook `bubble_formula`;
 * `zero_bubble`: ZB-H1 and ZB-V (Qi et al., 2024), whose backward is split into I (the input's gradient)
   and W (the weights'), and DualPipeV (DeepSeek-V3's DualPipe on the V); `VSchedule`,
-  `zero_bubble_formula`, `peak_bytes` (and `peak_bytes_by_rank` of a GPT);
+  `zero_bubble_formula`, `peak_bytes`;
 * `check`: `validate` (completeness, message matching, deadlock), the ideal timeline `simulate`, and
   `bubble_of` any timeline, plugged into every `Schedule` here;
 * `stage`: `plan_stages` / `split_stages` (by layers or by parameters), `GPTStage`, and `DelayedStage`
@@ -35,7 +35,7 @@ Where each part lives:
 * `tied`: the tied embedding's two copies, on the first and last stage, kept equal;
 * `costs`: each stage's flops and stored bytes measured (`stage_costs`) against their formulas, and what
   a split backward holds from its I to its W, each linear layer's X and dY (`held_bytes_formula`,
-  `held_bytes_per_block`);
+  `held_bytes_per_block`), and the peak per rank of a GPT they give (`peak_bytes_by_rank`);
 * `executor`: `run_schedule`, the loop over a rank's steps, each kind of step done by a part of its own:
   `forward_backward` (F and B), `split_backward` (I and W), `recompute` (activation checkpointing),
   `messages` (batched point-to-point, sized by a handshake on micro-batch 0) and `async_messages` (the
@@ -46,8 +46,8 @@ Where each part lives:
 """
 from reference.pipeline_parallel.check import TraceEvent, bubble_of, simulate, validate
 from reference.pipeline_parallel.costs import (StageCost, held_bytes_formula, held_bytes_of_head,
-                                               held_bytes_per_block, stage_costs, stage_flops_formula,
-                                               stored_bytes_formula)
+                                               held_bytes_per_block, peak_bytes_by_rank, stage_costs,
+                                               stage_flops_formula, stored_bytes_formula)
 from reference.pipeline_parallel.accounting import PipelineResult, run_pipeline
 from reference.pipeline_parallel.schedules import (KINDS, OPS, Action, Schedule, ScheduleError, bubble_formula,
                                  build_schedule)
@@ -55,8 +55,7 @@ from reference.pipeline_parallel.stage import (DelayedStage, GPTStage, StageSpec
                                                split_stages)
 from reference.pipeline_parallel.tied import build_embedding_group, sync_tied_grads
 from reference.pipeline_parallel.viz import plot_bubble_curve, plot_stage_balance, plot_timeline
-from reference.pipeline_parallel.zero_bubble import (ZB_KINDS, VSchedule, peak_bytes, peak_bytes_by_rank,
-                                                     zero_bubble_formula)
+from reference.pipeline_parallel.zero_bubble import ZB_KINDS, VSchedule, peak_bytes, zero_bubble_formula
 from reference.pipeline_parallel import check, executor, schedules, split_backward, zero_bubble  # noqa: E402
 
 # The zero-bubble schedules, the split backward's I and W, and the checker join 1F1B's

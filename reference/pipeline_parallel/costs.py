@@ -21,10 +21,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from reference.model import GPTConfig, lm_loss
 from reference.memory import SavedBytes
-from reference.pipeline_parallel.stage import StageSpec
+from reference.pipeline_parallel.schedules import build_schedule
+from reference.pipeline_parallel.stage import StageSpec, plan_stages
+from reference.pipeline_parallel.zero_bubble import peak_bytes
 
 __all__ = ["StageCost", "stage_costs", "stored_bytes_formula", "held_bytes_formula", "held_bytes_per_block",
-           "held_bytes_of_head", "stage_flops_formula", "lateness", "idle_margin"]
+           "held_bytes_of_head", "peak_bytes_by_rank", "stage_flops_formula", "lateness", "idle_margin"]
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,26 @@ def stage_flops_formula(config: GPTConfig, micro_batch: int, spec: StageSpec) ->
     """Forward + backward flops of the stage's weight GEMMs for one micro-batch: what `stage_costs` counts."""
     tokens, C = micro_batch * config.block_size, config.n_embd
     return tokens * (72 * C * C * len(spec.layers) + (6 * C * config.vocab_size if spec.head else 0))
+
+
+def peak_bytes_by_rank(config, kind: str, pp: int, m: int, micro_batch: int = 1,
+                       head_w_deferred: bool = False) -> list[int]:
+    """Each rank's `peak_bytes` running ``kind`` (``pp`` ranks, ``m`` micro-batches, the V's two
+    chunks a rank) on the GPT ``config`` cut by layers (`plan_stages`), fp32, no recomputation:
+    each F storing `stored_bytes_formula`, each I holding `held_bytes_formula` instead, the counts
+    the executor measures. ``head_w_deferred``: as if the head's W were put off like a block's
+    (`held_bytes_of_head` more on its stage), which the executor does not do."""
+    v = 2 if kind in ("zb-v", "dualpipev") else 1
+    schedule, specs = build_schedule(kind, pp, m, v), plan_stages(config, pp * v)
+    out = []
+    for rank in range(pp):
+        mine = [specs[schedule.stage(rank, c)] for c in range(v)]
+        stored = [sum(stored_bytes_formula(config, micro_batch, spec).values()) for spec in mine]
+        held = [held_bytes_formula(config, micro_batch, spec) + (head_w_deferred and spec.head) * int(
+            held_bytes_of_head(config.block_size, micro_batch, config.n_embd, config.vocab_size, act_bytes=4))
+            for spec in mine]
+        out.append(peak_bytes(schedule, rank, stored, held))
+    return out
 
 
 def lateness(timeline, cost: dict) -> float:

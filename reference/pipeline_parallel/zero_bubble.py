@@ -44,12 +44,10 @@ from typing import Optional, Sequence
 
 from reference.pipeline_parallel.actions import Action
 from reference.pipeline_parallel.async_messages import AsyncMailbox
-from reference.pipeline_parallel.costs import held_bytes_formula, held_bytes_of_head, stored_bytes_formula
-from reference.pipeline_parallel.schedules import Schedule, build_schedule
-from reference.pipeline_parallel.stage import plan_stages
+from reference.pipeline_parallel.schedules import Schedule
 
 __all__ = ["ZeroBubbleSchedule", "VSchedule", "build_zb_h1", "build_zb_v", "build_dualpipev",
-           "zero_bubble_formula", "peak_bytes", "peak_bytes_by_rank", "BUILDERS", "ZB_KINDS"]
+           "zero_bubble_formula", "peak_bytes", "BUILDERS", "ZB_KINDS"]
 
 ZB_KINDS = ("zb-h1", "zb-v", "dualpipev")
 
@@ -266,22 +264,3 @@ def peak_bytes(schedule: Schedule, rank: int, stored: Sequence[int], held: Seque
         peak = max(peak, now)
     return peak
 
-
-def peak_bytes_by_rank(config, kind: str, pp: int, m: int, micro_batch: int = 1,
-                       head_w_deferred: bool = False) -> list[int]:
-    """Each rank's `peak_bytes` running ``kind`` (``pp`` ranks, ``m`` micro-batches, the V's two
-    chunks a rank) on the GPT ``config`` cut by layers (`plan_stages`), fp32, no recomputation:
-    each F storing `stored_bytes_formula`, each I holding `held_bytes_formula` instead, the counts
-    the executor measures. ``head_w_deferred``: as if the head's W were put off like a block's
-    (`held_bytes_of_head` more on its stage), which the executor does not do."""
-    v = 2 if kind in ("zb-v", "dualpipev") else 1
-    schedule, specs = build_schedule(kind, pp, m, v), plan_stages(config, pp * v)
-    out = []
-    for rank in range(pp):
-        mine = [specs[schedule.stage(rank, c)] for c in range(v)]
-        stored = [sum(stored_bytes_formula(config, micro_batch, spec).values()) for spec in mine]
-        held = [held_bytes_formula(config, micro_batch, spec) + (head_w_deferred and spec.head) * int(
-            held_bytes_of_head(config.block_size, micro_batch, config.n_embd, config.vocab_size, act_bytes=4))
-            for spec in mine]
-        out.append(peak_bytes(schedule, rank, stored, held))
-    return out
