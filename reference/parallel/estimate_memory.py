@@ -248,7 +248,7 @@ def in_flight(config, m: int, rank: int) -> tuple[float, float, float]:
     interleaved 1F1B min(m v, 2 (p - r - 1) + (v - 1) p + 1) chunks of 1 / v (an upper bound
     when m < p). The zero-bubble schedules hold a micro-batch from F to W: ZB-H1 min(p, m)
     (min(p - r, m) at its first backward), ZB-V min(2p, m + r + 1, 2m) half-stage chunks,
-    DualPipeV min(2p + 1, 2m) (the gradients an I holds for its W aside)."""
+    DualPipeV min(2p + 1, 2m) (from its I each holds what its W needs instead: `split_held`)."""
     p, v = config.pp, config.virtual_stages
     if config.schedule == "zb-h1" and p > 1:
         return min(p - rank, m), min(p, m), min(p, m)
