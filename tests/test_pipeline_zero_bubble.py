@@ -238,8 +238,7 @@ def _split_and_full(build, x_of, roots_of):
         with store.recording() if split else contextlib.nullcontext():
             roots = roots_of(module, x)
         if split:
-            with store.deferring_products():
-                torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
+            torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
             after_i = {n: p.grad for n, p in module.named_parameters()}
             calls = _Counted.calls
             store.run()
@@ -311,8 +310,7 @@ def _held_bytes(stage, x, y):
     roots = [(stage.loss(out, y), None)] if stage.spec.head else [(out, torch.ones_like(out))]
     if aux.requires_grad:  # an MoE block's balance loss, which the executor backwards too
         roots.append((aux, torch.ones_like(aux)))
-    with store.deferring_products():
-        torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
+    torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
     return store.nbytes()
 
 
@@ -714,8 +712,7 @@ def _held_under_sp(moe):
     with store.recording():
         out = block(x)
     out = out[0] if isinstance(out, tuple) else out  # (output, aux loss): the output's path
-    with store.deferring_products():
-        torch.autograd.backward([out], [torch.ones_like(out)])
+    torch.autograd.backward([out], [torch.ones_like(out)])
     return store.nbytes()
 
 

@@ -9,7 +9,8 @@ computing it, and this module does the same:
 
 * F, under `WeightStore.recording`: every ``F.linear`` of a trainable weight of the stage runs as
   `DeferredLinear`, the same product, whose backward computes dX and hands (X, dY) to the
-  micro-batch's `WeightStore`. The model is not changed: a ``TorchFunctionMode`` swaps the call
+  micro-batch's `WeightStore`, when the rank runs that micro-batch's backward as an I and a W (a
+  whole B, DualPipeV's, keeps autograd's own graph, as 1F1B). The model is not changed: a ``TorchFunctionMode`` swaps the call
   while F runs (also inside a tensor-parallel layer, an expert, the router's gate).
 * I (`backward_input`): the whole backward of the micro-batch, the full B of the executor
   (``retain_graph=False``: autograd frees what F stored as it goes), with the linear layers'
@@ -24,12 +25,12 @@ So from its I to its W a micro-batch holds each linear layer's X and dY and noth
 F stored), and W runs no collective. The products are autograd's own, in its order (dX = dY A as
 ``addmm``'s backward, dA = dY^T X, db summed as the engine sums a broadcast bias; under autocast
 each in the autocast dtype, cast back as autocast's copies are), so the gradients are bit for bit
-those of the full backward. A backward that a schedule runs whole (DualPipeV's B) computes the
-products at once.
+those of the full backward.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+import weakref
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -55,8 +56,7 @@ def _cast(t, dtype):
 
 
 class DeferredLinear(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` whose backward computes dX now and dA, db when `WeightStore.run`
-    says (or at once, when the store is not deferring: a whole backward B)."""
+    """``F.linear(x, weight, bias)`` whose backward computes dX now and leaves dA, db to `WeightStore.run`."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, store):
@@ -109,25 +109,13 @@ class WeightStore:
         self.params = list(weights)  # kept, so that their ids stay theirs
         self.weights = {id(p) for p in self.params}
         self.entries: list[tuple] = []  # (X, dY, weight, bias), in the order I met them
-        self.deferring = False
 
     def recording(self):
         """While F (or its recomputation) runs: the linear layers of ``weights`` as `DeferredLinear`."""
         return _Recording(self)
 
-    @contextmanager
-    def deferring_products(self):
-        """While I runs: the products are put in the store, not computed."""
-        self.deferring = True
-        try:
-            yield self
-        finally:
-            self.deferring = False
-
     def put(self, x, dy, weight, bias) -> None:
         self.entries.append((x, dy, weight, bias))
-        if not self.deferring:
-            self.run()
 
     def nbytes(self) -> int:
         """Bytes of the X and dY held (distinct storages: an X may be F's saved tensor, a dY a view)."""
@@ -161,10 +149,21 @@ def _deferred_weights(stage: torch.nn.Module, head: bool) -> list:
     return [p for p in stage.parameters() if p.requires_grad and id(p) not in skip]
 
 
+_SPLIT = weakref.WeakKeyDictionary()  # schedule -> {rank: the (mb, chunk) whose backward it splits}
+
+
+def _split(w: RankState, a: Action) -> bool:
+    """Whether rank ``w`` runs the backward of ``a``'s micro-batch and chunk as an I and a W."""
+    by_rank = _SPLIT.setdefault(w.schedule, {})
+    if w.rank not in by_rank:
+        by_rank[w.rank] = {(b.mb, b.chunk) for b in w.schedule.actions(w.rank) if b.op == "I"}
+    return (a.mb, a.chunk) in by_rank[w.rank]
+
+
 def forward_recording(w: RankState, a: Action) -> None:
-    """F, for a schedule that splits its backward (``Schedule.splits_backward``): the stage's
-    linear layers recorded as `DeferredLinear`, their store kept beside what F keeps."""
-    if not getattr(w.schedule, "splits_backward", False):
+    """F: when its backward is split (an I, then a W), the stage's linear layers recorded as
+    `DeferredLinear`, their store kept beside what F keeps; else the plain F."""
+    if not _split(w, a):
         return forward(w, a)
     store = WeightStore(_deferred_weights(w.stages[a.chunk], w.ends(a.chunk)[1]))
     with store.recording():
@@ -177,7 +176,7 @@ def backward_input(w: RankState, a: Action) -> None:
     gradient posted, what F stored freed), the linear layers' weight products left in its store.
     After it the micro-batch keeps its store alone."""
     store = w.kept[(a.mb, a.chunk)].weights or WeightStore(())  # F did not record: I is the whole B
-    with store.recording(), store.deferring_products():  # (a checkpointed chunk runs F again here)
+    with store.recording():  # (a checkpointed chunk runs its F again here)
         backward(w, a)
     w.kept[(a.mb, a.chunk)] = Kept(None, weights=store)
 

@@ -59,7 +59,6 @@ class ZeroBubbleSchedule(Schedule):
 
     strict = False
     mailbox = AsyncMailbox
-    splits_backward = True  # F records each linear layer's product for a later W (`split_backward`)
 
 
 class VSchedule(ZeroBubbleSchedule):
