@@ -74,7 +74,8 @@ Time: per side, the median over the timed steps of the step's time (the slowest 
 from a barrier to the end of its step), ours / PyTorch's, under the injected costs (then
 it is the schedules' spans, plus each runtime's own time) and with the compute alone
 (``--plain-steps`` steps without costs: each runtime's own time on a tiny model, the ranks
-sharing two cores). The two versions alternate step by step (ours first on even steps,
+sharing two cores), and the CPU time of those steps summed over the ranks (``time.process_time``,
+which other processes loading the machine do not move as they move the wall clock). The two versions alternate step by step (ours first on even steps,
 PyTorch's first on odd ones), so machine load affects both alike.
 
 What it shows here (torch 2.13, gloo, 4 ranks on 2 cores): PyTorch's three schedules run,
@@ -245,19 +246,21 @@ def _compare_row(mesh, tied_group, name, v, kind, pp, m, tau, steps, plain_steps
     out = dict(orders=dict(ours=[(a.op, a.mb, a.chunk) for a in schedule.actions(rank) if not a.is_comm],
                            torch=_torch_order(torch_schedule, schedule, rank)),
                grads={}, timelines={"ours": [], "torch": []}, walls={"ours": [], "torch": []},
-               plain={"ours": [], "torch": []})
+               plain={"ours": [], "torch": []}, cpu={"ours": [], "torch": []})
     for side, run in sides.items():  # the first step of each: gradients (and messages sized)
         run(False)
         out["grads"][side] = _grads(ours if side == "ours" else theirs)
     for i in range(plain_steps + steps):
         timed = i >= plain_steps
         for side in (("ours", "torch") if i % 2 == 0 else ("torch", "ours")):
+            cpu = time.process_time()
             events, wall = sides[side](timed)
             if timed:
                 out["timelines"][side].append(events)
                 out["walls"][side].append(wall)
             else:
                 out["plain"][side].append(wall)
+                out["cpu"][side].append(time.process_time() - cpu)
     return out
 
 
@@ -338,6 +341,8 @@ def summarise(results, row, pp, m, tau):
         n_plain = len(got[0]["plain"][side])
         out[f"plain_{side}"] = statistics.median(max(g["plain"][side][s] for g in got)
                                                  for s in range(n_plain)) if n_plain else float("nan")
+        out[f"cpu_{side}"] = statistics.median(sum(g["cpu"][side][s] for g in got)
+                                               for s in range(n_plain)) if n_plain else float("nan")
     out["margin"] = idle_margin(max(out["late_ours"], out["late_torch"]), cost)
     return out
 
@@ -354,7 +359,7 @@ def print_table(rows, figures, pp, m, tau):
           f"idle shares in %, ranks 0..{pp - 1}, mean in brackets; time = ours / PyTorch's\n")
     head = (f"{'PyTorch schedule':<29} {'v':>1} {'course':<11} {'order':>5} {'|ours-pt|':>9} "
             f"{'|ours-1|':>8} {'|pt-1|':>8} {'simulated':>18} {'ours':>18} {'PyTorch':>18} "
-            f"{'margin':>6} {'time':>5} {'plain':>5}")
+            f"{'margin':>6} {'time':>5} {'plain':>5} {'cpu':>5}")
     print(head)
     print("-" * len(head))
     for row in rows:
@@ -371,7 +376,7 @@ def print_table(rows, figures, pp, m, tau):
               f"{f['ours_vs_torch']:>9.1e} {f['ours_vs_one']:>8.1e} {f['torch_vs_one']:>8.1e} "
               f"{idle(f['simulated']):>18} {idle(f['idle_ours']):>18} {idle(f['idle_torch']):>18} "
               f"{100 * f['margin']:>5.1f}% {f['wall_ours'] / f['wall_torch']:>5.2f} "
-              f"{f['plain_ours'] / f['plain_torch']:>5.2f}")
+              f"{f['plain_ours'] / f['plain_torch']:>5.2f} {f['cpu_ours'] / f['cpu_torch']:>5.2f}")
         if not (f["within"] and f["covered"]):
             print(f"    gradients NOT within the bound (or not every parameter covered)")
     print("\norder: whether PyTorch's compute actions (its pipeline_order, pairs unpacked) are the course's,\n"
@@ -379,7 +384,8 @@ def print_table(rows, figures, pp, m, tau):
           "  PyTorch's, each against one process; simulated: the course's schedule's ideal timeline (the\n"
           "  v = 2 ScheduleInterleavedZeroBubble runs beside interleaved 1F1B, whose backward is whole);\n"
           "  margin: 2 x the mean lateness of an action / the smallest cost (idle_margin); time: step\n"
-          "  time ours / PyTorch's with the costs, plain: without them (compute alone)")
+          "  time ours / PyTorch's with the costs, plain: without them (compute alone); cpu: the same steps'\n"
+          "  CPU seconds, summed over the ranks (what the runtimes compute, whatever else loads the machine)")
 
 
 def main():

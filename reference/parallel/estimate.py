@@ -31,19 +31,19 @@ its neighbour; of dp's only what outlasts the compute it hides under), plus the 
 else the GPU's share of the node's NICs."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Optional
 
 from reference.comms.links import GPUS_PER_NODE, NIC, NICS_PER_NODE, NVLINK, Link
 from reference.memory import MemoryBytes, Precision, human_bytes, model_state_bytes
 from reference.parallel.config import V_SHAPED, ParallelConfig
-from reference.parallel.estimate_memory import (activation_bytes_per_block, block_params, chunk_held,
+from reference.parallel.estimate_memory import (activation_bytes_per_block, block_params, chunk_held, held_before_i,
                                                 in_flight, mlp_activation_bytes, moe_activation_bytes,
                                                 rank_specs, split_held, stage_params, stage_tensors,
                                                 zero3_phases)
 from reference.parallel.estimate_traffic import dp_transfers, tp_bytes, transfer_link
-from reference.pipeline_parallel import (ZB_KINDS, build_schedule, held_bytes_of_head, held_bytes_per_block,
+from reference.pipeline_parallel import (ZB_KINDS, build_schedule, held_bytes_per_block,
                                          zero_bubble_formula)
 from reference.profile import training_flops
 
@@ -271,28 +271,17 @@ def idle_share(c: ParallelConfig, m: int) -> float:
 
 def held_for_w(w: Workload, specs: Optional[tuple] = None) -> float:
     """What one micro-batch holds on the rank's stages ``specs`` (default all; or one chunk's)
-    from its I to its W under a zero-bubble schedule, beside what its F stored: the gradients
-    caught at the split points (`held_bytes_per_block`, `held_bytes_of_head`), none on the
-    first stage (its input is token ids), and with full recomputation the forward run again
-    in I, kept for W."""
+    from its I to its W under a zero-bubble schedule, in place of what its F stored: each linear
+    layer's X and dY (`held_bytes_per_block`), on every stage; the embedding's and the head's
+    gradients are computed in I, and a checkpointed forward run again in I is freed by it."""
     model, c = w.model, w.config
     s, b, h, t = w.seq_len, w.micro_batch, model.n_embd, c.tp
     specs = rank_specs(model, c, w.stage) if specs is None else specs
-    layers = [i for spec in specs if spec.stage > 0 for i in spec.layers]
+    layers = [i for spec in specs for i in spec.layers]
     n_moe = sum(i in w.moe for i in layers)
-    caught = sum(n * held_bytes_per_block(s, b, h, t, c.sequence_parallel, w.act_bytes, model.d_ff,
-                                          n_experts=experts, k=w.k, bias=model.bias)
-                 for n, experts in ((len(layers) - n_moe, None), (n_moe, w.n_experts)) if n)
-    head = any(spec.head for spec in specs)
-    if head and c.n_stages > 1:
-        caught += held_bytes_of_head(s, b, h, model.vocab_size, t, c.sequence_parallel, w.act_bytes)
-    if w.recompute != "full":
-        return caught
-    blocks = [i for spec in specs for i in spec.layers]  # every stage's: split_held counts whole stages
-    n_blocks, n_moe = len(blocks), sum(i in w.moe for i in blocks)
-    return caught + head * logprob_bytes(w) + sum(
-        n * (block_bytes(w, "none", moe) - block_bytes(w, "full", moe))
-        for n, moe in ((n_blocks - n_moe, False), (n_moe, True)))
+    return sum(n * held_bytes_per_block(s, b, h, t, c.sequence_parallel, w.act_bytes, model.d_ff,
+                                        n_experts=experts, k=w.k, bias=model.bias)
+               for n, experts in ((len(layers) - n_moe, None), (n_moe, w.n_experts)) if n)
 
 
 def logprob_bytes(w: Workload) -> float:
@@ -308,18 +297,23 @@ def stored_per_f(w: Workload, specs: tuple) -> float:
 
 
 def held_activations(w: Workload, a1: float) -> float:
-    """The activation bytes at the rank's peak: the largest F-bytes x micro-batches held plus
-    I-bytes x those past their I, over `split_held`'s candidates (a V-shaped schedule's rank:
-    over `chunk_held`'s, each chunk with its own bytes, which may differ)."""
+    """The activation bytes at the rank's peak: the largest F-bytes x micro-batches held from F
+    to I plus I-bytes x those held from I to W, over `split_held`'s candidates (a V-shaped
+    schedule's rank: over `chunk_held`'s, each chunk with its own bytes, which may differ); with
+    full recomputation, or where an I starts (`held_before_i`) with a chunk's forward run again."""
     c = w.config
+    again = 0.0
+    if c.schedule in ZB_KINDS and c.pp > 1 and w.recompute == "full":
+        whole = max(stored_per_f(replace(w, recompute="none"), (spec,)) for spec in rank_specs(w.model, c, w.stage))
+        again = max(f * a1 + i * held_for_w(w) for f, i in held_before_i(c, w.m, w.stage)) + whole
     if c.schedule in V_SHAPED and c.pp > 1:
         counts = chunk_held(c, w.m, w.stage)
         if counts:
             chunks = [(spec,) for spec in rank_specs(w.model, c, w.stage)]
             f = [stored_per_f(w, chunk) for chunk in chunks]
             i = [held_for_w(w, chunk) for chunk in chunks]
-            return max(n[0] * f[0] + n[1] * f[1] + n[2] * i[0] + n[3] * i[1] for n in counts)
-    return max(f * a1 + i * held_for_w(w) for f, i in split_held(c, w.m, w.stage))
+            return max(again, max(n[0] * f[0] + n[1] * f[1] + n[2] * i[0] + n[3] * i[1] for n in counts))
+    return max(again, max(f * a1 + i * held_for_w(w) for f, i in split_held(c, w.m, w.stage)))
 
 
 def block_bytes(w: Workload, kind: str, moe: bool) -> float:

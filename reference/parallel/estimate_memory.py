@@ -43,7 +43,7 @@ from reference.pipeline_parallel import build_schedule
 
 __all__ = ["Tensor", "Tensors", "stage_specs", "rank_specs", "stage_tensors",
            "split_held", "block_params", "stage_params", "activation_bytes_per_block", "mlp_activation_bytes",
-           "moe_activation_bytes", "in_flight", "chunk_held", "zero3_phases"]
+           "moe_activation_bytes", "in_flight", "chunk_held", "held_before_i", "zero3_phases"]
 
 
 @dataclass(frozen=True)
@@ -249,7 +249,7 @@ def in_flight(config, m: int, rank: int) -> tuple[float, float, float]:
     interleaved 1F1B min(m v, 2 (p - r - 1) + (v - 1) p + 1) chunks of 1 / v (an upper bound
     when m < p). The zero-bubble schedules hold a micro-batch from F to W: ZB-H1 min(p, m)
     (min(p - r, m) at its first backward), ZB-V min(2p, m + r + 1, 2m) half-stage chunks,
-    DualPipeV min(2p + 1, 2m) (the gradients an I holds for its W aside)."""
+    DualPipeV min(2p + 1, 2m) (from its I each holds what its W needs instead: `split_held`)."""
     p, v = config.pp, config.virtual_stages
     if config.schedule == "zb-h1" and p > 1:
         return min(p - rank, m), min(p, m), min(p, m)
@@ -281,49 +281,63 @@ def _walk(config, m: int, rank: int) -> list:
 
 def split_held(config, m: int, rank: int) -> tuple:
     """The zero-bubble schedules' candidates for their peak on pipeline ``rank``: pairs (micro-
-    batches held from F to W, of which past their I), in whole-stage units; the peak is the
-    largest of F-bytes x the first + I-bytes x the second (which one depends on their ratio).
-    Read off the schedules' action lists for m >= 2p (the test walks them): ZB-H1 (p, r + 1);
-    ZB-V (p, 1/2) or (p + r, 2r + 1) / 2 chunks; DualPipeV (p + 1/2, 0), (p, 1/2) or, from
-    rank 1, (p / 2, (r + 1) / 2). Other schedules: (`in_flight`'s peak, 0)."""
-    p = config.pp
-    if config.schedule == "zb-h1" and p > 1:
-        return ((min(p, m), min(rank + 1, m)),)
-    if config.schedule == "zb-h2" and p > 1:
-        return tuple(sorted(set(_walk(config, m, rank))))
-    if config.schedule == "zb-v" and p > 1:
-        return ((p, 0.5),) + (((p + rank) / 2, rank + 0.5),) * (rank > 0)
-    if config.schedule == "dualpipev" and p > 1:
-        return ((p + 0.5, 0), (p, 0.5)) + ((p / 2, (rank + 1) / 2),) * (rank > 0)
-    return ((in_flight(config, m, rank)[2], 0),)
+    batches held from F to I, micro-batches held from I to W), in whole-stage units; the peak is
+    the largest of F-bytes x the first + I-bytes x the second (which one depends on their ratio).
+    Read off the schedule's action list (`chunk_held`'s walk, its chunks added up). Other
+    schedules: (`in_flight`'s peak, 0)."""
+    from reference.pipeline_parallel import ZB_KINDS
+
+    counts = chunk_held(config, m, rank) if config.schedule in ZB_KINDS and config.pp > 1 else ()
+    if not counts:
+        return ((in_flight(config, m, rank)[2], 0),)
+    v = config.virtual_stages
+    pairs = {(sum(n[:v]) / v, sum(n[v:]) / v) for n in counts}
+    return tuple(sorted(x for x in pairs if not any(y != x and y[0] >= x[0] and y[1] >= x[1] for y in pairs)))
+
+
+def held_before_i(config, m: int, rank: int) -> tuple:
+    """`split_held`'s pairs at the moments an I starts (where a checkpointed chunk runs its
+    forward again, on top of them); () for a schedule without I."""
+    from reference.pipeline_parallel import ZB_KINDS
+
+    if config.schedule not in ZB_KINDS or config.pp == 1:
+        return ()
+    v = config.virtual_stages
+    return tuple({(sum(n[:v]) / v, sum(n[v:]) / v)
+                  for n in _chunk_held(config.schedule, config.pp, min(m, 2 * config.pp), v, rank, True)})
 
 
 def chunk_held(config, m: int, rank: int) -> tuple:
-    """A V-shaped schedule's candidates for its peak on pipeline ``rank``, chunk by chunk:
-    (F0, F1, I0, I1), the chunk-micro-batches of its first and second stage held from F to W and
-    of those the ones past their I, read off the schedule's action list (the states no other
-    state dominates); () when the schedule cannot be built. ZB-V's rank r: (2p - r, r, 1, 0),
-    (2p - 1 - r, r + 1, 0, 1) and (p, r, r + 1, r) for every m >= 2p."""
+    """A zero-bubble schedule's candidates for its peak on pipeline ``rank``, chunk by chunk:
+    (F0, .., I0, ..), the chunk-micro-batches of each of its stages held from F to I, then those
+    held from I to W, read off the schedule's action list (the states no other state dominates);
+    () when the schedule cannot be built. ZB-V's rank r at m >= 2p: (2p - r, r, 0, 0),
+    (2p - 1 - r, r, 0, 1), (p - r - 1, r, r + 1, 0) among others."""
     # from m = 2p on the steady state only repeats: the counts are those of m = 2p
-    return _chunk_held(config.schedule, config.pp, min(m, 2 * config.pp), rank)
+    return _chunk_held(config.schedule, config.pp, min(m, 2 * config.pp), config.virtual_stages, rank)
 
 
 @lru_cache(maxsize=None)
-def _chunk_held(kind: str, p: int, m: int, rank: int) -> tuple:
-    """`chunk_held` of the ``kind`` schedule with p ranks and m micro-batches (2 chunks a rank)."""
+def _chunk_held(kind: str, p: int, m: int, v: int, rank: int, before_i: bool = False) -> tuple:
+    """`chunk_held` of the ``kind`` schedule with p ranks, m micro-batches and v chunks a rank
+    (``before_i``: the states as each I starts, all of them)."""
     from reference.pipeline_parallel import build_schedule
 
     try:
-        actions = build_schedule(kind, p, m, 2).actions(rank)
+        actions = build_schedule(kind, p, m, v).actions(rank)
     except ValueError:
         return ()
-    now, seen = [0, 0, 0, 0], set()
-    for a in actions:  # F adds a chunk-micro-batch, I marks it past I, W and B free it
-        step = {"F": (1, 0), "I": (0, 1), "W": (-1, -1), "B": (-1, 0)}.get(a.op)
+    now, seen, starts = [0] * (2 * v), set(), set()
+    for a in actions:  # F holds a chunk-micro-batch, I trades it for what W needs, W and B free it
+        step = {"F": (1, 0), "I": (-1, 1), "W": (0, -1), "B": (-1, 0)}.get(a.op)
+        if a.op == "I":
+            starts.add(tuple(now))
         if step:
             now[a.chunk] += step[0]
-            now[2 + a.chunk] += step[1]
+            now[v + a.chunk] += step[1]
             seen.add(tuple(now))
+    if before_i:
+        return tuple(sorted(starts))
     return tuple(sorted(x for x in seen
                         if not any(y != x and all(v >= u for u, v in zip(x, y)) for y in seen)))
 

@@ -36,7 +36,8 @@ Where each part lives:
   (a stage that takes a fixed time, to time schedules on a laptop);
 * `tied`: the tied embedding's two copies, on the first and last stage, kept equal;
 * `costs`: each stage's flops and stored bytes measured (`stage_costs`) against their formulas, and what
-  a split backward holds from its I to its W (`held_bytes_formula`, `held_bytes_per_block`);
+  a split backward holds from its I to its W, each linear layer's X and dY (`held_bytes_formula`,
+  `held_bytes_per_block`), and the peak per rank of a GPT they give (`peak_bytes_by_rank`);
 * `executor`: `run_schedule`, the loop over a rank's steps, each kind of step done by a part of its own:
   `forward_backward` (F and B), `split_backward` (I and W), `recompute` (activation checkpointing),
   `messages` (batched point-to-point, sized by a handshake on micro-batch 0) and `async_messages` (the
@@ -47,8 +48,8 @@ Where each part lives:
 """
 from reference.pipeline_parallel.check import TraceEvent, bubble_of, simulate, validate
 from reference.pipeline_parallel.costs import (StageCost, held_bytes_formula, held_bytes_of_head,
-                                               held_bytes_per_block, stage_costs, stage_flops_formula,
-                                               stored_bytes_formula)
+                                               held_bytes_per_block, peak_bytes_by_rank, stage_costs,
+                                               stage_flops_formula, stored_bytes_formula)
 from reference.pipeline_parallel.accounting import PipelineResult, run_pipeline
 from reference.pipeline_parallel.schedules import (KINDS, OPS, Action, Schedule, ScheduleError, bubble_formula,
                                  build_schedule)
@@ -82,7 +83,7 @@ __all__ = [
     "run_pipeline", "PipelineResult",
     # zero-bubble schedules
     "ZB_KINDS", "VSchedule", "zero_bubble_formula", "held_bytes_formula", "held_bytes_per_block",
-    "held_bytes_of_head", "peak_bytes",
+    "held_bytes_of_head", "peak_bytes", "peak_bytes_by_rank",
     # pictures
     "plot_timeline", "plot_bubble_curve", "plot_stage_balance",
 ]

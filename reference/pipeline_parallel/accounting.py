@@ -4,8 +4,9 @@ A `Recorder` watches each step of the executor's loop and writes into a `Pipelin
 trace (every action's start and end, in seconds from a barrier before the first step) and the
 bytes each F leaves stored (`reference.memory.SavedBytes`: every tensor autograd saves,
 parameters excluded, each storage once, plus the input and output F keeps), held until the
-micro-batch's B or W; an I holds more, the gradients it caught for W and, checkpointed, the
-forward run again.
+micro-batch's B or I; from an I to its W the micro-batch holds instead what its W needs (the X
+and dY of each linear layer, `split_backward.WeightStore`). A checkpointed B or I runs the
+forward again: its bytes join the peak while it runs.
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ class Recorder:
         a, key = step[0], (step[0].mb, step[0].chunk)
         self.t0 = time.perf_counter() if self.t0 is None else self.t0  # the first step: the common start
         start, kept = time.perf_counter() - self.t0, w.kept.get(key)
-        with SavedBytes(self.param_ptrs, [kept.x] if kept else [], self.moving) as saved:
+        with SavedBytes(self.param_ptrs, [kept.x] if kept and kept.x is not None else [], self.moving) as saved:
             yield  # (a B or I runs a checkpointed forward again here; its input is counted already)
         if w.device.type == "cuda":
             torch.cuda.synchronize()  # GPU work is asynchronous: time it to its end
@@ -78,13 +79,14 @@ class Recorder:
             r = self.result
             r.recompute_bytes = max(r.recompute_bytes, again)
             r.peak_activation_bytes = max(r.peak_activation_bytes, self.bytes + again)
-            if a.op == "I":  # held until W: the forward run again, and the gradients caught for W
-                self.keep(key, again + w.kept[key].weights.caught_bytes())
+            if a.op == "I":  # from here to its W: what its W needs, in place of what F stored
+                self.bytes -= self.held.pop(key)
+                self.keep(key, w.kept[key].weights.nbytes())
         if a.op in ("B", "W"):
             self.bytes -= self.held.pop(key)
 
     def keep(self, key: tuple, nbytes: int) -> None:
-        """``nbytes`` more held for ``key`` (by its F, or its I)."""
+        """``nbytes`` held for ``key`` (by its F, or from its I)."""
         self.held[key] = self.held.get(key, 0) + nbytes
         self.bytes += nbytes
         r = self.result

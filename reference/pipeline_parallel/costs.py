@@ -8,7 +8,7 @@ many parameters, a (C x V) product, and the logits it keeps for the loss's backw
 
 `stage_costs` measures each stage on one micro-batch; `stage_flops_formula` and
 `stored_bytes_formula` count the same in closed form, and `held_bytes_formula` what a zero-bubble
-schedule's I holds until its W. `lateness` and `idle_margin` bound how far a run with stages of
+schedule holds from its I to its W (in place of what F stored). `lateness` and `idle_margin` bound how far a run with stages of
 fixed times (`DelayedStage`) may stray from its ideal timeline.
 """
 from __future__ import annotations
@@ -21,10 +21,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from reference.model import GPTConfig, lm_loss
 from reference.memory import SavedBytes
-from reference.pipeline_parallel.stage import StageSpec
+from reference.pipeline_parallel.schedules import build_schedule
+from reference.pipeline_parallel.stage import StageSpec, plan_stages
+from reference.pipeline_parallel.zero_bubble import peak_bytes
 
 __all__ = ["StageCost", "stage_costs", "stored_bytes_formula", "held_bytes_formula", "held_bytes_per_block",
-           "held_bytes_of_head", "stage_flops_formula", "lateness", "idle_margin"]
+           "held_bytes_of_head", "peak_bytes_by_rank", "stage_flops_formula", "lateness", "idle_margin"]
 
 
 @dataclass(frozen=True)
@@ -92,57 +94,80 @@ def stored_bytes_formula(config: GPTConfig, micro_batch: int, spec: StageSpec) -
 def held_bytes_formula(config: GPTConfig, micro_batch: int, spec: StageSpec, n_experts: Optional[int] = None,
                        k: int = 2, moe_layers: Optional[Iterable[int]] = None,
                        shared_expert: bool = False) -> int:
-    """Bytes one micro-batch's I holds on the stage ``spec`` until its W, beside what its F stored:
-    the gradients caught at the split points (fp32, no tensor parallelism): 11 b T C * 4 a dense
-    block, (b T C + b T V) * 4 the head. With ``n_experts`` the layers ``moe_layers`` (default all)
-    route k of E experts per token, plus a ``shared_expert``. The first stage's I holds nothing."""
-    if spec.stage == 0:
-        return 0
+    """Bytes one micro-batch holds on the stage ``spec`` from its I to its W, in place of what its
+    F stored: each linear layer's X and dY (fp32, no tensor parallelism), 16 b T C * 4 a dense
+    block, nothing for the embedding and the head (their gradients are computed in I). With
+    ``n_experts`` the layers ``moe_layers`` (default all) route k of E experts per token, plus a
+    ``shared_expert``."""
     moe = set(range(config.n_layer) if moe_layers is None else moe_layers) if n_experts else set()
-    blocks = sum(held_bytes_per_block(config.block_size, micro_batch, config.n_embd, act_bytes=4,
-                                      d_ff=config.d_ff, n_experts=n_experts if i in moe else None, k=k,
-                                      shared_experts=int(shared_expert), bias=config.bias)
-                 for i in spec.layers)
-    head = held_bytes_of_head(config.block_size, micro_batch, config.n_embd, config.vocab_size,
-                              act_bytes=4) if spec.head else 0
-    return int(blocks + head)
+    return int(sum(held_bytes_per_block(config.block_size, micro_batch, config.n_embd, act_bytes=4,
+                                        d_ff=config.d_ff, n_experts=n_experts if i in moe else None, k=k,
+                                        shared_experts=int(shared_expert), bias=config.bias)
+                   for i in spec.layers))
 
 
 def held_bytes_per_block(s: int, b: int, h: int, tp: int = 1, sequence_parallel: bool = False,
                          act_bytes: int = 2, d_ff: Optional[int] = None, n_experts: Optional[int] = None,
                          k: int = 2, shared_experts: int = 0, bias: bool = True) -> float:
-    """What a zero-bubble schedule's I holds for its W, per block and micro-batch of b sequences of
-    s tokens, on one tp rank: the output gradient of each LayerNorm and linear layer (`split_backward`).
+    """What a zero-bubble schedule's W needs of one block and micro-batch of b sequences of s
+    tokens, on one tp rank, held from its I to its W (`split_backward`): each linear layer's input
+    X and output gradient dY.
 
-    11 s b h at tp = 1 and d_ff = 4 h; column-parallel layers' split by tp, the LayerNorms' by SP.
-    An MoE layer (``n_experts`` = E) is not split by tp and routes the whole sequence: s b (E +
-    (k + shared) (d_ff + h)), assuming no assignment dropped at capacity and, under expert
-    parallelism, that an ep rank's experts receive the k s b rows it dispatches. Under SP a
-    row-parallel ``bias``, added after the reduce-scatter, catches its own (s b h / tp) gradient."""
+    Per token at tp = 1: X of c_attn (ln_1's output, h), of the attention's c_proj (h), of c_fc
+    (ln_2's output, h) and of the MLP's c_proj (the GELU's output, d_ff); dY of each, 3 h, h, d_ff
+    and h: 16 s b h with d_ff = 4 h, as much as F stored less the LayerNorms' statistics and the
+    log-sum-exp (`stored_bytes_formula`). Tensor parallelism splits a column-parallel layer's dY and
+    a row-parallel layer's X by tp; a column-parallel layer's X and a row-parallel layer's dY are
+    the whole sequence's whether or not ``sequence_parallel`` gathers them. A ``bias``'s gradient
+    is the sum of dY's rows (held anyway) or, added apart (a row-parallel layer's), computed in I:
+    it holds nothing. An MoE layer (``n_experts`` = E) is not split by tp: the router's gate (X,
+    ln_2's output, and dY, E a token), for each of the k copies of a token routed an expert's
+    c_fc and c_proj (X and dY, h + d_ff each), and a shared expert's (its X is the gate's, its
+    last dY the block's output gradient: 2 d_ff + h), assuming no assignment dropped at capacity
+    and, under expert parallelism, that an ep rank's experts receive the k s b rows it dispatches."""
     d_ff = d_ff or 4 * h
-    ln = tp if sequence_parallel and tp > 1 else 1
-    row_bias = h / tp if bias and ln > 1 else 0  # a row-parallel bias's own gradient, (s b / tp, h)
-    # per token: ln_1, ln_2; q|k|v (s b, 3 h / tp); proj (s b, h) and its bias
-    attention = 2 * h / ln + 3 * h / tp + h + row_bias
+    attention = h + h / tp + 3 * h / tp + h  # X, X, dY, dY of c_attn and c_proj: (s b, .)
     if n_experts is None:
-        mlp = d_ff / tp + h + row_bias  # c_fc (s b, d_ff / tp), c_proj (s b, h) and its bias
-    else:  # gate (s b, E); the experts' c_fc and c_proj, (k s b, d_ff) and (k s b, h), and a shared one's
-        mlp = n_experts + (k + shared_experts) * (d_ff + h)
+        mlp = h + d_ff / tp + d_ff / tp + h  # X of c_fc and c_proj, their dY
+    else:
+        mlp = h + n_experts + k * 2 * (h + d_ff) + shared_experts * (2 * d_ff + h)
     return act_bytes * s * b * (attention + mlp)
 
 
 def held_bytes_of_head(s: int, b: int, h: int, vocab_size: int, tp: int = 1, sequence_parallel: bool = False,
                        act_bytes: int = 2) -> float:
-    """What I holds for W on the head's stage: ln_f's output gradient (s b h, split by SP) and the
-    lm_head's, the logits' (s b, V / tp rows of the vocabulary, rounded up)."""
-    ln = tp if sequence_parallel and tp > 1 else 1
-    return act_bytes * s * b * (h / ln + (-(-vocab_size // tp)))
+    """What the head's W would hold from I to W if it were put off like a block's: the lm_head's
+    X (ln_f's output, s b h, the whole sequence's under SP too) and dY, the logits' gradient (s b,
+    V / tp rows of the vocabulary, rounded up). The executor computes the head's gradients in I
+    instead (`split_backward`): b T (C + V) a micro-batch, on GPT-2-medium
+    as much as 3 of its blocks hold."""
+    return act_bytes * s * b * (h + (-(-vocab_size // tp)))
 
 
 def stage_flops_formula(config: GPTConfig, micro_batch: int, spec: StageSpec) -> int:
     """Forward + backward flops of the stage's weight GEMMs for one micro-batch: what `stage_costs` counts."""
     tokens, C = micro_batch * config.block_size, config.n_embd
     return tokens * (72 * C * C * len(spec.layers) + (6 * C * config.vocab_size if spec.head else 0))
+
+
+def peak_bytes_by_rank(config, kind: str, pp: int, m: int, micro_batch: int = 1,
+                       head_w_deferred: bool = False) -> list[int]:
+    """Each rank's `peak_bytes` running ``kind`` (``pp`` ranks, ``m`` micro-batches, the V's two
+    chunks a rank) on the GPT ``config`` cut by layers (`plan_stages`), fp32, no recomputation:
+    each F storing `stored_bytes_formula`, each I holding `held_bytes_formula` instead, the counts
+    the executor measures. ``head_w_deferred``: as if the head's W were put off like a block's
+    (`held_bytes_of_head` more on its stage), which the executor does not do."""
+    v = 2 if kind in ("zb-v", "dualpipev") else 1
+    schedule, specs = build_schedule(kind, pp, m, v), plan_stages(config, pp * v)
+    out = []
+    for rank in range(pp):
+        mine = [specs[schedule.stage(rank, c)] for c in range(v)]
+        stored = [sum(stored_bytes_formula(config, micro_batch, spec).values()) for spec in mine]
+        held = [held_bytes_formula(config, micro_batch, spec) + (head_w_deferred and spec.head) * int(
+            held_bytes_of_head(config.block_size, micro_batch, config.n_embd, config.vocab_size, act_bytes=4))
+            for spec in mine]
+        out.append(peak_bytes(schedule, rank, stored, held))
+    return out
 
 
 def lateness(timeline, cost: dict) -> float:

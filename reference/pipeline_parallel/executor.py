@@ -15,16 +15,18 @@ import torch
 import torch.distributed as dist
 
 from reference.loss import MeanOfMeans
-from reference.pipeline_parallel.forward_backward import RankState, backward, forward
+from reference.pipeline_parallel.forward_backward import RankState, backward
 from reference.pipeline_parallel.messages import Mailbox
 from reference.pipeline_parallel.schedules import Schedule
-from reference.pipeline_parallel.split_backward import backward_input, backward_weight
+from reference.pipeline_parallel.split_backward import backward_input, backward_weight, forward_recording
 from reference.pipeline_parallel.tied import sync_tied_grads
 
 __all__ = ["run_schedule", "HANDLERS"]
 
-# What each compute action runs: handler(rank_state, action).
-HANDLERS = {"F": forward, "B": backward, "I": backward_input, "W": backward_weight}
+# What each compute action runs: handler(rank_state, action). F records the linear layers of a
+# micro-batch whose backward a zero-bubble schedule splits (so that W holds only X and dY), and is
+# the plain `forward` otherwise.
+HANDLERS = {"F": forward_recording, "B": backward, "I": backward_input, "W": backward_weight}
 
 
 def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],

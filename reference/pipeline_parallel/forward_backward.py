@@ -58,7 +58,7 @@ class Kept:
     aux: Optional[torch.Tensor] = None
     total: Optional[torch.Tensor] = None
     rng: Optional[RNGStates] = None
-    weights: Optional[object] = None  # a split backward's W, waiting after its I (split_backward.py)
+    weights: Optional[object] = None  # what a split backward's W needs, recorded by F (split_backward.WeightStore)
 
 
 def _run_stage(w: RankState, a: Action, x: torch.Tensor):

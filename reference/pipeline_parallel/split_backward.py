@@ -1,134 +1,186 @@
-"""A backward in two halves, as zero-bubble schedules run it: I now, W later.
+"""A backward in two halves, as zero-bubble schedules run it: I now, W later, W holding only what it needs.
 
-A linear layer Y = X A^T has two products in its backward: dX = dY A, which the previous stage
-waits for, and dA = dY^T X, which nobody waits for. Qi et al. (2024, "Zero Bubble Pipeline
-Parallelism") split a stage's backward along that line (the letters are torch.distributed.pipelining's):
+A linear layer Y = X A^T (+ b) has two products in its backward: dX = dY A, which the previous
+stage waits for, and dA = dY^T X (db = the sum of dY's rows), which nobody waits for. Qi et al.
+(2024, "Zero Bubble Pipeline Parallelism") split a stage's backward along that line (the letters
+are torch.distributed.pipelining's); their implementation and DeepSeek's DualPipe do it in the
+linear layer itself, which puts its weight product in a store (``WeightGradStore``) instead of
+computing it, and this module does the same:
 
-* I (`backward_input`): ``torch.autograd.grad`` of the stage's input alone, with
-  ``retain_graph=True``: autograd computes only what leads to the input (a tensor-parallel
-  layer's collectives are on that path), and the gradient is posted to the previous stage at once.
-  On its way I catches the gradient arriving at each *split point*, an autograd node on the
-  input's path with a branch to parameters that leads nowhere near the input (a linear layer's
-  matmul, a layer norm).
-* W (`backward_weight`), later: from each split point with its caught gradient, the backward of
-  that branch alone (``torch.autograd.backward`` of gradient edges, ``inputs`` its parameters):
-  dA = dY^T X and no more, so no collective of tensor parallelism runs in W. The exception is an
-  autograd function that computes both halves at once (the sequence-parallel column GEMM that
-  gathers its input again): it runs whole in I and again in W, the gradient still counted once.
+* F, under `WeightStore.recording`: every ``F.linear`` of a trainable weight of the stage runs as
+  `DeferredLinear`, the same product, whose backward computes dX and hands (X, dY) to the
+  micro-batch's `WeightStore`, when the rank runs that micro-batch's backward as an I and a W (a
+  whole B, DualPipeV's, keeps autograd's own graph, as 1F1B). The model is not changed: a ``TorchFunctionMode`` swaps the call
+  while F runs (also inside a tensor-parallel layer, an expert, the router's gate).
+* I (`backward_input`): the whole backward of the micro-batch, the full B of the executor
+  (``retain_graph=False``: autograd frees what F stored as it goes), with the linear layers'
+  weight products left in the store. Everything else is computed at once: the LayerNorms' and
+  embeddings' gradients and a bias added apart (a row-parallel layer's) are reductions over the
+  tokens that would hold as much as they cost, and the head's product runs at once too (its dY,
+  the (b, T, V) logits' gradient, is the largest tensor of the model: `held_bytes_of_head`).
+* W (`backward_weight`): for each stored layer dA = dY^T X and db, added into ``.grad``.
 
-Every path from the output to a parameter leaves the input's path once and for all, at one split
-point, so the split points' sum is the whole gradient (a parameter on two branches of one stage
-would break that; `WeightPass` refuses it). On the first stage I has nothing to compute and W is
-the whole backward. Between I and W a micro-batch holds what F stored, the caught gradients, and,
-checkpointed, the forward run again (`reference.pipeline_parallel.accounting` measures it).
+So from its I to its W a micro-batch holds each linear layer's X and dY and nothing else
+(`reference.pipeline_parallel.costs.held_bytes_per_block`: 16 b T C a dense block, about what its
+F stored), and W runs no collective. The products are autograd's own, in its order (dX = dY A as
+``addmm``'s backward, dA = dY^T X, db summed as the engine sums a broadcast bias; under autocast
+each in the autocast dtype, cast back as autocast's copies are), so the gradients are bit for bit
+those of the full backward.
 """
 from __future__ import annotations
 
-from functools import partial
+import weakref
+from contextlib import nullcontext
 
 import torch
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from reference.pipeline_parallel.actions import Action
-from reference.pipeline_parallel.forward_backward import RankState, backward_roots
+from reference.pipeline_parallel.forward_backward import Kept, RankState, backward, forward
 
-__all__ = ["WeightPass", "backward_input", "backward_weight"]
-
-
-def _children(node):
-    return [c for c, _ in node.next_functions if c is not None]
+__all__ = ["WeightStore", "DeferredLinear", "forward_recording", "backward_input", "backward_weight"]
 
 
-def _postorder(roots) -> list:
-    """Every autograd node under ``roots``, each after all the nodes below it."""
-    out, seen, stack = [], set(), [(n, False) for n in roots]
-    while stack:
-        node, done = stack.pop()
-        if done:
-            out.append(node)
-        elif node not in seen:
-            seen.add(node)
-            stack += [(node, True)] + [(c, False) for c in _children(node) if c not in seen]
-    return out
+def _autocast_dtype(x: torch.Tensor):
+    """The dtype autocast would run a linear layer in on ``x``'s device, or None when it is off."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
-class WeightPass:
-    """The W of one micro-batch on one chunk: where its branches to the parameters start,
-    the gradients I caught there, and the parameters each branch reaches."""
+def _cast(t, dtype):
+    """As autocast casts a linear layer's argument: floating point but not float64, to ``dtype``."""
+    if dtype is None or t is None or not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    return t.to(dtype)
 
-    def __init__(self, roots: list, x: torch.Tensor, params: list):
-        tops = [t.grad_fn for t, _ in roots]
-        order = _postorder(tops)
-        target = get_gradient_edge(x).node if x.requires_grad else None
-        leaf = {get_gradient_edge(p).node: p for p in params}
-        on_path, below = set(), {}  # nodes that reach the input; non-path node -> its parameters
-        for node in order:
-            if node is target or any(c in on_path for c in _children(node)):
-                on_path.add(node)
-            else:
-                below[node] = set().union(*(below[c] for c in _children(node))) | (
-                    {node} if node in leaf else set())
-        # split points: a node on the input's path, the parameters of its branches off it
-        self.splits = {n: set().union(*(below[c] for c in _children(n) if c not in on_path))
-                       for n in order if n in on_path}
-        self.splits = {n: ps for n, ps in self.splits.items() if ps}
-        # roots off the input's path (the first stage's, or an output that ignores the input)
-        off = [(t, g) for t, g in roots if t.grad_fn not in on_path]
-        self.off_roots = (off, set().union(*(below[t.grad_fn] for t, _ in off)))
-        counted = [p for ps in [*self.splits.values(), self.off_roots[1]] for p in ps]
-        if len(counted) != len(set(counted)):
-            raise ValueError("a parameter is used on two branches of one stage: its W cannot be "
-                             "split from I here (use the full backward B)")
-        self.leaf, self.caught = leaf, {}
 
-    def catch(self):
-        """Hooks that keep the gradient arriving at each split point while I runs (remove them after)."""
-        def keep(node, grads):
-            self.caught[node] = grads
+class DeferredLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose backward computes dX now and leaves dA, db to `WeightStore.run`."""
 
-        return [n.register_prehook(partial(keep, n)) for n in self.splits]
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        dtype = _autocast_dtype(x)
+        x = _cast(x, dtype)  # autocast's copy of the input, the one its product saves
+        with torch.autocast(x.device.type, enabled=False) if dtype is not None else nullcontext():
+            y = F.linear(x, _cast(weight, dtype), _cast(bias, dtype))  # (.., out)
+        ctx.save_for_backward(x)  # X (the parameters are referred to: W adds into their .grad)
+        ctx.weight, ctx.bias, ctx.dtype, ctx.store = weight, bias, dtype, store
+        return y
 
-    def caught_bytes(self) -> int:
-        """Bytes of the gradients caught at the split points (distinct storages)."""
-        return sum({g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
-                    for grads in self.caught.values() for g in grads if g is not None}.values())
+    @staticmethod
+    def backward(ctx, dy):  # dy: (.., out)
+        (x,) = ctx.saved_tensors
+        dx = None
+        if ctx.needs_input_grad[0]:  # dX = dY A, in the product's dtype (the engine casts it back)
+            dx = dy.reshape(-1, dy.shape[-1]).mm(_cast(ctx.weight, ctx.dtype)).view(x.shape)
+        ctx.store.put(x, dy, ctx.weight, ctx.bias)
+        return dx, None, None, None
 
+
+class _Recording(TorchFunctionMode):
+    """Every ``F.linear`` of one of ``store``'s weights, with autograd recording, as `DeferredLinear`."""
+
+    def __init__(self, store: "WeightStore"):
+        super().__init__()
+        self.store = store
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and torch.is_grad_enabled():
+            x, weight, bias = _linear_args(*args, **kwargs)
+            if id(weight) in self.store.weights:
+                return DeferredLinear.apply(x, weight, bias, self.store)
+        return func(*args, **kwargs)
+
+
+def _linear_args(input, weight, bias=None):
+    return input, weight, bias
+
+
+class WeightStore:
+    """What one micro-batch's W needs on one chunk: each deferred linear layer's input X and
+    output gradient dY (the sources' ``WeightGradStore``, one per micro-batch and chunk).
+
+    ``weights``: the parameters whose linear layers defer their products (the stage's trainable
+    weights less the head's)."""
+
+    def __init__(self, weights):
+        self.params = list(weights)  # kept, so that their ids stay theirs
+        self.weights = {id(p) for p in self.params}
+        self.entries: list[tuple] = []  # (X, dY, weight, bias), in the order I met them
+
+    def recording(self):
+        """While F (or its recomputation) runs: the linear layers of ``weights`` as `DeferredLinear`."""
+        return _Recording(self)
+
+    def put(self, x, dy, weight, bias) -> None:
+        self.entries.append((x, dy, weight, bias))
+
+    def nbytes(self) -> int:
+        """Bytes of the X and dY held (distinct storages: an X may be F's saved tensor, a dY a view)."""
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for entry in self.entries for t in entry[:2]}.values())
+
+    @torch.no_grad()
     def run(self) -> None:
-        """W: every branch from its split point, gradients accumulated into the parameters' ``.grad``."""
-        off, params = self.off_roots
-        if off:
-            torch.autograd.backward([get_gradient_edge(t) for t, _ in off],
-                                    [torch.ones_like(t) if g is None else g for t, g in off],
-                                    inputs=[self.leaf[p] for p in params], retain_graph=True)
-        for node, params in self.splits.items():
-            grads = self.caught.get(node, ())
-            edges = [(GradientEdge(node, k), g) for k, g in enumerate(grads) if g is not None]
-            if edges:
-                torch.autograd.backward([e for e, _ in edges], [g for _, g in edges],
-                                        inputs=[self.leaf[p] for p in params], retain_graph=True)
-        self.caught.clear()
+        """W: dA = dY^T X and db = the sum of dY's rows, added into ``.grad`` (as AccumulateGrad), freed."""
+        while self.entries:
+            x, dy, weight, bias = self.entries.pop(0)
+            dy = dy.reshape(-1, dy.shape[-1])  # (b T, out)
+            if weight.requires_grad:
+                _accumulate(weight, dy.t().mm(x.reshape(-1, x.shape[-1])))  # (out, in)
+            if bias is not None and bias.requires_grad:
+                _accumulate(bias, dy.sum_to_size(bias.shape))  # (out,)
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+    g = g.to(p.dtype)  # autocast's copy of the weight took its gradient in the autocast dtype
+    if p.grad is None:
+        p.grad = g
+    else:
+        p.grad += g
+
+
+def _deferred_weights(stage: torch.nn.Module, head: bool) -> list:
+    """The stage's trainable parameters whose linear layers defer their products: all but the
+    head's (``lm_head``, when the stage holds the head)."""
+    skip = {id(p) for name, p in stage.named_parameters() if head and "lm_head" in name.split(".")}
+    return [p for p in stage.parameters() if p.requires_grad and id(p) not in skip]
+
+
+_SPLIT = weakref.WeakKeyDictionary()  # schedule -> {rank: the (mb, chunk) whose backward it splits}
+
+
+def _split(w: RankState, a: Action) -> bool:
+    """Whether rank ``w`` runs the backward of ``a``'s micro-batch and chunk as an I and a W."""
+    by_rank = _SPLIT.setdefault(w.schedule, {})
+    if w.rank not in by_rank:
+        by_rank[w.rank] = {(b.mb, b.chunk) for b in w.schedule.actions(w.rank) if b.op == "I"}
+    return (a.mb, a.chunk) in by_rank[w.rank]
+
+
+def forward_recording(w: RankState, a: Action) -> None:
+    """F: when its backward is split (an I, then a W), the stage's linear layers recorded as
+    `DeferredLinear`, their store kept beside what F keeps; else the plain F."""
+    if not _split(w, a):
+        return forward(w, a)
+    store = WeightStore(_deferred_weights(w.stages[a.chunk], w.ends(a.chunk)[1]))
+    with store.recording():
+        forward(w, a)
+    w.kept[(a.mb, a.chunk)].weights = store
 
 
 def backward_input(w: RankState, a: Action) -> None:
-    """I: the gradient of micro-batch ``a.mb``'s input to chunk ``a.chunk``, posted back; what
-    its W needs is kept (`WeightPass`) beside what its F kept."""
-    kept, roots = backward_roots(w, a)
-    params = [p for p in w.stages[a.chunk].parameters() if p.requires_grad]
-    kept.weights = WeightPass(roots, kept.x, params)
-    if not w.ends(a.chunk)[0]:
-        hooks = kept.weights.catch()
-        try:
-            (dx,) = torch.autograd.grad([t for t, _ in roots], [kept.x], [g for _, g in roots],
-                                        retain_graph=True, allow_unused=True)
-        finally:
-            for h in hooks:
-                h.remove()
-        w.mail.post("B", a.mb, a.chunk, dx if dx is not None else torch.zeros_like(kept.x))
+    """I: the backward of micro-batch ``a.mb`` on chunk ``a.chunk`` (`backward`: the input's
+    gradient posted, what F stored freed), the linear layers' weight products left in its store.
+    After it the micro-batch keeps its store alone."""
+    store = w.kept[(a.mb, a.chunk)].weights or WeightStore(())  # F did not record: I is the whole B
+    with store.recording():  # (a checkpointed chunk runs its F again here)
+        backward(w, a)
+    w.kept[(a.mb, a.chunk)] = Kept(None, weights=store)
 
 
 def backward_weight(w: RankState, a: Action) -> None:
-    """W: the weights' gradients of micro-batch ``a.mb`` on chunk ``a.chunk``; what its F and I
-    kept is freed (the graph, which its split points kept alive, with it)."""
+    """W: the weight products micro-batch ``a.mb``'s I left on chunk ``a.chunk``; its store freed."""
     w.kept.pop((a.mb, a.chunk)).weights.run()
-
-

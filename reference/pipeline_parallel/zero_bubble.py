@@ -42,9 +42,10 @@ The bubble (`zero_bubble_formula`), with F, I and W the times of a whole stage's
 at p = 4, m = 8: 1F1B idles 27.3 %, interleaved (v = 2) 15.8 %, zb-h1 11.1 %, zb-v and
 dualpipev 5.9 % (3.0 % at m = 16).
 
-Between its I and its W a micro-batch holds, beside what its F stored, the gradients caught at
-the split points (`reference.pipeline_parallel.costs.held_bytes_formula`); `peak_bytes` gives
-the peak of both that the executor measures, exactly.
+From its I to its W a micro-batch holds, in place of what its F stored, each linear layer's
+input X and output gradient dY, which W needs (`reference.pipeline_parallel.split_backward`;
+`reference.pipeline_parallel.costs.held_bytes_formula`); `peak_bytes` gives the peak of both that
+the executor measures, exactly.
 """
 from __future__ import annotations
 
@@ -287,11 +288,13 @@ def zero_bubble_formula(kind: str, pp: int, m: int, t_f: float = 1.0, t_b: float
 
 def peak_bytes(schedule: Schedule, rank: int, stored: Sequence[int], held: Sequence[int]) -> int:
     """The most activation bytes ``rank`` holds at once running ``schedule``, when each F of its
-    chunk c stores ``stored[c]`` bytes, each I holds ``held[c]`` more, and a B, or a W, frees
-    them: the count the executor measures (`PipelineResult.peak_activation_bytes`)."""
+    chunk c stores ``stored[c]`` bytes, each I frees them and holds instead the ``held[c]`` bytes
+    its W needs, and a W frees those (a whole B, what F stored): the count the executor measures
+    (`PipelineResult.peak_activation_bytes`)."""
     now = peak = 0
     for a in schedule.actions(rank):
-        now += {"F": stored[a.chunk], "I": held[a.chunk], "W": -stored[a.chunk] - held[a.chunk],
-                "B": -stored[a.chunk]}.get(a.op, 0)
+        c = a.chunk
+        now += {"F": stored[c], "I": held[c] - stored[c], "W": -held[c], "B": -stored[c]}.get(a.op, 0)
         peak = max(peak, now)
     return peak
+
