@@ -223,6 +223,9 @@ def test_sequence_parallelism_fits_t_times_the_tokens_with_a_fused_kernel():
     text = " ".join(" ".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown").split())
     assert "does not lengthen the context" not in text and "$t$ times the tokens fit" in text
     assert "$\\mathrm{cp} < 1 + H/H_{kv}$" in text and "Transformer Engine" in text
+    # _ExpandKVFunction: VILA's, copied into NVlabs' Long-RL (its verl fork) and on from there;
+    # upstream verl is not among them
+    assert "from which verl's" not in text and "Long-RL, a fork of verl" in text
     ids = [c["id"] for c in nb["cells"]]
     assert ids.index("selfcheck-answers") == ids.index("59e155b0") + 1
     # question 3: forward 2 (cp - 1) blocks, backward 4 (cp - 1), 6 (cp - 1) over both (not 4 (cp - 1))
