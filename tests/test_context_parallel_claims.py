@@ -223,5 +223,13 @@ def test_sequence_parallelism_fits_t_times_the_tokens_with_a_fused_kernel():
     text = " ".join(" ".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown").split())
     assert "does not lengthen the context" not in text and "$t$ times the tokens fit" in text
     assert "$\\mathrm{cp} < 1 + H/H_{kv}$" in text and "Transformer Engine" in text
+    # _ExpandKVFunction: VILA's, copied into NVlabs' Long-RL (its verl fork) and on from there;
+    # upstream verl is not among them
+    assert "from which verl's" not in text and "Long-RL, a fork of verl" in text
     ids = [c["id"] for c in nb["cells"]]
     assert ids.index("selfcheck-answers") == ids.index("59e155b0") + 1
+    # question 3: forward 2 (cp - 1) blocks, backward 4 (cp - 1), 6 (cp - 1) over both (not 4 (cp - 1))
+    answers = "".join(nb["cells"][ids.index("selfcheck-answers")]["source"])
+    assert "fwd8 + bwd8" in answers and "forward and backward {4 * (8 - 1)}" not in answers
+    blocks = ring_attention_sent_bytes(1, 1, 64, 8, 8, 2, grad_element_size=2)
+    assert (blocks["forward"], blocks["backward"]) == (14 * 128, 28 * 128)   # (1, 1, 8, 8) bf16 blocks

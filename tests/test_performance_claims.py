@@ -385,7 +385,8 @@ def test_the_utilisation_the_hang_row_and_powersgd_s_compute_as_sourced():
     """MFU is PaLM's (Appendix B): the model's FLOPs over the theoretical peak, beside HFU, with
     the published figures the prose quotes (PaLM's Table 3, Llama 3's Table 4); the CPU cell's
     measured denominator is named as something else. NCCL's tree is rated below the ring by
-    NCCL's own tuning model (`src/graph/tuning.cc`: 0.92 and a per-size factor from 0.5 to 1).
+    NCCL's own tuning model (`src/graph/tuning.cc`: 0.92 and a per-size, per-protocol factor from 0.4, LL's
+    lowest, to 1).
     The hang row: the timeout is init_process_group's (10 min for NCCL in ProcessGroupNCCL.hpp,
     30 min for the other backends, read from the pinned PyTorch), TORCH_NCCL_ASYNC_ERROR_HANDLING
     what follows (0-3, default 3). PowerSGD's products for GPT-3 1.3B at rank 4, against a
@@ -406,6 +407,7 @@ def test_the_utilisation_the_hang_row_and_powersgd_s_compute_as_sourced():
     assert "not MFU: the denominator is measured" in code and "The peak is *measured*" not in text
     assert "PaLM 540B 46.2 %" in text and "Llama 3 405B 38-43 %" in text
     assert "roughly matches the ring" not in text and "multiplies it by 0.92" in text
+    assert "between 0.4 and 1" in text and "between 0.5 and 1" not in text
     assert default_pg_timeout == timedelta(minutes=30) and "30 for gloo" in text
     assert "`init_process_group(timeout=...)` (10 minutes by default for NCCL" in text
     assert "3, the default" in text and "busbw = algbw · 2(N−1)/N" in text
