@@ -160,3 +160,13 @@ def test_dense_block_memory_parameters_and_flops():
     with FlopCounterMode(display=False) as written:
         (q @ q.transpose(-2, -1)).softmax(dim=-1) @ q
     assert fused.get_total_flops() == 0 and written.get_total_flops() == 4 * B * T * T * C
+
+
+def test_megatron_masked_mean_as_its_source_divides():
+    """tp23: Megatron's pipeline schedule divides the masked sum by the mask's sum per micro-batch;
+    with --calculate-per-token-loss it does not, and finalize_model_grads divides the gradients by
+    the whole step's tokens (megatron/core/pipeline_parallel/schedules.py, finalize_model_grads.py)."""
+    from notebook_cells import ROOT, source
+    text = " ".join(source(ROOT / "notebooks" / "03_tensor_parallel.ipynb", "tp23").split())
+    assert "or over the whole step with `--calculate-per-token-loss`" not in text
+    assert "`finalize_model_grads` divides the gradients by the tokens of the whole step" in text
