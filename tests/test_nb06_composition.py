@@ -172,8 +172,9 @@ def test_gpt3_175b_readings():
     assert round(ns["MEGATRON_FACTS"]["unfused_gib"], 1) == 79.0  # the unfused estimate it replaces
     assert "sequence-parallel" in _markdown("c43") and "20 bytes" in _markdown("c43")
     assert "attention-backend auto" in _markdown("c43") and "not Megatron's" in _markdown("c11")
-    # Megatron recomputes only under --recompute-granularity (TransformerConfig: method and number of
-    # layers without it are refused); auto lets Transformer Engine pick the kernel
+    # Megatron recomputes only under --recompute-granularity (TransformerBlock checks it; TransformerConfig
+    # requires a method and a number of layers with "full", and ignores them without a granularity);
+    # auto lets Transformer Engine pick the kernel
     assert "--recompute-granularity full" in _markdown("gpt3-facts") and "picks the backend" in _markdown("c43")
     assert 0.06 < ns["shares"]["dp"] < 0.065 and ns["shares"]["pp"] < 0.001  # not "a few percent"
     assert round(ns["again"] / 2**30, 1) == 8.0 and round(ns["one_block"] / 2**30, 2) == 0.33
