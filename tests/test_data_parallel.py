@@ -621,8 +621,12 @@ def _bucket_cap_zero_body():
                      after_backward=lambda step: our_calls.append(m.calls("all_reduce")))
     torch_run = _train(theirs, _optimizer(theirs),
                        after_backward=lambda step: torch_buckets.append(0))
+    # Caps given one per bucket (bucket_cap_mb_list, PyTorch 2.13) apply from the first iteration:
+    # a 0 MiB cap makes a bucket per parameter at construction, where bucket_cap_mb=0 makes one.
+    first = [len(nn.parallel.DistributedDataParallel(_gpt(), **cap).reducer._get_zeros_like_grad_buckets())
+             for cap in (dict(bucket_cap_mb=0), dict(bucket_cap_mb_list=[0]))]
     return dict(ours=run, theirs=torch_run, our_calls=our_calls, torch_buckets=torch_buckets[:STEPS],
-                names=[b.names for b in ours.buckets],
+                first_buckets=first, names=[b.names for b in ours.buckets],
                 trainable=[n for n, p in ours.module.named_parameters() if p.requires_grad])
 
 
@@ -640,6 +644,8 @@ def check_bucket_cap_zero(world_size, results, tol=None):
         # PyTorch's first backward runs on one bucket, then it rebuilds its buckets
         # in the order gradients arrived: one per parameter from the second step on.
         assert out["torch_buckets"][1:] == [n] * (STEPS - 1)
+        # (notebook 01, ptddp01) with bucket_cap_mb_list the first iteration is bucketed already
+        assert out["first_buckets"] == [1, n]
         _assert_run_equal(out["ours"], out["theirs"], f"dp={world_size} rank {rank} cap 0", tol)
 
 
