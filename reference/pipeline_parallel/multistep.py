@@ -25,6 +25,13 @@ and DualPipe's README (`dualpipe_readme_bubble`, B there being the whole backwar
 chunk; F&B a forward and a backward run as one overlapped pair; PP the number of stages):
 
     1F1B  (PP - 1)(F + B)    ZB1P  (PP - 1)(F + B - 2W)    DualPipe, DualPipeV  (PP/2 - 1)(F&B + B - 3W)
+
+DualPipeV's PP is its number of chunks, twice its ranks. Its row is the most idle rank's idle
+when a pair F&B is one action that starts once both the forward's input and the backward's
+gradient are there, as DeepSeek overlaps it (tests/test_pipeline_multistep.py reproduces it).
+The course runs a pair's F and B one after the other, so the F need not wait for the other's
+gradient: at F = I = W and F&B = F + B it idles half the row, (PP/2 - 1) I instead of
+(PP/2 - 1) 2I per chunk.
 """
 from __future__ import annotations
 
