@@ -28,6 +28,8 @@ Where each part lives:
 * `zero_bubble`: ZB-H1, ZB-H2 and ZB-V (Qi et al., 2024), whose backward is split into I (the input's
   gradient) and W (the weights'), and DualPipeV (DualPipe's V-shaped half); `VSchedule`,
   `zero_bubble_formula`, `peak_bytes`;
+* `overlap`: DualPipe's overlapped F&B (`overlap_pairs`): a forward and a backward in turns, each
+  all-to-all of experts in flight while the other micro-batch computes;
 * `multistep`: consecutive steps, overlapping (optimizer post-validation) or not: `repeat`,
   `idle_per_step`, and the paper's and DualPipe's bubble formulas;
 * `check`: `validate` (completeness, message matching, deadlock), the ideal timeline `simulate`, and
@@ -56,15 +58,17 @@ from reference.pipeline_parallel.stage import (DelayedStage, GPTStage, StageSpec
                                                split_stages)
 from reference.pipeline_parallel.tied import build_embedding_group, sync_tied_grads
 from reference.pipeline_parallel.zero_bubble import ZB_KINDS, VSchedule, peak_bytes, zero_bubble_formula
-from reference.pipeline_parallel import check, executor, schedules, split_backward, zero_bubble  # noqa: E402
+from reference.pipeline_parallel import check, executor, overlap, schedules, split_backward, zero_bubble  # noqa: E402
+from reference.pipeline_parallel.overlap import OverlappedSchedule, overlap_pairs
 
 # The zero-bubble schedules, the split backward's I and W, and the checker join 1F1B's
 # `build_schedule`, executor and `Schedule` here, so that 1F1B's files need not import them.
 schedules.BUILDERS.update(zero_bubble.BUILDERS)
 executor.COMPUTE.update(split_backward.COMPUTE)
+executor.COMPUTE.update(overlap.COMPUTE)  # DualPipe's overlapped F&B
 schedules.Schedule.checker = check
 
-_PICTURES = ("plot_timeline", "plot_bubble_curve", "plot_stage_balance")
+_PICTURES = ("plot_timeline", "plot_bubble_curve", "plot_stage_balance", "plot_overlap")
 
 
 def __getattr__(name: str):
@@ -90,6 +94,8 @@ __all__ = [
     # zero-bubble schedules
     "ZB_KINDS", "VSchedule", "zero_bubble_formula", "held_bytes_formula", "held_bytes_per_block",
     "held_bytes_of_head", "peak_bytes",
+    # DualPipe's forward and backward overlapped
+    "OverlappedSchedule", "overlap_pairs",
     # pictures
-    "plot_timeline", "plot_bubble_curve", "plot_stage_balance",
+    "plot_timeline", "plot_bubble_curve", "plot_stage_balance", "plot_overlap",
 ]

@@ -66,7 +66,11 @@ class Recorder:
         if w.device.type == "cuda":
             torch.cuda.synchronize()  # GPU work is asynchronous: time it to its end
         end = time.perf_counter() - self.t0
-        self.result.trace += [TraceEvent(w.rank, b, start, end) for b in step]
+        pieces = w.__dict__.pop("overlap_pieces", None)  # an overlapped F&B's chunks and all-to-alls
+        self.result.trace += [TraceEvent(w.rank, b, start, end) for b in step] if pieces is None else \
+            [TraceEvent(w.rank, b, s - self.t0, e - self.t0) for b, s, e in pieces]
+        if len(step) == 2 and not a.is_comm:  # the pair's B: what its F kept is freed
+            self.bytes -= self.held.pop((step[1].mb, step[1].chunk))
         if a.op == "F":
             kept = w.kept[key]
             for t in (kept.x, kept.out):  # what F keeps itself

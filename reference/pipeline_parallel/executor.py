@@ -3,7 +3,7 @@
 `run_schedule` takes this rank's steps (`Schedule.steps`) one after the other: F and B by
 `reference.pipeline_parallel.forward_backward`, a run of SEND/RECV by
 `reference.pipeline_parallel.messages`. A new kind of compute action (the split backward's I and
-W) is one more entry of `COMPUTE`; a ``recorder`` watches every step (`run_pipeline` measures with it).
+W, DualPipe's overlapped pair F&B) is one more entry of `COMPUTE`; a ``recorder`` watches every step (`run_pipeline` measures with it).
 """
 from __future__ import annotations
 
@@ -61,10 +61,12 @@ def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],
         with watch(step, w):
             if step[0].is_comm:
                 w.mail.exchange(step)  # every SEND and RECV of the step at once
-            else:
-                hook("before", step[0])
-                COMPUTE[step[0].op](w, step[0])
-                hook("after", step[0])
+            else:  # one action, or DualPipe's overlapped pair [F, B] (overlap.py)
+                for a in step:
+                    hook("before", a)
+                COMPUTE["F&B" if len(step) == 2 else step[0].op](w, *step)
+                for a in step:
+                    hook("after", a)
     w.mail.finish()  # sends a zero-bubble schedule left going
     sync_tied_grads(stages, tied_group)  # nothing without a group
     return torch.stack(w.losses).sum() if w.losses else None
