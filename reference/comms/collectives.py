@@ -17,7 +17,7 @@ from reference.comms.metering import record
 from reference.comms.ring import ring_sent_bytes
 
 __all__ = ["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
-           "all_to_all_single", "send", "recv", "all_to_all_waited_by"]
+           "all_to_all_single", "send", "recv", "all_to_all_waited_by", "all_to_all_waiter"]
 
 ReduceOp = dist.ReduceOp
 
@@ -120,3 +120,8 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None):
     """torch.distributed.recv, recording S payload bytes and 0 sent bytes."""
     record("recv", group, _nbytes(tensor), 0)
     return dist.recv(tensor, src=src, group=group, tag=tag, group_src=group_src)
+
+
+def all_to_all_waiter():
+    """This thread's waiter of `all_to_all_single` (`all_to_all_waited_by`), or None."""
+    return getattr(_WAIT, "all_to_all", None)

@@ -39,12 +39,10 @@ from typing import Optional
 
 import torch
 
-from reference.comms import all_to_all_waited_by
-from reference.comms.collectives import _WAIT
+from reference.comms import all_to_all_waited_by, all_to_all_waiter
 from reference.pipeline_parallel.actions import Action
 from reference.pipeline_parallel.forward_backward import RankState, backward, forward
 from reference.pipeline_parallel.schedules import Schedule
-from reference.pipeline_parallel.stage import _Sleep
 from reference.pipeline_parallel.zero_bubble import VSchedule
 
 __all__ = ["OverlappedSchedule", "overlap_pairs", "Turns", "forward_backward", "charged_all_to_all",
@@ -170,7 +168,7 @@ def forward_backward(w: RankState, f: Action, b: Action) -> None:
     if w.checkpoint[f.chunk] or w.checkpoint[b.chunk]:
         raise ValueError(f"DualPipe's overlapped F&B ({f}, {b}) does not run recomputed chunks: "
                          f"pass checkpoint=False for both chunks")
-    turns = Turns(getattr(_WAIT, "all_to_all", None))  # a charge the caller set, kept under the turns
+    turns = Turns(all_to_all_waiter())  # a charge the caller set, kept under the turns
     other = threading.Thread(target=turns.run, args=("B", b, lambda: backward(w, b)), daemon=True)
     other.start()
     turns.run("F", f, lambda: forward(w, f))
@@ -195,7 +193,12 @@ def slow(module: torch.nn.Module, forward_s: float, backward_s: float):
     """Make ``module``'s forward take ``forward_s`` seconds more and its backward ``backward_s``
     (the process sleeps, as in `DelayedStage`): an attention or an expert of a chosen cost.
     Returns the hook's handle (``.remove()`` undoes it)."""
-    return module.register_forward_hook(lambda mod, args, out: _Sleep.apply(out, forward_s, backward_s))
+    def hook(mod, args, out):
+        time.sleep(forward_s)
+        if out.requires_grad:  # runs when the output's gradient is computed, on the backward's thread
+            out.register_hook(lambda grad: time.sleep(backward_s))
+
+    return module.register_forward_hook(hook)
 
 
 COMPUTE = {"F&B": forward_backward}  # the executor's handler of a pair step (registered by the package)
