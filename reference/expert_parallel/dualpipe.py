@@ -76,7 +76,8 @@ def _body(m: int, cost: float, with_grads: bool):
         both = torch.nn.ModuleList(stages)  # under the V rank 0's two stages share the tied embedding
         moe_all_reduce_gradients(both, mesh.dp_group, mesh.edp_group)
         span = max(e.end for e in result.trace) - min(e.start for e in result.trace)
-        out[name] = dict(span=span, trace=result.trace if name.endswith("overlap") else None)
+        out[name] = dict(span=span, trace=result.trace if name.endswith("overlap") else None,
+                         peak=result.peak_activation_bytes)
         if with_grads:
             out[name]["grads"] = {_global_name(st, n): p.grad.clone() for st in stages
                                   for n, p in st.named_parameters() if p.grad is not None}
@@ -97,7 +98,7 @@ def _global_name(stage, name: str) -> str:
 
 def run(m: int = 8, cost: float = 0.02, with_grads: bool = False):
     """Every rank's results on 4 gloo ranks: per run ``span`` (seconds from the common start to
-    its last action), the overlapped run's ``trace``, and with ``with_grads`` every gradient after
+    its last action), ``peak`` (`PipelineResult.peak_activation_bytes`), the overlapped run's ``trace``, and with ``with_grads`` every gradient after
     the dp / ep reduction by the model's names."""
     from reference.runtime import launch
 

@@ -69,8 +69,6 @@ class Recorder:
         pieces = w.__dict__.pop("overlap_pieces", None)  # an overlapped F&B's chunks and all-to-alls
         self.result.trace += [TraceEvent(w.rank, b, start, end) for b in step] if pieces is None else \
             [TraceEvent(w.rank, b, s - self.t0, e - self.t0) for b, s, e in pieces]
-        if len(step) == 2 and not a.is_comm:  # the pair's B: what its F kept is freed
-            self.bytes -= self.held.pop((step[1].mb, step[1].chunk))
         if a.op == "F":
             kept = w.kept[key]
             for t in (kept.x, kept.out):  # what F keeps itself
@@ -84,8 +82,9 @@ class Recorder:
             r.peak_activation_bytes = max(r.peak_activation_bytes, self.bytes + again)
             if a.op == "I":  # held until W: the forward run again, and the gradients caught for W
                 self.keep(key, again + w.kept[key].weights.caught_bytes())
-        if a.op in ("B", "W"):
-            self.bytes -= self.held.pop(key)
+        for b in step:  # a B or W frees what its F kept (an overlapped pair's B after its F's keep)
+            if b.op in ("B", "W"):
+                self.bytes -= self.held.pop((b.mb, b.chunk))
 
     def keep(self, key: tuple, nbytes: int) -> None:
         """``nbytes`` more held for ``key`` (by its F, or its I)."""
