@@ -3,12 +3,13 @@
 * The pairs as data: `overlap_pairs` marks on each rank as many F&B pairs as DualPipe's
   ``DualPipeV.step`` runs through ``_forward_backward_chunk`` (its step 4: two per round, the last
   rank's first one apart; its step 5: one per round), and the moved messages are free of deadlock.
-* One launch (`reference.expert_parallel.dualpipe`, what `bench/dualpipe_overlap.py` prints: pp = 2 in a V, dp = ep = 2, a mixture of experts in every
-  block, injected costs with the all-to-all as long as the MLP): ZB-V, DualPipeV one pair after
-  the other, and DualPipeV overlapped. Gradients equal to one process; the peak of stored
-  bytes the same as in sequence; an all-to-all of one
-  micro-batch's forward in flight while another micro-batch's backward computes; and the step
-  times, measured in the same run, ordered overlapped < sequential DualPipeV and < ZB-V.
+* One launch (`reference.expert_parallel.dualpipe`, what `bench/dualpipe_overlap.py` prints:
+  pp = 2 in a V, dp = ep = 2, a mixture of experts in every block, injected costs with the
+  all-to-all as long as the MLP): ZB-V, DualPipeV one pair after the other, and DualPipeV
+  overlapped, each twice in turn. Gradients equal to one process; the peak of stored bytes the
+  same as in sequence; an all-to-all of one micro-batch's forward in flight while another
+  micro-batch's backward computes; and the step times, measured in the same run, ordered
+  overlapped < sequential DualPipeV and < ZB-V.
 """
 import functools
 

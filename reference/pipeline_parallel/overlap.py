@@ -109,10 +109,11 @@ def overlap_pairs(schedule: Schedule) -> OverlappedSchedule:
 
 class Turns:
     """Two threads, "F" and "B", taking turns on one rank's compute: the one whose turn it is
-    runs, the backward first; at a floating-point all-to-all it issues the exchange, passes the turn, waits for the
-    exchange (``wait(work, input)``, by default ``work.wait()``) and then for its turn. ``pieces``:
-    (action, start, end) of every compute piece and, as ``A2A_F`` / ``A2A_B`` of the same
-    micro-batch and chunk, of every all-to-all from its issue to its end (perf_counter seconds)."""
+    runs, the backward first; at a floating-point all-to-all it issues the exchange, passes the
+    turn, waits for the exchange (``wait(work, input)``, by default ``work.wait()``) and then for
+    its turn. ``pieces``: (action, start, end) of every compute piece and, as ``A2A_F`` /
+    ``A2A_B`` of the same micro-batch and chunk, of every all-to-all from its issue to its end
+    (perf_counter seconds)."""
 
     def __init__(self, wait=None):
         # the backward first: its first chunk (up to the last block's combine) is short, so its

@@ -139,7 +139,8 @@ def plot_overlap(trace, rank: int = 0, start: Optional[float] = None, end: Optio
     bottom lane, every all-to-all from its issue to its end (``A2A_F`` a forward's, ``A2A_B`` a
     backward's), so that one reads which chunk of which micro-batch ran while which exchange was
     in flight. ``start``, ``end``: the window (seconds of the trace) to draw."""
-    events = [e for e in trace if e.rank == rank and (e.action.op in COMPUTE or e.action.op.startswith("A2A"))]
+    events = [e for e in trace
+              if e.rank == rank and (e.action.op in COMPUTE or e.action.op.startswith("A2A"))]
     lo = min(e.start for e in events) if start is None else start
     hi = max(e.end for e in events) if end is None else end
     events = [e for e in events if e.end > lo and e.start < hi]
@@ -165,7 +166,7 @@ def plot_overlap(trace, rank: int = 0, start: Optional[float] = None, end: Optio
     ax.tick_params(left=False)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
-    ax.set_title(title or f"rank {rank}: forward and backward in turns, each all-to-all under the other's compute",
-                 fontsize=10)
+    ax.set_title(title or f"rank {rank}: forward and backward in turns, each all-to-all under "
+                          f"the other's compute", fontsize=10)
     fig.tight_layout()
     return fig
