@@ -21,8 +21,8 @@
 """
 
 from reference.comms.collectives import (
-    ReduceOp, all_gather_into_tensor, all_reduce, all_to_all_single, broadcast, recv,
-    reduce_scatter_tensor, send,
+    ReduceOp, all_gather_into_tensor, all_reduce, all_to_all_single, all_to_all_waited_by,
+    all_to_all_waiter, broadcast, recv, reduce_scatter_tensor, send,
 )
 from reference.comms.algorithms import (
     halving_doubling_all_reduce, hierarchical_all_reduce, node_groups, tree_all_reduce, two_level_time,
@@ -43,4 +43,4 @@ __all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "ring_br
            "two_level_time", "Link", "NVLINK", "NIC", "GPUS_PER_NODE", "NICS_PER_NODE",
            "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
            "all_to_all_single", "send", "recv", "ReduceOp", "all_gather_along", "all_to_all",
-           "AllToAll"]
+           "AllToAll", "all_to_all_waited_by", "all_to_all_waiter"]

@@ -7,6 +7,9 @@ may choose another, but the ring's count is the one the course's formulas teach.
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
@@ -14,7 +17,7 @@ from reference.comms.metering import record
 from reference.comms.ring import ring_sent_bytes
 
 __all__ = ["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
-           "all_to_all_single", "send", "recv"]
+           "all_to_all_single", "send", "recv", "all_to_all_waited_by", "all_to_all_waiter"]
 
 ReduceOp = dist.ReduceOp
 
@@ -79,8 +82,32 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     row_bytes = _nbytes(input) // rows if rows else 0
     sent = (rows - int(input_split_sizes[i])) * row_bytes
     record("all_to_all", group, _nbytes(input), sent)
-    return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                  group=group, async_op=async_op)
+    wait = getattr(_WAIT, "all_to_all", None)
+    if wait is None or async_op:
+        return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                      group=group, async_op=async_op)
+    # issued at once, waited for as this thread's `all_to_all_waited_by` says
+    wait(dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                group=group, async_op=True), input)
+    return None
+
+
+_WAIT = threading.local()  # this thread's waiter of all_to_all_single, if any
+
+
+@contextmanager
+def all_to_all_waited_by(wait):
+    """Within it, on this thread, every `all_to_all_single` called without ``async_op`` (the
+    expert all-to-all's dispatch and combine, and their backwards) is issued asynchronously and
+    handed to ``wait(work, input)``, which returns once the exchange is complete. DualPipe's
+    overlapped forward and backward (`reference.pipeline_parallel.overlap`) compute the other
+    micro-batch in the meantime; a benchmark can charge the exchange a time. ``None``: none."""
+    before = getattr(_WAIT, "all_to_all", None)
+    _WAIT.all_to_all = wait
+    try:
+        yield
+    finally:
+        _WAIT.all_to_all = before
 
 
 def send(tensor, dst=None, group=None, tag=0, group_dst=None):
@@ -93,3 +120,8 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None):
     """torch.distributed.recv, recording S payload bytes and 0 sent bytes."""
     record("recv", group, _nbytes(tensor), 0)
     return dist.recv(tensor, src=src, group=group, tag=tag, group_src=group_src)
+
+
+def all_to_all_waiter():
+    """This thread's waiter of `all_to_all_single` (`all_to_all_waited_by`), or None."""
+    return getattr(_WAIT, "all_to_all", None)

@@ -28,6 +28,8 @@ Where each part lives:
 * `zero_bubble`: ZB-H1, ZB-H2 and ZB-V (Qi et al., 2024), whose backward is split into I (the input's
   gradient) and W (the weights'), and DualPipeV (DualPipe's V-shaped half); `VSchedule`,
   `zero_bubble_formula`, `peak_bytes`;
+* `overlap`: DualPipe's overlapped F&B (`overlap_pairs`): a forward and a backward in turns, each
+  all-to-all of experts in flight while the other micro-batch computes;
 * `multistep`: consecutive steps, overlapping (optimizer post-validation) or not: `repeat`,
   `idle_per_step`, and the paper's and DualPipe's bubble formulas;
 * `check`: `validate` (completeness, message matching, deadlock), the ideal timeline `simulate`, and
@@ -41,7 +43,7 @@ Where each part lives:
 * `executor`: `run_schedule`, the loop over a rank's steps, each kind of step done by a part of its own:
   `forward_backward` (F and B), `split_backward` (I and W), `recompute` (activation checkpointing),
   `messages` (batched point-to-point, sized by a handshake on micro-batch 0) and `async_messages` (the
-  zero-bubble schedules' mailbox);
+  zero-bubble schedules' mailbox), `overlap` (DualPipe's overlapped F&B: `overlap_pairs`);
 * `accounting`: `run_pipeline`, the executor with the schedule validated first and the time and stored
   bytes of every action measured (`PipelineResult`);
 * `viz`: timelines, the bubble against its formula, the balance of a cut; `widgets`: the schedule explorer.
@@ -57,8 +59,9 @@ from reference.pipeline_parallel.stage import (DelayedStage, GPTStage, StageSpec
                                                split_stages)
 from reference.pipeline_parallel.tied import build_embedding_group, sync_tied_grads
 from reference.pipeline_parallel.zero_bubble import ZB_KINDS, VSchedule, peak_bytes, zero_bubble_formula
+from reference.pipeline_parallel.overlap import OverlappedSchedule, overlap_pairs
 
-_PICTURES = ("plot_timeline", "plot_bubble_curve", "plot_stage_balance")
+_PICTURES = ("plot_timeline", "plot_bubble_curve", "plot_stage_balance", "plot_overlap")
 
 
 def __getattr__(name: str):
@@ -84,6 +87,8 @@ __all__ = [
     # zero-bubble schedules
     "ZB_KINDS", "VSchedule", "zero_bubble_formula", "held_bytes_formula", "held_bytes_per_block",
     "held_bytes_of_head", "peak_bytes", "peak_bytes_by_rank",
+    # DualPipe's forward and backward overlapped
+    "OverlappedSchedule", "overlap_pairs",
     # pictures
-    "plot_timeline", "plot_bubble_curve", "plot_stage_balance",
+    "plot_timeline", "plot_bubble_curve", "plot_stage_balance", "plot_overlap",
 ]

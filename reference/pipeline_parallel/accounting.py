@@ -67,7 +67,9 @@ class Recorder:
         if w.device.type == "cuda":
             torch.cuda.synchronize()  # GPU work is asynchronous: time it to its end
         end = time.perf_counter() - self.t0
-        self.result.trace += [TraceEvent(w.rank, b, start, end) for b in step]
+        pieces = w.__dict__.pop("overlap_pieces", None)  # an overlapped F&B's chunks and all-to-alls
+        self.result.trace += [TraceEvent(w.rank, b, start, end) for b in step] if pieces is None else \
+            [TraceEvent(w.rank, b, s - self.t0, e - self.t0) for b, s, e in pieces]
         if a.op == "F":
             kept = w.kept[key]
             for t in (kept.x, kept.out):  # what F keeps itself
@@ -82,8 +84,9 @@ class Recorder:
             if a.op == "I":  # from here to its W: what its W needs, in place of what F stored
                 self.bytes -= self.held.pop(key)
                 self.keep(key, w.kept[key].weights.nbytes())
-        if a.op in ("B", "W"):
-            self.bytes -= self.held.pop(key)
+        for b in step:  # a B or W frees what its F kept (an overlapped pair's B after its F's keep)
+            if b.op in ("B", "W"):
+                self.bytes -= self.held.pop((b.mb, b.chunk))
 
     def keep(self, key: tuple, nbytes: int) -> None:
         """``nbytes`` held for ``key`` (by its F, or from its I)."""

@@ -140,10 +140,10 @@ def _run(s: "Schedule", cost: dict, partner: dict) -> list[list[TraceEvent]]:
                 step = steps[r][k]
                 reached.setdefault((r, k), clock[r])
                 if not step[0].is_comm:
-                    a = step[0]
-                    d = cost[a.op] / s.virtual
-                    events[r].append(TraceEvent(r, a, clock[r], clock[r] + d))
-                    clock[r] += d
+                    for a in step:  # one action, or an overlapped pair F&B counted one after the other
+                        d = cost[a.op] / s.virtual
+                        events[r].append(TraceEvent(r, a, clock[r], clock[r] + d))
+                        clock[r] += d
                 else:
                     waits = [partner[(r, first_index[r][k] + j)] for j, a in enumerate(step)
                              if a.op.startswith("RECV") or (s.strict and a.peer != r)]

@@ -3,8 +3,9 @@
 `run_schedule` takes this rank's steps (`Schedule.steps`) one after the other: F and B by
 `reference.pipeline_parallel.forward_backward`, a run of SEND/RECV by
 `reference.pipeline_parallel.messages`. `HANDLERS` names what runs each compute action: F and B
-(`forward_backward`), and the split backward's I and W (`split_backward`), which only the
-zero-bubble schedules use. A ``recorder`` watches every step (`run_pipeline` measures with it).
+(`forward_backward`), the split backward's I and W (`split_backward`), which only the zero-bubble
+schedules use, and DualPipe's overlapped pair F&B (`overlap`), a step of two compute actions that
+`overlap_pairs` marks. A ``recorder`` watches every step (`run_pipeline` measures with it).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from reference.loss import MeanOfMeans
 from reference.pipeline_parallel.forward_backward import RankState, backward
 from reference.pipeline_parallel.messages import Mailbox
+from reference.pipeline_parallel.overlap import forward_backward as overlapped_forward_backward
 from reference.pipeline_parallel.schedules import Schedule
 from reference.pipeline_parallel.split_backward import backward_input, backward_weight, forward_recording
 from reference.pipeline_parallel.tied import sync_tied_grads
@@ -26,7 +28,8 @@ __all__ = ["run_schedule", "HANDLERS"]
 # What each compute action runs: handler(rank_state, action). F records the linear layers of a
 # micro-batch whose backward a zero-bubble schedule splits (so that W holds only X and dY), and is
 # the plain `forward` otherwise.
-HANDLERS = {"F": forward_recording, "B": backward, "I": backward_input, "W": backward_weight}
+HANDLERS = {"F": forward_recording, "B": backward, "I": backward_input, "W": backward_weight,
+            "F&B": overlapped_forward_backward}
 
 
 def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],
@@ -66,10 +69,12 @@ def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],
         with watch(step, w):
             if step[0].is_comm:
                 w.mail.exchange(step)  # every SEND and RECV of the step at once
-            else:
-                hook("before", step[0])
-                HANDLERS[step[0].op](w, step[0])
-                hook("after", step[0])
+            else:  # one action, or DualPipe's overlapped pair [F, B] (overlap.py)
+                for a in step:
+                    hook("before", a)
+                HANDLERS["F&B" if len(step) == 2 else step[0].op](w, *step)
+                for a in step:
+                    hook("after", a)
     w.mail.finish()  # sends a zero-bubble schedule left going
     sync_tied_grads(stages, tied_group)  # nothing without a group
     return torch.stack(w.losses).sum() if w.losses else None

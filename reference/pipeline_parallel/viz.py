@@ -2,7 +2,8 @@
 
 `plot_timeline` draws one row per rank, rank 0 on top, and one box per forward (light) or
 backward (dark) in its micro-batch's colour, the chunk as hatching: white space is the bubble.
-`plot_stage_balance` draws each stage's compute (time) and what it holds (memory).
+`plot_stage_balance` draws each stage's compute (time) and what it holds (memory). `plot_overlap`
+draws one rank's overlapped F&B pairs: each chunk computed, and each all-to-all in flight below it.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from reference.pipeline_parallel.actions import COMPUTE
 from reference.pipeline_parallel.check import bubble_of
 from reference.viz import CATEGORICAL, NotebookFigure, lighten
 
-__all__ = ["plot_timeline", "plot_schedule", "plot_bubble_curve", "plot_stage_balance"]
+__all__ = ["plot_timeline", "plot_schedule", "plot_bubble_curve", "plot_stage_balance", "plot_overlap"]
 
 _HATCHES = ["", "//", "..", "xx", "\\\\", "++", "oo", "--"]
 _SHADE = {"F": 0.55, "B": 0.05, "I": 0.05, "W": 0.3}  # how far each compute box is lightened
@@ -128,4 +129,44 @@ def plot_stage_balance(costs: dict, pp: int, m: int):
         ax_m.set_title("MB held at the peak (memory)", fontsize=9, loc="left")
     handles, labels = axes[0][1].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=8, frameon=False)
+    return fig
+
+
+def plot_overlap(trace, rank: int = 0, start: Optional[float] = None, end: Optional[float] = None,
+                 ax=None, title: Optional[str] = None):
+    """One rank's run of DualPipe's overlapped pairs (`run_pipeline` on `overlap_pairs`): top lane,
+    the chunks computed (forward light, backward dark, in the micro-batch's colour, labelled);
+    bottom lane, every all-to-all from its issue to its end (``A2A_F`` a forward's, ``A2A_B`` a
+    backward's), so that one reads which chunk of which micro-batch ran while which exchange was
+    in flight. ``start``, ``end``: the window (seconds of the trace) to draw."""
+    events = [e for e in trace
+              if e.rank == rank and (e.action.op in COMPUTE or e.action.op.startswith("A2A"))]
+    lo = min(e.start for e in events) if start is None else start
+    hi = max(e.end for e in events) if end is None else end
+    events = [e for e in events if e.end > lo and e.start < hi]
+    if not events:
+        raise ValueError(f"rank {rank} has no compute or all-to-all in [{lo}, {hi}]")
+    fig, ax = _new_axes(ax, (12, 2.4))
+    for e in events:
+        a = e.action
+        comm = a.op.startswith("A2A")
+        op = a.op[4:] if comm else a.op
+        rgb = CATEGORICAL[2 * (a.mb % (len(CATEGORICAL) // 2))]
+        y = 1.1 if comm else 0.1
+        x0, x1 = max(e.start, lo), min(e.end, hi)
+        ax.add_patch(Rectangle((x0 - lo, y), x1 - x0, 0.8, facecolor=lighten(rgb, _SHADE[op]),
+                               edgecolor="black", lw=0.6, hatch=_HATCHES[a.chunk % len(_HATCHES)]))
+        if (x1 - x0) / (hi - lo) > 0.02:
+            ax.text((x0 + x1) / 2 - lo, y + 0.4, f"{op}{a.mb}" + (f".c{a.chunk}" if a.chunk else ""),
+                    ha="center", va="center", fontsize=7)
+    ax.set_xlim(0, hi - lo)
+    ax.set_ylim(2, 0)
+    ax.set_yticks([0.5, 1.5], ["compute", "all-to-all\nin flight"])
+    ax.set_xlabel("seconds")
+    ax.tick_params(left=False)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(title or f"rank {rank}: forward and backward in turns, each all-to-all under "
+                          f"the other's compute", fontsize=10)
+    fig.tight_layout()
     return fig

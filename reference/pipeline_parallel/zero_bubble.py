@@ -28,7 +28,8 @@ plain data, reached through `build_schedule`, checked by the same deadlock check
   the forward of one chunk with the whole backward B of the other. DeepSeek overlaps a pair's
   halves (one's computation under the other's all-to-all of experts); here, as in torch without
   an overlap callback, they run one after the other, so it has ZB-V's bubble (at F = I = W) and
-  holds one chunk micro-batch more (2p + 1).
+  holds one chunk micro-batch more (2p + 1). `overlap_pairs` (`reference.pipeline_parallel.overlap`)
+  runs the pairs overlapped, each expert all-to-all under the other micro-batch's compute.
 
 The bubble (`zero_bubble_formula`), with F, I and W the times of a whole stage's halves
 (B = I + W; a chunk of the V takes half of each) and messages free, is idle / (m (F + B) + idle):
