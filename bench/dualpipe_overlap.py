@@ -8,7 +8,7 @@ ranks. The model is a GPT whose every block's MLP is a mixture of 4 experts, 2 p
 dropped (one block per stage). Costs are injected, with tau = ``--cost``: per block and
 micro-batch, attention takes tau forward and 2 tau backward, the experts together tau and 2 tau,
 and every dispatch and combine all-to-all, forward or backward, tau: the all-to-all as long as
-the MLP. The expert counts' exchange is not charged. `reference.expert_parallel.dualpipe` runs
+the MLP. The expert counts' exchange is not charged. `reference.train.dualpipe` runs
 it, each schedule twice in turn.
 
 For each schedule, the step time (the slowest rank's span from the common start, the lesser of
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 
-from reference.expert_parallel.dualpipe import PP, DP, figures, run
+from reference.train.dualpipe import PP, DP, figures, run
 
 
 def main() -> None:

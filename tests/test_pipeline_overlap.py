@@ -3,7 +3,7 @@
 * The pairs as data: `overlap_pairs` marks on each rank as many F&B pairs as DualPipe's
   ``DualPipeV.step`` runs through ``_forward_backward_chunk`` (its step 4: two per round, the last
   rank's first one apart; its step 5: one per round), and the moved messages are free of deadlock.
-* One launch (`reference.expert_parallel.dualpipe`, what `bench/dualpipe_overlap.py` prints:
+* One launch (`reference.train.dualpipe`, what `bench/dualpipe_overlap.py` prints:
   pp = 2 in a V, dp = ep = 2, a mixture of experts in every block, injected costs with the
   all-to-all as long as the MLP): ZB-V, DualPipeV one pair after the other, and DualPipeV
   overlapped, each twice in turn. Gradients equal to one process; the peak of stored bytes the
@@ -15,7 +15,7 @@ import functools
 
 import pytest
 
-from reference.expert_parallel import dualpipe as bench
+from reference.train import dualpipe as bench
 from reference.pipeline_parallel import build_schedule, overlap_pairs
 from reference.tolerance import gradient
 

@@ -13,8 +13,6 @@
   `update_expert_bias`);
 * `comms`: the counts exchanged before the all-to-all, and the bytes it moves per step;
 * `sequence_parallel`: MoE layers under Megatron sequence parallelism (`sequence_parallel_experts`);
-* `dualpipe`: DualPipeV's pairs overlapped (`reference.pipeline_parallel.overlap`) against the same
-  pairs one after the other and ZB-V, with the all-to-all as long as the MLP (imported on its own);
 * `viz`: loads, routes, the all-to-all drawn from real routes, memory per rank, the gate, balance.
 
 With E experts on P ranks each rank stores E / P of the expert weights (the article's 1/8 at 8 ranks).

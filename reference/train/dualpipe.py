@@ -1,7 +1,8 @@
 """DualPipeV with experts, measured: its pairs overlapped, one after the other, and ZB-V.
 
 The expert all-to-all that DualPipe's overlap hides (`reference.pipeline_parallel.overlap`) is
-expert parallelism's, so the comparison lives here, above both. Four gloo ranks: a pipeline of
+expert parallelism's, so the comparison lives in the composing layer, above both, beside the
+oracle it is checked against. Four gloo ranks: a pipeline of
 pp = 2 ranks (four model stages in a V, one block each) times dp = ep = 2 (the experts of a stage
 split over its two data-parallel ranks). The GPT's every block is a mixture of 4 experts, 2 per
 token, none dropped. With ``cost`` tau > 0 the costs are injected (`slow`, `charged_all_to_all`):
