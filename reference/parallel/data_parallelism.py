@@ -24,7 +24,6 @@ import torch
 
 from reference import comms
 from reference.expert_parallel import moe_all_reduce_gradients
-from reference.model import lm_loss
 from reference.parallel.clip import clip_grad_norm_, flat_shard_pieces, mark_parallel_params
 from reference.tensor_parallel import allreduce_sequence_parallel_grads
 from reference.zero import ReshardAfterForward, ZeroOptimizer
@@ -144,11 +143,12 @@ class GradientShards(OptimizerShards):
 
 
 class WholeModelShards(Replicas):
-    """ZeRO-3 by blocks: `FSDP` wraps the whole model (tp = pp = 1) and runs its micro-batches
-    itself, each block gathered for its forward and backward, its gradient reduce-scattered."""
+    """ZeRO-3 by blocks: `FSDP` wraps the whole model as one stage (tp = pp = 1); the executor
+    runs its micro-batches as any stage's, each block gathered for its forward and backward,
+    its gradient reduce-scattered during the backward."""
 
-    def __init__(self, fsdp, dp_cp: int):
-        self.fsdp, self.dp_cp = fsdp, dp_cp
+    def __init__(self, fsdp, model=None, dp_cp: int = 1):
+        self.fsdp, self.model, self.dp_cp = fsdp, model, dp_cp
 
     def make_optimizer(self, params, optimizer_class, decay=None, **kwargs):
         if decay:
@@ -158,25 +158,17 @@ class WholeModelShards(Replicas):
                              f"use zero_stage 1 or 2, or weight_decay=0")
         return optimizer_class(params, **kwargs)
 
-    def forward_backward(self, pm, run):
-        m, losses = pm.config.microbatches, []
-        for x, y in zip(run.x.split(run.x.shape[0] // m), run.y.split(run.y.shape[0] // m)):
-            with run.autocast():
-                logits, _ = self.fsdp(x.to(run.device))
-                share = run.loss_mean.share(lm_loss, logits, y.to(run.device))  # reference.loss
-            (share * run.loss_scale).backward()
-            losses.append(share.detach().float())
-        run.event("F", "forward and backward", 0.0)
-        return torch.stack(losses).sum(), 0
-
     def reduce_gradients(self, pm, optimizer) -> None:
         pass  # each block's gradient was reduce-scattered during the backward
 
     def full_state_dict(self, pm, of_stages) -> dict:
-        return self.fsdp.full_state_dict()  # the wrapped GPT's names, gathered unit by unit
+        return self.fsdp.full_state_dict()  # the GPT's names, gathered unit by unit
 
     def generate(self, pm, sample, *args):
-        return self.fsdp.module.generate(*args)  # the wrapped GPT gathers its own blocks
+        # the root unit (embeddings, head) whole for the whole loop; each block is gathered by
+        # its own hooks as the GPT runs it
+        with self.fsdp.summon_full_params():
+            return self.model.generate(*args)
 
 
 class ParameterShards(Replicas):
@@ -217,10 +209,10 @@ class ReshardedAfterForward(ParameterShards):
         sum_sequence_parallel_grads(pm)
 
 
-def data_parallelism(config, mesh, *, fsdp=None, sharded=None):
+def data_parallelism(config, mesh, *, fsdp=None, model=None, sharded=None):
     """The one place that reads the ZeRO stage: the way this run keeps its replicas."""
     if fsdp is not None:
-        return WholeModelShards(fsdp, mesh.dp_cp)
+        return WholeModelShards(fsdp, model, mesh.dp_cp)
     if sharded is not None:
         return ReshardedAfterForward(sharded) if config.reshard_after_forward else ParameterShards(sharded)
     if mesh.dp_cp > 1 and config.zero_stage == 1:

@@ -154,14 +154,15 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
     common = dict(config=config, mesh=mesh, model_config=model.config, schedule=schedule,
                   has_experts=n_experts is not None,
                   scaler=DynamicLossScaler() if config.precision == "fp16" else None)
-    if config.zero3_by_blocks:
-        # 6 (ZeRO-3): FSDP wraps the whole model; it runs as one "stage" without the executor
-        wrapped = FSDP(model, group=mesh.group("dp_cp"))
-        return ParallelGPT(stages=[wrapped], fsdp=wrapped, **common,
-                           data_parallel=data_parallelism(config, mesh, fsdp=wrapped))
     # 4. the pipeline cut (a pipeline of one stage when pp = 1)
     stages = split_stages(model, config.pp, config.virtual_stages,
                           embedding_stage=config.embedding_stage, head_stage=config.embedding_stage)
+    if config.zero3_by_blocks:
+        # 6 (ZeRO-3): FSDP wraps the one stage, the whole model, one unit per block; the
+        # executor runs it as any stage (its loss: LM loss + the routers' losses)
+        wrapped = FSDP(stages[0], group=mesh.group("dp_cp"), units=list(stages[0].h.values()))
+        return ParallelGPT(stages=[wrapped], fsdp=wrapped, **common,
+                           data_parallel=data_parallelism(config, mesh, fsdp=wrapped, model=model))
     mine = local_stages(stages, config.pp, mesh.pp_rank, schedule)  # ZB-V: rank r holds r and 2 pp - 1 - r
     tied = build_embedding_group(mesh) if config.pp > 1 else None
     # 5. activation checkpointing is the executor's per-chunk flag (see `train_step`);
