@@ -28,7 +28,6 @@ turns into the whole batch's mean. `StepResult.trace` lists what the rank did, w
 and end times, for `plot_step`."""
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -109,8 +108,8 @@ def _global_loss(pm, loss: Optional[torch.Tensor], device) -> torch.Tensor:
 
 class StepRun:
     """What the data-parallel way's `forward_backward` is handed: this rank's batch, the loss scale,
-    the precision's autocast, the step's clock and trace, and `pipeline(hook)`, which runs the
-    schedule with ``hook`` called around each of its actions."""
+    the step's clock and trace, and `pipeline(hook)`, which runs the schedule (under the
+    precision's autocast) with ``hook`` called around each of its actions."""
 
     def __init__(self, pm, x, y, device, loss_scale: float, loss_mean):
         self.pm, self.x, self.y, self.device, self.loss_scale = pm, x, y, device, loss_scale
@@ -124,26 +123,18 @@ class StepRun:
     def event(self, kind: str, label: str, start: float) -> None:
         self.trace.append(StepEvent(kind, label, start, self.now()))
 
-    def autocast(self):
-        if self.pm.config.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        if self.pm.config.precision == "fp16":
-            return torch.autocast(self.device.type, dtype=torch.float16)
-        return contextlib.nullcontext()
-
     def pipeline(self, hook) -> tuple:
         """(the last stage's mean loss or None, the peak of activation bytes)."""
         pm, x, y = self.pm, self.x, self.y
         offset = self.now()  # the executor's clock starts about here
-        with self.autocast():
-            result = run_pipeline(
-                pm.schedule, pm.stages,
-                x.to(self.device) if pm.is_first_stage else None,
-                y.to(self.device) if pm.is_last_stage else None,
-                group=pm.mesh.group("pp") if pm.mesh.pp > 1 else None,
-                checkpoint=pm.config.activation_checkpointing, tied_group=pm.tied_group,
-                batch_shape=tuple(x.shape), loss_fn=_loss_fn(pm), loss_scale=self.loss_scale,
-                loss_mean=self.loss_mean, action_hook=hook)
+        result = run_pipeline(
+            pm.schedule, pm.stages,
+            x.to(self.device) if pm.is_first_stage else None,
+            y.to(self.device) if pm.is_last_stage else None,
+            group=pm.mesh.group("pp") if pm.mesh.pp > 1 else None,
+            checkpoint=pm.config.activation_checkpointing, tied_group=pm.tied_group,
+            batch_shape=tuple(x.shape), loss_fn=_loss_fn(pm), loss_scale=self.loss_scale,
+            loss_mean=self.loss_mean, precision=pm.config.precision, action_hook=hook)
         for e in result.trace:
             kind = e.action.op if e.action.op in ("F", "B") else e.action.op.split("_")[0]
             self.trace.append(StepEvent(kind, str(e.action), offset + e.start, offset + e.end))
