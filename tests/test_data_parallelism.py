@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from reference.parallel import ParallelConfig
-from reference.parallel.data_parallelism import (GradientShards, OptimizerShards, ParameterShards, Replicas,
-                                                 ReshardedAfterForward, WholeModelShards, data_parallelism)
+from reference.parallel.data_parallelism import (GradientShards, OptimizerShards, ParameterShards,
+                                                 ParameterShardsPerBlock, Replicas, WholeModelShards,
+                                                 data_parallelism)
 
 
 def _mesh(dp_cp):
@@ -27,14 +28,16 @@ def test_replicas_and_zero_shards(zero_stage, dp_cp, way):
 
 
 def test_zero3_ways():
+    """By blocks at tp = pp = ep = 1; per parameter otherwise, gathered once a step or per block."""
+    assert type(data_parallelism(ParallelConfig(dp=2, zero_stage=3), _mesh(2))) is WholeModelShards
     config = ParallelConfig(dp=2, tp=2, zero_stage=3)
-    assert type(data_parallelism(config, _mesh(2), fsdp="fsdp")) is WholeModelShards
-    assert type(data_parallelism(config, _mesh(2), sharded="rows")) is ParameterShards
-    resharded = data_parallelism(config.with_(reshard_after_forward=True), _mesh(2), sharded="rows")
-    assert type(resharded) is ReshardedAfterForward and resharded.reshard is None  # made at the first step
+    assert type(data_parallelism(config, _mesh(2))) is ParameterShards
+    per_block = data_parallelism(config.with_(reshard_after_forward=True), _mesh(2))
+    assert type(per_block) is ParameterShardsPerBlock and per_block.reshard is None  # made at the first step
+    assert per_block.sharded is None  # built by `build`, on the stages `parallelize` hands it
 
 
 def test_zero3_by_blocks_refuses_weight_decay_and_names_the_way_out():
-    way = WholeModelShards(fsdp=None, dp_cp=4)
+    way = WholeModelShards(dp_cp=4)
     with pytest.raises(ValueError, match=r"weight_decay=0.1 with zero_stage=3 \(dp\*cp=4\).*zero_stage 1 or 2"):
         way.make_optimizer([{"params": [], "weight_decay": 0.0}], object, 0.1)  # flat shards: 1-dim, no matrix

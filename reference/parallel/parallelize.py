@@ -42,7 +42,6 @@ from reference.parallel.scaler import DynamicLossScaler
 from reference.pipeline_parallel import (build_embedding_group, build_schedule, local_stages,
                                          split_stages)
 from reference.tensor_parallel import apply_tensor_parallel
-from reference.zero import FSDP, ShardedParameters, ShardedSets
 
 __all__ = ["ParallelGPT", "parallelize", "count_experts"]
 
@@ -62,11 +61,9 @@ class ParallelGPT:
     config: ParallelConfig
     mesh: object
     model_config: object
-    stages: list                     # this rank's pipeline chunks (GPTStage), or [FSDP] for ZeRO-3
+    stages: list                     # this rank's pipeline chunks (GPTStage), or [FSDP] for ZeRO-3 by blocks
     schedule: object                 # the pipeline schedule (a pipeline of 1 when pp = 1)
     tied_group: Optional[object] = None
-    fsdp: Optional[FSDP] = None      # ZeRO-3 at tp = pp = 1: the wrapped whole model
-    sharded: Optional[ShardedParameters] = None  # ZeRO-3 composed (ShardedSets with ep > 1)
     has_experts: bool = False
     data_parallel: object = field(default_factory=Replicas)  # how the replicas keep weights, gradients
     scaler: Optional[object] = None  # fp16: the DynamicLossScaler train_step uses
@@ -157,29 +154,10 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
     # 4. the pipeline cut (a pipeline of one stage when pp = 1)
     stages = split_stages(model, config.pp, config.virtual_stages,
                           embedding_stage=config.embedding_stage, head_stage=config.embedding_stage)
-    if config.zero3_by_blocks:
-        # 6 (ZeRO-3): FSDP wraps the one stage, the whole model, one unit per block; the
-        # executor runs it as any stage (its loss: LM loss + the routers' losses)
-        wrapped = FSDP(stages[0], group=mesh.group("dp_cp"), units=list(stages[0].h.values()))
-        return ParallelGPT(stages=[wrapped], fsdp=wrapped, **common,
-                           data_parallel=data_parallelism(config, mesh, fsdp=wrapped, model=model))
     mine = local_stages(stages, config.pp, mesh.pp_rank, schedule)  # ZB-V: rank r holds r and 2 pp - 1 - r
     tied = build_embedding_group(mesh) if config.pp > 1 else None
     # 5. activation checkpointing is the executor's per-chunk flag (see `train_step`);
-    # 6. data parallelism / ZeRO on exactly these local parameters (ZeRO-3: each along dim 0)
-    sharded = None
-    if config.zero_stage == 3 and mesh.dp_cp > 1:
-        params = list({id(p): p for m in mine for p in m.parameters()}.values())
-        if mesh.ep > 1:  # experts over the expert-data-parallel group, the rest over dp
-            experts = {id(p) for m in mine for p in expert_parameters(m)}
-            sharded = ShardedSets([
-                ShardedParameters([p for p in params if id(p) not in experts], mesh.group("dp")),
-                ShardedParameters([p for p in params if id(p) in experts], mesh.group("edp"),
-                                  mean_over=mesh.dp)])
-        elif mesh.dp_replicate > 1:  # HSDP: rows over dp_shard, the shards' mean across replicas
-            sharded = ShardedParameters(params, mesh.group("dp_shard"), mean_over=mesh.dp,
-                                        replicate_group=mesh.group("dp_replicate"))
-        else:
-            sharded = ShardedParameters(params, mesh.group("dp_cp"))
-    return ParallelGPT(stages=mine, tied_group=tied, sharded=sharded, **common,
-                       data_parallel=data_parallelism(config, mesh, sharded=sharded))
+    # 6. data parallelism / ZeRO on exactly these local parameters: the way builds what it
+    #    shards (ZeRO-3 by blocks: FSDP wraps the one stage; per parameter: each along dim 0)
+    way = data_parallelism(config, mesh)
+    return ParallelGPT(stages=way.build(model, mine, mesh), tied_group=tied, **common, data_parallel=way)

@@ -156,8 +156,9 @@ def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
     run = StepRun(pm, x, y, device, scale, mean)
     loss, peak = dp.forward_backward(pm, run)          # 1-2: the batch through the schedule
     start = run.now()
-    dp.reduce_gradients(pm, optimizer)                 # 3: once, after the last backward
-    run.event("reduce", "gradients", start)
+    reduced = dp.reduce_gradients(pm, optimizer)       # 3: once, after the last backward
+    if reduced:  # (ZeRO-1 without SP: nothing here, the optimizer's step reduce-scatters)
+        run.event("reduce", reduced, start)
     overflow = False
     if scaler is not None:  # unscale, and agree across every rank whether to step
         overflow = scaler.unscale_and_check(dp.local_grads(pm, optimizer))
