@@ -141,7 +141,7 @@ def dp_way(values: dict) -> Optional[str]:
     if values["reshard_after_forward"]:
         return "resharded"
     # the config's own rule, read on the values (building a ParallelConfig per draw is slow)
-    by_blocks = ParallelConfig.zero3_by_blocks.fget(SimpleNamespace(**values))
+    by_blocks = ParallelConfig.zero3_by_blocks.fget(SimpleNamespace(**values, zero3_engine="auto"))
     return "zero3-blocks" if by_blocks else "zero3-params"
 
 
@@ -283,12 +283,9 @@ def _acts(pair, values: dict) -> bool:
 # The options' values that make each data-parallel way and each kind of experts.
 _WAY_SETTINGS = {
     "replicas": dict(zero_stage=0, dp=2), "zero1": dict(zero_stage=1, dp=2), "zero2": dict(zero_stage=2, dp=2),
-    "zero3-blocks": dict(zero_stage=3, dp=2, tp=1, pp=1, ep=1, activation_checkpointing=False,
-                         dp_replicate=1, reshard_after_forward=False),
-    "zero3-params": dict(zero_stage=3, dp=2, activation_checkpointing=True, dp_replicate=1,
-                         reshard_after_forward=False),
-    "resharded": dict(zero_stage=3, dp=2, activation_checkpointing=True, dp_replicate=1,
-                      reshard_after_forward=True),
+    "zero3-blocks": dict(zero_stage=3, dp=2, tp=1, pp=1, ep=1, dp_replicate=1, reshard_after_forward=False),
+    "zero3-params": dict(zero_stage=3, dp=2, pp=2, dp_replicate=1, reshard_after_forward=False),
+    "resharded": dict(zero_stage=3, dp=2, pp=2, dp_replicate=1, reshard_after_forward=True),
     "hsdp": dict(zero_stage=3, dp=4, dp_replicate=2, reshard_after_forward=False)}
 _EXPERT_SETTINGS = {"dense": dict(moe=False), "ep1": dict(moe=True, ep=1), "ep>1": dict(moe=True, ep=2)}
 

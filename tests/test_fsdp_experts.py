@@ -166,11 +166,14 @@ def test_zero3_expert_rows_checkpoint_loads_into_other_layouts(tmp_path):
 # ZeRO-3 by blocks (FSDP over the whole model: tp = pp = ep = 1, no recompute) with experts at
 # ep 1: the router's balance and z losses are part of the loss like any other.
 BY_BLOCKS = [SweepCase(ParallelConfig(dp=2, zero_stage=3), moe=True),
-             SweepCase(ParallelConfig(dp=2, zero_stage=3, microbatches=2), clip=True, moe=True)]
+             SweepCase(ParallelConfig(dp=2, zero_stage=3, microbatches=2), clip=True, moe=True),
+             # activation checkpointing keeps the engine: each block gathered again for the recompute
+             SweepCase(ParallelConfig(dp=2, zero_stage=3, microbatches=2, activation_checkpointing=True),
+                       moe=True)]
 
 
 def test_zero3_by_blocks_with_experts_keeps_the_routers_losses():
-    """dp 2 and dp 2 x m 2 (clipped), experts at ep 1 with the balance and z losses on (their
+    """dp 2, dp 2 x m 2 (clipped, and recomputed), experts at ep 1 with the balance and z losses on (their
     defaults, 0.01 and 0.001): equal to one process (`sweep_run.compare`). Without the routers'
     losses the loss and the mean weight move by more than `sweep_run.TOLERANCES`."""
     from sweep_run import compare, run_cases, single_process

@@ -181,7 +181,9 @@ def test_config_defaults_to_gathering_once_and_refuses_what_it_cannot_reshard():
         assert "reshard_after_forward=True needs ZeRO-3 over dp x cp > 1" in text
         assert f"zero_stage={config.zero_stage}, dp={config.dp} x cp=1 = {config.dp}" in text
     text = _refusal(ParallelConfig(dp=2, zero_stage=3, reshard_after_forward=True), 2)
-    assert "runs as FSDP by blocks" in text and "tp=1, pp=1, activation_checkpointing=False" in text
+    assert "runs as FSDP by blocks" in text and "tp=1, pp=1, zero3_engine='auto'" in text
+    assert "set zero3_engine='parameters'" in text  # the way to reshard rows at tp = pp = 1
+    ParallelConfig(dp=2, zero_stage=3, reshard_after_forward=True, zero3_engine="parameters").validate(2)
     text = _refusal(PP.with_(reshard_after_forward=True), 4, n_experts=4)
     assert "with experts (ep=1, n_experts=4)" in text and "different orders" in text
     text = _refusal(ParallelConfig(dp=2, ep=2, zero_stage=3, pp=2, microbatches=2,
