@@ -17,13 +17,15 @@ a fixed order, each the identity when its degree is 1:
 6. **data parallelism / ZeRO** last, on what this rank finally holds, over the ranks holding
    the same shard (dp x cp, the ``dp_cp`` group; experts over the expert-data-parallel group).
 
-ZeRO-3 comes in two forms. With tp = pp = 1 and no activation checkpointing, `FSDP` wraps the
-whole model and gathers each block per micro-batch, forward and backward (one block whole at
-a time; 3 m transfers a step). Composed with tensor or pipeline parallelism or checkpointing,
-each parameter of this rank's stages is sharded along dim 0 (`ShardedParameters`, the FSDP2
-design), gathered once before the step and kept whole through every micro-batch, its
-gradient reduce-scattered once after the last backward (torchtitan's
-``reshard_after_forward=False`` under a pipeline)."""
+ZeRO-3 comes in two forms, the configuration's `zero3_engine` (printed by the trainer's
+``--check``). "blocks": `FSDP` wraps the whole model (tp = pp = ep = 1) and gathers each block
+per micro-batch, forward and backward (one block whole at a time; about 3 m transfers a step,
+one more gather per block with activation checkpointing). "parameters": each parameter of this
+rank's stages is sharded along dim 0 (`ShardedParameters`, the FSDP2 design), gathered once
+before the step and kept whole through every micro-batch, its gradient reduce-scattered once
+after the last backward (torchtitan's ``reshard_after_forward=False`` under a pipeline). "auto"
+(the default) picks blocks wherever they can run. The data-parallel way builds either
+(`reference.parallel.data_parallelism`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,7 +36,7 @@ import torch.nn as nn
 
 from reference.expert_parallel import MoE, expert_parameters, register_bias_update, shard_experts
 from reference.expert_parallel.sequence_parallel import sequence_parallel_experts
-from reference.model import GPT
+from reference.model import GPT, weight_decay_groups
 from reference.parallel.config import ParallelConfig
 from reference.parallel.context import apply_context_parallel_dim
 from reference.parallel.data_parallelism import Replicas, data_parallelism
@@ -113,11 +115,7 @@ class ParallelGPT:
         (`reference.train.single.make_optimizer`): matrices decayed, biases and gains not."""
         params = [p for p in self.parameters() if p.requires_grad]
         if weight_decay is not None:
-            # (per-parameter shards keep each tensor's dim: matrices stay dim >= 2)
-            params = ([{"params": params, "weight_decay": 0.0}] if weight_decay == 0 else
-                      [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                       {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}])
-            params = [g for g in params if g["params"]]  # torch refuses an empty group
+            params = weight_decay_groups(params, weight_decay)
         optimizer = self.data_parallel.make_optimizer(params, optimizer_class, weight_decay, **kwargs)
         # experts balanced by a bias: moved before each step by the step's loads over dp
         register_bias_update(optimizer, nn.ModuleList(self.stages), self.mesh.group("dp") if self.mesh.dp > 1 else None)

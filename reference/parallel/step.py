@@ -36,7 +36,7 @@ import torch
 
 from reference import comms
 from reference.loss import counted_tokens, step_mean
-from reference.model import lm_loss
+from reference.model import autocast, lm_loss
 from reference.parallel.context import context_parallel_batch
 from reference.pipeline_parallel import run_pipeline
 from reference.tensor_parallel import vocab_parallel_cross_entropy
@@ -127,14 +127,15 @@ class StepRun:
         """(the last stage's mean loss or None, the peak of activation bytes)."""
         pm, x, y = self.pm, self.x, self.y
         offset = self.now()  # the executor's clock starts about here
-        result = run_pipeline(
-            pm.schedule, pm.stages,
-            x.to(self.device) if pm.is_first_stage else None,
-            y.to(self.device) if pm.is_last_stage else None,
-            group=pm.mesh.group("pp") if pm.mesh.pp > 1 else None,
-            checkpoint=pm.config.activation_checkpointing, tied_group=pm.tied_group,
-            batch_shape=tuple(x.shape), loss_fn=_loss_fn(pm), loss_scale=self.loss_scale,
-            loss_mean=self.loss_mean, precision=pm.config.precision, action_hook=hook)
+        with autocast(pm.config.precision, self.device.type):  # the oracle's too
+            result = run_pipeline(
+                pm.schedule, pm.stages,
+                x.to(self.device) if pm.is_first_stage else None,
+                y.to(self.device) if pm.is_last_stage else None,
+                group=pm.mesh.group("pp") if pm.mesh.pp > 1 else None,
+                checkpoint=pm.config.activation_checkpointing, tied_group=pm.tied_group,
+                batch_shape=tuple(x.shape), loss_fn=_loss_fn(pm), loss_scale=self.loss_scale,
+                loss_mean=self.loss_mean, action_hook=hook)
         for e in result.trace:
             kind = e.action.op if e.action.op in ("F", "B") else e.action.op.split("_")[0]
             self.trace.append(StepEvent(kind, str(e.action), offset + e.start, offset + e.end))

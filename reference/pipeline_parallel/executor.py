@@ -9,8 +9,8 @@ It is the one loop over micro-batches of the course: at pp = 1 (one stage, F0 B0
 runs the composed step's micro-batches (`reference.parallel.train_step`, ZeRO-3 by blocks
 included: FSDP wraps the one stage) and the single-process oracle's
 (`reference.train.single.accumulate_gradients`), so each micro-batch's loss is built in one
-place (`forward_backward`: its share of the step's loss plus the routers' auxiliary losses),
-under one autocast (`autocast`).
+place (`forward_backward`: its share of the step's loss plus the routers' auxiliary losses).
+Its callers run it under the one autocast, `reference.model.autocast`.
 """
 from __future__ import annotations
 
@@ -20,31 +20,23 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from reference.loss import step_mean
+from reference.loss import TokenMean
 from reference.pipeline_parallel.forward_backward import RankState, backward, forward
 from reference.pipeline_parallel.messages import Mailbox
 from reference.pipeline_parallel.schedules import Schedule
 from reference.pipeline_parallel.tied import sync_tied_grads
 
-__all__ = ["run_schedule", "COMPUTE", "autocast"]
+__all__ = ["run_schedule", "COMPUTE"]
 
 COMPUTE = {"F": forward, "B": backward}  # what each compute action runs: handler(rank_state, action)
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fp32: no autocast
-
-
-def autocast(precision: str, device_type: str):
-    """The forward's precision: ``torch.autocast`` to bf16 or fp16 (the weights and their
-    gradients stay fp32), nothing for fp32."""
-    dtype = AUTOCAST_DTYPES.get(precision)
-    return torch.autocast(device_type, dtype=dtype) if dtype is not None else nullcontext()
 
 
 def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],
                  inputs: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None,
                  *, group=None, checkpoint: Union[bool, Sequence[bool]] = False, tied_group=None,
                  batch_shape: Optional[tuple] = None, loss_fn: Optional[Callable] = None,
-                 loss_scale: float = 1.0, loss_mean=None, precision: str = "fp32",
-                 action_hook: Optional[Callable] = None, recorder=None) -> Optional[torch.Tensor]:
+                 loss_scale: float = 1.0, loss_mean=None, action_hook: Optional[Callable] = None,
+                 recorder=None) -> Optional[torch.Tensor]:
     """Run this rank's part of a valid ``schedule`` on the full batch ``inputs`` (B, T) -> ``targets`` (B, T).
 
     ``stages``: this rank's stages by chunk (`local_stages`); ``group``: the pipeline group. The
@@ -54,8 +46,7 @@ def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],
     ``loss_fn``: by default the stage's own ``loss``; ``loss_scale`` multiplies what
     backward starts from (fp16); ``loss_mean`` (`reference.loss`) makes each micro-batch's loss its
     share of the step's (default `TokenMean` of ``targets``: the sum over its counted tokens over
-    the batch's count, as one process's mean); ``precision`` "bf16" or "fp16" runs the stages
-    under `autocast`. ``action_hook(when, action)`` is
+    the batch's count, as one process's mean). ``action_hook(when, action)`` is
     called "before" and "after" every compute action (ZeRO-3 resharding, `reference.zero.fsdp_reshard`);
     ``recorder.step(step, rank_state)`` is a context manager around every step.
     Returns the sum of this rank's shares of the loss (unscaled) on the last stage, None elsewhere.
@@ -68,23 +59,20 @@ def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],
         raise ValueError(f"checkpoint needs one flag per chunk ({schedule.virtual}), got {len(flags)}")
     device = next((p.device for st in stages for p in st.parameters()), torch.device("cpu"))
     mb_in, mb_tgt = _micro_batches(inputs, targets, batch_shape, schedule.m, rank, device)
-    if loss_mean is None and targets is not None:  # only the last stage's targets make a loss
-        loss_mean = step_mean("tokens", targets, schedule.m, replicas=1)
-    w = RankState(schedule, stages, rank, device, mb_in, mb_tgt, flags, loss_mean,
+    w = RankState(schedule, stages, rank, device, mb_in, mb_tgt, flags, loss_mean or TokenMean.of(targets),
                   loss_scale, loss_fn, (schedule.mailbox or Mailbox)(group, rank, device))
     hook = action_hook or (lambda when, action: None)
     watch = recorder.step if recorder is not None else (lambda step, state: nullcontext())
     if schedule.pp > 1:
         dist.barrier(group=group)  # a common start, so the ranks' traces line up
-    with autocast(precision, device.type):
-        for step in schedule.steps(rank):
-            with watch(step, w):
-                if step[0].is_comm:
-                    w.mail.exchange(step)  # every SEND and RECV of the step at once
-                else:
-                    hook("before", step[0])
-                    COMPUTE[step[0].op](w, step[0])
-                    hook("after", step[0])
+    for step in schedule.steps(rank):
+        with watch(step, w):
+            if step[0].is_comm:
+                w.mail.exchange(step)  # every SEND and RECV of the step at once
+            else:
+                hook("before", step[0])
+                COMPUTE[step[0].op](w, step[0])
+                hook("after", step[0])
     w.mail.finish()  # sends a zero-bubble schedule left going
     sync_tied_grads(stages, tied_group)  # nothing without a group
     return torch.stack(w.losses).sum() if w.losses else None

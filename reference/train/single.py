@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from reference.data import ByteCorpus, get_batch
 from reference.loss import step_mean
-from reference.model import lm_loss
+from reference.model import autocast, lm_loss, weight_decay_groups
 
 # One chunk's (loss, auxiliary loss) from (model, x, y): `accumulate_gradients`' loss_fn.
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Union[torch.Tensor, float]]]
@@ -27,14 +27,7 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.0,
                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> torch.optim.AdamW:
     """AdamW over the parameters that require grad: one group without decay, else two, with
     only the matrices (dim >= 2) decayed and not the biases and LayerNorm gains, as in nanoGPT."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if weight_decay == 0.0:
-        groups = [{"params": params, "weight_decay": 0.0}]
-    else:
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
+    groups = weight_decay_groups([p for p in model.parameters() if p.requires_grad], weight_decay)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
 
 
@@ -83,12 +76,13 @@ def accumulate_gradients(model: nn.Module, idx: torch.Tensor, targets: torch.Ten
     model, a lone MoE layer): each chunk backpropagates (loss + aux) / chunks. Returns the loss."""
     # loaded here: `import reference.train` stays light for the first notebooks
     from reference.pipeline_parallel import build_schedule, split_stages
-    from reference.pipeline_parallel.executor import autocast, run_schedule
+    from reference.pipeline_parallel.executor import run_schedule
 
     if loss_fn is None:
         whole = split_stages(model, 1)[0]  # the GPT's own modules as one stage: (logits, aux)
-        loss = run_schedule(build_schedule("1f1b", 1, chunks), [whole], idx, targets, precision=precision,
-                            loss_scale=loss_scale, loss_mean=step_mean(loss_mean, targets, chunks, replicas=1))
+        with autocast(precision, idx.device.type):  # the composed step's too
+            loss = run_schedule(build_schedule("1f1b", 1, chunks), [whole], idx, targets, loss_scale=loss_scale,
+                                loss_mean=step_mean(loss_mean, targets, chunks, replicas=1))
         return float(loss)
     shares = []  # a model of its own: its loss_fn's mean, the executor's `MeanOfMeans` by hand
     for x, y in zip(idx.chunk(chunks), targets.chunk(chunks)):
