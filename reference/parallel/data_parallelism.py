@@ -51,7 +51,8 @@ import torch
 
 from reference import comms
 from reference.expert_parallel import expert_parameters, moe_all_reduce_gradients
-from reference.parallel.clip import clip_grad_norm_, flat_shard_pieces, mark_parallel_params
+from reference.parallel.clip import (clip_grad_norm_, clip_pieces, flat_grad_pieces, flat_shard_pieces,
+                                    mark_parallel_params)
 from reference.tensor_parallel import allreduce_sequence_parallel_grads
 from reference.zero import FSDP, ReshardAfterForward, ShardedParameters, ShardedSets, ZeroOptimizer
 
@@ -100,13 +101,7 @@ class Replicas:
         # Dense: one flat all-reduce of every gradient over the dp x cp replicas (one bucket:
         # after the last backward there is nothing left to overlap with)
         grads = [p.grad for p in pm.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comms.all_reduce(flat, group=mesh.group("dp_cp"))
-        flat /= mesh.dp_cp
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
-            offset += g.numel()
+        comms.all_reduce_coalesced(grads, group=mesh.group("dp_cp"), divide_by=mesh.dp_cp)
         return _joined(sp, "all-reduce over dp x cp")
 
     def local_grads(self, pm, optimizer) -> list:
@@ -163,7 +158,8 @@ class OptimizerShards(Replicas):
         # The flat shard mixes tensor-parallel slices, replicas over tp and the tied
         # embedding's second copy: each slice of it is counted by its parameter's marks.
         mark_parallel_params(pm.stages)
-        return clip_grad_norm_(optimizer, max_norm, pm.mesh)
+        pieces = flat_grad_pieces(optimizer.layout, optimizer.params, optimizer.dp_rank, optimizer.shard.grad)
+        return clip_pieces(pieces, [optimizer.shard.grad], max_norm, pm.mesh)
 
     def flat_states(self, optimizer) -> list:
         return [(optimizer.shard, optimizer.layout, optimizer.params,
@@ -187,13 +183,8 @@ class GradientShards(OptimizerShards):
         pieces = [g for p, g in flat_shard_pieces(optimizer.layout, optimizer.params, optimizer.dp_rank,
                                                   optimizer.shard.grad)
                   if getattr(p, "sequence_parallel", False)]
-        if pieces:  # the same on every tp rank: the same layout
-            flat = torch.cat(pieces)  # (k,) this shard's numbers of sequence-parallel parameters
-            comms.all_reduce(flat, group=pm.mesh.group("tp"))
-            offset = 0
-            for g in pieces:
-                g.copy_(flat[offset: offset + g.numel()])
-                offset += g.numel()
+        # (the same pieces on every tp rank: the same layout) this shard's numbers of SP parameters
+        comms.all_reduce_coalesced(pieces, group=pm.mesh.group("tp"))
         return "the last buckets' reduce-scatter over dp x cp, then the shards' SP sum over tp"
 
 
@@ -221,6 +212,12 @@ class WholeModelShards(Replicas):
 
     def reduce_gradients(self, pm, optimizer) -> Optional[str]:
         return None  # each block's gradient was reduce-scattered during the backward
+
+    def clip(self, pm, optimizer, max_norm: float) -> torch.Tensor:
+        mark_parallel_params(self.fsdp.module)  # each unit's flat shard, counted by its parameters
+        units = [u for u in self.fsdp.units if u.shard.grad is not None]
+        pieces = [piece for u in units for piece in flat_grad_pieces(u.layout, u.params, u.dp_rank, u.shard.grad)]
+        return clip_pieces(pieces, [u.shard.grad for u in units], max_norm, pm.mesh)
 
     def modules(self, pm) -> list:
         return [self.fsdp.module]
