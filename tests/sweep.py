@@ -207,9 +207,10 @@ def _key(pair) -> tuple:
     return ((a, str(va)), (b, str(vb)))
 
 
-def covering_set(seed: int = 0, draws: int = 600, max_world: int = 8):
+def covering_set(seed: int = 1, draws: int = 600, max_world: int = 8):
     """(accepted, refused): accepted `SweepCase`s covering every pair of effective values that
-    some accepted case can hold, and for each pair none can, (pair, a refused case, reason)."""
+    some accepted case can hold, and for each pair none can, (pair, a refused case, reason).
+    Seed 1 gives the cheapest set of seeds 0 to 3 (by `COST`: 93, where the others give 96 to 116)."""
     rng = random.Random(seed)
     wanted = {_key(p) for p in _all_pairs()}
     covered: set = set()
