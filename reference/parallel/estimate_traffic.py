@@ -21,7 +21,7 @@ tp = t, and an all-reduce is 2 U:
       ZeRO-2     a reduce-scatter per micro-batch + the all-gather
                  once per step                                        (m + 1) (d-1)/d P g
       ZeRO-3     by blocks: per micro-batch two all-gathers and a
-                 reduce-scatter                                       3 m (d-1)/d P g
+                 reduce-scatter (a third all-gather recomputed)       3 m (d-1)/d P g (4 m)
       ZeRO-3     composed: the stage gathered once per step, its
                  gradients reduce-scattered once, per group (dense
                  over N = dp, experts over N = dp / ep)               2 (N-1) S g
@@ -117,6 +117,8 @@ def dp_transfers(w) -> tuple:
             ("the parameters' all-gather after the step", once, 1, "")),
         2: (("a reduce-scatter per micro-batch", once, m, "backward"),
             ("the parameters' all-gather after the step", once, 1, "")),
-        3: (("all-gathers (forward, backward) and a reduce-scatter per micro-batch", 3 * once, m,
+        3: (("all-gathers (forward, recomputed, backward) and a reduce-scatter per micro-batch", 4 * once, m,
+             "micro-batch"),) if config.activation_checkpointing else
+           (("all-gathers (forward, backward) and a reduce-scatter per micro-batch", 3 * once, m,
              "micro-batch"),),
     }[config.zero_stage]
