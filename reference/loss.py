@@ -50,6 +50,12 @@ class TokenMean:
                              f"its mean over counted tokens is undefined")
         self.count, self.replicas = int(count), int(replicas)
 
+    @classmethod
+    def of(cls, targets, replicas: int = 1):
+        """The token mean of the step's ``targets`` (B, T); None without them (a pipeline rank
+        that does not hold the last stage computes no loss)."""
+        return None if targets is None else cls(counted_tokens(targets), replicas)
+
     def share(self, loss_fn: Callable, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return loss_fn(logits, targets, reduction="sum") * (self.replicas / self.count)
 

@@ -17,6 +17,8 @@ GPT does not re-initialise a module the factory built; the factory may call
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -25,8 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "causal_attention", "CausalSelfAttention", "MLP", "Block", "GPT", "init_weights",
-           "lm_loss", "sample_next_token", "saved_buffers"]
+__all__ = ["autocast", "weight_decay_groups", "GPTConfig", "causal_attention", "CausalSelfAttention", "MLP",
+           "Block", "GPT", "init_weights", "lm_loss", "sample_next_token", "saved_buffers"]
 
 
 @dataclass
@@ -269,6 +271,26 @@ class GPT(nn.Module):
         finally:
             self.train(was_training)
         return idx
+
+
+def autocast(precision: str, device_type: str):
+    """The forward's precision, one place for every loop: ``torch.autocast`` to bf16 or fp16 for
+    "bf16" and "fp16" (the weights and their gradients stay fp32), nothing for "fp32"."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def weight_decay_groups(params, weight_decay: float) -> list[dict]:
+    """Optimizer groups as nanoGPT makes them: with ``weight_decay``, the matrices (dim >= 2)
+    decayed and the biases and LayerNorm gains (dim < 2) not; one group without. An empty group
+    is left out (torch refuses one). ZeRO-3's per-parameter shards keep each tensor's dim."""
+    params = list(params)
+    if weight_decay == 0:
+        groups = [{"params": params, "weight_decay": 0.0}]
+    else:
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,

@@ -25,7 +25,7 @@ from reference.data import synthetic_batch
 from reference.data_parallel import DDP
 from reference.mesh import Mesh
 from reference.model import GPT, GPTConfig
-from reference.parallel.clip import MARKS, clip_grad_norm_, mark_parallel_params
+from reference.parallel.clip import MARKS, clip_grad_norm_, clip_pieces, flat_grad_pieces, mark_parallel_params
 from reference.pipeline_parallel import build_embedding_group, build_schedule, local_stages, run_pipeline, split_stages
 from reference.runtime import device, launch
 from reference.tolerance import exact, gradient, sgd_weights
@@ -89,12 +89,19 @@ def _ddp(mesh):
                 records=m.records())
 
 
+def _clip_flat(model, opt, mesh):
+    """A ZeroOptimizer's reduced shard, cut into pieces by its parameters' marks, clipped."""
+    mark_parallel_params(model)
+    pieces = flat_grad_pieces(opt.layout, opt.params, opt.dp_rank, opt.shard.grad)
+    return clip_pieces(pieces, [opt.shard.grad], MAX_NORM, mesh)
+
+
 def _zero(mesh, stage):
     model = _gpt(UNEVEN)
     opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, group=mesh.dp_group)
     model(*_rank_batch(UNEVEN, mesh.dp_rank, mesh.dp))[1].backward()
     opt.reduce_gradients()  # each rank: the averaged gradient of its shard (S,), then clip it
-    norm = clip_grad_norm_(opt, MAX_NORM, mesh)
+    norm = _clip_flat(model, opt, mesh)
     names = {id(p): n for n, p in model.named_parameters()}
     return dict(norm=norm.cpu(), shard_grad=opt.shard.grad.cpu().clone(),
                 order=[names[id(p)] for p in opt.params], padding=opt.layout.padding)
@@ -107,7 +114,7 @@ def _zero_step(mesh, stage):
     opt = ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=stage, group=mesh.dp_group, lr=1.0)
     model(*_rank_batch(UNEVEN, mesh.dp_rank, mesh.dp))[1].backward()
     opt.reduce_gradients()
-    clip_grad_norm_(opt, MAX_NORM, mesh)
+    _clip_flat(model, opt, mesh)
     opt.step()
     return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
@@ -117,7 +124,9 @@ def _fsdp(mesh):
     names = {id(p): n for n, p in model.named_parameters()}
     fsdp = FSDP(model, group=mesh.dp_group)
     fsdp(*_rank_batch(CFG, mesh.dp_rank, mesh.dp))[1].backward()  # each unit reduce-scattered into its shard
-    norm = clip_grad_norm_(fsdp, MAX_NORM, mesh)
+    mark_parallel_params(model)
+    pieces = [x for u in fsdp.units for x in flat_grad_pieces(u.layout, u.params, u.dp_rank, u.shard.grad)]
+    norm = clip_pieces(pieces, [u.shard.grad for u in fsdp.units], MAX_NORM, mesh)
     return dict(norm=norm.cpu(), units=[([names[id(p)] for p in u.params], u.shard.grad.cpu().clone())
                                         for u in fsdp.units])
 

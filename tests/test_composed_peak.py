@@ -124,7 +124,7 @@ def _measure():
             before.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
         mon = _StepPeak(pm, opt, [(weakref.ref(s), s.nbytes()) for s in before.values()])
         del params, state, before, t
-        sh = pm.sharded
+        sh = getattr(pm.data_parallel, "sharded", None)  # ZeRO-3 per parameter
         if sh is not None:  # mark the phases of train_step
             gather, reduce = sh.gather, sh.reduce_scatter
             sh.gather = lambda: (mon.enter("gather"), gather(), mon.enter("pipeline"))

@@ -161,3 +161,26 @@ def test_zero3_expert_rows_checkpoint_loads_into_other_layouts(tmp_path):
                  timeout=200)[0]
     assert one == pytest.approx(want, rel=1e-5, abs=0), f"{one} vs {want}"
     assert two == pytest.approx(want, rel=1e-5, abs=0), f"{two} vs {want}"
+
+
+# ZeRO-3 by blocks (FSDP over the whole model: tp = pp = ep = 1, no recompute) with experts at
+# ep 1: the router's balance and z losses are part of the loss like any other.
+BY_BLOCKS = [SweepCase(ParallelConfig(dp=2, zero_stage=3), moe=True),
+             SweepCase(ParallelConfig(dp=2, zero_stage=3, microbatches=2), clip=True, moe=True),
+             # activation checkpointing keeps the engine: each block gathered again for the recompute
+             SweepCase(ParallelConfig(dp=2, zero_stage=3, microbatches=2, activation_checkpointing=True),
+                       moe=True)]
+
+
+def test_zero3_by_blocks_with_experts_keeps_the_routers_losses():
+    """dp 2, dp 2 x m 2 (clipped, and recomputed), experts at ep 1 with the balance and z losses on (their
+    defaults, 0.01 and 0.001): equal to one process (`sweep_run.compare`). Without the routers'
+    losses the loss and the mean weight move by more than `sweep_run.TOLERANCES`."""
+    from sweep_run import compare, run_cases, single_process
+
+    assert all(c.config.zero3_by_blocks for c in BY_BLOCKS)
+    ranks = launch(run_cases, 2, BY_BLOCKS, timeout=300)
+    for i, case in enumerate(BY_BLOCKS):
+        assert ranks[1][i][0] == ranks[0][i][0], f"{case}: ranks disagree on the loss"
+        row = compare(case, ranks[0][i], single_process(case))
+        assert row["ok"], row

@@ -86,7 +86,7 @@ def _train(cases):
         state = full_state_dict(pm)
         reshard = pm.data_parallel.reshard
         out.append(((losses, skipped, state if dist.get_rank() == 0 else None), sent,
-                    pm.sharded.shard_numel, [len(c) for c in reshard.units] if reshard else None))
+                    pm.data_parallel.sharded.shard_numel, [len(c) for c in reshard.units] if reshard else None))
     return out
 
 
@@ -138,11 +138,12 @@ def _memory():
         mon = Held(pm)
         with mon:
             act = train_step(pm, opt, x2, y2).peak_activation_bytes
-        whole = {id(p): s.numel() for p, s in zip(pm.sharded.params, pm.sharded.shapes)}
+        sharded = pm.data_parallel.sharded
+        whole = {id(p): s.numel() for p, s in zip(sharded.params, sharded.shapes)}
         blocks = [m for st in pm.stages for m in st.modules() if isinstance(m, Block)]
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         out[reshard] = dict(
-            peak=mon.held_peak, after=after, act=act, S=pm.sharded.shard_numel, P=sum(whole.values()),
+            peak=mon.held_peak, after=after, act=act, S=sharded.shard_numel, P=sum(whole.values()),
             P_b={sum(whole[id(p)] for p in b.parameters()) for b in blocks},
             P_r=sum(n for i, n in whole.items() if i not in in_blocks),
             first=pm.is_first_stage, actions=2 * config.microbatches)
@@ -180,7 +181,9 @@ def test_config_defaults_to_gathering_once_and_refuses_what_it_cannot_reshard():
         assert "reshard_after_forward=True needs ZeRO-3 over dp x cp > 1" in text
         assert f"zero_stage={config.zero_stage}, dp={config.dp} x cp=1 = {config.dp}" in text
     text = _refusal(ParallelConfig(dp=2, zero_stage=3, reshard_after_forward=True), 2)
-    assert "runs as FSDP by blocks" in text and "tp=1, pp=1, activation_checkpointing=False" in text
+    assert "runs as FSDP by blocks" in text and "tp=1, pp=1, zero3_engine='auto'" in text
+    assert "set zero3_engine='parameters'" in text  # the way to reshard rows at tp = pp = 1
+    ParallelConfig(dp=2, zero_stage=3, reshard_after_forward=True, zero3_engine="parameters").validate(2)
     text = _refusal(PP.with_(reshard_after_forward=True), 4, n_experts=4)
     assert "with experts (ep=1, n_experts=4)" in text and "different orders" in text
     text = _refusal(ParallelConfig(dp=2, ep=2, zero_stage=3, pp=2, microbatches=2,

@@ -127,7 +127,9 @@ def _measure(configs):
     (4, [ParallelConfig(dp=2, pp=2, microbatches=2), ParallelConfig(tp=2, pp=2, microbatches=2),
          ParallelConfig(dp=2, tp=2),
          # ZeRO-2 and ZeRO-3 accumulating over 2 micro-batches: they communicate per micro-batch
-         ParallelConfig(dp=4, zero_stage=2, microbatches=2), ParallelConfig(dp=4, zero_stage=3, microbatches=2)]),
+         ParallelConfig(dp=4, zero_stage=2, microbatches=2), ParallelConfig(dp=4, zero_stage=3, microbatches=2),
+         # FSDP by blocks recomputed: each block gathered once more per micro-batch
+         ParallelConfig(dp=4, zero_stage=3, microbatches=2, activation_checkpointing=True)]),
     (8, [ParallelConfig.debug_3d()]),
 ])
 def test_parameters_and_bytes_per_rank_match_the_formulas(world_size, configs):

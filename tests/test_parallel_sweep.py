@@ -3,7 +3,10 @@
 `sweep.covering_set` (tests/sweep.py) picks accepted configurations (dp, tp, pp, cp and its
 kind, ep, ZeRO stage, SP, schedule and virtual stages, recompute, precision, clipping,
 accumulation, embedding stage, experts; world sizes 1 to 8) so that every pair of values
-that can act together trains in at least one of them. Each trains 3 AdamW steps and must
+that can act together trains in at least one of them, and every data-parallel way (replicas,
+ZeRO-1, ZeRO-2, ZeRO-3 by blocks or per parameter, resharded after forward, HSDP) trains with
+no experts, experts at ep 1 and at ep > 1, each precision and the experts' bias (`sweep.dp_way`).
+Every case trains on padded documents with the token mean. Each trains 3 AdamW steps and must
 equal one process within `sweep_run.TOLERANCES`, the course's policy
 (`reference.tolerance`): every loss, every weight and the mean weight differences (overall and
 per tensor), bf16 and fp16 against the same-precision single process. Each pair no accepted
@@ -26,7 +29,7 @@ ACCEPTED, REFUSED = covering_set()
 
 
 def test_the_covering_set_covers_every_pair_that_can_train():
-    from sweep import OPTIONS, _all_pairs, _key, pairs_of
+    from sweep import OPTIONS, WAYS, _all_pairs, _key, dp_way, pairs_of
 
     covered = set()
     for case in ACCEPTED:
@@ -38,6 +41,11 @@ def test_the_covering_set_covers_every_pair_that_can_train():
     for option, values in OPTIONS.items():  # every value of every option trains somewhere
         for v in values:
             assert any(case.values()[option] == v for case in ACCEPTED), (option, v)
+    assert {dp_way(case.values()) for case in ACCEPTED} == set(WAYS) | {None}
+    for way in WAYS:  # each way with experts at ep 1, and at ep > 1 where it holds them
+        with_experts = {case.config.ep > 1 for case in ACCEPTED if case.moe and dp_way(case.values()) == way}
+        assert with_experts == ({False} if way in ("zero1", "zero2", "zero3-blocks", "hsdp")
+                                else set() if way == "resharded" else {False, True}), (way, with_experts)
 
 
 def test_every_refused_pair_names_its_reason():

@@ -121,8 +121,8 @@ def _recompute_body():
     x, y = _batch()
     group = mesh.group("tp")
 
-    def loss_fn(logits, targets):  # given explicitly: this test is about the recomputation alone
-        return vocab_parallel_cross_entropy(logits, targets, group, CFG.vocab_size)
+    def loss_fn(logits, targets, reduction="mean"):  # given explicitly: this test is about the recomputation alone
+        return vocab_parallel_cross_entropy(logits, targets, group, CFG.vocab_size, reduction=reduction)
 
     for sp in (False, True):
         runs = {}
@@ -171,8 +171,8 @@ class Bf16Boundary(torch.nn.Module):
         out, aux = self.stage(x)
         return (out if self.spec.head else out.to(torch.bfloat16)), aux
 
-    def loss(self, logits, targets):
-        return self.stage.loss(logits, targets)
+    def loss(self, logits, targets, reduction="mean"):
+        return self.stage.loss(logits, targets, reduction)
 
 
 # bf16 keeps 8 significant bits: each rounding is off by up to 2^-8 = 0.4% of the

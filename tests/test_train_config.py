@@ -115,7 +115,7 @@ def test_article_config_is_the_articles_file_and_check_explains_every_key():
     with pytest.raises(ValueError, match="offload_optimizer .device 'cpu'. is not implemented"):
         config.parallel_config(8)
     no_offload = load_config(ARTICLE, {"zero_optimization.offload_optimizer.device": "none"})
-    no_offload.parallel_config(8)  # ZeRO-3 with recompute: per-parameter shards, gathered a step
+    no_offload.parallel_config(8)  # ZeRO-3 with recompute: FSDP by blocks ("auto"), as without it
     text = describe(config, 8)
     explained = {  # every key of the file, and where --check says what it does
         "train_batch_size": "train_batch_size 4096 = micro-batch 64 x accumulation 8 x dp 8",

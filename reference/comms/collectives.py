@@ -43,6 +43,22 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
+def all_reduce_coalesced(tensors, group=None, divide_by: int = 1) -> None:
+    """Sum ``tensors`` (any shapes, one dtype) over ``group`` in ONE all-reduce, then divide by
+    ``divide_by`` (the group's size gives the mean): flattened into one buffer, reduced, copied
+    back in place. Many small gradients pay one latency instead of one each (what a DDP bucket
+    does during the backward, done once after it)."""
+    tensors = list(tensors)
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])  # (sum of numels,)
+    all_reduce(flat, group=group)
+    if divide_by != 1:
+        flat /= divide_by
+    for t, reduced in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(reduced.view_as(t))
+
+
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
     """torch.distributed.reduce_scatter_tensor, recording (N-1)/N * S_in sent bytes."""
     _record_ring("reduce_scatter", group, input)

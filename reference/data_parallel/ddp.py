@@ -30,9 +30,10 @@ __all__ = ["naive_all_reduce_gradients", "DDP", "Bucket", "plan_buckets", "forma
 
 
 def naive_all_reduce_gradients(module: nn.Module, group=None) -> None:
-    """Average every gradient of `module` over `group`, one blocking all-reduce each. Parameters
-    without a gradient are skipped, so every rank must have gradients for the same ones (or its
-    peers wait forever); `DDP` handles a parameter unused on some ranks."""
+    """Average every gradient of `module` over `group`, one blocking all-reduce each (the naive
+    version the notebook starts from: `DDP` buckets them, `comms.all_reduce_coalesced` makes them
+    one). Parameters without a gradient are skipped, so every rank must have gradients for the
+    same ones (or its peers wait forever); `DDP` handles a parameter unused on some ranks."""
     world_size = dist.get_world_size(group)
     for p in module.parameters():
         if p.grad is None:
@@ -48,7 +49,8 @@ def _grad_ready_hook(ddp_ref, bucket_index: int, position: int, param) -> None:
         ddp._mark_ready(bucket_index, position)
 
 
-def _remove_hooks(handles) -> None:
+def remove_handles(handles) -> None:
+    """Remove every hook of ``handles`` (a list, emptied): the end of a DDP or of a ZeRO-2 reducer."""
     for h in handles:
         h.remove()
     handles.clear()
@@ -125,7 +127,7 @@ class DDP(nn.Module):
             for position, p in enumerate(b.params):
                 hook = functools.partial(_grad_ready_hook, me, b.index, position)
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
-        weakref.finalize(self, _remove_hooks, self._hook_handles)
+        weakref.finalize(self, remove_handles, self._hook_handles)
 
     # ------------------------------------------------------------------ set-up
     @torch.no_grad()
@@ -135,7 +137,7 @@ class DDP(nn.Module):
 
     def remove_hooks(self) -> None:
         """Detach this DDP from the module's parameters (to wrap the module again)."""
-        _remove_hooks(self._hook_handles)
+        remove_handles(self._hook_handles)
 
     # ---------------------------------------------------------------- training
     def forward(self, *args, **kwargs):

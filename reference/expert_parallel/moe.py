@@ -275,8 +275,7 @@ def moe_all_reduce_gradients(model: nn.Module, dp_group, edp_group) -> None:
     """
     dp = dist.get_world_size(dp_group)
     experts = {id(p) for p in expert_parameters(model)}
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        comms.all_reduce(p.grad, group=edp_group if id(p) in experts else dp_group)
-        p.grad.div_(dp)
+    grads = [p for p in model.parameters() if p.grad is not None]
+    # one all-reduce per group (`all_reduce_coalesced`), each divided by dp
+    comms.all_reduce_coalesced([p.grad for p in grads if id(p) not in experts], group=dp_group, divide_by=dp)
+    comms.all_reduce_coalesced([p.grad for p in grads if id(p) in experts], group=edp_group, divide_by=dp)

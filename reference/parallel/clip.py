@@ -29,13 +29,16 @@ scalar over the world adds the ranks' sums. What a rank counts (Megatron-LM's ru
 
 `mark_parallel_params(modules)` sets the four marks on every parameter from what the modules
 recorded (``p.tp_cut``, the experts of MoE layers, a head stage whose embedding lives on
-another pipeline rank). `clip_grad_norm_` marks by itself what it is given as modules, a
-`ZeroOptimizer` or an `FSDP` module; a bare tensor is taken as it is marked, and with more
-than one rank an unmarked one is an error (nothing says whether it is a slice, a copy or a
-shard).
+another pipeline rank). `clip_grad_norm_` marks by itself what it is given as modules; a bare
+tensor is taken as it is marked, and with more than one rank an unmarked one is an error
+(nothing says whether it is a slice, a copy or a shard).
 
-ZeRO-1/2: the clip acts on the reduced shard, so ``optimizer.reduce_gradients()`` comes first;
-`step()` then does not reduce again.
+A flat shard (ZeRO-1/2's `ZeroOptimizer`, FSDP's units) mixes slices of many parameters: its
+holder cuts it into pieces, each with the parameter whose marks count it (`flat_grad_pieces`),
+and hands them to `clip_pieces`, the norm and the scaling both functions share. The
+data-parallel way of a composed run does that (`reference.parallel.data_parallelism`: its
+`clip`). ZeRO-1/2: the clip acts on the reduced shard, so ``optimizer.reduce_gradients()``
+comes first; `step()` then does not reduce again.
 
 Communication: one all-reduce of one number over the world. With one process the norm and the
 clipped fp32 gradients are torch's, bit for bit."""
@@ -51,10 +54,9 @@ from reference import comms
 from reference.expert_parallel import expert_parameters
 from reference.pipeline_parallel import GPTStage
 from reference.runtime import device as rank_device
-from reference.zero import FSDP, ZeroOptimizer
 
-__all__ = ["clip_grad_norm_", "mark_parallel_params", "MARKS", "local_norm", "global_norm", "scale_gradients",
-           "clipped"]
+__all__ = ["clip_grad_norm_", "clip_pieces", "grad_pieces", "flat_grad_pieces", "mark_parallel_params", "MARKS",
+           "local_norm", "global_norm", "scale_gradients", "clipped"]
 
 # The attributes `mark_parallel_params` sets on every parameter (Megatron's names for the first two).
 MARKS = ("tensor_model_parallel", "shared", "expert_parallel", "data_parallel_shard")
@@ -62,7 +64,7 @@ MARKS = ("tensor_model_parallel", "shared", "expert_parallel", "data_parallel_sh
 
 def mark_parallel_params(modules) -> list[nn.Parameter]:
     """Set the four `MARKS` on every parameter of `modules` (a module, or this rank's pipeline
-    chunks; an `FSDP` module's shards as data-parallel shards); returns them, each once."""
+    chunks); returns them, each once."""
     modules = [modules] if isinstance(modules, nn.Module) else list(modules)
     subs = [s for m in modules for s in m.modules()]
     split = {id(p) for s in subs for p in s.parameters(recurse=False)
@@ -71,22 +73,11 @@ def mark_parallel_params(modules) -> list[nn.Parameter]:
     stages = [s for s in subs if isinstance(s, GPTStage)]
     embedding_here = any(s.spec.embedding for s in stages)
     shared = {id(s.lm_head.weight) for s in stages if s.tied and s.spec.head and not embedding_here}
-    for f in (s for s in subs if isinstance(s, FSDP)):
-        inner = mark_parallel_params(f.module)
-        if any(p.tensor_model_parallel or p.shared or p.expert_parallel for p in inner):
-            raise ValueError("an FSDP module holding tensor-parallel, expert or tied pipeline "
-                             "parameters: its flat shards mix them; pass the FSDP module itself "
-                             "to clip_grad_norm_, which slices each shard by parameter")
-        for unit in f.units:
-            _set_marks(unit.shard, False, False, False, True)
     params = list({id(p): p for m in modules for p in m.parameters()}.values())  # each once
-    shard_ids = {id(u.shard) for f in subs if isinstance(f, FSDP) for u in f.units}
     for p in params:
-        if id(p) not in shard_ids:
-            # ZeRO-3 per parameter (`ShardedParameters`): p holds its dim-0 rows of the
-            # (TP-local) tensor, different numbers on every dp x cp rank
-            _set_marks(p, id(p) in split, id(p) in shared, id(p) in experts,
-                       hasattr(p, "zero_rows"))
+        # ZeRO-3 per parameter (`ShardedParameters`): p holds its dim-0 rows of the
+        # (TP-local) tensor, different numbers on every dp x cp rank
+        _set_marks(p, id(p) in split, id(p) in shared, id(p) in experts, hasattr(p, "zero_rows"))
     return params
 
 
@@ -106,38 +97,29 @@ def flat_shard_pieces(layout, params, rank, shard_grad):
     return out
 
 
-def _collect(params):
-    """(pieces (marks source, gradient, is a dp shard) to take the norm of, gradients to scale)."""
-    if isinstance(params, ZeroOptimizer):
-        if params.shard.grad is None:
-            raise ValueError("the ZeroOptimizer holds no reduced gradient: call its "
-                             "reduce_gradients() after backward, then clip, then step")
-        pieces = flat_shard_pieces(params.layout, params.params, params.dp_rank, params.shard.grad)
-        return [(p, g, True) for p, g in pieces], [params.shard.grad]
+def flat_grad_pieces(layout, params, rank, shard_grad) -> list:
+    """A flat shard's gradient (S,) cut into the norm's pieces: (the parameter whose marks count
+    it, the slice of ``shard_grad`` holding that parameter's numbers, True: a data-parallel shard).
+    Mark the parameters first (`mark_parallel_params`)."""
+    if shard_grad is None:
+        raise ValueError("the flat shard holds no reduced gradient: reduce it after the backward "
+                         "(ZeroOptimizer.reduce_gradients()), then clip, then step")
+    return [(p, g, True) for p, g in flat_shard_pieces(layout, params, rank, shard_grad)]
+
+
+def grad_pieces(params) -> tuple:
+    """(pieces (marks source, gradient, is a dp shard) to take the norm of, gradients to scale)
+    of modules (marked here) or of marked tensors: what `clip_pieces` and `local_norm` take."""
     if isinstance(params, torch.Tensor):
         params = [params]
     items = [params] if isinstance(params, nn.Module) else list(params)
     if items and all(isinstance(m, nn.Module) for m in items):
-        modules = items
-        fsdps = [m for m in modules if isinstance(m, FSDP)]
-        pieces, targets = [], []
-        for f in fsdps:
-            mark_parallel_params(f.module)
-            for unit in f.units:
-                if unit.shard.grad is not None:
-                    flat = flat_shard_pieces(unit.layout, unit.params, unit.dp_rank, unit.shard.grad)
-                    pieces += [(p, g, True) for p, g in flat]
-                    targets.append(unit.shard.grad)
-        rest = [m for m in modules if not isinstance(m, FSDP)]
-        items = mark_parallel_params(rest) if rest else []
-        grads = [p for p in items if p.grad is not None]
-        return (pieces + [(p, p.grad, p.data_parallel_shard) for p in grads],
-                targets + [p.grad for p in grads])
+        items = mark_parallel_params(items)
     seen, unique = set(), []
     for p in items:
         if not isinstance(p, torch.Tensor):
-            raise TypeError(f"clip_grad_norm_ takes tensors, modules, a ZeroOptimizer or an FSDP "
-                            f"module, got {type(p).__name__}")
+            raise TypeError(f"clip_grad_norm_ takes tensors or modules, got {type(p).__name__} (a flat "
+                            f"shard's pieces go to clip_pieces, `flat_grad_pieces`)")
         if id(p) not in seen and p.grad is not None:
             seen.add(id(p))
             unique.append(p)
@@ -153,8 +135,7 @@ def _counted(p, coords, mesh, dp_shard: bool) -> bool:
         raise ValueError(
             f"a gradient of shape {tuple(p.shape)} carries no parallel marks, and with "
             f"{mesh} it could be a tensor-parallel slice, a replica or a shard: pass the "
-            f"modules (clip_grad_norm_(stages, ...)), a ZeroOptimizer or an FSDP module, "
-            f"or call mark_parallel_params(modules) first")
+            f"modules (clip_grad_norm_(stages, ...)), or call mark_parallel_params(modules) first")
     if p.shared:
         return False  # the other end of the pipeline counts the tied weight
     if not p.tensor_model_parallel and coords.tp != 0:
@@ -168,11 +149,19 @@ def _counted(p, coords, mesh, dp_shard: bool) -> bool:
 def clip_grad_norm_(params, max_norm: float, mesh=None, norm_type: float = 2.0) -> torch.Tensor:
     """Scale every gradient so the global norm is at most `max_norm`; returns the norm before.
 
-    `params`: this rank's gradients, as modules (a model, DDP, its pipeline chunks), a
-    `ZeroOptimizer` after ``reduce_gradients()``, an `FSDP` module after backward, or marked
+    `params`: this rank's gradients, as modules (a model, DDP, its pipeline chunks) or marked
     tensors; `mesh`: the run's `reference.mesh.Mesh` (None: one process); `norm_type`: 2 or inf."""
+    return clip_pieces(*grad_pieces(params), max_norm, mesh, norm_type)
+
+
+@torch.no_grad()
+def clip_pieces(pieces: list, targets: list, max_norm: float, mesh=None, norm_type: float = 2.0) -> torch.Tensor:
+    """The global norm of ``pieces`` [(parameter whose marks count it, gradient, is a dp
+    shard)], each counted once over the world (`_counted`), and every tensor of ``targets``
+    scaled by min(1, max_norm / (norm + 1e-6)); returns the norm before. It is `local_norm`,
+    one all-reduce, `global_norm` and `scale_gradients` (post-validation runs them apart)."""
     _check_max_norm(max_norm)
-    local, targets, norm_type = local_norm(params, mesh, norm_type)
+    local, targets, norm_type = local_norm(pieces, targets, mesh, norm_type)
     if local.dim() == 1:  # several ranks: every rank's sum of squares (or max) is the whole model's
         comms.all_reduce(local, op=dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX)
     total = global_norm(local, norm_type)
@@ -185,15 +174,15 @@ def _check_max_norm(max_norm) -> None:
         raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
 
 
-def local_norm(params, mesh=None, norm_type: float = 2.0):
-    """This rank's part of the global norm, before any communication: (a (1,) tensor holding
+def local_norm(pieces: list, targets: list, mesh=None, norm_type: float = 2.0):
+    """This rank's part of the global norm of ``pieces`` (`grad_pieces`, `flat_grad_pieces`),
+    before any communication: (a (1,) tensor holding
     its sum of g^2 over what it counts (its max for inf), to be all-reduced over the world, or,
     with one process, the 0-dim norm itself; the gradients to scale; norm_type as a float).
-    `clip_grad_norm_` is this, one all-reduce, `global_norm` and `scale_gradients`."""
+    `clip_pieces` is this, one all-reduce, `global_norm` and `scale_gradients`."""
     norm_type = float(norm_type)
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"norm_type must be 2 or inf, got {norm_type!r}")
-    pieces, targets = _collect(params)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     size = 1 if mesh is None else mesh.world_size
     if size != world:

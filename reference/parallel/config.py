@@ -39,6 +39,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipe
 V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank in a V: rank r holds stages r and 2 pp - 1 - r
 PRECISIONS = ("fp32", "bf16", "fp16")
 CP_KINDS = ("ring", "ulysses")  # reference.context_parallel.KINDS
+ZERO3_ENGINES = ("auto", "blocks", "parameters")  # `ParallelConfig.zero3_engine`
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,14 @@ class ParallelConfig:
     embedding_stage: bool = False     # embedding and head on pipeline stages of their own
     cp: int = 1                       # context parallelism: ranks splitting each sequence
     cp_kind: str = "ring"             # "ring" (zig-zag split) or "ulysses" (contiguous)
-    # composed ZeRO-3: free each block's gathered parameters after every forward (module docstring)
+    # ZeRO-3's engine (`reference.parallel.data_parallelism`): "blocks", FSDP over the whole model,
+    # each block gathered for every micro-batch's forward and again for its backward, its
+    # gradient reduce-scattered then (about 3 m collectives a step), at tp = pp = ep = 1 without
+    # HSDP only; "parameters", every parameter's dim-0 rows, gathered once a step and
+    # reduce-scattered once (2 collectives; per block with reshard_after_forward); "auto":
+    # blocks where they can run, else parameters. Activation checkpointing does not choose it.
+    zero3_engine: str = "auto"
+    # ZeRO-3 per parameter: free each block's gathered parameters after every forward (module docstring)
     reshard_after_forward: bool = False
     # the step's loss (reference.loss): "tokens", the counted tokens' sum over their count (one
     # process's F.cross_entropy, however padding falls), or "mean_of_means", each micro-batch's
@@ -119,10 +127,21 @@ class ParallelConfig:
 
     @property
     def zero3_by_blocks(self) -> bool:
-        """Whether ZeRO-3 runs as FSDP by blocks (`reference.zero.FSDP`): dp x cp > 1 at
-        tp = pp = ep = 1, no recompute, no HSDP. Any other ZeRO-3 shards each parameter (`ShardedParameters`)."""
-        return (self.zero_stage == 3 and self.dp * self.cp > 1 and self.tp == self.pp == 1
-                and self.ep == 1 and not self.activation_checkpointing and self.dp_replicate == 1)
+        """Whether ZeRO-3 runs as FSDP by blocks (`reference.zero.FSDP`): ZeRO-3 over dp x cp > 1
+        with ``zero3_engine`` "blocks", or "auto" where blocks can run (tp = pp = ep = 1, no
+        HSDP). Otherwise ZeRO-3 shards each parameter (`ShardedParameters`)."""
+        if self.zero_stage != 3 or self.dp * self.cp < 2:
+            return False
+        if self.zero3_engine == "auto":
+            return self.tp == self.pp == self.ep == self.dp_replicate == 1
+        return self.zero3_engine == "blocks"
+
+    @property
+    def zero3_engine_used(self) -> Optional[str]:
+        """The ZeRO-3 engine this run uses ("blocks" or "parameters"), None without ZeRO-3."""
+        if self.zero_stage != 3 or self.dp * self.cp < 2:
+            return None
+        return "blocks" if self.zero3_by_blocks else "parameters"
 
     def mesh(self):
         """The `reference.mesh.Mesh` of these degrees (groups not built yet)."""
@@ -147,7 +166,8 @@ class ParallelConfig:
                   self.precision if self.precision != "fp32" else "",
                   "emb-stage" if self.embedding_stage else "",
                   "mean-of-means" if self.loss_mean == "mean_of_means" else "",
-                  f"hsdp={self.dp_replicate}x{self.dp // self.dp_replicate}" if self.dp_replicate > 1 else ""]
+                  f"hsdp={self.dp_replicate}x{self.dp // self.dp_replicate}" if self.dp_replicate > 1 else "",
+                  f"zero3={self.zero3_engine}" if self.zero3_engine != "auto" else ""]
         return " ".join(parts + [e for e in extras if e])
 
     # ------------------------------------------------------------------ checks
@@ -190,6 +210,8 @@ class ParallelConfig:
                        f"over dp cannot hold experts, which are reduced over the expert-data-parallel "
                        f"group (dp/ep={self.dp // self.ep if self.dp % self.ep == 0 else '?'} ranks); "
                        f"use zero_stage 0, or 3 (each expert sharded over that group)")
+        if self.zero3_engine != "auto":
+            out += self._engine_problems()
         if self.reshard_after_forward:
             out += self._reshard_problems(n_experts)
         out += self._schedule_problems()
@@ -289,21 +311,32 @@ class ParallelConfig:
                        f"of tp={self.tp}")
         return out
 
+    def _engine_problems(self) -> list[str]:
+        """A ZeRO-3 engine named: one of `ZERO3_ENGINES`, and "blocks" where FSDP by blocks runs."""
+        if self.zero3_engine not in ZERO3_ENGINES:
+            return [f"zero3_engine must be one of {', '.join(ZERO3_ENGINES)}, got {self.zero3_engine!r}"]
+        bad = [f"{k}={v}" for k, v in dict(tp=self.tp, pp=self.pp, ep=self.ep,
+                                           dp_replicate=self.dp_replicate).items() if v != 1]
+        if self.zero3_engine == "blocks" and bad:
+            return [f"zero3_engine='blocks' with {', '.join(bad)}: FSDP by blocks wraps the whole "
+                    f"model over dp x cp (tp = pp = ep = 1, no HSDP); use zero3_engine 'parameters' "
+                    f"or 'auto'"]
+        return []
+
     def _reshard_problems(self, n_experts) -> list[str]:
         """What ``reshard_after_forward=True`` needs: composed ZeRO-3, and a dense model."""
         if not isinstance(self.reshard_after_forward, bool):
             return [f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}"]
         degrees = (f"zero_stage={self.zero_stage}, dp={self.dp} x cp={self.cp} = {self.dp * self.cp}, "
-                   f"tp={self.tp}, pp={self.pp}, activation_checkpointing="
-                   f"{self.activation_checkpointing}")
+                   f"tp={self.tp}, pp={self.pp}, zero3_engine={self.zero3_engine!r}")
         out = []
         if self.zero_stage != 3 or self.dp * self.cp < 2:
             out.append(f"reshard_after_forward=True needs ZeRO-3 over dp x cp > 1 ranks ({degrees}): "
                        f"with nothing sharded there is nothing to free after a forward")
         elif self.zero3_by_blocks:
-            out.append(f"reshard_after_forward=True applies to composed ZeRO-3 (tp, pp or activation "
-                       f"checkpointing): with {degrees} ZeRO-3 runs as FSDP by blocks, which "
-                       f"already gathers each block in forward and again in backward")
+            out.append(f"reshard_after_forward=True applies to ZeRO-3 per parameter: with {degrees} "
+                       f"ZeRO-3 runs as FSDP by blocks, which already gathers each block in forward "
+                       f"and again in backward; set zero3_engine='parameters' to reshard the rows")
         if self.ep > 1 or n_experts is not None:
             out.append(f"reshard_after_forward=True with experts (ep={self.ep}, n_experts={n_experts}): "
                        f"an expert that gets no token on one rank leaves its gradient unset there, so "

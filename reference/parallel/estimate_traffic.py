@@ -27,7 +27,8 @@ tp = t, and an all-reduce is 2 U:
       ZeRO-2     a reduce-scatter per micro-batch + the all-gather
                  once per step                                        (d-1)/d P (m g + q)
       ZeRO-3     by blocks: per micro-batch two all-gathers and a
-                 reduce-scatter                                       m (d-1)/d P (2 q + g)
+                 reduce-scatter (a third all-gather recomputed:       m (d-1)/d P (2 q + g)
+                 3 q with activation checkpointing)
       ZeRO-3     composed: the stage gathered once per step, its
                  gradients reduce-scattered once, per group (dense
                  over N = dp, experts over N = dp / ep)               (N-1) S (q + g)
@@ -126,6 +127,8 @@ def dp_transfers(w) -> tuple:
             ("the parameters' all-gather after the step", gather, 1, "")),
         2: (("a reduce-scatter per micro-batch", once, m, "backward"),
             ("the parameters' all-gather after the step", gather, 1, "")),
-        3: (("all-gathers (forward, backward) and a reduce-scatter per micro-batch", 2 * gather + once, m,
+        3: (("all-gathers (forward, recomputed, backward) and a reduce-scatter per micro-batch", 3 * gather + once, m,
+             "micro-batch"),) if config.activation_checkpointing else
+           (("all-gathers (forward, backward) and a reduce-scatter per micro-batch", 2 * gather + once, m,
              "micro-batch"),),
     }[config.zero_stage]

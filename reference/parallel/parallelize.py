@@ -17,13 +17,15 @@ a fixed order, each the identity when its degree is 1:
 6. **data parallelism / ZeRO** last, on what this rank finally holds, over the ranks holding
    the same shard (dp x cp, the ``dp_cp`` group; experts over the expert-data-parallel group).
 
-ZeRO-3 comes in two forms. With tp = pp = 1 and no activation checkpointing, `FSDP` wraps the
-whole model and gathers each block per micro-batch, forward and backward (one block whole at
-a time; 3 m transfers a step). Composed with tensor or pipeline parallelism or checkpointing,
-each parameter of this rank's stages is sharded along dim 0 (`ShardedParameters`, the FSDP2
-design), gathered once before the step and kept whole through every micro-batch, its
-gradient reduce-scattered once after the last backward (torchtitan's
-``reshard_after_forward=False`` under a pipeline)."""
+ZeRO-3 comes in two forms, the configuration's `zero3_engine` (printed by the trainer's
+``--check``). "blocks": `FSDP` wraps the whole model (tp = pp = ep = 1) and gathers each block
+per micro-batch, forward and backward (one block whole at a time; about 3 m transfers a step,
+one more gather per block with activation checkpointing). "parameters": each parameter of this
+rank's stages is sharded along dim 0 (`ShardedParameters`, the FSDP2 design), gathered once
+before the step and kept whole through every micro-batch, its gradient reduce-scattered once
+after the last backward (torchtitan's ``reshard_after_forward=False`` under a pipeline). "auto"
+(the default) picks blocks wherever they can run. The data-parallel way builds either
+(`reference.parallel.data_parallelism`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,7 +36,7 @@ import torch.nn as nn
 
 from reference.expert_parallel import MoE, expert_parameters, register_bias_update, shard_experts
 from reference.expert_parallel.sequence_parallel import sequence_parallel_experts
-from reference.model import GPT
+from reference.model import GPT, weight_decay_groups
 from reference.parallel.config import ParallelConfig
 from reference.parallel.context import apply_context_parallel_dim
 from reference.parallel.data_parallelism import Replicas, data_parallelism
@@ -42,7 +44,6 @@ from reference.parallel.scaler import DynamicLossScaler
 from reference.pipeline_parallel import (build_embedding_group, build_schedule, local_stages,
                                          split_stages)
 from reference.tensor_parallel import apply_tensor_parallel
-from reference.zero import FSDP, ShardedParameters, ShardedSets
 
 __all__ = ["ParallelGPT", "parallelize", "count_experts"]
 
@@ -62,11 +63,9 @@ class ParallelGPT:
     config: ParallelConfig
     mesh: object
     model_config: object
-    stages: list                     # this rank's pipeline chunks (GPTStage), or [FSDP] for ZeRO-3
+    stages: list                     # this rank's pipeline chunks (GPTStage), or [FSDP] for ZeRO-3 by blocks
     schedule: object                 # the pipeline schedule (a pipeline of 1 when pp = 1)
     tied_group: Optional[object] = None
-    fsdp: Optional[FSDP] = None      # ZeRO-3 at tp = pp = 1: the wrapped whole model
-    sharded: Optional[ShardedParameters] = None  # ZeRO-3 composed (ShardedSets with ep > 1)
     has_experts: bool = False
     data_parallel: object = field(default_factory=Replicas)  # how the replicas keep weights, gradients
     scaler: Optional[object] = None  # fp16: the DynamicLossScaler train_step uses
@@ -116,11 +115,7 @@ class ParallelGPT:
         (`reference.train.single.make_optimizer`): matrices decayed, biases and gains not."""
         params = [p for p in self.parameters() if p.requires_grad]
         if weight_decay is not None:
-            # (per-parameter shards keep each tensor's dim: matrices stay dim >= 2)
-            params = ([{"params": params, "weight_decay": 0.0}] if weight_decay == 0 else
-                      [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                       {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}])
-            params = [g for g in params if g["params"]]  # torch refuses an empty group
+            params = weight_decay_groups(params, weight_decay)
         optimizer = self.data_parallel.make_optimizer(params, optimizer_class, weight_decay, **kwargs)
         # experts balanced by a bias: moved before each step by the step's loads over dp
         register_bias_update(optimizer, nn.ModuleList(self.stages), self.mesh.group("dp") if self.mesh.dp > 1 else None)
@@ -154,31 +149,13 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
     common = dict(config=config, mesh=mesh, model_config=model.config, schedule=schedule,
                   has_experts=n_experts is not None,
                   scaler=DynamicLossScaler() if config.precision == "fp16" else None)
-    if config.zero3_by_blocks:
-        # 6 (ZeRO-3): FSDP wraps the whole model; it runs as one "stage" without the executor
-        wrapped = FSDP(model, group=mesh.group("dp_cp"))
-        return ParallelGPT(stages=[wrapped], fsdp=wrapped, **common,
-                           data_parallel=data_parallelism(config, mesh, fsdp=wrapped))
     # 4. the pipeline cut (a pipeline of one stage when pp = 1)
     stages = split_stages(model, config.pp, config.virtual_stages,
                           embedding_stage=config.embedding_stage, head_stage=config.embedding_stage)
     mine = local_stages(stages, config.pp, mesh.pp_rank, schedule)  # ZB-V: rank r holds r and 2 pp - 1 - r
     tied = build_embedding_group(mesh) if config.pp > 1 else None
     # 5. activation checkpointing is the executor's per-chunk flag (see `train_step`);
-    # 6. data parallelism / ZeRO on exactly these local parameters (ZeRO-3: each along dim 0)
-    sharded = None
-    if config.zero_stage == 3 and mesh.dp_cp > 1:
-        params = list({id(p): p for m in mine for p in m.parameters()}.values())
-        if mesh.ep > 1:  # experts over the expert-data-parallel group, the rest over dp
-            experts = {id(p) for m in mine for p in expert_parameters(m)}
-            sharded = ShardedSets([
-                ShardedParameters([p for p in params if id(p) not in experts], mesh.group("dp")),
-                ShardedParameters([p for p in params if id(p) in experts], mesh.group("edp"),
-                                  mean_over=mesh.dp)])
-        elif mesh.dp_replicate > 1:  # HSDP: rows over dp_shard, the shards' mean across replicas
-            sharded = ShardedParameters(params, mesh.group("dp_shard"), mean_over=mesh.dp,
-                                        replicate_group=mesh.group("dp_replicate"))
-        else:
-            sharded = ShardedParameters(params, mesh.group("dp_cp"))
-    return ParallelGPT(stages=mine, tied_group=tied, sharded=sharded, **common,
-                       data_parallel=data_parallelism(config, mesh, sharded=sharded))
+    # 6. data parallelism / ZeRO on exactly these local parameters: the way builds what it
+    #    shards (ZeRO-3 by blocks: FSDP wraps the one stage; per parameter: each along dim 0)
+    way = data_parallelism(config, mesh)
+    return ParallelGPT(stages=way.build(model, mine, mesh), tied_group=tied, **common, data_parallel=way)

@@ -93,7 +93,7 @@ def post_validated_step(pm, optimizer, max_norm: Optional[float], scaler, run) -
         for g in grads:  # unscaled as the scaler would (an overflowing step is undone anyway)
             g.mul_(1.0 / scaler.scale)
     if max_norm is not None:  # clip_grad_norm_'s sum of squares, its all-reduce not waited for
-        norm_part, targets, _ = local_norm(dp.clipped_params(pm, optimizer), pm.mesh)
+        norm_part, targets, _ = local_norm(*dp.norm_pieces(pm, optimizer), pm.mesh)
         if norm_part.dim() == 1:
             pending.append(comms.all_reduce(norm_part, async_op=True))
     start = run.now()

@@ -30,7 +30,6 @@ turns into the whole batch's mean. `StepResult.trace` lists what the rank did, w
 and end times, for `plot_step`."""
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -39,7 +38,7 @@ import torch
 
 from reference import comms
 from reference.loss import counted_tokens, step_mean
-from reference.model import lm_loss
+from reference.model import autocast, lm_loss
 from reference.parallel.context import context_parallel_batch
 from reference.parallel.post_validation import post_validated_step
 from reference.pipeline_parallel import run_pipeline
@@ -112,8 +111,8 @@ def _global_loss(pm, loss: Optional[torch.Tensor], device) -> torch.Tensor:
 
 class StepRun:
     """What the data-parallel way's `forward_backward` is handed: this rank's batch, the loss scale,
-    the precision's autocast, the step's clock and trace, and `pipeline(hook)`, which runs the
-    schedule with ``hook`` called around each of its actions."""
+    the step's clock and trace, and `pipeline(hook)`, which runs the schedule (under the
+    precision's autocast) with ``hook`` called around each of its actions."""
 
     def __init__(self, pm, x, y, device, loss_scale: float, loss_mean):
         self.pm, self.x, self.y, self.device, self.loss_scale = pm, x, y, device, loss_scale
@@ -127,18 +126,11 @@ class StepRun:
     def event(self, kind: str, label: str, start: float) -> None:
         self.trace.append(StepEvent(kind, label, start, self.now()))
 
-    def autocast(self):
-        if self.pm.config.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        if self.pm.config.precision == "fp16":
-            return torch.autocast(self.device.type, dtype=torch.float16)
-        return contextlib.nullcontext()
-
     def pipeline(self, hook) -> tuple:
         """(the last stage's mean loss or None, the peak of activation bytes)."""
         pm, x, y = self.pm, self.x, self.y
         offset = self.now()  # the executor's clock starts about here
-        with self.autocast():
+        with autocast(pm.config.precision, self.device.type):  # the oracle's too
             result = run_pipeline(
                 pm.schedule, pm.stages,
                 x.to(self.device) if pm.is_first_stage else None,
@@ -184,8 +176,9 @@ def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
     run = StepRun(pm, x, y, device, scale, mean)
     loss, peak = dp.forward_backward(pm, run)          # 1-2: the batch through the schedule
     start = run.now()
-    dp.reduce_gradients(pm, optimizer)                 # 3: once, after the last backward
-    run.event("reduce", "gradients", start)
+    reduced = dp.reduce_gradients(pm, optimizer)       # 3: once, after the last backward
+    if reduced:  # (ZeRO-1 without SP: nothing here, the optimizer's step reduce-scatters)
+        run.event("reduce", reduced, start)
     if pm.config.optimizer_post_validation:  # 5 before 4: step, then check, undo on a failure
         norm, overflow = post_validated_step(pm, optimizer, max_norm, scaler, run)
     else:

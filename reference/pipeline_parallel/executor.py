@@ -6,6 +6,13 @@
 (`forward_backward`), the split backward's I and W (`split_backward`), which only the zero-bubble
 schedules use, and DualPipe's overlapped pair F&B (`overlap`), a step of two compute actions that
 `overlap_pairs` marks. A ``recorder`` watches every step (`run_pipeline` measures with it).
+
+It is the one loop over micro-batches of the course: at pp = 1 (one stage, F0 B0 F1 B1 ...) it
+runs the composed step's micro-batches (`reference.parallel.train_step`, ZeRO-3 by blocks
+included: FSDP wraps the one stage) and the single-process oracle's
+(`reference.train.single.accumulate_gradients`), so each micro-batch's loss is built in one
+place (`forward_backward`: its share of the step's loss plus the routers' auxiliary losses).
+Its callers run it under the one autocast, `reference.model.autocast`.
 """
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from reference.loss import MeanOfMeans
+from reference.loss import TokenMean
 from reference.pipeline_parallel.forward_backward import RankState, backward
 from reference.pipeline_parallel.messages import Mailbox
 from reference.pipeline_parallel.overlap import forward_backward as overlapped_forward_backward
@@ -46,7 +53,8 @@ def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],
     ``tied_group`` sums the tied embedding's gradient over its two copies at the end.
     ``loss_fn``: by default the stage's own ``loss``; ``loss_scale`` multiplies what
     backward starts from (fp16); ``loss_mean`` (`reference.loss`) makes each micro-batch's loss its
-    share of the step's (default `MeanOfMeans`, its mean over m). ``action_hook(when, action)`` is
+    share of the step's (default `TokenMean` of ``targets``: the sum over its counted tokens over
+    the batch's count, as one process's mean). ``action_hook(when, action)`` is
     called "before" and "after" every compute action (ZeRO-3 resharding, `reference.zero.fsdp_reshard`);
     ``recorder.step(step, rank_state)`` is a context manager around every step.
     Returns the sum of this rank's shares of the loss (unscaled) on the last stage, None elsewhere.
@@ -59,7 +67,7 @@ def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],
         raise ValueError(f"checkpoint needs one flag per chunk ({schedule.virtual}), got {len(flags)}")
     device = next((p.device for st in stages for p in st.parameters()), torch.device("cpu"))
     mb_in, mb_tgt = _micro_batches(inputs, targets, batch_shape, schedule.m, rank, device)
-    w = RankState(schedule, stages, rank, device, mb_in, mb_tgt, flags, loss_mean or MeanOfMeans(schedule.m),
+    w = RankState(schedule, stages, rank, device, mb_in, mb_tgt, flags, loss_mean or TokenMean.of(targets),
                   loss_scale, loss_fn, (schedule.mailbox or Mailbox)(group, rank, device))
     hook = action_hook or (lambda when, action: None)
     watch = recorder.step if recorder is not None else (lambda step, state: nullcontext())

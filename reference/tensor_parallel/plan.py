@@ -204,7 +204,4 @@ def allreduce_sequence_parallel_grads(model: nn.Module, tp_group) -> None:
              if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if not grads or torch.distributed.get_world_size(tp_group) == 1:
         return
-    flat = torch.cat([gr.reshape(-1) for gr in grads])
-    comms.all_reduce(flat, group=tp_group)
-    for gr, summed in zip(grads, flat.split([gr.numel() for gr in grads])):
-        gr.copy_(summed.view_as(gr))
+    comms.all_reduce_coalesced(grads, group=tp_group)

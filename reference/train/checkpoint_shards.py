@@ -140,7 +140,8 @@ def skip_tied_head(pm, e: Entry) -> bool:
 def weight_holdings(pm) -> list[tuple[Holding, torch.Tensor]]:
     """(holding, the tensor holding it) for every parameter this rank holds."""
     es = entries(pm)
-    if pm.fsdp is None:
+    units = pm.data_parallel.flat_weights()  # FSDP's units, whose flat shards hold the weights
+    if not units:
         out = []
         for e in es:
             if is_sharded(e.param):  # its rows, as ZeRO-3 recorded them where it cut
@@ -151,7 +152,7 @@ def weight_holdings(pm) -> list[tuple[Holding, torch.Tensor]]:
         return out
     by_id = {id(e.param): e for e in es}
     out, flat = [], set()
-    for u in pm.fsdp.units:
+    for u in units:
         out += _flat_holdings(by_id, u.layout, u.params, u.shapes, u.dp_rank, u.shard)
         flat.update(id(p) for p in u.params)
     return out + [(Holding(e, tuple(e.param.shape)), e.param) for e in es if id(e.param) not in flat]

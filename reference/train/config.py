@@ -32,7 +32,7 @@ from typing import Optional, Union
 from reference.expert_parallel.router import SCORE_FUNCTIONS
 from reference.loss import LOSS_MEANS
 from reference.model import GPTConfig
-from reference.parallel.config import SCHEDULES, ParallelConfig
+from reference.parallel.config import SCHEDULES, ZERO3_ENGINES, ParallelConfig
 from reference.train.deepspeed_blocks import (OFFLOAD_REFUSED, ActivationCheckpointingConfig,
                                               BF16Config, FP16Config, OffloadConfig, OptimizerConfig,
                                               OptimizerParams, ZeroConfig)
@@ -58,6 +58,8 @@ class ParallelismConfig:
     # composed ZeRO-3's FSDP2 option: False here, where PyTorch's fully_shard defaults to None
     # (True for every module but the root)
     reshard_after_forward: bool = False
+    # ZeRO-3's engine (ParallelConfig.zero3_engine): "auto", "blocks" (FSDP by blocks) or "parameters"
+    zero3_engine: str = spec("auto", choices=ZERO3_ENGINES)
     # reference.loss: "tokens" (one process's loss: the sum over counted tokens / their count)
     loss_mean: str = spec("tokens", choices=LOSS_MEANS)
     # Qi et al.'s optimizer post-validation (reference.parallel.post_validation); not DeepSpeed's
@@ -238,7 +240,8 @@ class TrainConfig:
                             activation_checkpointing=self.activation_checkpointing.enabled,
                             embedding_stage=p.embedding_stage,
                             reshard_after_forward=p.reshard_after_forward, loss_mean=p.loss_mean,
-                            optimizer_post_validation=p.optimizer_post_validation)
+                            optimizer_post_validation=p.optimizer_post_validation,
+                            zero3_engine=p.zero3_engine)
         where = f"{self.path or 'configuration'} at world_size={world_size}"
         try:
             try:
@@ -256,10 +259,10 @@ class TrainConfig:
             wd = self.optimizer.params.weight_decay or 0.0
             if wd and pc.zero3_by_blocks:
                 raise ValueError(f"optimizer.params.weight_decay={wd:g} with zero_optimization.stage 3 "
-                                 f"at dp={pc.dp} (tp=pp=1, no recompute: FSDP by blocks): its flat "
+                                 f"at dp={pc.dp} (FSDP by blocks, zero3_engine={pc.zero3_engine!r}): its flat "
                                  f"shards hold one optimizer group, so biases and LayerNorms could not "
                                  f"be exempt from the decay as in every other layout; use stage 1 or "
-                                 f"2, or weight_decay 0")
+                                 f"2, zero3_engine 'parameters', or weight_decay 0")
             if self.zero_optimization.offload:
                 raise ValueError(OFFLOAD_REFUSED.format(
                     device=self.zero_optimization.offload_optimizer.device))

@@ -7,6 +7,7 @@ reads the configuration through its attributes only (`reference.train.config` im
 """
 from __future__ import annotations
 
+from reference.parallel.config import ParallelConfig
 from reference.train.deepspeed_blocks import OFFLOAD_REFUSED
 
 __all__ = ["describe", "LARGE_MICRO_BATCH"]
@@ -127,6 +128,15 @@ def _zero_lines(config, line, issues, dp, fits, world_size):
     line("ZeRO", f"stage {z.stage} at dp {dp}: shards {_ZERO_SHARDS[z.stage]}"
          + (f" over {dp} rank{'s' if dp > 1 else ''}" if z.stage else "")
          + (f"; offload_optimizer to {offload}: refused (nothing is offloaded here)" if offload else ""))
+    engine = ParallelConfig(dp=dp, tp=tp, pp=pp, ep=p.expert, zero_stage=z.stage,
+                            zero3_engine=p.zero3_engine).zero3_engine_used if fits else None
+    if engine == "blocks":
+        line("", f"ZeRO-3 engine: FSDP by blocks (zero3_engine={p.zero3_engine!r}): each block gathered "
+                 f"for every micro-batch's forward and backward, its gradient reduce-scattered then "
+                 f"(about 3 m collectives a step)")
+    elif engine == "parameters":
+        line("", f"ZeRO-3 engine: each parameter's rows (zero3_engine={p.zero3_engine!r}): gathered "
+                 f"once a step and reduce-scattered once (2 collectives a step)")
     if p.reshard_after_forward:
         line("", "reshard_after_forward: each block gathered for its forward and again for its "
                  "backward, its gradients reduce-scattered after every micro-batch (3 m transfers "

@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from reference.model import saved_buffers
 from reference.parallel.gather import expert_names
-from reference.zero import ZeroOptimizer
 
 __all__ = ["Entry", "entries", "buffer_entries", "canonical_name", "full_shape", "full_shapes", "is_head", "is_sharded",
            "flat_groups", "load_optimizer_local_state"]
@@ -42,18 +41,15 @@ class Entry:
     local: str
     name: str
     param: torch.nn.Parameter
-    owner: Optional[torch.nn.Module]   # None under FSDP (the module there is the whole model)
+    owner: Optional[torch.nn.Module]
     module_of: Optional[dict]          # the stage's modules by name, for the TP gather
 
 
 def entries(pm) -> list[Entry]:
     """This rank's distinct parameters (a tied weight once), in an order every rank of a
     tp group shares (the stages' own order), with their plain-GPT names."""
-    if pm.fsdp is not None:
-        return [Entry(n, canonical_name(pm, n), p, None, None)
-                for n, p in pm.fsdp.module.named_parameters(remove_duplicate=True)]
     out, seen = [], set()
-    for stage in pm.stages:
+    for stage in pm.data_parallel.modules(pm):  # the stages (under FSDP: the one it wraps)
         module_of = dict(stage.named_modules())
         renames = expert_names(stage) if pm.mesh.ep > 1 else {}  # local expert -> global id
         for local, p in stage.named_parameters():
@@ -69,7 +65,7 @@ def buffer_entries(pm) -> list[Entry]:
     """The buffers this rank's modules save in state_dict (a router's ``expert_bias``), as entries
     by their plain-GPT names: never cut, whole on every rank holding their module (a LayerNorm's
     way), so they are saved once and any layout loads them."""
-    modules = [pm.fsdp.module] if pm.fsdp is not None else pm.stages
+    modules = pm.data_parallel.modules(pm)  # the stages, or what wraps them (FSDP by blocks)
     return [Entry(name, name, b, None, None) for m in modules for name, b in saved_buffers(m).items()]
 
 
@@ -91,12 +87,7 @@ def is_sharded(p) -> bool:
 
 def flat_groups(pm, optimizer):
     """[(flat shard, layout, its parameters, their shapes, dp group)] of ZeRO-1/2 or FSDP, or []."""
-    if isinstance(optimizer, ZeroOptimizer):
-        return [(optimizer.shard, optimizer.layout, optimizer.params,
-                 [p.shape for p in optimizer.params], optimizer.group)]
-    if pm.fsdp is not None:
-        return [(u.shard, u.layout, u.params, u.shapes, u.group) for u in pm.fsdp.units]
-    return []
+    return pm.data_parallel.flat_states(optimizer)
 
 
 def load_optimizer_local_state(pm, optimizer, per_param: dict, hyper: list[dict]) -> None:

@@ -7,7 +7,6 @@ are the plain loop of the first notebooks: AdamW on reproducible batches (`refer
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Optional, Union
 
 import torch
@@ -16,7 +15,7 @@ from tqdm.auto import tqdm
 
 from reference.data import ByteCorpus, get_batch
 from reference.loss import step_mean
-from reference.model import lm_loss
+from reference.model import autocast, lm_loss, weight_decay_groups
 
 # One chunk's (loss, auxiliary loss) from (model, x, y): `accumulate_gradients`' loss_fn.
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Union[torch.Tensor, float]]]
@@ -28,14 +27,7 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.0,
                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> torch.optim.AdamW:
     """AdamW over the parameters that require grad: one group without decay, else two, with
     only the matrices (dim >= 2) decayed and not the biases and LayerNorm gains, as in nanoGPT."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if weight_decay == 0.0:
-        groups = [{"params": params, "weight_decay": 0.0}]
-    else:
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
+    groups = weight_decay_groups([p for p in model.parameters() if p.requires_grad], weight_decay)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
 
 
@@ -69,11 +61,6 @@ def _clip(model: nn.Module, max_norm: float, mesh) -> None:
     clip_grad_norm_(model, max_norm, mesh)
 
 
-def _autocast(precision: str, device_type: str):
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    return torch.autocast(device_type, dtype=dtype) if dtype else contextlib.nullcontext()
-
-
 def accumulate_gradients(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, chunks: int = 1,
                          *, precision: str = "fp32", loss_scale: float = 1.0,
                          loss_mean: str = "tokens", loss_fn: Optional[LossFn] = None) -> float:
@@ -82,21 +69,29 @@ def accumulate_gradients(model: nn.Module, idx: torch.Tensor, targets: torch.Ten
     backpropagates its share of the loss times ``loss_scale`` (`reference.loss`): "tokens", its
     sum over counted tokens / the whole batch's count (``F.cross_entropy`` of the whole batch,
     whatever the chunks); "mean_of_means", its own mean / ``chunks``; plus its aux loss / ``chunks``.
+
+    A GPT runs through the pipeline executor as one stage (`run_schedule` at pp = 1: F0 B0 F1
+    B1 ...), the loop every parallel run uses, so the loss is built where theirs is.
     ``loss_fn(model, x, y) -> (mean loss, aux)`` replaces the GPT's forward and LM loss (a toy
     model, a lone MoE layer): each chunk backpropagates (loss + aux) / chunks. Returns the loss."""
-    step = step_mean(loss_mean, targets, chunks, replicas=1) if loss_fn is None else None
-    total = 0.0
+    # loaded here: `import reference.train` stays light for the first notebooks
+    from reference.pipeline_parallel import build_schedule, split_stages
+    from reference.pipeline_parallel.executor import run_schedule
+
+    if loss_fn is None:
+        whole = split_stages(model, 1)[0]  # the GPT's own modules as one stage: (logits, aux)
+        with autocast(precision, idx.device.type):  # the composed step's too
+            loss = run_schedule(build_schedule("1f1b", 1, chunks), [whole], idx, targets, loss_scale=loss_scale,
+                                loss_mean=step_mean(loss_mean, targets, chunks, replicas=1))
+        return float(loss)
+    shares = []  # a model of its own: its loss_fn's mean, the executor's `MeanOfMeans` by hand
     for x, y in zip(idx.chunk(chunks), targets.chunk(chunks)):
-        with _autocast(precision, x.device.type):
-            if loss_fn is None:
-                logits, aux = model.logits_and_aux(x)
-                share = step.share(lm_loss, logits, y)
-            else:
-                loss, aux = loss_fn(model, x, y)
-                share = loss / chunks
+        with autocast(precision, x.device.type):
+            loss, aux = loss_fn(model, x, y)
+            share = loss / chunks
         ((share + aux / chunks) * loss_scale).backward()
-        total += float(share.detach().float())
-    return total
+        shares.append(share.detach().float())
+    return float(torch.stack(shares).sum())
 
 
 def accumulated_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx: torch.Tensor,

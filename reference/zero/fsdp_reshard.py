@@ -48,7 +48,7 @@ class ReshardAfterForward:
     """``reshard_after_forward=True`` for the parameters of ``sharded`` (`ShardedParameters`),
     used by the pipeline chunks ``stages`` over ``microbatches`` micro-batches a step.
 
-        reshard = ReshardAfterForward(pm.sharded, pm.stages, m)
+        reshard = ReshardAfterForward(pm.data_parallel.sharded, pm.stages, m)
         with reshard.step():                     # p.data: views of freed buffers, then shards again
             run_pipeline(..., action_hook=reshard.hook)
 

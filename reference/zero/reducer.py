@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from reference import comms
+from reference.data_parallel.ddp import remove_handles
 from reference.zero.shard import FlatLayout
 
 __all__ = ["BucketReducer", "reduce_scatter_pieces"]
@@ -38,16 +39,11 @@ def reduce_scatter_pieces(output: torch.Tensor, pieces: list[torch.Tensor], grou
 
 
 def _grad_ready(reducer_ref, index: int, param) -> None:
-    # A weak reference, so that a dropped optimizer does not live on through its hooks.
+    # A weak reference, so that a dropped optimizer does not live on through its hooks. (DDP's
+    # hook is the same pattern; each marks its own buckets: an all-reduce there, a reduce-scatter here.)
     reducer = reducer_ref()
     if reducer is not None:
         reducer._grad_ready(index)
-
-
-def _remove_hooks(handles) -> None:
-    for h in handles:
-        h.remove()
-    handles.clear()
 
 
 class BucketReducer:
@@ -66,7 +62,7 @@ class BucketReducer:
         for i, p in enumerate(params):
             handles.append(p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, me, i)))
         self._handles = handles
-        weakref.finalize(self, _remove_hooks, handles)
+        weakref.finalize(self, remove_handles, handles)
 
     @property
     def bucket_numel(self) -> int:
@@ -161,4 +157,4 @@ class BucketReducer:
             self.finish()
 
     def remove_hooks(self) -> None:
-        _remove_hooks(self._handles)
+        remove_handles(self._handles)
