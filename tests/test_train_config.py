@@ -68,6 +68,7 @@ def test_moe_deepseek_turns_on_deepseek_v3s_router_with_megatrons_keys():
     routers = [m.router for m in model.modules() if isinstance(m, MoE)]
     assert len(routers) == config.gpt_config().n_layer
     assert {(r.score_function, r.bias_update_rate, r.balance_coef) for r in routers} == {("sigmoid", 0.01, 1e-4)}
+    assert {r.z_coef for r in routers} == {0.0}                  # DeepSeek-V3 has no router z-loss
     assert all(torch.equal(r.expert_bias, torch.zeros(4)) for r in routers)
     text = describe(config, 4)
     assert "sigmoid gate" in text and "loss-free balancing" in text and text.endswith("nothing found")

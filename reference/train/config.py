@@ -81,6 +81,7 @@ class ExpertsConfig:
     enable_expert_bias: bool = False                                  # --moe-router-enable-expert-bias
     bias_update_rate: float = spec(1e-3, min=0.0, exclusive=True)    # --moe-router-bias-update-rate
     balance_coef: float = spec(0.01, min=0.0)
+    z_coef: float = spec(0.001, min=0.0)    # the Router's router z-loss coefficient (ST-MoE); DeepSeek-V3: none
 
     def __post_init__(self):
         if self.enable_expert_bias and self.score_function != "sigmoid":
@@ -199,7 +200,7 @@ class TrainConfig:
 
         e = self.model.experts
         return moe_factory(e.num_experts, k=e.top_k, capacity_factor=e.capacity_factor,
-                           score_function=e.score_function, balance_coef=e.balance_coef,
+                           score_function=e.score_function, balance_coef=e.balance_coef, z_coef=e.z_coef,
                            bias_update_rate=e.bias_update_rate if e.enable_expert_bias else 0.0)
 
     def seq_len(self) -> int:
