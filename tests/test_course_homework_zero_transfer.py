@@ -247,9 +247,9 @@ def _score(spec, name, world_sizes=None, seed=11):
     return score_exercise(spec, _student(name), seed=seed, timeout=TIMEOUT)
 
 
-def test_homework_02_has_its_warm_up_two_transfers_and_a_question():
+def test_homework_02_has_its_warm_up_two_transfers_a_question_and_fully_shard():
     assert [s.id for s in homework("02_zero_fsdp")] == [
-        "zero1_optimizer", "clip_sharded_grad_norm_", "fsdp_schedule", "zero_max_params"]
+        "zero1_optimizer", "clip_sharded_grad_norm_", "fsdp_schedule", "zero_max_params", "wrap_tiny_lm"]
     for spec in homework("02_zero_fsdp"):  # the course's own answer is named first
         assert spec.banned and spec.banned[0].startswith("reference.course.homework.zero")
 
