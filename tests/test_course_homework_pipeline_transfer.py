@@ -27,7 +27,7 @@ from reference.course.homework.pipeline_interleaved import (
     interleaved_peak_bytes_formula, judge_interleaved, make_interleaved_cases,
 )
 from reference.course.homework.scoring import _generator, _launch_cases, score_exercise
-from reference.pipeline_parallel.schedules import build_schedule
+from reference.pipeline_parallel.registry import build_schedule
 from solution_cells import solution_function
 
 SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "04_pipeline_parallel.ipynb"

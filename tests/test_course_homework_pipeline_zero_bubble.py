@@ -24,7 +24,7 @@ from reference.course.homework.pipeline_zero_bubble import (
 )
 from reference.course.homework.refuse import refusal_for
 from reference.course.homework.scoring import ExerciseScore, _generator, score_exercise, weight
-from reference.pipeline_parallel.schedules import build_schedule
+from reference.pipeline_parallel.registry import build_schedule
 from reference.pipeline_parallel.zero_bubble import build_zb_h1, zero_bubble_formula
 from reference.runtime import launch
 from solution_cells import solution_source

@@ -185,6 +185,28 @@ def test_refusals_say_why():
     assert problems(pp=2, microbatches=4, schedule="dualpipev", virtual_stages=2) == ""
 
 
+def test_each_schedule_runs_by_its_own_table_of_handlers():
+    """The executor's table runs F and B; a zero-bubble schedule's table is built from it (I, W,
+    F recording for the split backward; DualPipe's pairs add F&B), never by changing it; a
+    schedule that runs an action its table does not name is refused before anything runs."""
+    from reference.pipeline_parallel.executor import HANDLERS, run_schedule
+    from reference.pipeline_parallel.forward_backward import backward, forward
+    from reference.pipeline_parallel.overlap import overlap_pairs
+    from reference.pipeline_parallel.stage import split_stages
+
+    assert HANDLERS == {"F": forward, "B": backward}  # the whole package imported: unchanged
+    assert build_schedule("1f1b", 2, 4).handlers is None  # the executor's own
+    zb = build_schedule("zb-h1", 2, 4).handlers
+    assert set(zb) == {"F", "B", "I", "W"} and zb["B"] is backward and zb["F"] is not forward
+    pairs = overlap_pairs(build_schedule("dualpipev", 2, 4, 2)).handlers
+    assert set(pairs) == {"F", "B", "I", "W", "F&B"}
+    split = [A("F", 0), A("I", 0), A("W", 0)]
+    stage = split_stages(GPT(GPTConfig(**CFG)), 1)
+    x, y = torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"runs \['I', 'W'\].*a zero_bubble.ZeroBubbleSchedule"):
+        run_schedule(Schedule(1, 1, {0: split}), stage, x, y)
+
+
 def test_the_estimate_knows_the_zero_bubble_schedules():
     from reference.parallel.config import ParallelConfig
     from reference.parallel.estimate import estimate, idle_share

@@ -48,6 +48,19 @@ def test_an_import_inside_a_function_counts_unless_it_only_draws(tmp_path, monke
     assert budget.topic_files("toy") == ["pkg.entry", "pkg.viz"]
 
 
+def test_a_table_of_kinds_is_counted_and_hides_nothing():
+    """The schedules' registry counts under the topics that call it, its imports are not followed
+    (a reader follows the kind they build), and each module it names is an entry point of a topic
+    that calls it: 1F1B reads `schedules.py` and not the zero-bubble modules, zero-bubble reads both."""
+    one_f_one_b, zero_bubble = set(budget.topic_files("1F1B")), set(budget.topic_files("zero-bubble"))
+    assert "pipeline_parallel.registry" in one_f_one_b & zero_bubble
+    assert not one_f_one_b & {"pipeline_parallel.zero_bubble", "pipeline_parallel.split_backward",
+                              "pipeline_parallel.overlap", "pipeline_parallel.async_messages"}
+    for table in budget.TABLES:
+        entries = set().union(*(set(e) for e, _ in budget.TOPICS.values() if table in e))
+        assert budget._imports(table) <= entries, f"{table} names a module no topic that calls it reads"
+
+
 def test_the_manual_prints_the_scripts_table():
     manual = (ROOT / "docs" / "reading-budget.md").read_text()
     assert budget.table(markdown=True) in manual, "rerun: python bench/reading_budget.py --markdown"

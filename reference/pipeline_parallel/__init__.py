@@ -23,8 +23,9 @@ and receives; it is plain data, checked before it runs, drawn, and run by one ex
 Where each part lives:
 
 * `actions`: the eight actions (`Action`, `OPS`) and `ScheduleError`, the words every other module speaks;
-* `schedules`: `Schedule`, `build_schedule` (naive, GPipe, 1F1B, interleaved, and the kinds of `BUILDERS`)
-  and the textbook `bubble_formula`;
+* `schedules`: `Schedule`, the builders of naive, GPipe, 1F1B and interleaved, and the textbook
+  `bubble_formula`;
+* `registry`: `build_schedule`, every kind by its name (`BUILDERS`: one table naming each kind's builder);
 * `zero_bubble`: ZB-H1, ZB-H2 and ZB-V (Qi et al., 2024), whose backward is split into I (the input's
   gradient) and W (the weights'), and DualPipeV (DualPipe's V-shaped half); `VSchedule`,
   `zero_bubble_formula`, `peak_bytes`;
@@ -41,9 +42,10 @@ Where each part lives:
   a split backward holds from its I to its W, each linear layer's X and dY (`held_bytes_formula`,
   `held_bytes_per_block`), and the peak per rank of a GPT they give (`peak_bytes_by_rank`);
 * `executor`: `run_schedule`, the loop over a rank's steps, each kind of step done by a part of its own:
-  `forward_backward` (F and B), `split_backward` (I and W), `recompute` (activation checkpointing),
-  `messages` (batched point-to-point, sized by a handshake on micro-batch 0) and `async_messages` (the
-  zero-bubble schedules' mailbox), `overlap` (DualPipe's overlapped F&B: `overlap_pairs`);
+  `forward_backward` (F and B, the executor's `HANDLERS`), `recompute` (activation checkpointing),
+  `messages` (batched point-to-point, sized by a handshake on micro-batch 0); a schedule that runs
+  more brings its own table and mailbox: the zero-bubble ones `split_backward` (I and W) and
+  `async_messages`, DualPipe's overlapped F&B `overlap` (`overlap_pairs`);
 * `accounting`: `run_pipeline`, the executor with the schedule validated first and the time and stored
   bytes of every action measured (`PipelineResult`);
 * `viz`: timelines, the bubble against its formula, the balance of a cut; `widgets`: the schedule explorer.
@@ -53,8 +55,8 @@ from reference.pipeline_parallel.costs import (StageCost, held_bytes_formula, he
                                                held_bytes_per_block, peak_bytes_by_rank, stage_costs,
                                                stage_flops_formula, stored_bytes_formula)
 from reference.pipeline_parallel.accounting import PipelineResult, run_pipeline
-from reference.pipeline_parallel.schedules import (KINDS, OPS, Action, Schedule, ScheduleError, bubble_formula,
-                                 build_schedule)
+from reference.pipeline_parallel.schedules import KINDS, OPS, Action, Schedule, ScheduleError, bubble_formula
+from reference.pipeline_parallel.registry import build_schedule
 from reference.pipeline_parallel.stage import (DelayedStage, GPTStage, StageSpec, local_stages, plan_stages,
                                                split_stages)
 from reference.pipeline_parallel.tied import build_embedding_group, sync_tied_grads

@@ -57,33 +57,33 @@ class Recorder:
         self.result, self.held, self.bytes, self.t0 = PipelineResult(loss=None), {}, 0, None
 
     @contextmanager
-    def step(self, step: Sequence, w):
-        """Around one step of the rank ``w`` (`RankState`): its time, and what its action keeps or frees."""
+    def step(self, step: Sequence, state):
+        """Around one step of a rank (``state``, its `RankState`): its time, and what its action keeps or frees."""
         a, key = step[0], (step[0].mb, step[0].chunk)
         self.t0 = time.perf_counter() if self.t0 is None else self.t0  # the first step: the common start
-        start, kept = time.perf_counter() - self.t0, w.kept.get(key)
+        start, kept = time.perf_counter() - self.t0, state.kept.get(key)
         with SavedBytes(self.param_ptrs, [kept.x] if kept and kept.x is not None else [], self.moving) as saved:
             yield  # (a B or I runs a checkpointed forward again here; its input is counted already)
-        if w.device.type == "cuda":
+        if state.device.type == "cuda":
             torch.cuda.synchronize()  # GPU work is asynchronous: time it to its end
         end = time.perf_counter() - self.t0
-        pieces = w.__dict__.pop("overlap_pieces", None)  # an overlapped F&B's chunks and all-to-alls
-        self.result.trace += [TraceEvent(w.rank, b, start, end) for b in step] if pieces is None else \
-            [TraceEvent(w.rank, b, s - self.t0, e - self.t0) for b, s, e in pieces]
+        pieces = state.__dict__.pop("overlap_pieces", None)  # an overlapped F&B's chunks and all-to-alls
+        self.result.trace += [TraceEvent(state.rank, b, start, end) for b in step] if pieces is None else \
+            [TraceEvent(state.rank, b, s - self.t0, e - self.t0) for b, s, e in pieces]
         if a.op == "F":
-            kept = w.kept[key]
+            kept = state.kept[key]
             for t in (kept.x, kept.out):  # what F keeps itself
                 if t is not None:
                     saved.add(t)
             self.keep(key, saved.bytes)
         elif a.op in ("B", "I"):
-            again = saved.bytes if w.checkpoint[a.chunk] else 0
+            again = saved.bytes if state.checkpoint[a.chunk] else 0
             r = self.result
             r.recompute_bytes = max(r.recompute_bytes, again)
             r.peak_activation_bytes = max(r.peak_activation_bytes, self.bytes + again)
             if a.op == "I":  # from here to its W: what its W needs, in place of what F stored
                 self.bytes -= self.held.pop(key)
-                self.keep(key, w.kept[key].weights.nbytes())
+                self.keep(key, state.kept[key].weights.nbytes())
         for b in step:  # a B or W frees what its F kept (an overlapped pair's B after its F's keep)
             if b.op in ("B", "W"):
                 self.bytes -= self.held.pop((b.mb, b.chunk))

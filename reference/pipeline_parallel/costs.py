@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from reference.model import GPTConfig, lm_loss
 from reference.memory import SavedBytes
-from reference.pipeline_parallel.schedules import build_schedule
+from reference.pipeline_parallel.registry import build_schedule
 from reference.pipeline_parallel.stage import StageSpec, plan_stages
 from reference.pipeline_parallel.zero_bubble import peak_bytes
 

@@ -1,11 +1,13 @@
 """One executor for every pipeline schedule: a rank walks its steps and does what they say.
 
-`run_schedule` takes this rank's steps (`Schedule.steps`) one after the other: F and B by
-`reference.pipeline_parallel.forward_backward`, a run of SEND/RECV by
-`reference.pipeline_parallel.messages`. `HANDLERS` names what runs each compute action: F and B
-(`forward_backward`), the split backward's I and W (`split_backward`), which only the zero-bubble
-schedules use, and DualPipe's overlapped pair F&B (`overlap`), a step of two compute actions that
-`overlap_pairs` marks. A ``recorder`` watches every step (`run_pipeline` measures with it).
+`run_schedule` takes this rank's steps (`Schedule.steps`) one after the other: a compute step
+by the schedule's table of handlers, a run of SEND/RECV by `reference.pipeline_parallel.messages`.
+`HANDLERS`, the executor's own table, runs F and B (`reference.pipeline_parallel.forward_backward`);
+a schedule that runs other actions carries its own table (`Schedule.handlers`), built from this
+one: the zero-bubble schedules add the split backward's I and W
+(`reference.pipeline_parallel.zero_bubble`), DualPipe's overlapped pair F&B, a step of two compute
+actions, is added by `reference.pipeline_parallel.overlap`. A ``recorder`` watches every step
+(`run_pipeline` measures with it).
 
 It is the one loop over micro-batches of the course: at pp = 1 (one stage, F0 B0 F1 B1 ...) it
 runs the composed step's micro-batches (`reference.parallel.train_step`, ZeRO-3 by blocks
@@ -23,20 +25,16 @@ import torch
 import torch.distributed as dist
 
 from reference.loss import TokenMean
-from reference.pipeline_parallel.forward_backward import RankState, backward
+from reference.pipeline_parallel.forward_backward import RankState, backward, forward
 from reference.pipeline_parallel.messages import Mailbox
-from reference.pipeline_parallel.overlap import forward_backward as overlapped_forward_backward
 from reference.pipeline_parallel.schedules import Schedule
-from reference.pipeline_parallel.split_backward import backward_input, backward_weight, forward_recording
 from reference.pipeline_parallel.tied import sync_tied_grads
 
 __all__ = ["run_schedule", "HANDLERS"]
 
-# What each compute action runs: handler(rank_state, action). F records the linear layers of a
-# micro-batch whose backward a zero-bubble schedule splits (so that W holds only X and dY), and is
-# the plain `forward` otherwise.
-HANDLERS = {"F": forward_recording, "B": backward, "I": backward_input, "W": backward_weight,
-            "F&B": overlapped_forward_backward}
+# What each compute action runs: handler(state, action). A schedule whose actions need more
+# (`Schedule.handlers`) brings a table built from this one.
+HANDLERS = {"F": forward, "B": backward}
 
 
 def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],
@@ -56,7 +54,7 @@ def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],
     share of the step's (default `TokenMean` of ``targets``: the sum over its counted tokens over
     the batch's count, as one process's mean). ``action_hook(when, action)`` is
     called "before" and "after" every compute action (ZeRO-3 resharding, `reference.zero.fsdp_reshard`);
-    ``recorder.step(step, rank_state)`` is a context manager around every step.
+    ``recorder.step(step, state)`` is a context manager around every step.
     Returns the sum of this rank's shares of the loss (unscaled) on the last stage, None elsewhere.
     """
     if not loss_scale > 0:
@@ -66,26 +64,35 @@ def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],
     if len(flags) != schedule.virtual:
         raise ValueError(f"checkpoint needs one flag per chunk ({schedule.virtual}), got {len(flags)}")
     device = next((p.device for st in stages for p in st.parameters()), torch.device("cpu"))
+    handlers = schedule.handlers or HANDLERS
+    steps = schedule.steps(rank)
+    # one action, or DualPipe's overlapped pair [F, B] (overlap.py)
+    ops = {"F&B" if len(step) == 2 else step[0].op for step in steps if not step[0].is_comm}
+    if ops - handlers.keys():
+        raise ValueError(f"{schedule!r} runs {sorted(ops - handlers.keys())}, which its table of "
+                         f"handlers ({', '.join(handlers)}) does not name: a schedule with a split "
+                         f"backward is a zero_bubble.ZeroBubbleSchedule")
     mb_in, mb_tgt = _micro_batches(inputs, targets, batch_shape, schedule.m, rank, device)
-    w = RankState(schedule, stages, rank, device, mb_in, mb_tgt, flags, loss_mean or TokenMean.of(targets),
-                  loss_scale, loss_fn, (schedule.mailbox or Mailbox)(group, rank, device))
+    state = RankState(schedule, stages, rank, device, mb_in, mb_tgt, flags,
+                           loss_mean or TokenMean.of(targets), loss_scale, loss_fn,
+                           (schedule.mailbox or Mailbox)(group, rank, device))
     hook = action_hook or (lambda when, action: None)
     watch = recorder.step if recorder is not None else (lambda step, state: nullcontext())
     if schedule.pp > 1:
         dist.barrier(group=group)  # a common start, so the ranks' traces line up
-    for step in schedule.steps(rank):
-        with watch(step, w):
+    for step in steps:
+        with watch(step, state):
             if step[0].is_comm:
-                w.mail.exchange(step)  # every SEND and RECV of the step at once
-            else:  # one action, or DualPipe's overlapped pair [F, B] (overlap.py)
+                state.mail.exchange(step)  # every SEND and RECV of the step at once
+            else:
                 for a in step:
                     hook("before", a)
-                HANDLERS["F&B" if len(step) == 2 else step[0].op](w, *step)
+                handlers["F&B" if len(step) == 2 else step[0].op](state, *step)
                 for a in step:
                     hook("after", a)
-    w.mail.finish()  # sends a zero-bubble schedule left going
+    state.mail.finish()  # sends a zero-bubble schedule left going
     sync_tied_grads(stages, tied_group)  # nothing without a group
-    return torch.stack(w.losses).sum() if w.losses else None
+    return torch.stack(state.losses).sum() if state.losses else None
 
 
 def _pipeline_rank(schedule: Schedule, stages: Sequence[torch.nn.Module], group) -> int:

@@ -61,58 +61,59 @@ class Kept:
     weights: Optional[object] = None  # what a split backward's W needs, recorded by F (split_backward.WeightStore)
 
 
-def _run_stage(w: RankState, a: Action, x: torch.Tensor):
+def _run_stage(state: RankState, a: Action, x: torch.Tensor):
     """Forward one micro-batch: (out, aux, scaled loss or None, its share of the step's loss or None)."""
-    out = w.stages[a.chunk](x)
+    out = state.stages[a.chunk](x)
     out, aux = out if isinstance(out, tuple) else (out, None)
-    if not w.ends(a.chunk)[1]:
+    if not state.ends(a.chunk)[1]:
         return out, aux, None, None
-    share = w.loss_mean.share(w.loss_fn or getattr(w.stages[a.chunk], "loss", None) or lm_loss,
-                              out, w.targets[a.mb])
-    aux_share = 0 if aux is None else aux / w.schedule.m  # the balance loss: each micro-batch's own
-    return out, aux, (share + aux_share) * w.loss_scale, share
+    share = state.loss_mean.share(state.loss_fn or getattr(state.stages[a.chunk], "loss", None) or lm_loss,
+                                  out, state.targets[a.mb])
+    aux_share = 0 if aux is None else aux / state.schedule.m  # the balance loss: each micro-batch's own
+    return out, aux, (share + aux_share) * state.loss_scale, share
 
 
-def forward(w: RankState, a: Action) -> None:
+def forward(state: RankState, a: Action) -> None:
     """F: micro-batch ``a.mb`` through chunk ``a.chunk``; keep what its B needs, post the output."""
-    first, last = w.ends(a.chunk)
+    first, last = state.ends(a.chunk)
     # (B / m, T) token ids on the first stage, else (B / m, T, C), or (B / m, T / tp, C) under SP
-    x = w.inputs[a.mb] if first else w.mail.take("F", a.mb, a.chunk).requires_grad_()
-    kept = w.kept[(a.mb, a.chunk)] = Kept(x)
-    if w.checkpoint[a.chunk]:
-        kept.rng, (out, _, _, loss) = forward_without_graph(w.stages[a.chunk], w.device,
-                                                            lambda: _run_stage(w, a, x))
+    x = state.inputs[a.mb] if first else state.mail.take("F", a.mb, a.chunk).requires_grad_()
+    kept = state.kept[(a.mb, a.chunk)] = Kept(x)
+    if state.checkpoint[a.chunk]:
+        kept.rng, (out, _, _, loss) = forward_without_graph(state.stages[a.chunk], state.device,
+                                                            lambda: _run_stage(state, a, x))
     else:
-        out, kept.aux, kept.total, loss = _run_stage(w, a, x)
+        out, kept.aux, kept.total, loss = _run_stage(state, a, x)
         kept.out = None if last else out  # backward starts from it; the last stage's from the loss
     if loss is not None:
-        w.losses.append(loss.detach())
+        state.losses.append(loss.detach())
     if not last:
-        w.mail.post("F", a.mb, a.chunk, out.detach())
+        state.mail.post("F", a.mb, a.chunk, out.detach())
 
 
-def backward_roots(w: RankState, a: Action) -> tuple[Kept, list]:
+def backward_roots(state: RankState, a: Action) -> tuple[Kept, list]:
     """What the backward of micro-batch ``a.mb`` on chunk ``a.chunk`` starts from: (what its F
     kept, [(tensor, its gradient; None for the loss)])."""
-    kept = w.kept[(a.mb, a.chunk)]
+    kept = state.kept[(a.mb, a.chunk)]
     if kept.rng is not None:  # checkpointed: run the forward again, as F ran it
-        out, aux, total, _ = recompute(w.stages[a.chunk], w.device, kept.rng, lambda: _run_stage(w, a, kept.x))
+        out, aux, total, _ = recompute(state.stages[a.chunk], state.device, kept.rng,
+                                       lambda: _run_stage(state, a, kept.x))
     else:
         out, aux, total = kept.out, kept.aux, kept.total
-    if w.ends(a.chunk)[1]:
+    if state.ends(a.chunk)[1]:
         roots = [(total, None)]  # backward starts from the scaled loss
     else:
-        roots = [(out, w.mail.take("B", a.mb, a.chunk))]  # from the output's received gradient
+        roots = [(out, state.mail.take("B", a.mb, a.chunk))]  # from the output's received gradient
         if aux is not None:  # and the stage's share of the aux loss
-            roots.append((aux, torch.full_like(aux, w.loss_scale / w.schedule.m)))
+            roots.append((aux, torch.full_like(aux, state.loss_scale / state.schedule.m)))
     return kept, [(t, g) for t, g in roots if t.requires_grad]
 
 
-def backward(w: RankState, a: Action) -> None:
+def backward(state: RankState, a: Action) -> None:
     """B: backward of micro-batch ``a.mb`` through chunk ``a.chunk``; post the input's gradient."""
-    kept, roots = backward_roots(w, a)
+    kept, roots = backward_roots(state, a)
     if roots:
         torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
-    if not w.ends(a.chunk)[0]:
-        w.mail.post("B", a.mb, a.chunk, kept.x.grad if kept.x.grad is not None else torch.zeros_like(kept.x))
-    del w.kept[(a.mb, a.chunk)]  # what its F kept is freed
+    if not state.ends(a.chunk)[0]:
+        state.mail.post("B", a.mb, a.chunk, kept.x.grad if kept.x.grad is not None else torch.zeros_like(kept.x))
+    del state.kept[(a.mb, a.chunk)]  # what its F kept is freed

@@ -24,9 +24,10 @@ dispatch) is waited for where it stands, without passing the turn.
 `overlap_pairs` marks the pairs in a DualPipeV schedule, as DualPipe's ``_forward_backward_chunk``
 does: every F followed by a whole B of the other chunk (not the last rank's first one, which
 DualPipe also runs apart), the receives of both before the pair and the sends of both after it;
-the checker proves the moved messages free of deadlock. The executor runs a pair as one step
-(``HANDLERS["F&B"]`` in the executor); `run_pipeline` records each chunk and each all-to-all in flight in its trace
-(`plot_overlap` draws them). Where the course differs: on a GPU DeepSeek gives the all-to-all
+the checker proves the moved messages free of deadlock. The executor runs a pair as one step, by
+the schedule's own table (``OverlappedSchedule.handlers["F&B"]``: `forward_backward`);
+`run_pipeline` records each chunk and each all-to-all in flight in its trace (`plot_overlap`
+draws them). Where the course differs: on a GPU DeepSeek gives the all-to-all
 its own SMs and the two micro-batches' kernels share the device; here the compute takes turns
 on one CPU thread at a time and only the exchange runs beside it. Recomputation inside a pair is
 not built (refused).
@@ -49,8 +50,26 @@ __all__ = ["OverlappedSchedule", "overlap_pairs", "Turns", "forward_backward", "
            "slow"]
 
 
+def forward_backward(state: RankState, f: Action, b: Action) -> None:
+    """F&B: the forward ``f`` on this thread and the backward ``b`` on another, in turns, each
+    passing the turn at its all-to-alls; the pieces are left in ``state.overlap_pieces`` for the recorder."""
+    if state.checkpoint[f.chunk] or state.checkpoint[b.chunk]:
+        raise ValueError(f"DualPipe's overlapped F&B ({f}, {b}) does not run recomputed chunks: "
+                         f"pass checkpoint=False for both chunks")
+    turns = Turns(all_to_all_waiter())  # a charge the caller set, kept under the turns
+    other = threading.Thread(target=turns.run, args=("B", b, lambda: backward(state, b)), daemon=True)
+    other.start()
+    turns.run("F", f, lambda: forward(state, f))
+    other.join()
+    if turns.error is not None:
+        raise turns.error
+    state.overlap_pieces = turns.pieces
+
+
 class OverlappedSchedule(VSchedule):
     """A DualPipeV schedule whose marked pairs (an F and the B after it) run as one step, overlapped."""
+
+    handlers = {**VSchedule.handlers, "F&B": forward_backward}  # the zero-bubble table, and the pair
 
     def __init__(self, pp: int, m: int, actions_by_rank, virtual: int = 2, kind: str = "dualpipev",
                  pairs: Optional[dict] = None):
@@ -161,22 +180,6 @@ class Turns:
         finally:
             self.pieces.append((a, start[0], time.perf_counter()))
             self._give(me, finished=True)
-
-
-def forward_backward(w: RankState, f: Action, b: Action) -> None:
-    """F&B: the forward ``f`` on this thread and the backward ``b`` on another, in turns, each
-    passing the turn at its all-to-alls; the pieces are left in ``w.overlap_pieces`` for the recorder."""
-    if w.checkpoint[f.chunk] or w.checkpoint[b.chunk]:
-        raise ValueError(f"DualPipe's overlapped F&B ({f}, {b}) does not run recomputed chunks: "
-                         f"pass checkpoint=False for both chunks")
-    turns = Turns(all_to_all_waiter())  # a charge the caller set, kept under the turns
-    other = threading.Thread(target=turns.run, args=("B", b, lambda: backward(w, b)), daemon=True)
-    other.start()
-    turns.run("F", f, lambda: forward(w, f))
-    other.join()
-    if turns.error is not None:
-        raise turns.error
-    w.overlap_pieces = turns.pieces
 
 
 def charged_all_to_all(seconds: float):

@@ -2,8 +2,9 @@
 
 A pipeline of ``pp`` ranks runs ``m`` micro-batches through ``pp * virtual`` model stages; rank
 ``r``'s chunk ``c`` is model stage ``c * pp + r`` (Megatron-LM's interleaved layout). A schedule
-says, for every rank, in which order to do its actions (six kinds here; the zero-bubble
-schedules split B into two more, I and W: `reference.pipeline_parallel.actions`):
+says, for every rank, in which order to do its actions (six of the eight kinds of
+`reference.pipeline_parallel.actions` here; the zero-bubble schedules split B into the other
+two, I and W):
 
     F       forward of micro-batch mb on chunk c
     B       backward of micro-batch mb on chunk c
@@ -29,9 +30,11 @@ the other (Megatron's ``send_forward_recv_backward``). The schedules:
   (p - 1) / (v m + p - 1) when m is a multiple of p, for v times more messages.
 
 Every schedule is checked by `reference.pipeline_parallel.check` (imported here) before it runs.
-The zero-bubble kinds are built in `reference.pipeline_parallel.zero_bubble`, which adds its
-builders to `BUILDERS` when it is imported (the package imports it): it builds on `Schedule`, so
-this module cannot import it without a circle.
+Each kind has its builder here (`build_1f1b`, ...); `build_schedule`, which takes any kind by
+name, the zero-bubble ones of `reference.pipeline_parallel.zero_bubble` too, is the table of
+`reference.pipeline_parallel.registry`. A schedule runs its F and B with the executor's own
+handlers (`reference.pipeline_parallel.executor.HANDLERS`); a kind that runs other actions brings
+its own table (`Schedule.handlers`).
 """
 from __future__ import annotations
 
@@ -41,10 +44,10 @@ from typing import Optional
 from reference.pipeline_parallel import check
 from reference.pipeline_parallel.actions import OPS, Action, ScheduleError  # noqa: F401 (OPS re-exported)
 
-__all__ = ["Action", "Schedule", "ScheduleError", "build_schedule", "bubble_formula", "KINDS", "OPS"]
+__all__ = ["Action", "Schedule", "ScheduleError", "build_naive", "build_gpipe", "build_1f1b",
+           "build_interleaved", "bubble_formula", "KINDS", "OPS"]
 
 KINDS = ("naive", "gpipe", "1f1b", "interleaved")
-BUILDERS: dict = {}  # kind -> builder(pp, m, virtual) of the schedules built elsewhere (zero_bubble.py)
 
 
 def _check_args(kind, pp, m, virtual):
@@ -53,7 +56,7 @@ def _check_args(kind, pp, m, virtual):
             raise ValueError(f"{name} must be a positive int, got {value!r} "
                              f"(kind={kind!r}, pp={pp!r}, m={m!r}, virtual={virtual!r})")
     if kind not in KINDS:
-        raise ValueError(f"unknown schedule kind {kind!r}; expected one of {', '.join(KINDS + tuple(BUILDERS))}")
+        raise ValueError(f"unknown schedule kind {kind!r}; expected one of {', '.join(KINDS)}")
     if kind == "interleaved":
         if virtual < 2 or pp < 2:
             raise ValueError(f"interleaved needs virtual >= 2 chunks per rank and pp >= 2, "
@@ -128,6 +131,7 @@ class Schedule:
 
     strict = True  # a send waits for its receive, in its step (the zero-bubble ones: at the end)
     mailbox = None  # the executor's messages (`Mailbox` unless a schedule brings its own)
+    handlers = None  # what runs each compute action (the executor's `HANDLERS`, F and B, unless its own)
 
     def __init__(self, pp: int, m: int, actions_by_rank, virtual: int = 1, kind: str = "custom"):
         self.kind, self.pp, self.m, self.virtual = kind, pp, m, virtual
@@ -196,16 +200,33 @@ class Schedule:
         return f"Schedule({self.kind}, pp={self.pp}, m={self.m}, virtual={self.virtual})"
 
 
-def build_schedule(kind: str, pp: int, m: int, virtual: int = 1) -> Schedule:
-    """The ``kind`` schedule ("naive", "gpipe", "1f1b", "interleaved", or one of `BUILDERS`:
-    "zb-h1", "zb-v", "dualpipev") for ``pp`` ranks and ``m`` micro-batches, ``virtual`` chunks
-    per rank (interleaved, and the V's 2); validated."""
-    if kind in BUILDERS:
-        return BUILDERS[kind](pp, m, virtual).validate()
+def _build(kind: str, pp: int, m: int, virtual: int) -> Schedule:
+    """The ``kind`` schedule: every rank's F and B (`_compute_groups`) with their messages; not yet validated."""
     _check_args(kind, pp, m, virtual)
     actions = {r: _with_comms(_compute_groups(kind, pp, m, virtual, r), pp, virtual, r)
                for r in range(pp)}
-    return Schedule(pp, m, actions, virtual, kind).validate()
+    return Schedule(pp, m, actions, virtual, kind)
+
+
+def build_naive(pp: int, m: int, virtual: int = 1) -> Schedule:
+    """One micro-batch at a time, for ``pp`` ranks and ``m`` micro-batches; not yet validated."""
+    return _build("naive", pp, m, virtual)
+
+
+def build_gpipe(pp: int, m: int, virtual: int = 1) -> Schedule:
+    """GPipe: all ``m`` forwards, then all backwards, on ``pp`` ranks; not yet validated."""
+    return _build("gpipe", pp, m, virtual)
+
+
+def build_1f1b(pp: int, m: int, virtual: int = 1) -> Schedule:
+    """1F1B (PipeDream-Flush) for ``pp`` ranks and ``m`` micro-batches; not yet validated."""
+    return _build("1f1b", pp, m, virtual)
+
+
+def build_interleaved(pp: int, m: int, virtual: int = 2) -> Schedule:
+    """Interleaved 1F1B, ``virtual`` chunks per rank, for ``pp`` ranks and ``m`` micro-batches;
+    not yet validated."""
+    return _build("interleaved", pp, m, virtual)
 
 
 def bubble_formula(kind: str, pp: int, m: int, virtual: int = 1) -> float:

@@ -152,35 +152,35 @@ def _deferred_weights(stage: torch.nn.Module, head: bool) -> list:
 _SPLIT = weakref.WeakKeyDictionary()  # schedule -> {rank: the (mb, chunk) whose backward it splits}
 
 
-def _split(w: RankState, a: Action) -> bool:
-    """Whether rank ``w`` runs the backward of ``a``'s micro-batch and chunk as an I and a W."""
-    by_rank = _SPLIT.setdefault(w.schedule, {})
-    if w.rank not in by_rank:
-        by_rank[w.rank] = {(b.mb, b.chunk) for b in w.schedule.actions(w.rank) if b.op == "I"}
-    return (a.mb, a.chunk) in by_rank[w.rank]
+def _split(state: RankState, a: Action) -> bool:
+    """Whether the rank (``state``) runs the backward of ``a``'s micro-batch and chunk as an I and a W."""
+    by_rank = _SPLIT.setdefault(state.schedule, {})
+    if state.rank not in by_rank:
+        by_rank[state.rank] = {(b.mb, b.chunk) for b in state.schedule.actions(state.rank) if b.op == "I"}
+    return (a.mb, a.chunk) in by_rank[state.rank]
 
 
-def forward_recording(w: RankState, a: Action) -> None:
+def forward_recording(state: RankState, a: Action) -> None:
     """F: when its backward is split (an I, then a W), the stage's linear layers recorded as
     `DeferredLinear`, their store kept beside what F keeps; else the plain F."""
-    if not _split(w, a):
-        return forward(w, a)
-    store = WeightStore(_deferred_weights(w.stages[a.chunk], w.ends(a.chunk)[1]))
+    if not _split(state, a):
+        return forward(state, a)
+    store = WeightStore(_deferred_weights(state.stages[a.chunk], state.ends(a.chunk)[1]))
     with store.recording():
-        forward(w, a)
-    w.kept[(a.mb, a.chunk)].weights = store
+        forward(state, a)
+    state.kept[(a.mb, a.chunk)].weights = store
 
 
-def backward_input(w: RankState, a: Action) -> None:
+def backward_input(state: RankState, a: Action) -> None:
     """I: the backward of micro-batch ``a.mb`` on chunk ``a.chunk`` (`backward`: the input's
     gradient posted, what F stored freed), the linear layers' weight products left in its store.
     After it the micro-batch keeps its store alone."""
-    store = w.kept[(a.mb, a.chunk)].weights or WeightStore(())  # F did not record: I is the whole B
+    store = state.kept[(a.mb, a.chunk)].weights or WeightStore(())  # F did not record: I is the whole B
     with store.recording():  # (a checkpointed chunk runs its F again here)
-        backward(w, a)
-    w.kept[(a.mb, a.chunk)] = Kept(None, weights=store)
+        backward(state, a)
+    state.kept[(a.mb, a.chunk)] = Kept(None, weights=store)
 
 
-def backward_weight(w: RankState, a: Action) -> None:
+def backward_weight(state: RankState, a: Action) -> None:
     """W: the weight products micro-batch ``a.mb``'s I left on chunk ``a.chunk``; its store freed."""
-    w.kept.pop((a.mb, a.chunk)).weights.run()
+    state.kept.pop((a.mb, a.chunk)).weights.run()

@@ -15,7 +15,8 @@ from typing import Optional
 
 import ipywidgets as widgets
 
-from reference.pipeline_parallel.schedules import KINDS, Schedule, bubble_formula, build_schedule
+from reference.pipeline_parallel.registry import build_schedule
+from reference.pipeline_parallel.schedules import KINDS, Schedule, bubble_formula
 from reference.pipeline_parallel.zero_bubble import ZB_KINDS, zero_bubble_formula
 
 __all__ = ["ScheduleExplorer", "schedule_explorer", "MAX_PP", "MAX_M", "MAX_VIRTUAL"]

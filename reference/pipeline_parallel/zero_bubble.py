@@ -4,7 +4,10 @@ Qi, Wan, Huang and Lin (2024), "Zero Bubble Pipeline Parallelism" (ICLR 2024): o
 gradient of the stage's input, is on the critical path (the previous stage waits for it); W,
 the weights' gradients, can run any time before the optimizer step. Run I at once and the idle
 time of 1F1B fills with W's (`reference.pipeline_parallel.split_backward` runs them). Built as
-plain data, reached through `build_schedule`, checked by the same deadlock checker:
+plain data, reached by name through `build_schedule` (`reference.pipeline_parallel.registry`),
+checked by the same deadlock checker, run by the same executor with a table of handlers of their
+own (`ZeroBubbleSchedule.handlers`: the executor's F and B, F recording what a split backward's
+W needs, and I and W):
 
 * ``zb-h1`` (the paper's "handcrafted 1"): 1F1B's order with each B split into I then W, rank r
   putting off its first r W's. Every rank holds min(p, m) micro-batches from F to W, 1F1B's
@@ -54,11 +57,12 @@ from typing import Optional, Sequence
 
 from reference.pipeline_parallel.actions import Action
 from reference.pipeline_parallel.async_messages import AsyncMailbox
-from reference.pipeline_parallel import schedules
+from reference.pipeline_parallel.executor import HANDLERS
 from reference.pipeline_parallel.schedules import Schedule
+from reference.pipeline_parallel.split_backward import backward_input, backward_weight, forward_recording
 
 __all__ = ["ZeroBubbleSchedule", "VSchedule", "build_zb_h1", "build_zb_h2", "build_zb_v", "build_dualpipev",
-           "zero_bubble_formula", "peak_bytes", "BUILDERS", "ZB_KINDS"]
+           "zero_bubble_formula", "peak_bytes", "ZB_KINDS"]
 
 ZB_KINDS = ("zb-h1", "zb-h2", "zb-v", "dualpipev")
 
@@ -70,6 +74,9 @@ class ZeroBubbleSchedule(Schedule):
 
     strict = False
     mailbox = AsyncMailbox
+    # The executor's table, extended: F records the linear layers of a micro-batch whose backward
+    # the schedule splits (so that its W holds only X and dY; the plain F otherwise), I and W.
+    handlers = {**HANDLERS, "F": forward_recording, "I": backward_input, "W": backward_weight}
 
 
 class VSchedule(ZeroBubbleSchedule):
@@ -259,10 +266,6 @@ def build_dualpipev(pp: int, m: int, virtual: int = 2) -> VSchedule:
     """DualPipeV for ``pp`` ranks and ``m >= 2 pp`` micro-batches (two chunks per rank, in a V);
     not yet validated."""
     return _build(VSchedule, "dualpipev", pp, m, virtual, 2, _dualpipev_order)
-
-
-BUILDERS = {"zb-h1": build_zb_h1, "zb-h2": build_zb_h2, "zb-v": build_zb_v, "dualpipev": build_dualpipev}
-schedules.BUILDERS.update(BUILDERS)  # `build_schedule` reaches them by kind (schedules.py says why here)
 
 
 def zero_bubble_formula(kind: str, pp: int, m: int, t_f: float = 1.0, t_b: float = 2.0,

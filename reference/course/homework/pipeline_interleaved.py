@@ -27,7 +27,7 @@ from reference.course.homework.pipeline_runs import (
 )
 from reference.course.homework.questions import question
 from reference.course.homework.scoring import Case, ExerciseSpec, one_line
-from reference.pipeline_parallel import schedules as pipeline_schedules
+from reference.pipeline_parallel.registry import build_schedule
 from reference.pipeline_parallel.schedules import ScheduleError, bubble_formula
 from reference.tolerance import forward
 
@@ -37,7 +37,7 @@ __all__ = ["INTERLEAVED_ACTIONS", "INTERLEAVED_PEAK_BYTES", "course_interleaved_
 
 def course_interleaved_actions(pp: int, m: int, v: int, rank: int) -> list:
     """The course's answer, with the student's signature (refused to the student's code)."""
-    return pipeline_schedules.build_schedule("interleaved", pp, m, v).actions(rank)
+    return build_schedule("interleaved", pp, m, v).actions(rank)
 
 
 def in_flight_bound(pp: int, m: int, v: int, rank: int) -> int:
@@ -135,7 +135,8 @@ INTERLEAVED_ACTIONS = ExerciseSpec(
     call=call_interleaved, expect=expect_interleaved, judge=judge_interleaved,
     reference=course_interleaved,
     banned=("reference.course.homework.pipeline_interleaved.course_interleaved_actions",
-            "reference.pipeline_parallel.schedules.build_schedule",
+            "reference.pipeline_parallel.registry.build_schedule",
+            "reference.pipeline_parallel.schedules.build_interleaved",
             "reference.pipeline_parallel.schedules._compute_groups",
             "reference.pipeline_parallel.schedules._with_comms"))
 INTERLEAVED_PEAK_BYTES = question(

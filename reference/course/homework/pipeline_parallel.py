@@ -38,7 +38,7 @@ from reference.course.homework.pipeline_runs import (  # noqa: F401 (the checks'
     run_lists, schedule_of, single_process, student_lists,
 )
 from reference.course.homework.scoring import Case, ExerciseSpec, one_line
-from reference.pipeline_parallel import schedules as pipeline_schedules
+from reference.pipeline_parallel.registry import build_schedule
 from reference.pipeline_parallel.schedules import Schedule, ScheduleError, bubble_formula
 from reference.tolerance import forward
 
@@ -71,7 +71,7 @@ def call_one_f_one_b(fn, case: dict) -> dict:
 
 def course_actions(case: dict, kind: str) -> list:
     """The course's own lists for the case, as plain data."""
-    s = pipeline_schedules.build_schedule(kind, case["pp"], case["m"])
+    s = build_schedule(kind, case["pp"], case["m"])
     return [plain_actions(s.actions(r))[0] for r in range(case["pp"])]
 
 
@@ -85,11 +85,11 @@ def course_one_f_one_b(case: dict) -> list:
 
 def course_gpipe_actions(pp: int, m: int, rank: int) -> list:
     """The course's answer, with the student's signature (refused to the student's code)."""
-    return pipeline_schedules.build_schedule("gpipe", pp, m).actions(rank)
+    return build_schedule("gpipe", pp, m).actions(rank)
 
 
 def course_one_f_one_b_actions(pp: int, m: int, rank: int) -> list:
-    return pipeline_schedules.build_schedule("1f1b", pp, m).actions(rank)
+    return build_schedule("1f1b", pp, m).actions(rank)
 
 
 # ------------------------------------------------------------------ in the grader
