@@ -275,6 +275,14 @@ def _wrapper_bytes_body():
         comms.all_reduce(torch.ones(2))
     after_close = CommMeter()
     comms.all_reduce(torch.ones(2))            # no meter open: recorded nowhere
+    # the list form, pieces of uneven sizes (a ZeRO-2 bucket cut at the shards' edges): rank q's
+    # piece has q + 1 rows; rank r receives the sum of every rank's piece r
+    pieces = [torch.full((q + 1, 3), float(r + 1)) for q in range(n)]
+    piece = torch.empty(r + 1, 3)
+    with CommMeter() as listed:
+        comms.reduce_scatter(piece, pieces)
+    rows["reduce_scatter_list"] = (listed.sent_bytes("reduce_scatter"), listed.payload_bytes("reduce_scatter"))
+    assert torch.equal(piece, torch.full((r + 1, 3), float(n * (n + 1) // 2)))
     gathered = outer.gather(dst=0)
     return dict(S=S, rows=rows, calls=calls, outer_ar=outer.calls("all_reduce"),
                 inner_ar=m.calls("all_reduce"), after_close=after_close.calls(),
@@ -297,6 +305,7 @@ def test_wrappers_record_ring_formulas_and_meters_nest(world_size):
         row_bytes = 3 * 4
         rows_in = sum(q + 1 for q in range(n))
         assert rows["all_to_all"] == ((rows_in - (r + 1)) * row_bytes, rows_in * row_bytes)
+        assert rows["reduce_scatter_list"] == ((rows_in - (r + 1)) * row_bytes, rows_in * row_bytes)  # all but its own
         assert rows["send"] == ((20, 20) if (r == 0 and n > 1) else (0, 0))
         assert rows["recv"] == ((0, 20) if r == 1 else (0, 0))
         # five wrapped collectives, the ring all-reduce of the nested meter, and send or recv

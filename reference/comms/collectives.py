@@ -16,7 +16,7 @@ import torch.distributed as dist
 from reference.comms.metering import record
 from reference.comms.ring import ring_sent_bytes
 
-__all__ = ["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
+__all__ = ["all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
            "all_to_all_single", "send", "recv", "all_to_all_waited_by", "all_to_all_waiter"]
 
 ReduceOp = dist.ReduceOp
@@ -63,6 +63,15 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     """torch.distributed.reduce_scatter_tensor, recording (N-1)/N * S_in sent bytes."""
     _record_ring("reduce_scatter", group, input)
     return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+
+
+def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
+    """torch.distributed.reduce_scatter: rank r receives into ``output`` the reduction of every
+    rank's ``input_list[r]``, the pieces of any sizes (a ZeRO-2 bucket cut at the shards' edges).
+    Records S = the pieces' bytes and, as the ring sends them, every piece but this rank's own."""
+    nbytes = [_nbytes(t) for t in input_list]
+    record("reduce_scatter", group, sum(nbytes), sum(nbytes) - nbytes[dist.get_rank(group)])
+    return dist.reduce_scatter(output, list(input_list), op=op, group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):

@@ -26,16 +26,7 @@ from reference import comms
 from reference.data_parallel.ddp import remove_handles
 from reference.zero.shard import FlatLayout
 
-__all__ = ["BucketReducer", "reduce_scatter_pieces"]
-
-
-def reduce_scatter_pieces(output: torch.Tensor, pieces: list[torch.Tensor], group=None) -> None:
-    """Rank r receives into `output` the mean over ranks of `pieces[r]` (pieces of any sizes),
-    metered as a ring reduce-scatter: a rank sends every piece but its own."""
-    rank = dist.get_rank(group)
-    nbytes = [p.numel() * p.element_size() for p in pieces]
-    comms.record("reduce_scatter", group, sum(nbytes), sum(nbytes) - nbytes[rank])
-    dist.reduce_scatter(output, list(pieces), op=dist.ReduceOp.AVG, group=group)
+__all__ = ["BucketReducer"]
 
 
 def _grad_ready(reducer_ref, index: int, param) -> None:
@@ -137,12 +128,11 @@ class BucketReducer:
         lo, hi = ranges[self.rank]
         s0 = self.layout.shard_range(self.rank)[0]
         mine = self.shard.grad[lo - s0:hi - s0]  # (hi - lo,) view of this rank's shard gradient
+        # rank r receives the mean over ranks of pieces[r] (metered: it sends every piece but its own)
+        out = torch.empty_like(mine) if self._accumulate else mine
+        comms.reduce_scatter(out, pieces, op=dist.ReduceOp.AVG, group=self.group)
         if self._accumulate:
-            out = torch.empty_like(mine)
-            reduce_scatter_pieces(out, pieces, self.group)
             mine.add_(out)
-        else:
-            reduce_scatter_pieces(mine, pieces, self.group)
 
     def finish(self) -> None:
         """Reduce every bucket not yet reduced in this backward (end of backward; safe to call again)."""
