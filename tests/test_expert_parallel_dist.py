@@ -159,6 +159,16 @@ def _four_ranks():
     out["gpt"] = train_gpt(model, mesh.dp_rank, mesh.dp, micro=2,
                            reduce=lambda m: moe_all_reduce_gradients(m, mesh.dp_group, mesh.edp_group))
     out["errors"] = errors
+    # from_dense copies every part in: it replays no master-weight draw (built directly, one)
+    draws, replay = [], ExpertParallelMoE._draw_from_seed
+    ExpertParallelMoE._draw_from_seed = lambda self, seed: draws.append(seed) or replay(self, seed)
+    try:
+        ExpertParallelMoE.from_dense(make_moe(next(iter(CASES))), mesh.ep_group)
+        out["draws"] = len(draws)
+        ExpertParallelMoE(C, D_FF, 4, k=2, group=mesh.ep_group)
+        out["draws"] = (out["draws"], len(draws))
+    finally:
+        ExpertParallelMoE._draw_from_seed = replay
     return out
 
 
@@ -286,6 +296,7 @@ def test_gpt_with_experts_dp_and_gradient_accumulation(four_ranks):
 
 def test_errors_name_experts_and_degrees(four_ranks):
     for res in four_ranks:
+        assert res["draws"] == (0, 1)  # from_dense draws no master weight to throw away
         assert res["errors"] == ["n_experts=6 does not divide by ep=4 (world_size=4): every "
                                  "expert-parallel rank must hold the same number of experts"]
 

@@ -246,6 +246,27 @@ def _check_dtensor_mlp(r, n):
             close(mine, dt, f"MLP {k}.{p} grad shard vs DTensor", grad)
 
 
+def _check_from_dense_draws_no_master_weight(group):
+    """`from_dense` copies the dense layer's slice in: no master weight is drawn to be thrown
+    away (a layer built directly draws one; the counters see it)."""
+    from reference.tensor_parallel import layers
+
+    dense = nn.Linear(C, H), nn.Linear(H, C), nn.Embedding(11, C)  # drawn before counting
+    drawn, master_linear, normal = [], layers._master_linear, nn.init.normal_
+    layers._master_linear = lambda *a, **k: drawn.append("linear") or master_linear(*a, **k)
+    nn.init.normal_ = lambda *a, **k: drawn.append("embedding") or normal(*a, **k)
+    try:
+        ColumnParallelLinear.from_dense(dense[0], group)
+        RowParallelLinear.from_dense(dense[1], group)
+        VocabParallelEmbedding.from_dense(dense[2], group)
+        assert drawn == [], drawn
+        ColumnParallelLinear(C, H, group)
+        VocabParallelEmbedding(11, C, group)
+        assert drawn == ["linear", "embedding"], drawn
+    finally:
+        layers._master_linear, nn.init.normal_ = master_linear, normal
+
+
 def _layers_body():
     n = dist.get_world_size()
     mesh = Mesh(tp=n).build_groups()
@@ -255,6 +276,7 @@ def _layers_body():
     _check_mlp_and_attention(group, r, n)
     _check_vocab(group, r, n)
     _check_dtensor_mlp(r, n)
+    _check_from_dense_draws_no_master_weight(group)
     if n > 1:
         _check_errors(group, n)
     return "ok"

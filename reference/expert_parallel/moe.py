@@ -143,11 +143,13 @@ class ExpertParallelMoE(MoELayer):
     Group rank r holds experts ``r * E / P ... (r + 1) * E / P - 1`` (``expert_ids``); the router
     and the shared expert are whole on every rank. Built directly, it holds those parts of the
     `MoE` built on the CPU after `torch.manual_seed(seed)` (master-weight init; the same ``seed``
-    on every rank); `from_dense` copies an existing `MoE`.
+    on every rank); `from_dense` copies an existing `MoE`, built with
+    ``perform_initialization=False`` (Megatron's name), which skips that replay of every expert's draws.
     """
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, k: int = 2,
-                 capacity_factor: Optional[float] = 1.25, *, group=None, seed: int = 0, **kwargs):
+                 capacity_factor: Optional[float] = 1.25, *, group=None, seed: int = 0,
+                 perform_initialization: bool = True, **kwargs):
         check_routing_args(n_experts, k, capacity_factor)
         check_init_seed("ExpertParallelMoE", seed)
         ep = dist.get_world_size(group)
@@ -163,7 +165,8 @@ class ExpertParallelMoE(MoELayer):
         self.n_local_experts = n_experts // ep
         first = self.ep_rank * self.n_local_experts
         self.expert_ids = list(range(first, first + self.n_local_experts))
-        self._draw_from_seed(seed)
+        if perform_initialization:  # False: `from_dense` copies the weights in
+            self._draw_from_seed(seed)
 
     @torch.no_grad()
     def _draw_from_seed(self, seed: int) -> None:
@@ -195,8 +198,7 @@ class ExpertParallelMoE(MoELayer):
     @classmethod
     def from_dense(cls, moe: MoE, group=None) -> "ExpertParallelMoE":
         """This rank's share of `moe`: the same router and shared expert, its experts copied."""
-        with torch.random.fork_rng(devices=[]):  # the throw-away init must not move the caller's RNG
-            layer = cls(**moe.hparams, group=group)
+        layer = cls(**moe.hparams, group=group, perform_initialization=False)
         layer.router.load_state_dict(moe.router.state_dict())  # the gate, and the bias if any
         if moe.router.expert_bias is not None:  # the step's counts so far (not in state_dict)
             layer.router.step_tokens_per_expert.copy_(moe.router.step_tokens_per_expert)

@@ -22,7 +22,9 @@ A layer built directly (not ``from_dense``) follows Megatron's master-weight ini
 draws the *whole* dense weight on a CPU generator seeded with the layer's ``seed`` (the default
 stream untouched) and keeps its slice, so the TP layer equals the ``nn.Linear`` built after
 ``torch.manual_seed(seed)``, for any tp. ``seed`` must be the same on every rank of the group;
-give each layer of a model its own.
+give each layer of a model its own. ``perform_initialization=False`` (Megatron's name, default
+True) skips that draw and leaves the shard empty: ``from_dense`` copies its slice of the dense
+layer in, without drawing a master weight it would throw away.
 """
 from __future__ import annotations
 
@@ -137,7 +139,8 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, group, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
-                 regather_input: bool = False, chunks: int = 1, seed: int = 0):
+                 regather_input: bool = False, chunks: int = 1, seed: int = 0,
+                 perform_initialization: bool = True):
         super().__init__()
         tp, self.tp_rank = dist.get_world_size(group), dist.get_rank(group)
         if out_features % (tp * chunks):
@@ -152,7 +155,8 @@ class ColumnParallelLinear(nn.Module):
         self.regather_input = regather_input
         self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))  # (out // tp, in)
         self.bias = nn.Parameter(torch.empty(out_features // tp)) if bias else None
-        self.copy_shard(*_master_linear(in_features, out_features, bias, seed, self.weight.dtype))
+        if perform_initialization:  # False: left empty, for `from_dense` to copy into
+            self.copy_shard(*_master_linear(in_features, out_features, bias, seed, self.weight.dtype))
         for p in self.parameters(recurse=False):  # rows cut, block by block: recorded where cut
             record_cut(p, 0, tp, self.tp_rank, out_features, blocks=chunks)
 
@@ -163,7 +167,7 @@ class ColumnParallelLinear(nn.Module):
         """This rank's columns of `linear`'s A, copied, so the TP layer computes the same function."""
         layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
                     gather_output=gather_output, sequence_parallel=sequence_parallel,
-                    regather_input=regather_input, chunks=chunks)
+                    regather_input=regather_input, chunks=chunks, perform_initialization=False)
         layer.copy_shard(linear.weight, linear.bias)
         _keep_frozen(layer, linear)
         return layer.to(linear.weight.device)
@@ -207,7 +211,8 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, group, *, bias: bool = True,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False, seed: int = 0):
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, seed: int = 0,
+                 perform_initialization: bool = True):
         super().__init__()
         tp, self.tp_rank = dist.get_world_size(group), dist.get_rank(group)
         if in_features % tp:
@@ -219,7 +224,8 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))  # (out, in // tp)
         # The bias is whole on every rank and added once, after the reduction.
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.copy_shard(*_master_linear(in_features, out_features, bias, seed, self.weight.dtype))
+        if perform_initialization:  # False: left empty, for `from_dense` to copy into
+            self.copy_shard(*_master_linear(in_features, out_features, bias, seed, self.weight.dtype))
         record_cut(self.weight, 1, tp, self.tp_rank, in_features)  # columns cut; the bias whole
         if self.bias is not None and sequence_parallel:
             self.bias.sequence_parallel = True  # its gradient sees only this rank's tokens
@@ -229,7 +235,8 @@ class RowParallelLinear(nn.Module):
                    sequence_parallel: bool = False) -> "RowParallelLinear":
         """This rank's rows of `linear`'s A, copied, so the TP layer computes the same function."""
         layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
-                    input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel)
+                    input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel,
+                    perform_initialization=False)
         layer.copy_shard(linear.weight, linear.bias)
         _keep_frozen(layer, linear)
         return layer.to(linear.weight.device)

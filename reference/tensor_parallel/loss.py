@@ -64,7 +64,8 @@ class VocabParallelEmbedding(nn.Module):
 
     Built directly: this rank's rows of ``torch.manual_seed(seed); nn.Embedding(V, C)`` (master-weight init)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, group, seed: int = 0):
+    def __init__(self, num_embeddings: int, embedding_dim: int, group, seed: int = 0,
+                 perform_initialization: bool = True):
         super().__init__()
         check_init_seed("VocabParallelEmbedding", seed)
         tp, tp_rank = dist.get_world_size(group), dist.get_rank(group)
@@ -75,15 +76,16 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start_index = tp_rank * per_rank
         self.vocab_end_index = self.vocab_start_index + per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim))  # (V_pad / tp, C)
-        full = torch.empty(num_embeddings, embedding_dim)  # (V, C), only for this constructor
-        nn.init.normal_(full, generator=torch.Generator().manual_seed(seed))  # nn.Embedding's N(0, 1)
-        self.copy_shard(full)
+        if perform_initialization:  # False: left empty, for `from_dense` to copy into
+            full = torch.empty(num_embeddings, embedding_dim)  # (V, C), only for this constructor
+            nn.init.normal_(full, generator=torch.Generator().manual_seed(seed))  # nn.Embedding's N(0, 1)
+            self.copy_shard(full)
         record_cut(self.weight, 0, tp, tp_rank, self.num_embeddings_padded, real=num_embeddings)
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, group) -> "VocabParallelEmbedding":
         """This rank's rows of `embedding`'s table, copied (padding rows zero)."""
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group)
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, perform_initialization=False)
         layer.copy_shard(embedding.weight)
         layer.weight.requires_grad_(embedding.weight.requires_grad)
         return layer.to(embedding.weight.device)
