@@ -64,18 +64,16 @@ def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],
     if len(flags) != schedule.virtual:
         raise ValueError(f"checkpoint needs one flag per chunk ({schedule.virtual}), got {len(flags)}")
     device = next((p.device for st in stages for p in st.parameters()), torch.device("cpu"))
-    handlers = schedule.handlers or HANDLERS
-    steps = schedule.steps(rank)
-    # one action, or DualPipe's overlapped pair [F, B] (overlap.py)
-    ops = {"F&B" if len(step) == 2 else step[0].op for step in steps if not step[0].is_comm}
-    if ops - handlers.keys():
-        raise ValueError(f"{schedule!r} runs {sorted(ops - handlers.keys())}, which its table of "
-                         f"handlers ({', '.join(handlers)}) does not name: a schedule with a split "
-                         f"backward is a zero_bubble.ZeroBubbleSchedule")
+    handlers, steps = schedule.handlers or HANDLERS, schedule.steps(rank)
+    # a compute step: one action, or DualPipe's overlapped pair [F, B] (overlap.py)
+    unknown = {"F&B" if len(step) == 2 else step[0].op for step in steps if not step[0].is_comm} - handlers.keys()
+    if unknown:
+        raise ValueError(f"{schedule!r} runs {sorted(unknown)}, which its table of handlers "
+                         f"({', '.join(handlers)}) does not name: a schedule with a split backward "
+                         f"is a zero_bubble.ZeroBubbleSchedule")
     mb_in, mb_tgt = _micro_batches(inputs, targets, batch_shape, schedule.m, rank, device)
-    state = RankState(schedule, stages, rank, device, mb_in, mb_tgt, flags,
-                           loss_mean or TokenMean.of(targets), loss_scale, loss_fn,
-                           (schedule.mailbox or Mailbox)(group, rank, device))
+    state = RankState(schedule, stages, rank, device, mb_in, mb_tgt, flags, loss_mean or TokenMean.of(targets),
+                      loss_scale, loss_fn, (schedule.mailbox or Mailbox)(group, rank, device))
     hook = action_hook or (lambda when, action: None)
     watch = recorder.step if recorder is not None else (lambda step, state: nullcontext())
     if schedule.pp > 1:
