@@ -57,6 +57,16 @@ Units. A float's unit roundoff u is half the distance from 1 to the next number:
 4. Weights after k SGD steps (`sgd_weights`): SGD moves a weight by lr times its gradient, so a
    gradient difference within `gradient(n)` (gradients of order 1 at most, as in section 1)
    moves it by at most lr (atol + rtol) each step.
+5. The experts' bias after k steps of loss-free balancing (`expert_bias`). It is not trained: each
+   step moves b_i by u sign(mean load - load_i), the loads being counts of the tokens' choices.
+   A choice is discrete: a token whose two best scores are within a rounding of each other goes
+   to either expert, and a bf16 or fp16 run rounds its activations differently from one process
+   (section 2), so a few assignments in thousands go elsewhere. One assignment moved changes the
+   sign of an expert whose load is at or next to the mean, and its bias by u or 2u that step.
+   So, as a weight near zero gradient in section 3, the one bound is the rule's whole range,
+   2 u k; the mean over the biases is held to the same share of it as the weights' (one bias in
+   a layer of E can take the whole range, as one weight can). In fp32 the choices and the loads
+   are one process's; the share of 1/1000 catches one bias a step apart among fewer than 500 / k.
 """
 from __future__ import annotations
 
@@ -67,7 +77,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["Tolerance", "UNIT_ROUNDOFF", "exact", "forward", "gradient", "loss",
-           "adamw_ratio_bound", "adamw_weights", "sgd_weights"]
+           "adamw_ratio_bound", "adamw_weights", "sgd_weights", "expert_bias"]
 
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8,
                  torch.float64: 2.0 ** -53}
@@ -251,3 +261,16 @@ def sgd_weights(steps: int, lr: float, n: int = 1, dtype: torch.dtype = torch.fl
     return Tolerance(g.rtol, g.atol + steps * lr * (g.atol + g.rtol),
                      f"{steps} SGD steps at lr {lr:g}: each moves a weight by lr times a gradient "
                      f"within {g.summary()} (section 4)")
+
+
+def expert_bias(steps: int, rate: float, dtype: torch.dtype = torch.float32) -> Tolerance:
+    """The routers' biases after `steps` steps of loss-free balancing at update rate `rate` (u)
+    against one process's: any bias within 2 u k, their mean within a share of that (section 5)."""
+    if steps < 1 or not rate > 0:
+        raise ValueError(f"expert_bias(steps={steps}, rate={rate}): at least one step, rate > 0")
+    _check_dtype(dtype)
+    bound = 2 * rate * steps
+    return Tolerance(0.0, bound, f"{steps} bias steps of {rate:g}: a rounding can send a token to "
+                                 f"another expert and flip a load's sign; the mean is held to "
+                                 f"{MEAN_SHARE[dtype]:g} of that (section 5)",
+                     mean_atol=MEAN_SHARE[dtype] * bound)

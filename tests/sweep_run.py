@@ -13,29 +13,31 @@ clips with `torch.nn.utils.clip_grad_norm_`.
 Tolerances (`TOLERANCES`) are the course's policy, `reference.tolerance`, whose docstring gives
 each bound's reason: the losses within `loss(dtype)`; the weights after `STEPS` AdamW steps at
 `LR` within `adamw_weights(STEPS, LR, dtype=...)`, every weight, the mean over all of them and
-each tensor's mean. A single weight may differ by up to AdamW's whole steps (6.0e-3 here, eps
-or not), so the largest difference only catches a weight gone astray; the means are what a
-wrong reduction moves. bf16 and fp16 runs are compared with one process in the same
+each tensor's mean; the routers' biases, moved by `BIAS_RATE` times a sign, within
+`expert_bias(STEPS, BIAS_RATE, dtype)` in the same three ways. A single weight may differ by
+up to AdamW's whole steps (6.0e-3 here, eps or not), so the largest difference only catches a
+weight gone astray; the means are what a wrong reduction moves. bf16 and fp16 runs are compared with one process in the same
 precision; with experts a rounding there can also send a token to another expert, which
 moves a few weights by more than a rounding and leaves the means far below what a wrong
-reduction gives.
+reduction gives; when that expert's load is at the mean, its bias moves a step apart.
 """
 from __future__ import annotations
 
 import torch
 
-from reference.tolerance import adamw_weights, loss
+from reference.tolerance import adamw_weights, expert_bias, loss
 
 __all__ = ["STEPS", "LR", "EPS", "TOLERANCES", "batches", "full_batches", "run_cases", "single_process",
            "compare", "model_for"]
 
 STEPS, LR, EPS = 3, 1e-3, 1e-6
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# per precision: the losses' and the weights' tolerance (reference.tolerance says why)
-TOLERANCES = {p: dict(loss=loss(dtype), weights=adamw_weights(STEPS, LR, dtype=dtype))
-              for p, dtype in DTYPES.items()}
 FP16_POWER = 12   # the loss scale starts at 2^12: the tiny model's gradients stay finite
 BIAS_RATE = 0.05  # a bias-balanced MoE's step: large enough to move the routing in 3 steps
+# per precision: the losses', the weights' and the routers' biases' tolerance (reference.tolerance says why)
+TOLERANCES = {p: dict(loss=loss(dtype), weights=adamw_weights(STEPS, LR, dtype=dtype),
+                      bias=expert_bias(STEPS, BIAS_RATE, dtype))
+              for p, dtype in DTYPES.items()}
 
 
 def full_batches(steps: int = STEPS):
@@ -146,10 +148,13 @@ def compare(case, got, want) -> dict:
         tol["loss"].assert_losses(g_loss, w_loss, f"{case} losses")
     except AssertionError as err:
         why.append(str(err))
-    try:
-        tol["weights"].assert_weights(g_state, compared, str(case))
-    except AssertionError as err:
-        why.append(str(err))
+    biases = {n: v for n, v in compared.items() if n.endswith("expert_bias")}  # moved by a sign, not AdamW
+    for kind, want_part in (("weights", {n: v for n, v in compared.items() if n not in biases}), ("bias", biases)):
+        try:
+            if want_part:
+                tol[kind].assert_weights(g_state, want_part, str(case))
+        except AssertionError as err:
+            why.append(str(err))
     ok = not why and not missing and g_skip == w_skip
     return dict(case=str(case), world_size=case.world_size, loss_rel=loss_diff,
                 weight_abs=weight_diff, weight_mean=mean_diff, skipped=g_skip,

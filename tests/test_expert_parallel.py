@@ -63,6 +63,20 @@ def test_top_k_weights_and_choices():
         assert out.kept.all() and out.dropped == 0
 
 
+def test_the_gate_runs_in_fp32_under_autocast():
+    """The logits decide discrete choices: under bf16 autocast the gate's product is still fp32,
+    bit for bit what it is without autocast (a bf16 product rounds them to 2^-8 and makes ties)."""
+    torch.manual_seed(0)
+    r = Router(64, 4, 2, None, bias_update_rate=0.05)
+    x = torch.randn(4, 16, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = r(x)
+    assert out.logits.dtype == torch.float32
+    assert torch.equal(out.logits, F.linear(x, r.gate.weight))
+    out.weights.sum().backward()  # the gradient reaches the fp32 gate
+    assert r.gate.weight.grad.dtype == torch.float32 and r.gate.weight.grad.abs().sum() > 0
+
+
 def test_drop_order_is_position_within_a_sequence():
     # Every token prefers expert 0: with capacity 2 the first two positions of
     # *each sequence* get it, the others are dropped.

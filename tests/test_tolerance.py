@@ -12,7 +12,7 @@ import torch
 
 from reference.model import GPT, GPTConfig
 from reference.tolerance import (UNIT_ROUNDOFF, Tolerance, adamw_ratio_bound, adamw_weights, exact,
-                                 forward, gradient, loss, sgd_weights)
+                                 expert_bias, forward, gradient, loss, sgd_weights)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -179,6 +179,46 @@ def test_the_mean_checks_pass_a_reordered_run_and_catch_wrong_reductions():
         assert largest <= tol.atol, f"{name}: every weight within AdamW's step ({largest:.2g})"
         with pytest.raises(AssertionError, match="mean difference"):
             tol.assert_weights(got, want, name)
+
+
+def test_one_assignment_moved_by_a_rounding_takes_whole_bias_steps_within_the_bias_bound():
+    """Loss-free balancing (section 5): eight tokens, E = 4, k = 2, loads at the mean but for the
+    last token, whose second choice is a near tie (0.5 against 0.5 + 1e-3, inside bf16's 2^-8).
+    The two orders of that tie move two biases a whole step u apart. Over the sweep's 4 layers of
+    4 experts after 3 steps that passes `expert_bias` in bf16 and fails in fp32; a bias never moved
+    or moved twice a step fails in bf16 too."""
+    from reference.expert_parallel.router import Router
+
+    u, E = 0.05, 4
+    pairs = [(0, 1), (0, 1), (0, 2), (1, 2), (1, 3), (2, 3), (2, 3)]  # loads 3, 4, 4, 3 so far
+    logits = torch.zeros(1, 8, E)
+    for t, (a, b) in enumerate(pairs):
+        logits[0, t, a], logits[0, t, b] = 1.0, 0.9
+    biases = []
+    for tie in (1e-3, -1e-3):  # the last token: expert 0, then expert 3 or expert 2
+        router = Router(E, E, 2, None, bias_update_rate=u)
+        with torch.no_grad():
+            router.gate.weight.copy_(torch.eye(E))  # its input is its logits
+        x = logits.clone()
+        x[0, 7] = torch.tensor([1.0, 0.0, 0.5, 0.5 + tie])
+        router(x)
+        router.move_bias(router.step_tokens_per_expert)
+        biases.append(router.expert_bias.clone())
+    assert torch.equal((biases[0] - biases[1]).abs(), torch.tensor([0.0, 0.0, u, u]))
+
+    g = torch.Generator().manual_seed(0)  # one process's biases after 3 steps of skewed loads
+    loads = torch.randint(0, 300, (3, 4, E), generator=g).double()
+    want = {f"h.{i}.ffn.router.expert_bias":
+            u * torch.sign(loads[:, i].mean(-1, keepdim=True) - loads[:, i]).sum(0) for i in range(4)}
+    got = dict(want)
+    got["h.2.ffn.router.expert_bias"] = want["h.2.ffn.router.expert_bias"] + biases[0] - biases[1]
+    expert_bias(3, u, torch.bfloat16).assert_weights(got, want, "a tie sent the other way")
+    with pytest.raises(AssertionError, match="mean difference"):
+        expert_bias(3, u, torch.float32).assert_weights(got, want, "fp32")
+    for name, wrong in (("never moved", {n: torch.zeros(E) for n in want}),
+                        ("moved twice a step", {n: 2 * b for n, b in want.items()})):
+        with pytest.raises(AssertionError, match="mean difference"):
+            expert_bias(3, u, torch.bfloat16).assert_weights(wrong, want, name)
 
 
 def test_sgd_weights_follow_the_gradient_bound():

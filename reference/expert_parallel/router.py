@@ -160,9 +160,12 @@ class Router(nn.Module):
         """x: (G, T, C), one group per row -> the `Routing` of its G * T tokens."""
         G, T, _ = x.shape
         E, k = self.n_experts, self.k
-        # fp32 routing: the scores and top-k decide discrete choices, and a
-        # low-precision tie-break would make ranks disagree with the oracle.
-        logits = self.gate(x).float()  # (G, T, E)
+        # fp32 routing: the scores and top-k decide discrete choices. Under autocast the gate's
+        # product would be bf16 or fp16, its logits rounded to the format (two experts' bf16 logits
+        # come out equal often enough to matter), so the gate runs in fp32, as Megatron-Core's
+        # --moe-router-dtype fp32 runs it.
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.gate.weight.float())  # (G, T, E)
         # softmax: probabilities p_i, sum 1; sigmoid: DeepSeek-V3's affinities s_i = sigmoid(u . e_i)
         scores = logits.softmax(dim=-1) if self.score_function == "softmax" else logits.sigmoid()
         top_scores, own_idx = scores.topk(k, dim=-1)  # (G, T, k) each, the gate's own choice, best first
