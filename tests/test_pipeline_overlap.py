@@ -10,6 +10,8 @@
   same as in sequence; an all-to-all of one micro-batch's forward in flight while another
   micro-batch's backward computes; and the step times, measured in the same run, ordered
   overlapped < sequential DualPipeV and < ZB-V.
+* The composed step's option (`ParallelConfig.overlap_forward_backward`, off by default): on and
+  off equal bit for bit and to one process, in one launch; refused where it means nothing.
 """
 import functools
 
@@ -17,7 +19,8 @@ import pytest
 
 from reference.train import dualpipe as bench
 from reference.pipeline_parallel import build_schedule, overlap_pairs
-from reference.tolerance import gradient
+from reference.runtime import launch
+from reference.tolerance import exact, gradient
 
 M, COST = 8, 0.02
 
@@ -61,3 +64,29 @@ def test_overlapped_dualpipev_equals_one_process_and_hides_the_all_to_all():
     step = {k: v["step"] for k, v in fig.items()}
     assert step["dualpipev-overlap"] < step["dualpipev"], step
     assert step["dualpipev-overlap"] < step["zb-v"], step
+
+
+def test_the_composed_steps_overlap_option_changes_nothing_but_the_timeline():
+    """``ParallelConfig.overlap_forward_backward`` in the composed step (`parallelize`,
+    `train_step`): DualPipeV at pp 2 x dp 2 with ep 2 and clipping, 3 AdamW steps, off (the pairs
+    one after the other) and on (overlapped), in one launch. Overlapping only reorders when each
+    piece runs, not what it computes: the two runs' losses and weights are equal bit for bit, and
+    both equal one process within the policy (`sweep_run.compare`). Refused where it means nothing."""
+    from reference.parallel.config import ParallelConfig
+    from sweep import SweepCase
+    from sweep_run import compare, run_cases, single_process
+
+    off = SweepCase(ParallelConfig(dp=2, pp=2, ep=2, schedule="dualpipev", virtual_stages=2,
+                                   microbatches=4), clip=True, moe=True)
+    on = SweepCase(off.config.with_(overlap_forward_backward=True), clip=True, moe=True)
+    assert not on.problems() and "f&b-overlap" in str(on)
+    got_off, got_on = launch(run_cases, 4, [off, on], timeout=300)[0]
+    assert got_on[0] == got_off[0]  # the losses
+    for name, value in got_off[2].items():
+        exact().assert_close(got_on[2][name], value, f"{name}: overlapped against one after the other")
+    row = compare(on, got_on, single_process(on))
+    assert row["ok"], row
+    for config, word in ((off.config.with_(schedule="zb-v", overlap_forward_backward=True), "DualPipeV"),
+                         (on.config.with_(dp=1, ep=1), "ep=1"),
+                         (on.config.with_(activation_checkpointing=True), "recomputed")):
+        assert any(word in p for p in config.problems(config.world_size, None, None, 4)), config
