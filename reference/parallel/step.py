@@ -49,8 +49,8 @@ __all__ = ["StepResult", "StepEvent", "StepRun", "train_step", "local_batch"]
 
 @dataclass(frozen=True)
 class StepEvent:
-    """One thing a rank did in a step: ``kind`` in F, B, SEND, RECV, gather
-    (composed ZeRO-3's parameters), reduce, optimizer."""
+    """One thing a rank did in a step: ``kind`` in F, B, I, W, SEND, RECV, A2A (an overlapped F&B
+    pair's all-to-all in flight), gather (composed ZeRO-3's parameters), reduce, optimizer."""
 
     kind: str
     label: str

@@ -22,7 +22,7 @@ and receives; it is plain data, checked before it runs, drawn, and run by one ex
 
 Where each part lives:
 
-* `actions`: the eight actions (`Action`, `OPS`) and `ScheduleError`, the words every other module speaks;
+* `actions`: the eight actions, the trace's two all-to-alls in flight (`Action`, `OPS`) and `ScheduleError`, the words every other module speaks;
 * `schedules`: `Schedule`, `build_schedule` (naive, GPipe, 1F1B, interleaved, and the kinds of `BUILDERS`)
   and the textbook `bubble_formula`;
 * `zero_bubble`: ZB-H1, ZB-H2 and ZB-V (Qi et al., 2024), whose backward is split into I (the input's
