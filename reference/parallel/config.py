@@ -170,6 +170,7 @@ class ParallelConfig:
                   self.precision if self.precision != "fp32" else "",
                   "emb-stage" if self.embedding_stage else "",
                   "f&b-overlap" if self.overlap_forward_backward else "",
+                  "post-validation" if self.optimizer_post_validation else "",
                   "mean-of-means" if self.loss_mean == "mean_of_means" else "",
                   f"hsdp={self.dp_replicate}x{self.dp // self.dp_replicate}" if self.dp_replicate > 1 else "",
                   f"zero3={self.zero3_engine}" if self.zero3_engine != "auto" else ""]
