@@ -139,6 +139,7 @@ FP16_POWER, FP16_NORMS = 20, (1e3, 1e3, 1e-2)
 
 
 def _train_fp16(config):
+    from reference.comms import CommMeter
     from reference.parallel import parallelize, train_step
     from reference.parallel.gather import full_state_dict
     from reference.parallel.scaler import DynamicLossScaler
@@ -155,8 +156,10 @@ def _train_fp16(config):
 
     scaler.start_check = recording
     out = dict(losses=[], norms=[], skipped=[], scales=[], labels=[], local=local)
+    meter = CommMeter()
     for (idx, tgt), max_norm in zip(_batches(), FP16_NORMS):
-        r = train_step(pm, opt, idx, tgt, max_norm=max_norm, scaler=scaler)
+        with meter:
+            r = train_step(pm, opt, idx, tgt, max_norm=max_norm, scaler=scaler)
         out["losses"].append(float(r.loss))
         out["norms"].append(None if r.grad_norm is None else r.grad_norm.clone())
         out["skipped"].append(r.skipped)
@@ -164,13 +167,15 @@ def _train_fp16(config):
         out["labels"].append([e.label for e in r.trace if e.kind == "optimizer"])
     out["params"] = [p.detach().clone() for p in pm.parameters()]
     out["state"] = full_state_dict(pm)
+    out["comms"] = meter.records()
     return out
 
 
 def test_a_real_fp16_overflow_rolls_back_every_stage():
     """fp16 at pp 2 (ZB-H2) with the dynamic loss scaler: the post-validated run equals the
     synchronous one bit for bit (the same skips, scales, losses, norms and weights: every stage
-    rolled its eager step back) and one process in fp16 within the policy's tolerance."""
+    rolled its eager step back), meters the same collectives, and equals one process in fp16
+    within the policy's tolerance."""
     from reference.parallel.config import ParallelConfig
     from reference.parallel.scaler import DynamicLossScaler
     from reference.train.single import accumulated_step
@@ -190,6 +195,12 @@ def test_a_real_fp16_overflow_rolls_back_every_stage():
             exact().assert_close(a, b, f"{where}: weights after the rollback")
         assert post["labels"] == [["step (eager)", "rolled back (overflow)"], ["step (eager)"],
                                   ["step (eager)", "rolled back, clipped, stepped"]], where
+        # every check metered (`DynamicLossScaler.start_check` through reference.comms): 3 flags of
+        # 4 bytes and the norms of the steps that clip, 2 synchronously (the skipped step does
+        # not) and 3 post-validated (the norm starts before the flag is known)
+        for run, calls in ((sync, 5), (post, 6)):
+            world = [r for r in run["comms"] if r["op"] == "all_reduce" and r["group"] == "world"]
+            assert [(r["calls"], r["payload_bytes"]) for r in world] == [(calls, 4 * calls)], (where, world)
     torch.manual_seed(0)
     model = GPT(CFG)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
