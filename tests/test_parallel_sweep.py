@@ -2,7 +2,8 @@
 
 `sweep.covering_set` (tests/sweep.py) picks accepted configurations (dp, tp, pp, cp and its
 kind, ep, ZeRO stage, SP, schedule and virtual stages, recompute, precision, clipping,
-accumulation, embedding stage, experts; world sizes 1 to 8) so that every pair of values
+accumulation, embedding stage, experts, optimizer post-validation where the step clips or runs
+fp16; world sizes 1 to 8) so that every pair of values
 that can act together trains in at least one of them, and every data-parallel way (replicas,
 ZeRO-1, ZeRO-2, ZeRO-3 by blocks or per parameter, resharded after forward, HSDP) trains with
 no experts, experts at ep 1 and at ep > 1, each precision and the experts' bias (`sweep.dp_way`).
@@ -11,7 +12,8 @@ equal one process within `sweep_run.TOLERANCES`, the course's policy
 (`reference.tolerance`): every loss, every weight and the mean weight differences (overall and
 per tensor), the routers' biases likewise within the bias rule's own bound, bf16 and fp16
 against the same-precision single process. Each pair no accepted case can hold is refused by
-`ParallelConfig.validate`, with a reason that names one of the two options.
+`ParallelConfig.validate` (post-validation with bias-balanced experts by the step itself:
+`sweep.POST_VALIDATION_WITH_BIAS`), with a reason that names one of the two options.
 
 One launch per world size runs all of that size's cases in turn. The full product of the
 options is `python bench/sweep_3d.py --full` (hours on a laptop).

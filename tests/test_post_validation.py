@@ -10,7 +10,8 @@ process stays comparable. Both runs end with the same losses, norms and weights 
 (`tolerance.exact`: the rollback restores an exact copy and the checks are the synchronous
 step's own arithmetic), and the weights equal one process's (`adamw_weights`). Pipelines of 2
 ranks (alone; with dp 2; with tp 2 and SP) and of 4, under ZB-H1, ZB-H2 and ZB-V: one launch of 2
-ranks and one of 4.
+ranks and one of 4. A third launch runs fp16 with the dynamic loss scaler, whose first step really
+overflows (no injection), against the synchronous step and one process in fp16.
 """
 import functools
 
@@ -128,3 +129,93 @@ def test_refused_with_zero():
 
     config = ParallelConfig(dp=2, zero_stage=1, optimizer_post_validation=True)
     assert any("optimizer_post_validation" in p for p in config.problems(2, None, None, None))
+
+
+# A real fp16 overflow, nothing injected: the dynamic loss scale starts at 2^20, where the scaled
+# gradients of every block's MLP overflow fp16's 65504 on both pipeline ranks (the test checks each
+# rank's own verdict), and halves to 2^19, where they do not. Step 0 is skipped, steps 1 and 2 run,
+# step 2 clipped.
+FP16_POWER, FP16_NORMS = 20, (1e3, 1e3, 1e-2)
+
+
+def _train_fp16(config):
+    from reference.comms import CommMeter
+    from reference.parallel import parallelize, train_step
+    from reference.parallel.gather import full_state_dict
+    from reference.parallel.scaler import DynamicLossScaler
+
+    torch.manual_seed(0)
+    pm = parallelize(GPT(CFG), config.mesh().build_groups(), config, batch=(B, T))
+    opt = pm.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    scaler = DynamicLossScaler(initial_scale_power=FP16_POWER, hysteresis=1)
+    started, local = scaler.start_check, []
+
+    def recording(grads, group=None):  # this rank's own verdict, before the all-reduce
+        local.append(any(not torch.isfinite(g).all() for g in grads))
+        return started(grads, group)
+
+    scaler.start_check = recording
+    out = dict(losses=[], norms=[], skipped=[], scales=[], labels=[], local=local)
+    meter = CommMeter()
+    for (idx, tgt), max_norm in zip(_batches(), FP16_NORMS):
+        with meter:
+            r = train_step(pm, opt, idx, tgt, max_norm=max_norm, scaler=scaler)
+        out["losses"].append(float(r.loss))
+        out["norms"].append(None if r.grad_norm is None else r.grad_norm.clone())
+        out["skipped"].append(r.skipped)
+        out["scales"].append(r.loss_scale)
+        out["labels"].append([e.label for e in r.trace if e.kind == "optimizer"])
+    out["params"] = [p.detach().clone() for p in pm.parameters()]
+    out["state"] = full_state_dict(pm)
+    out["comms"] = meter.records()
+    return out
+
+
+def test_a_real_fp16_overflow_rolls_back_every_stage():
+    """fp16 at pp 2 (ZB-H2) with the dynamic loss scaler: the post-validated run equals the
+    synchronous one bit for bit (the same skips, scales, losses, norms and weights: every stage
+    rolled its eager step back), meters the same collectives, and equals one process in fp16
+    within the policy's tolerance."""
+    from reference.parallel.config import ParallelConfig
+    from reference.parallel.scaler import DynamicLossScaler
+    from reference.train.single import accumulated_step
+
+    config = ParallelConfig(pp=2, microbatches=4, schedule="zb-h2", precision="fp16")
+    ranks = launch(_body_fp16, 2, config, timeout=300)
+    scale = 2.0 ** FP16_POWER
+    for rank, (sync, post) in enumerate(ranks):
+        where = f"rank {rank}"
+        assert post["local"] == sync["local"] == [True, False, False], where  # a real overflow here
+        assert post["skipped"] == sync["skipped"] == [True, False, False], where
+        assert post["scales"] == sync["scales"] == [scale, scale / 2, scale / 2], where
+        assert post["losses"] == sync["losses"], where
+        for a, b in zip(post["norms"], sync["norms"]):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), where
+        for a, b in zip(post["params"], sync["params"]):
+            exact().assert_close(a, b, f"{where}: weights after the rollback")
+        assert post["labels"] == [["step (eager)", "rolled back (overflow)"], ["step (eager)"],
+                                  ["step (eager)", "rolled back, clipped, stepped"]], where
+        # every check metered (`DynamicLossScaler.start_check` through reference.comms): 3 flags of
+        # 4 bytes and the norms of the steps that clip, 2 synchronously (the skipped step does
+        # not) and 3 post-validated (the norm starts before the flag is known)
+        for run, calls in ((sync, 5), (post, 6)):
+            world = [r for r in run["comms"] if r["op"] == "all_reduce" and r["group"] == "world"]
+            assert [(r["calls"], r["payload_bytes"]) for r in world] == [(calls, 4 * calls)], (where, world)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    scaler = DynamicLossScaler(initial_scale_power=FP16_POWER, hysteresis=1)
+    losses, skipped = [], []
+    for (idx, tgt), max_norm in zip(_batches(), FP16_NORMS):
+        value, skip = accumulated_step(model, opt, idx, tgt, config.microbatches, precision="fp16",
+                                       scaler=scaler, max_norm=max_norm)
+        losses.append(value), skipped.append(skip)
+    assert skipped == [True, False, False] and scaler.scale == scale / 2
+    loss(torch.float16).assert_losses(ranks[0][1]["losses"], losses, "fp16 against one process")
+    got = ranks[0][1]["state"]
+    want = {k: v.detach() for k, v in model.state_dict().items() if k in got}
+    adamw_weights(2, LR, dtype=torch.float16).assert_weights(got, want, "fp16 against one process")
+
+
+def _body_fp16(config):
+    return _train_fp16(config), _train_fp16(config.with_(optimizer_post_validation=True))

@@ -367,3 +367,21 @@ def test_optimizer_post_validation_is_a_parallelism_key():
     with pytest.raises(ValueError, match="optimizer_post_validation undoes a step"):
         load_config(CONFIGS / "debug_3d.json", {"parallelism.optimizer_post_validation": True,
                                                "zero_optimization.stage": 1}, world_size=8)
+
+
+def test_overlap_forward_backward_is_a_parallelism_key():
+    """``parallelism.overlap_forward_backward`` reaches `ParallelConfig` (off by default); ``--check``
+    says on or off for every DualPipeV run; with another schedule it is refused."""
+    dualpipev = {"parallelism.schedule": "dualpipev", "parallelism.virtual_stages": 2,
+                 "parallelism.tensor": 1, "train_batch_size": 16, "gradient_accumulation_steps": 4}
+    plain = load_config(CONFIGS / "moe_4d.json", dualpipev, world_size=4)
+    assert plain.parallel_config(4).overlap_forward_backward is False
+    assert "overlap_forward_backward: off" in describe(plain, 4)
+    config = load_config(CONFIGS / "moe_4d.json", {**dualpipev, "parallelism.overlap_forward_backward": True},
+                         world_size=4)
+    assert config.parallel_config(4).overlap_forward_backward is True
+    text = describe(config, 4)
+    assert "overlap_forward_backward: each F&B pair's forward and backward in turns" in text
+    assert text.endswith("nothing found")
+    with pytest.raises(ValueError, match="overlap_forward_backward overlaps DualPipeV.s F&B pairs"):
+        load_config(CONFIGS / "moe_4d.json", {"parallelism.overlap_forward_backward": True}, world_size=8)

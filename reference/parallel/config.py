@@ -80,6 +80,10 @@ class ParallelConfig:
     # Qi et al.'s optimizer post-validation (reference.parallel.post_validation): step at once,
     # complete the global checks (clip norm, fp16 overflow) after, undo a step that fails them
     optimizer_post_validation: bool = False
+    # DualPipe's overlapped F&B (reference.pipeline_parallel.overlap): each marked pair's forward
+    # and backward in turns, the expert all-to-all of one in flight while the other computes;
+    # False: the pairs run one after the other (DualPipe's own default without a model callback)
+    overlap_forward_backward: bool = False
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -165,6 +169,8 @@ class ParallelConfig:
                   "ckpt" if self.activation_checkpointing else "",
                   self.precision if self.precision != "fp32" else "",
                   "emb-stage" if self.embedding_stage else "",
+                  "f&b-overlap" if self.overlap_forward_backward else "",
+                  "post-validation" if self.optimizer_post_validation else "",
                   "mean-of-means" if self.loss_mean == "mean_of_means" else "",
                   f"hsdp={self.dp_replicate}x{self.dp // self.dp_replicate}" if self.dp_replicate > 1 else "",
                   f"zero3={self.zero3_engine}" if self.zero3_engine != "auto" else ""]
@@ -291,6 +297,14 @@ class ParallelConfig:
             out.append(f"optimizer_post_validation undoes a step from a copy of each rank's parameters "
                        f"and optimizer state; ZeRO-{self.zero_stage}'s sharded step is not undone here: "
                        f"use zero_stage=0 or optimizer_post_validation=False")
+        needs = [(self.schedule == "dualpipev" and self.pp > 1, f"overlaps DualPipeV's F&B pairs: it needs "
+                  f"schedule='dualpipev' and pp >= 2, got {self.schedule!r} at pp={self.pp}"),
+                 (self.ep > 1, f"hides the expert all-to-all (ep > 1) under the other micro-batch's compute: "
+                  f"at ep={self.ep} there is none, the pair would run one after the other anyway"),
+                 (not self.activation_checkpointing, "runs no recomputed chunk inside a pair: "
+                  "activation_checkpointing=True")]
+        out += [f"overlap_forward_backward {why}; or set overlap_forward_backward=False"
+                for ok, why in needs if self.overlap_forward_backward and not ok]
         if self.schedule in ("zb-h1", "zb-h2") + V_SHAPED and self.zero_stage == 3 and self.dp * self.cp > 1:
             out.append(f"schedule={self.schedule!r} splits each backward into I and W, and composed "
                        f"ZeRO-3 gathers and reduce-scatters around a whole backward B: use zero_stage "

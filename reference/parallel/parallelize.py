@@ -42,7 +42,7 @@ from reference.parallel.context import apply_context_parallel_dim
 from reference.parallel.data_parallelism import Replicas, data_parallelism
 from reference.parallel.scaler import DynamicLossScaler
 from reference.pipeline_parallel import (build_embedding_group, build_schedule, local_stages,
-                                         split_stages)
+                                         overlap_pairs, split_stages)
 from reference.tensor_parallel import apply_tensor_parallel
 
 __all__ = ["ParallelGPT", "parallelize", "count_experts"]
@@ -146,6 +146,8 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
     schedule_kind = config.schedule if config.pp > 1 else "1f1b"
     schedule = build_schedule(schedule_kind, config.pp, config.microbatches,
                               virtual=config.virtual_stages)
+    if config.overlap_forward_backward:  # DualPipe's F&B pairs, each run overlapped (validated above)
+        schedule = overlap_pairs(schedule)
     common = dict(config=config, mesh=mesh, model_config=model.config, schedule=schedule,
                   has_experts=n_experts is not None,
                   scaler=DynamicLossScaler() if config.precision == "fp16" else None)

@@ -40,7 +40,6 @@ import copy
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from reference import comms
 from reference.expert_parallel.bias_balance import biased_routers
@@ -81,31 +80,21 @@ def post_validated_step(pm, optimizer, max_norm: Optional[float], scaler, run) -
         optimizer.step()
         run.event("optimizer", "step", start)
         return None, False
-    dp, distributed = pm.data_parallel, dist.is_available() and dist.is_initialized()
-    grads = dp.local_grads(pm, optimizer)
-    pending = []  # the checks' all-reduces, in flight while the optimizer steps
-    flag = None
-    if scaler is not None:  # DynamicLossScaler.unscale_and_check's flag, its all-reduce not waited for
-        local = any(not torch.isfinite(g).all() for g in grads)
-        flag = torch.tensor([float(local)], device=grads[0].device if grads else "cpu")
-        if distributed and dist.get_world_size() > 1:
-            pending.append(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
-        for g in grads:  # unscaled as the scaler would (an overflowing step is undone anyway)
-            g.mul_(1.0 / scaler.scale)
+    dp, norm_work = pm.data_parallel, None
+    # fp16: the synchronous step's own check (flag, all-reduce, unscale), its all-reduce not waited for
+    check = scaler.start_check(dp.local_grads(pm, optimizer)) if scaler is not None else None
     if max_norm is not None:  # clip_grad_norm_'s sum of squares, its all-reduce not waited for
         norm_part, targets, _ = local_norm(*dp.norm_pieces(pm, optimizer), pm.mesh)
         if norm_part.dim() == 1:
-            pending.append(comms.all_reduce(norm_part, async_op=True))
+            norm_work = comms.all_reduce(norm_part, async_op=True)
     start = run.now()
     backup = Backup(optimizer)
     optimizer.step()                                   # eager: assume the checks pass
     run.event("optimizer", "step (eager)", start)
     start = run.now()
-    for work in pending:
-        work.wait()
-    overflow = bool(flag.item()) if flag is not None else False
-    if scaler is not None:
-        scaler.update(overflow)
+    if norm_work is not None:
+        norm_work.wait()
+    overflow = scaler.finish_check(check) if check is not None else False
     norm = None
     if overflow:                                       # every rank: undo, skip
         backup.restore(optimizer)

@@ -24,7 +24,20 @@ import torch.distributed as dist
 
 from reference import comms
 
-__all__ = ["DynamicLossScaler"]
+__all__ = ["DynamicLossScaler", "OverflowCheck"]
+
+
+class OverflowCheck:
+    """fp16's overflow check started by `DynamicLossScaler.start_check`: the flag and its
+    all-reduce in flight (None on one rank)."""
+
+    def __init__(self, flag: torch.Tensor, work=None):
+        self.flag, self.work = flag, work
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+        return bool(self.flag.item())
 
 
 class DynamicLossScaler:
@@ -45,18 +58,32 @@ class DynamicLossScaler:
         self.iteration, self.last_overflow = 0, -1  # DeepSpeed's cur_iter, last_overflow_iter
         self.skipped = 0
 
-    def unscale_and_check(self, grads, group=None) -> bool:
-        """Divide ``grads`` by the scale; True when any rank of ``group`` (default: the
-        world) found an inf or a NaN (then the step must be skipped everywhere)."""
+    def start_check(self, grads, group=None) -> "OverflowCheck":
+        """Start the check of this step: this rank's flag (1.0 when ``grads`` hold an inf or a NaN),
+        its MAX all-reduce over ``group`` (default: the world) started without waiting for it,
+        then ``grads`` divided by the scale (an overflowing step's gradients are thrown away, so
+        unscaling them does no harm). `finish_check` completes it; between the two a rank may
+        compute (optimizer post-validation steps there)."""
         local = any(not torch.isfinite(g).all() for g in grads)
         flag = torch.tensor([float(local)], device=grads[0].device if grads else "cpu")
+        work = None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            comms.all_reduce(flag, op=comms.ReduceOp.MAX, group=group)  # metered: 4 bytes
-        overflow = bool(flag.item())
-        if not overflow:
-            for g in grads:
-                g.mul_(1.0 / self.scale)
+            work = comms.all_reduce(flag, op=comms.ReduceOp.MAX, group=group, async_op=True)  # metered: 4 bytes
+        for g in grads:
+            g.mul_(1.0 / self.scale)
+        return OverflowCheck(flag, work)
+
+    def finish_check(self, check: "OverflowCheck") -> bool:
+        """Wait for ``check``'s all-reduce, `update` the scale; True when any rank overflowed
+        (then the step must be skipped, or undone, everywhere)."""
+        overflow = check.wait()
+        self.update(overflow)
         return overflow
+
+    def unscale_and_check(self, grads, group=None) -> bool:
+        """`start_check` and wait for it, without `update` (the caller updates): True when any rank
+        of ``group`` found an inf or a NaN."""
+        return self.start_check(grads, group).wait()
 
     def update(self, overflow: bool) -> None:
         """After each step: DeepSpeed's `update_scale` (see the module docstring)."""

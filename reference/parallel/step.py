@@ -49,8 +49,8 @@ __all__ = ["StepResult", "StepEvent", "StepRun", "train_step", "local_batch"]
 
 @dataclass(frozen=True)
 class StepEvent:
-    """One thing a rank did in a step: ``kind`` in F, B, SEND, RECV, gather
-    (composed ZeRO-3's parameters), reduce, optimizer."""
+    """One thing a rank did in a step: ``kind`` in F, B, I, W, SEND, RECV, A2A (an overlapped F&B
+    pair's all-to-all in flight), gather (composed ZeRO-3's parameters), reduce, optimizer."""
 
     kind: str
     label: str
@@ -149,8 +149,7 @@ def _checked_step(pm, optimizer, max_norm, scaler, run) -> tuple:
     """Steps 4 and 5: the global checks, then the optimizer; (the norm or None, overflowed)."""
     dp, overflow = pm.data_parallel, False
     if scaler is not None:  # unscale, and agree across every rank whether to step
-        overflow = scaler.unscale_and_check(dp.local_grads(pm, optimizer))
-        scaler.update(overflow)
+        overflow = scaler.finish_check(scaler.start_check(dp.local_grads(pm, optimizer)))
     norm = dp.clip(pm, optimizer, max_norm) if max_norm is not None and not overflow else None  # 4
     start = run.now()
     if overflow:

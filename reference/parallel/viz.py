@@ -18,9 +18,11 @@ from reference.viz import CATEGORICAL, NotebookFigure, lighten
 __all__ = ["plot_step", "plot_bubble_against_m", "plot_memory_breakdown"]
 
 _KIND_COLOURS = {"F": CATEGORICAL[1], "B": CATEGORICAL[0], "I": CATEGORICAL[0], "W": CATEGORICAL[2],
-                 "SEND": (0.45,) * 3, "RECV": (0.7,) * 3, "reduce": CATEGORICAL[6], "optimizer": CATEGORICAL[4]}
+                 "SEND": (0.45,) * 3, "RECV": (0.7,) * 3, "A2A": CATEGORICAL[3], "reduce": CATEGORICAL[6],
+                 "optimizer": CATEGORICAL[4]}
 _KIND_NAMES = {"F": "forward", "B": "backward", "I": "input gradient (I)", "W": "weight gradients (W)",
-               "SEND": "send", "RECV": "receive", "reduce": "gradient reduction (tp, dp)",
+               "SEND": "send", "RECV": "receive", "A2A": "expert all-to-all in flight (overlapped F&B)",
+               "reduce": "gradient reduction (tp, dp)",
                "optimizer": "optimizer step"}
 
 
@@ -34,8 +36,9 @@ def plot_step(traces: Sequence[Sequence], mesh=None, title: Optional[str] = None
     for r, row in enumerate(traces):
         for e in row:
             colour = _KIND_COLOURS.get(e.kind, "0.3")
-            thin = e.kind in ("SEND", "RECV")
-            y, h = (r + 0.35, 0.3) if thin else (r + 0.1, 0.8)
+            thin = e.kind in ("SEND", "RECV", "A2A")
+            # an all-to-all in flight runs under the other micro-batch's compute: a bar below its row's boxes
+            y, h = (r + 0.9, 0.1) if e.kind == "A2A" else (r + 0.35, 0.3) if thin else (r + 0.1, 0.8)
             ax.add_patch(Rectangle((e.start, y), max(e.end - e.start, span * 1e-3), h,
                                    facecolor=colour if not thin else lighten(colour, 0.1),
                                    edgecolor="black" if not thin else "none", lw=0.4))

@@ -22,7 +22,7 @@ and receives; it is plain data, checked before it runs, drawn, and run by one ex
 
 Where each part lives:
 
-* `actions`: the eight actions (`Action`, `OPS`) and `ScheduleError`, the words every other module speaks;
+* `actions`: the eight actions, the trace's two all-to-alls in flight (`Action`, `OPS`) and `ScheduleError`, the words every other module speaks;
 * `schedules`: `Schedule`, the builders of naive, GPipe, 1F1B and interleaved, and the textbook
   `bubble_formula`;
 * `registry`: `build_schedule`, every kind by its name (`BUILDERS`: one table naming each kind's builder);

@@ -21,7 +21,7 @@ from __future__ import annotations
 from itertools import accumulate
 from typing import NamedTuple, Optional
 
-from reference.pipeline_parallel.actions import COMM, COMPUTE, OPS, Action, ScheduleError
+from reference.pipeline_parallel.actions import COMM, COMPUTE, Action, ScheduleError
 
 # `Schedule` appears only in annotations, as a string: schedules.py plugs this module in.
 
@@ -47,8 +47,8 @@ def _check_rank(s: "Schedule", rank: int) -> None:
     seen: dict[tuple, int] = {}
     for i, a in enumerate(s.actions(rank)):
         here = _where(rank, i, a)
-        if a.op not in OPS:
-            raise ScheduleError(f"{here}: unknown op {a.op!r}; expected one of {', '.join(OPS)}")
+        if a.op not in COMPUTE + COMM:  # (a trace's A2A_F, A2A_B are never scheduled)
+            raise ScheduleError(f"{here}: unknown op {a.op!r}; expected one of {', '.join(COMPUTE + COMM)}")
         if not 0 <= a.mb < m or not 0 <= a.chunk < v:
             raise ScheduleError(f"{here}: micro-batch {a.mb} / chunk {a.chunk} out of range "
                                 f"(m={m}, virtual={v})")

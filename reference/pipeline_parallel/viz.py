@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from matplotlib.patches import Patch, Rectangle
 
-from reference.pipeline_parallel.actions import COMPUTE
+from reference.pipeline_parallel.actions import COMPUTE, IN_FLIGHT
 from reference.pipeline_parallel.check import bubble_of
 from reference.viz import CATEGORICAL, NotebookFigure, lighten
 
@@ -140,7 +140,7 @@ def plot_overlap(trace, rank: int = 0, start: Optional[float] = None, end: Optio
     backward's), so that one reads which chunk of which micro-batch ran while which exchange was
     in flight. ``start``, ``end``: the window (seconds of the trace) to draw."""
     events = [e for e in trace
-              if e.rank == rank and (e.action.op in COMPUTE or e.action.op.startswith("A2A"))]
+              if e.rank == rank and (e.action.op in COMPUTE or e.action.op in IN_FLIGHT)]
     lo = min(e.start for e in events) if start is None else start
     hi = max(e.end for e in events) if end is None else end
     events = [e for e in events if e.end > lo and e.start < hi]
@@ -149,7 +149,7 @@ def plot_overlap(trace, rank: int = 0, start: Optional[float] = None, end: Optio
     fig, ax = _new_axes(ax, (12, 2.4))
     for e in events:
         a = e.action
-        comm = a.op.startswith("A2A")
+        comm = a.op in IN_FLIGHT
         op = a.op[4:] if comm else a.op
         rgb = CATEGORICAL[2 * (a.mb % (len(CATEGORICAL) // 2))]
         y = 1.1 if comm else 0.1

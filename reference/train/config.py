@@ -64,6 +64,8 @@ class ParallelismConfig:
     loss_mean: str = spec("tokens", choices=LOSS_MEANS)
     # Qi et al.'s optimizer post-validation (reference.parallel.post_validation); not DeepSpeed's
     optimizer_post_validation: bool = False
+    # DualPipe's overlapped F&B pairs (ParallelConfig.overlap_forward_backward); false: one after the other
+    overlap_forward_backward: bool = False
 
 
 @dataclass
@@ -242,6 +244,7 @@ class TrainConfig:
                             embedding_stage=p.embedding_stage,
                             reshard_after_forward=p.reshard_after_forward, loss_mean=p.loss_mean,
                             optimizer_post_validation=p.optimizer_post_validation,
+                            overlap_forward_backward=p.overlap_forward_backward,
                             zero3_engine=p.zero3_engine)
         where = f"{self.path or 'configuration'} at world_size={world_size}"
         try:

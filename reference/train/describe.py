@@ -107,6 +107,11 @@ def _batch_lines(config, line, issues, batch, T, dp):
         line("pipeline", f"{p.schedule} over {m} micro-batches (DeepSpeed's accumulation steps)"
              + (f", {v} chunks per rank" if v > 1 else "")
              + f": bubble (p-1)/({'v' if v > 1 else ''}m+p-1) = {bubble:.0%} of the step")
+    if pp > 1 and p.schedule == "dualpipev":
+        line("", "overlap_forward_backward: " + (
+            "each F&B pair's forward and backward in turns, one micro-batch's expert all-to-all in "
+            "flight while the other computes (DeepSeek-V3, section 3.2.1)" if p.overlap_forward_backward
+            else "off: each F&B pair's forward, then its backward"))
     if p.optimizer_post_validation:
         line("", "optimizer_post_validation: each rank steps at once; the clip norm and fp16's "
                  "overflow test complete after, and a step that fails them is undone from an exact "
