@@ -8,7 +8,10 @@ A topic starts at the modules that hold what a notebook calls (1F1B: `build_sche
 there the count follows imports, transitively, into every module of the topic's own package:
 the files a reader has to open to follow the technique to its end. An import counts when it
 runs on the way: at the top of a module, or inside a function unless the module it loads is a
-picture (`viz`, `widgets`) loaded only to draw. A package's `__init__.py` only re-exports; what
+picture (`viz`, `widgets`) loaded only to draw, or unless it sits under an `if` in that function:
+then it is one option's own module (fp16's loss scaler, optimizer post-validation), loaded only
+when the option is on, and the table names it beside the topic as an option, with its lines of
+code, instead of adding it in. A package's `__init__.py` only re-exports; what
 it registers into a topic's modules (the pipeline's zero-bubble schedules and split backward,
 before the executor's table named them) would be a module a reader must open, so the package
 keeps no such registrations. The shared core (`runtime`, `comms`, `model`, ...) and the other parallelisms are
@@ -103,17 +106,30 @@ def _imported(node: ast.ImportFrom) -> list[str]:
     return [f"{name}.{a.name}" for a in node.names if (PACKAGE / Path(*name.split(".")) / f"{a.name}.py").exists()]
 
 
-def _imports(module: str) -> set[str]:
+def _imports(module: str, options: bool = False) -> set[str]:
     """The modules of `reference` that ``module`` loads when it runs: its imports at the top,
-    and those inside functions unless they load a picture (imported there only to draw)."""
+    and those inside functions unless they load a picture (imported there only to draw) or sit
+    under an `if` (an option's own module). ``options=True``: those under an `if` instead."""
     tree = ast.parse(_path(module).read_text())
-    top = {id(n) for n in tree.body}
     out = set()
-    for node in ast.walk(tree):
+
+    def visit(node, in_function: bool, under_if: bool) -> None:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("reference."):
             for name in _imported(node):
-                if id(node) in top or name.split(".")[-1] not in PICTURES:
+                if not in_function:
+                    taken = not options
+                elif name.split(".")[-1] in PICTURES:
+                    taken = False
+                else:
+                    taken = under_if == options
+                if taken:
                     out.add(name)
+        in_function = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        under_if = under_if or (in_function and isinstance(node, ast.If))
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_function, under_if)
+
+    visit(tree, False, False)
     return out
 
 
@@ -129,6 +145,14 @@ def topic_files(topic: str) -> list[str]:
         seen.add(module)
         frontier += [m for m in _imports(module) if m.split(".")[0] == package and m not in seen]
     return sorted(seen)
+
+
+def topic_options(topic: str) -> dict[str, int]:
+    """The modules of the topic's package that its files load only under an option (an import
+    under an `if` in a function), with their lines of code: read when that option is on."""
+    files, package = topic_files(topic), TOPICS[topic][1]
+    names = {m for f in files for m in _imports(f, options=True) if m.split(".")[0] == package} - set(files)
+    return {m: len(code_lines(_path(m).read_text())) for m in sorted(names)}
 
 
 def topic_lines(topic: str) -> dict[str, int]:
@@ -206,6 +230,10 @@ def table(markdown: bool) -> str:
     for topic in TOPICS:
         lines = topic_lines(topic)
         files = ", ".join(f"`{m.replace('.', '/')}.py` {n}" for m, n in lines.items())
+        options = topic_options(topic)
+        if options:
+            files += "; options, read when on: " + ", ".join(
+                f"`{m.replace('.', '/')}.py` {n}" for m, n in options.items())
         rows.append((topic, sum(lines.values()), BUDGET[topic], TARGET[topic], files))
     if markdown:
         out = ["| topic | lines of code | budget | target | files (lines of code) |", "|---|---|---|---|---|"]

@@ -40,7 +40,6 @@ from reference.model import GPT, weight_decay_groups
 from reference.parallel.config import ParallelConfig
 from reference.parallel.context import apply_context_parallel_dim
 from reference.parallel.data_parallelism import Replicas, data_parallelism
-from reference.parallel.scaler import DynamicLossScaler
 from reference.pipeline_parallel import (build_embedding_group, build_schedule, local_stages,
                                          split_stages)
 from reference.tensor_parallel import apply_tensor_parallel
@@ -147,8 +146,11 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
     schedule = build_schedule(schedule_kind, config.pp, config.microbatches,
                               virtual=config.virtual_stages)
     common = dict(config=config, mesh=mesh, model_config=model.config, schedule=schedule,
-                  has_experts=n_experts is not None,
-                  scaler=DynamicLossScaler() if config.precision == "fp16" else None)
+                  has_experts=n_experts is not None)
+    if config.precision == "fp16":  # the loss scale every rank agrees on: fp16's own module
+        from reference.parallel.scaler import DynamicLossScaler
+
+        common["scaler"] = DynamicLossScaler()
     # 4. the pipeline cut (a pipeline of one stage when pp = 1)
     stages = split_stages(model, config.pp, config.virtual_stages,
                           embedding_stage=config.embedding_stage, head_stage=config.embedding_stage)
