@@ -6,7 +6,7 @@ a fixed order, each the identity when its degree is 1:
 
 1. **tensor parallelism** (+ sequence parallelism) first, while the model is still whole, so
    the swap sees every block and names stay the model's own;
-2. **context parallelism** (`reference.parallel.context`): after TP, because it wraps the
+2. **context parallelism** (`reference.context_parallel.apply`): after TP, because it wraps the
    projections TP made;
 3. **expert parallelism**: each MoE layer keeps this rank's experts (with SP it routes the
    sequence gathered over tp, `reference.expert_parallel.sequence_parallel`);
@@ -38,7 +38,7 @@ from reference.expert_parallel import MoE, expert_parameters, register_bias_upda
 from reference.expert_parallel.sequence_parallel import sequence_parallel_experts
 from reference.model import GPT, weight_decay_groups
 from reference.parallel.config import ParallelConfig
-from reference.parallel.context import apply_context_parallel_dim
+from reference.context_parallel.apply import apply_context_parallel_dim
 from reference.parallel.data_parallelism import Replicas, data_parallelism
 from reference.pipeline_parallel import (build_embedding_group, build_schedule, local_stages,
                                          split_stages)
