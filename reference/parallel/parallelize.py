@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from reference.expert_parallel import MoE, expert_parameters, register_bias_update, shard_experts
+from reference.expert_parallel import MoE, register_bias_update, shard_experts
 from reference.expert_parallel.sequence_parallel import sequence_parallel_experts
 from reference.model import GPT, weight_decay_groups
 from reference.parallel.config import ParallelConfig
@@ -68,7 +68,6 @@ class ParallelGPT:
     has_experts: bool = False
     data_parallel: object = field(default_factory=Replicas)  # how the replicas keep weights, gradients
     scaler: Optional[object] = None  # fp16: the DynamicLossScaler train_step uses
-    extra: dict = field(default_factory=dict)
 
     @property
     def is_first_stage(self) -> bool:
@@ -95,9 +94,6 @@ class ParallelGPT:
                 if id(p) not in seen:
                     seen.add(id(p))
                     yield name, p
-
-    def expert_parameters(self) -> list[nn.Parameter]:
-        return [p for module in self.stages for p in expert_parameters(module)]
 
     def train(self, mode: bool = True) -> "ParallelGPT":
         for module in self.stages:
