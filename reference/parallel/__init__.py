@@ -28,9 +28,9 @@ of them imports it. Where each part lives:
 
 `viz` and `explorer` (which load matplotlib and ipywidgets, which a rank does not need) and
 `golden` are imported from their modules."""
+from reference.context_parallel.apply import context_parallel_batch
 from reference.parallel.clip import clip_grad_norm_, mark_parallel_params
 from reference.parallel.config import ParallelConfig
-from reference.context_parallel.apply import context_parallel_batch
 from reference.parallel.estimate import estimate
 from reference.parallel.gather import full_state_dict
 from reference.parallel.generate import generate

@@ -34,11 +34,11 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from reference.context_parallel.apply import apply_context_parallel_dim
 from reference.expert_parallel import MoE, register_bias_update, shard_experts
 from reference.expert_parallel.sequence_parallel import sequence_parallel_experts
 from reference.model import GPT, weight_decay_groups
 from reference.parallel.config import ParallelConfig
-from reference.context_parallel.apply import apply_context_parallel_dim
 from reference.parallel.data_parallelism import Replicas, data_parallelism
 from reference.pipeline_parallel import (build_embedding_group, build_schedule, local_stages,
                                          split_stages)

@@ -37,9 +37,9 @@ from typing import Optional
 import torch
 
 from reference import comms
+from reference.context_parallel.apply import context_parallel_batch
 from reference.loss import counted_tokens, step_mean
 from reference.model import autocast, lm_loss
-from reference.context_parallel.apply import context_parallel_batch
 from reference.pipeline_parallel import run_pipeline
 from reference.tensor_parallel import vocab_parallel_cross_entropy
 
