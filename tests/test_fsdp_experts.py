@@ -46,6 +46,7 @@ def _run(cases):
     import torch.distributed as dist
 
     from reference import comms, memory
+    from reference.expert_parallel import expert_parameters
     from reference.parallel.gather import full_state_dict
     from reference.parallel.parallelize import parallelize
     from reference.parallel.step import train_step
@@ -57,7 +58,7 @@ def _run(cases):
         mesh = case.config.mesh().build_groups()
         # the formula, from the same layout without ZeRO: rows over dp (dense) or edp (experts)
         plain = parallelize(model_for(case), mesh, case.config.with_(zero_stage=0), batch=BATCH)
-        experts = {id(p) for p in plain.expert_parameters()}
+        experts = {id(p) for stage in plain.stages for p in expert_parameters(stage)}
         rows = {"dense": 0, "experts": 0}
         for p in plain.parameters():
             n = mesh.edp if id(p) in experts else mesh.dp

@@ -27,7 +27,7 @@ from reference import comms
 from reference.runtime import launch
 from reference.tolerance import adamw_weights, exact, gradient, loss as loss_tol
 from reference.zero import MixedPrecisionPolicy, full_state_dict, fully_shard
-from reference.zero.units import shard_rows
+from reference.zero.rows import shard_rows
 
 WORLD, STEPS, LR, BATCH, SEED = 2, 3, 1e-3, 4, 0
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

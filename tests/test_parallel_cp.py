@@ -138,7 +138,7 @@ def test_cp2_with_pipeline_zero1_and_zero3_equal_one_process():
 @pytest.mark.parametrize("kind, rank0", [("ring", [0, 1, 2, 15, 16, 17]),  # chunks 0 and 2 cp - 1 = 5
                                          ("ulysses", [0, 1, 2, 3, 4, 5])])
 def test_each_cp_rank_gets_its_chunks_and_embeds_their_true_positions(kind, rank0):
-    from reference.parallel.context import ContextParallelPositions, context_parallel_batch
+    from reference.context_parallel.apply import ContextParallelPositions, context_parallel_batch
 
     cp, T = 3, 18
     idx = torch.arange(T).repeat(2, 1)  # token id = its position, two sequences

@@ -31,6 +31,8 @@ def test_a_topic_follows_the_imports_of_its_own_folder():
     # transitively: the composed step's config is read through parallelize, the clip through step
     assert {"parallel.config", "parallel.clip", "parallel.data_parallelism"} <= set(budget.topic_files("the composed step"))
     assert all(f.split(".")[0] == budget.TOPICS[t][1] for t in budget.TOPICS for f in budget.topic_files(t))
+    # fp16's loss scaler and post-validation, imported under their option's `if`, are named apart
+    assert set(budget.topic_options("the composed step")) == {"parallel.scaler", "parallel.post_validation"}
 
 
 def test_an_import_inside_a_function_counts_unless_it_only_draws(tmp_path, monkeypatch):
@@ -59,6 +61,22 @@ def test_a_table_of_kinds_is_counted_and_hides_nothing():
     for table in budget.TABLES:
         entries = set().union(*(set(e) for e, _ in budget.TOPICS.values() if table in e))
         assert budget._imports(table) <= entries, f"{table} names a module no topic that calls it reads"
+
+
+def test_an_import_under_an_if_in_a_function_is_an_option_named_beside_the_topic(tmp_path, monkeypatch):
+    """One option's own module (fp16's loss scaler, post-validation), loaded only when the option
+    is on, is not added into the topic: the table names it, with its lines of code, as an option."""
+    pkg = tmp_path / "reference" / "pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "entry.py").write_text("def f(on):\n    from reference.pkg.always import x\n    if on:\n"
+                                  "        from reference.pkg.option import z\n")
+    (pkg / "always.py").write_text("x = 1\n")
+    (pkg / "option.py").write_text("z = 1\nw = 2\n")
+    monkeypatch.setattr(budget, "PACKAGE", tmp_path / "reference")
+    monkeypatch.setitem(budget.TOPICS, "toy", (["pkg.entry"], "pkg"))
+    assert budget.topic_files("toy") == ["pkg.always", "pkg.entry"]
+    assert budget.topic_options("toy") == {"pkg.option": 2}
 
 
 def test_the_manual_prints_the_scripts_table():

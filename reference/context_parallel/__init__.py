@@ -17,12 +17,17 @@ attention every query must meet every earlier key, so the ranks exchange either 
 * `ulysses`: `ulysses_attention` (DeepSpeed-Ulysses, Jacobs et al., 2023), an
   all-to-all from a sequence split to a head split and back;
 * `attention`, `gpt`: the course's attention module and a whole GPT on this rank's tokens;
+* `apply`: context parallelism as one dimension of the composed GPT (`apply_context_parallel_dim`,
+  `context_parallel_batch`), what `reference.parallel.parallelize` and `train_step` call;
 * `cost`, `measure`: bytes, memory and work per rank as formulas, and the meters of memory;
 * `viz`: notebook 08's pictures (imported on its own: matplotlib stays out of the ranks).
 
 Ring attention holds one (T/cp)^2 score block per head and runs on any cp; Ulysses sends less
 as cp grows but needs cp to divide the heads and holds (T, T) scores per local head.
 """
+from reference.context_parallel.apply import (
+    ContextParallelPositions, apply_context_parallel_dim, context_parallel_batch,
+)
 from reference.context_parallel.attention import KINDS, ContextParallelAttention
 from reference.context_parallel.blocks import BlockPlan, attend_block, attend_block_backward, block_plan, merge_block
 from reference.context_parallel.cost import (
@@ -50,4 +55,5 @@ __all__ = ["split_sequence", "gather_sequence", "sequence_positions", "gather_or
            "allreduce_context_parallel_grads", "ring_attention_sent_bytes", "ulysses_sent_bytes",
            "ring_attention_saved_bytes", "score_block_elements", "causal_pairs_per_rank",
            "ring_pairs_per_rank", "ring_block_elements_per_rank", "SavedTensorBytes",
-           "LargestTensor"]
+           "LargestTensor", "ContextParallelPositions", "apply_context_parallel_dim",
+           "context_parallel_batch"]

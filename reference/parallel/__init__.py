@@ -9,7 +9,8 @@ of them imports it. Where each part lives:
 
 * `config`: `ParallelConfig`, the degrees and options of a run, validated before any rank starts;
 * `parallelize`: tensor, context, expert and pipeline parallelism applied from outside in a
-  fixed order (`ParallelGPT`); `context`: context parallelism as a mesh dimension;
+  fixed order (`ParallelGPT`; context parallelism as a mesh dimension is
+  `reference.context_parallel.apply`);
 * `step`: `train_step`, one training step for any combination; `post_validation`: the optimizer
   step taken before the global checks (clip norm, fp16 overflow) and undone when they fail;
 * `data_parallelism`: how the replicas keep weights and gradients, one object per way (plain
@@ -27,9 +28,9 @@ of them imports it. Where each part lives:
 
 `viz` and `explorer` (which load matplotlib and ipywidgets, which a rank does not need) and
 `golden` are imported from their modules."""
+from reference.context_parallel.apply import context_parallel_batch
 from reference.parallel.clip import clip_grad_norm_, mark_parallel_params
 from reference.parallel.config import ParallelConfig
-from reference.parallel.context import context_parallel_batch
 from reference.parallel.estimate import estimate
 from reference.parallel.gather import full_state_dict
 from reference.parallel.generate import generate

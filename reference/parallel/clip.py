@@ -75,26 +75,11 @@ def mark_parallel_params(modules) -> list[nn.Parameter]:
     shared = {id(s.lm_head.weight) for s in stages if s.tied and s.spec.head and not embedding_here}
     params = list({id(p): p for m in modules for p in m.parameters()}.values())  # each once
     for p in params:
+        p.tensor_model_parallel, p.shared = id(p) in split, id(p) in shared
         # ZeRO-3 per parameter (`ShardedParameters`): p holds its dim-0 rows of the
         # (TP-local) tensor, different numbers on every dp x cp rank
-        _set_marks(p, id(p) in split, id(p) in shared, id(p) in experts, hasattr(p, "zero_rows"))
+        p.expert_parallel, p.data_parallel_shard = id(p) in experts, hasattr(p, "zero_rows")
     return params
-
-
-def _set_marks(p, tensor_model_parallel, shared, expert_parallel, data_parallel_shard):
-    p.tensor_model_parallel, p.shared = tensor_model_parallel, shared
-    p.expert_parallel, p.data_parallel_shard = expert_parallel, data_parallel_shard
-
-
-def flat_shard_pieces(layout, params, rank, shard_grad):
-    """(parameter, slice of the shard gradient (S,) holding that parameter's numbers)."""
-    start, end = layout.shard_range(rank)
-    out = []
-    for p, offset, numel in zip(params, layout.offsets, layout.numels):
-        lo, hi = max(offset, start), min(offset + numel, end)
-        if lo < hi:
-            out.append((p, shard_grad[lo - start: hi - start]))
-    return out
 
 
 def flat_grad_pieces(layout, params, rank, shard_grad) -> list:
@@ -104,7 +89,13 @@ def flat_grad_pieces(layout, params, rank, shard_grad) -> list:
     if shard_grad is None:
         raise ValueError("the flat shard holds no reduced gradient: reduce it after the backward "
                          "(ZeroOptimizer.reduce_gradients()), then clip, then step")
-    return [(p, g, True) for p, g in flat_shard_pieces(layout, params, rank, shard_grad)]
+    start, end = layout.shard_range(rank)
+    out = []
+    for p, offset, numel in zip(params, layout.offsets, layout.numels):
+        lo, hi = max(offset, start), min(offset + numel, end)
+        if lo < hi:  # the part of p inside this rank's shard [start, end)
+            out.append((p, shard_grad[lo - start: hi - start], True))
+    return out
 
 
 def grad_pieces(params) -> tuple:
@@ -160,18 +151,14 @@ def clip_pieces(pieces: list, targets: list, max_norm: float, mesh=None, norm_ty
     shard)], each counted once over the world (`_counted`), and every tensor of ``targets``
     scaled by min(1, max_norm / (norm + 1e-6)); returns the norm before. It is `local_norm`,
     one all-reduce, `global_norm` and `scale_gradients` (post-validation runs them apart)."""
-    _check_max_norm(max_norm)
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
     local, targets, norm_type = local_norm(pieces, targets, mesh, norm_type)
     if local.dim() == 1:  # several ranks: every rank's sum of squares (or max) is the whole model's
         comms.all_reduce(local, op=dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX)
     total = global_norm(local, norm_type)
     scale_gradients(targets, total, max_norm)
     return total
-
-
-def _check_max_norm(max_norm) -> None:
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-        raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
 
 
 def local_norm(pieces: list, targets: list, mesh=None, norm_type: float = 2.0):

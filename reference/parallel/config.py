@@ -27,7 +27,7 @@ the cp ranks of one dp rank; gradients are averaged over dp x cp. What each opti
 why a combination is refused, is in the messages of `problems`."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 from reference.loss import LOSS_MEANS
@@ -40,12 +40,16 @@ V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank in a V: rank r holds sta
 PRECISIONS = ("fp32", "bf16", "fp16")
 CP_KINDS = ("ring", "ulysses")  # reference.context_parallel.KINDS
 ZERO3_ENGINES = ("auto", "blocks", "parameters")  # `ParallelConfig.zero3_engine`
+# The options that take one of a few values, each with its values: `problems` names a value
+# outside them in one sentence of the same shape.
+CHOICES = (("zero_stage", (0, 1, 2, 3)), ("schedule", SCHEDULES), ("precision", PRECISIONS),
+           ("loss_mean", LOSS_MEANS), ("cp_kind", CP_KINDS), ("zero3_engine", ZERO3_ENGINES))
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Degrees and options of one parallel run. Presets: `single`, `data_parallel`,
-    `debug_3d`, `moe_4d`, `article_175b`; `with_(**changes)` gives a modified copy."""
+    """Degrees and options of one parallel run. Presets: `single`, `debug_3d`, `moe_4d`,
+    `article_175b`; `with_(**changes)` gives a modified copy."""
 
     dp: int = 1
     tp: int = 1
@@ -92,10 +96,6 @@ class ParallelConfig:
         return cls()
 
     @classmethod
-    def data_parallel(cls, dp: int, zero_stage: int = 0) -> "ParallelConfig":
-        return cls(dp=dp, zero_stage=zero_stage)
-
-    @classmethod
     def debug_3d(cls) -> "ParallelConfig":
         """dp 2 x tp 2 x pp 2 on 8 ranks, SP on, 1F1B over 2 micro-batches: every kind of
         group and message on a laptop."""
@@ -119,11 +119,6 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
-
-    @property
-    def edp(self) -> int:
-        """Expert-data-parallel degree: replicas of each expert."""
-        return self.dp // self.ep if self.ep and self.dp % self.ep == 0 else 0
 
     @property
     def n_stages(self) -> int:
@@ -152,9 +147,6 @@ class ParallelConfig:
         from reference.mesh import Mesh
 
         return Mesh(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp, dp_replicate=self.dp_replicate)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
     def __str__(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
@@ -202,12 +194,12 @@ class ParallelConfig:
             cp = f" x cp={self.cp}" if self.cp > 1 else ""
             out.append(f"dp={self.dp}{cp} x tp={self.tp} x pp={self.pp} = "
                        f"{self.world_size}, but world_size={world_size}")
+        out += [f"{name} must be one of {', '.join(map(str, values))}, got {getattr(self, name)!r}"
+                for name, values in CHOICES if getattr(self, name) not in values]
         if self.dp % self.ep:
             out.append(f"ep={self.ep} must divide dp={self.dp} (experts are carved out of the "
                        f"data-parallel ranks)")
-        if self.zero_stage not in (0, 1, 2, 3):
-            out.append(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        elif self.zero_stage == 2 and self.pp > 1:
+        if self.zero_stage == 2 and self.pp > 1:
             out.append(f"zero_stage=2 with pp={self.pp}: a pipeline would reduce-scatter the "
                        f"gradients once per micro-batch (m={self.microbatches}); use zero_stage 0, "
                        f"1 or 3 with a pipeline (DeepSpeed refuses 2 and 3)")
@@ -216,17 +208,13 @@ class ParallelConfig:
                        f"over dp cannot hold experts, which are reduced over the expert-data-parallel "
                        f"group (dp/ep={self.dp // self.ep if self.dp % self.ep == 0 else '?'} ranks); "
                        f"use zero_stage 0, or 3 (each expert sharded over that group)")
-        if self.zero3_engine != "auto":
-            out += self._engine_problems()
+        if self.zero3_engine == "blocks":
+            out += self._blocks_problems()
         if self.reshard_after_forward:
             out += self._reshard_problems(n_experts)
         out += self._schedule_problems()
-        if self.precision not in PRECISIONS:
-            out.append(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.dp_replicate != 1:
             out += self._hsdp_problems()
-        if self.loss_mean not in LOSS_MEANS:
-            out.append(f"loss_mean must be one of {', '.join(LOSS_MEANS)}, got {self.loss_mean!r}")
         if cfg is not None:
             out += self._model_problems(cfg)
         if batch is not None:
@@ -235,7 +223,7 @@ class ParallelConfig:
             out.append(f"n_experts={n_experts} is not a multiple of ep={self.ep}")
         if n_experts is None and self.ep > 1:
             out.append(f"ep={self.ep} needs a model with experts (pass n_experts)")
-        if self.cp > 1 or self.cp_kind not in CP_KINDS:
+        if self.cp > 1 and self.cp_kind in CP_KINDS:
             T = None if batch is None or isinstance(batch, int) else tuple(batch)[1]
             out += self._context_problems(cfg, T, n_experts)
         return out
@@ -263,8 +251,6 @@ class ParallelConfig:
     def _schedule_problems(self) -> list[str]:
         """The pipeline schedule against pp, its virtual stages and the micro-batches."""
         out = []
-        if self.schedule not in SCHEDULES:
-            out.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.virtual_stages > 1 and self.schedule not in ("interleaved",) + V_SHAPED:
             out.append(f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (or "
                        f"'zb-v' with 2), got {self.schedule!r}")
@@ -325,13 +311,11 @@ class ParallelConfig:
                        f"of tp={self.tp}")
         return out
 
-    def _engine_problems(self) -> list[str]:
-        """A ZeRO-3 engine named: one of `ZERO3_ENGINES`, and "blocks" where FSDP by blocks runs."""
-        if self.zero3_engine not in ZERO3_ENGINES:
-            return [f"zero3_engine must be one of {', '.join(ZERO3_ENGINES)}, got {self.zero3_engine!r}"]
+    def _blocks_problems(self) -> list[str]:
+        """ZeRO-3's engine named "blocks": only where FSDP by blocks runs."""
         bad = [f"{k}={v}" for k, v in dict(tp=self.tp, pp=self.pp, ep=self.ep,
                                            dp_replicate=self.dp_replicate).items() if v != 1]
-        if self.zero3_engine == "blocks" and bad:
+        if bad:
             return [f"zero3_engine='blocks' with {', '.join(bad)}: FSDP by blocks wraps the whole "
                     f"model over dp x cp (tp = pp = ep = 1, no HSDP); use zero3_engine 'parameters' "
                     f"or 'auto'"]
@@ -362,8 +346,6 @@ class ParallelConfig:
     def _context_problems(self, cfg, T, n_experts) -> list[str]:
         """What context parallelism (cp > 1) needs of the model and the sequence length T."""
         cp, tp, out = self.cp, self.tp, []
-        if self.cp_kind not in CP_KINDS:
-            return [f"cp_kind must be one of {', '.join(CP_KINDS)}, got {self.cp_kind!r}"]
         if n_experts is not None or self.ep > 1:
             out.append(f"cp={cp} with experts (n_experts={n_experts}, ep={self.ep}): a router counts "
                        f"its capacity per whole sequence, and a cp rank holds T/cp of its tokens")

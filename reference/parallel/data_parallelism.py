@@ -54,8 +54,7 @@ import torch
 
 from reference import comms
 from reference.expert_parallel import expert_parameters, moe_all_reduce_gradients
-from reference.parallel.clip import (clip_pieces, flat_grad_pieces, flat_shard_pieces, grad_pieces,
-                                    mark_parallel_params)
+from reference.parallel.clip import clip_pieces, flat_grad_pieces, grad_pieces, mark_parallel_params
 from reference.tensor_parallel import allreduce_sequence_parallel_grads
 from reference.zero import FSDP, ReshardAfterForward, ShardedParameters, ShardedSets, ZeroOptimizer
 
@@ -188,8 +187,8 @@ class GradientShards(OptimizerShards):
         optimizer.reduce_gradients()  # the last buckets; step() will not reduce again
         if not (pm.mesh.tp > 1 and pm.config.sequence_parallel):
             return "the last buckets' reduce-scatter over dp x cp"
-        pieces = [g for p, g in flat_shard_pieces(optimizer.layout, optimizer.params, optimizer.dp_rank,
-                                                  optimizer.shard.grad)
+        pieces = [g for p, g, _ in flat_grad_pieces(optimizer.layout, optimizer.params, optimizer.dp_rank,
+                                                     optimizer.shard.grad)
                   if getattr(p, "sequence_parallel", False)]
         # (the same pieces on every tp rank: the same layout) this shard's numbers of SP parameters
         comms.all_reduce_coalesced(pieces, group=pm.mesh.group("tp"))

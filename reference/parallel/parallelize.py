@@ -6,7 +6,7 @@ a fixed order, each the identity when its degree is 1:
 
 1. **tensor parallelism** (+ sequence parallelism) first, while the model is still whole, so
    the swap sees every block and names stay the model's own;
-2. **context parallelism** (`reference.parallel.context`): after TP, because it wraps the
+2. **context parallelism** (`reference.context_parallel.apply`): after TP, because it wraps the
    projections TP made;
 3. **expert parallelism**: each MoE layer keeps this rank's experts (with SP it routes the
    sequence gathered over tp, `reference.expert_parallel.sequence_parallel`);
@@ -34,13 +34,12 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from reference.expert_parallel import MoE, expert_parameters, register_bias_update, shard_experts
+from reference.context_parallel.apply import apply_context_parallel_dim
+from reference.expert_parallel import MoE, register_bias_update, shard_experts
 from reference.expert_parallel.sequence_parallel import sequence_parallel_experts
 from reference.model import GPT, weight_decay_groups
 from reference.parallel.config import ParallelConfig
-from reference.parallel.context import apply_context_parallel_dim
 from reference.parallel.data_parallelism import Replicas, data_parallelism
-from reference.parallel.scaler import DynamicLossScaler
 from reference.pipeline_parallel import (build_embedding_group, build_schedule, local_stages,
                                          overlap_pairs, split_stages)
 from reference.tensor_parallel import apply_tensor_parallel
@@ -69,7 +68,6 @@ class ParallelGPT:
     has_experts: bool = False
     data_parallel: object = field(default_factory=Replicas)  # how the replicas keep weights, gradients
     scaler: Optional[object] = None  # fp16: the DynamicLossScaler train_step uses
-    extra: dict = field(default_factory=dict)
 
     @property
     def is_first_stage(self) -> bool:
@@ -96,9 +94,6 @@ class ParallelGPT:
                 if id(p) not in seen:
                     seen.add(id(p))
                     yield name, p
-
-    def expert_parameters(self) -> list[nn.Parameter]:
-        return [p for module in self.stages for p in expert_parameters(module)]
 
     def train(self, mode: bool = True) -> "ParallelGPT":
         for module in self.stages:
@@ -149,8 +144,11 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
     if config.overlap_forward_backward:  # DualPipe's F&B pairs, each run overlapped (validated above)
         schedule = overlap_pairs(schedule)
     common = dict(config=config, mesh=mesh, model_config=model.config, schedule=schedule,
-                  has_experts=n_experts is not None,
-                  scaler=DynamicLossScaler() if config.precision == "fp16" else None)
+                  has_experts=n_experts is not None)
+    if config.precision == "fp16":  # the loss scale every rank agrees on: fp16's own module
+        from reference.parallel.scaler import DynamicLossScaler
+
+        common["scaler"] = DynamicLossScaler()
     # 4. the pipeline cut (a pipeline of one stage when pp = 1)
     stages = split_stages(model, config.pp, config.virtual_stages,
                           embedding_stage=config.embedding_stage, head_stage=config.embedding_stage)

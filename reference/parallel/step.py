@@ -37,10 +37,9 @@ from typing import Optional
 import torch
 
 from reference import comms
+from reference.context_parallel.apply import context_parallel_batch
 from reference.loss import counted_tokens, step_mean
 from reference.model import autocast, lm_loss
-from reference.parallel.context import context_parallel_batch
-from reference.parallel.post_validation import post_validated_step
 from reference.pipeline_parallel import run_pipeline
 from reference.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -179,6 +178,8 @@ def train_step(pm, optimizer, idx: torch.Tensor, targets: torch.Tensor, *,
     if reduced:  # (ZeRO-1 without SP: nothing here, the optimizer's step reduce-scatters)
         run.event("reduce", reduced, start)
     if pm.config.optimizer_post_validation:  # 5 before 4: step, then check, undo on a failure
+        from reference.parallel.post_validation import post_validated_step  # this option's own module
+
         norm, overflow = post_validated_step(pm, optimizer, max_norm, scaler, run)
     else:
         norm, overflow = _checked_step(pm, optimizer, max_norm, scaler, run)

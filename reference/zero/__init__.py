@@ -15,7 +15,8 @@ The three stages of Rajbhandari et al. (2020) keep 1/N per rank of the optimizer
 * `reference.zero.reducer`: stage 2's gradients, `BucketReducer`, reduce-scattered bucket
   by bucket during backward;
 * `reference.zero.units`: stage 3's one engine, `Unit` (gather, free, reduce-scatter) over a
-  layout, flat or per tensor (`RowShards`); the front-ends below choose units and timing:
+  layout, flat or per tensor (`reference.zero.rows`: `RowShards`, each tensor cut along dim 0);
+  the front-ends below choose units and timing:
 * `reference.zero.fsdp`: `FSDP`, one flat unit per block gathered just before it runs (with
   prefetch), mixed precision and CPU offload;
 * `reference.zero.fsdp_param`: `ShardedParameters`, each tensor split along dim 0 (FSDP2), the

@@ -8,7 +8,7 @@
 
 The flat `reference.zero.fsdp` mixes pieces of several tensors in one shard, which breaks once
 tensor parallelism has split some of them. Here every parameter is cut on its own along dim 0
-(`reference.zero.units.RowShards`), a tensor-parallel slice simply split again. Between steps
+(`reference.zero.rows.RowShards`), a tensor-parallel slice simply split again. Between steps
 `p.data` *is* the shard (c, *rest), so the optimizer, the clip and `reference.memory.measure`
 see 1/N of each tensor.
 
@@ -25,7 +25,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from reference.zero.units import RowShards, Unit, ZeroRows, copy_rows, shard_rows
+from reference.zero.rows import RowShards, ZeroRows, copy_rows, shard_rows
+from reference.zero.units import Unit
 
 __all__ = ["ShardedParameters", "ShardedSets", "ZeroRows", "shard_rows", "copy_rows"]
 

@@ -61,7 +61,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from reference import comms
 from reference.runtime import device as rank_device
-from reference.zero.units import RowShards, Unit, ZeroRows, on_output_grad, shard_rows
+from reference.zero.rows import RowShards, ZeroRows, shard_rows
+from reference.zero.units import Unit, on_output_grad
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "full_state_dict", "ShardState"]
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from reference.course.homework.scoring import Case, ExerciseSpec
 from reference.tolerance import adamw_weights, gradient
 from reference.zero import MixedPrecisionPolicy, full_state_dict, fully_shard
-from reference.zero.units import shard_rows
+from reference.zero.rows import shard_rows
 
 __all__ = ["WRAP_TINY_LM", "TinyLM", "course_wrap_tiny_lm"]
 

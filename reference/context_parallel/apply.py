@@ -1,4 +1,5 @@
-"""Context parallelism as a dimension of the composed GPT: what `parallelize` does when cp > 1.
+"""Context parallelism as a dimension of the composed GPT: what `reference.parallel.parallelize`
+does when cp > 1, as `reference.tensor_parallel.apply_tensor_parallel` does for tp.
 
     cpm = apply_context_parallel_dim(model, mesh, config)    # after tensor parallelism
     idx_r, tgt_r = context_parallel_batch(idx, targets, mesh.cp, mesh.cp_rank, config.cp_kind)
@@ -22,7 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from reference.context_parallel import ContextParallelAttention, sequence_positions, split_sequence
+from reference.context_parallel.attention import ContextParallelAttention
+from reference.context_parallel.layout import sequence_positions, split_sequence
 from reference.model import GPT
 
 __all__ = ["ContextParallelPositions", "apply_context_parallel_dim", "context_parallel_batch"]
