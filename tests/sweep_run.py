@@ -118,7 +118,7 @@ def single_process(case, steps: int = STEPS):
     """The oracle (`reference.train.single.accumulated_step`): (losses, skipped flags, weights)
     of one process training the same case over the parallel run's dp x micro-batch chunks.
     It reads only the arguments of `_single_process`: cases equal in them (86 cases of the
-    sweep, 50 oracles) share one run, whose result the callers only read."""
+    sweep at this writing, 50 oracles) share one run, whose result the callers only read."""
     c = case.config
     return _single_process(case.moe, case.bias, c.precision, c.dp * c.microbatches, case.clip,
                            c.loss_mean, steps)
