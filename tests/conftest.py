@@ -19,9 +19,9 @@ def one_intra_op_thread():
 # checkpoint matrix and the sweep, a few tests each, to the end): starting with the longest
 # and leaving the many short files for the end lets the workers finish at about the same
 # time, instead of one worker starting a long file when the others have nothing left.
-LONGEST_FIRST = ("test_notebooks.py", "test_course_homework.py", "test_course_grade.py",
-                 "test_parallel_sweep.py", "test_checkpoint_reshard_matrix.py", "test_train_cli.py",
-                 "test_course_exercises.py",
+LONGEST_FIRST = ("test_notebooks.py", "test_parallel_sweep.py", "test_checkpoint_reshard_matrix.py",
+                 "test_course_grade.py", "test_course_exercises.py", "test_course_homework.py",
+                 "test_train_cli.py",
                  "test_browser.py", "test_pipeline_parity.py", "test_train_checkpoint.py",
                  "test_fsdp_composed.py", "test_nb06_composition.py")
 

@@ -23,6 +23,8 @@ reduction gives; when that expert's load is at the mean, its bias moves a step a
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from reference.tolerance import adamw_weights, expert_bias, loss
@@ -62,6 +64,10 @@ def batches(steps: int = STEPS):
 
 
 def model_for(case):
+    return _model(case.moe, case.bias)
+
+
+def _model(moe: bool, bias: bool):
     from reference.expert_parallel import moe_factory
     from reference.model import GPT, GPTConfig
     from sweep import MODEL_SIZES, N_EXPERTS
@@ -70,9 +76,9 @@ def model_for(case):
     cfg = GPTConfig.tiny(**MODEL_SIZES)
     # capacity 2.0: no token dropped, so routing per chunk is the same everywhere; with `bias`
     # the experts are balanced by a bias too (DeepSeek-V3), moved after each step
-    rate = BIAS_RATE if case.bias else 0.0
+    rate = BIAS_RATE if bias else 0.0
     return GPT(cfg, ffn_factory=moe_factory(N_EXPERTS, k=2, capacity_factor=2.0, bias_update_rate=rate)) \
-        if case.moe else GPT(cfg)
+        if moe else GPT(cfg)
 
 
 def _scaler():
@@ -112,18 +118,25 @@ def run_cases(cases, steps: int = STEPS):
 
 def single_process(case, steps: int = STEPS):
     """The oracle (`reference.train.single.accumulated_step`): (losses, skipped flags, weights)
-    of one process training the same case over the parallel run's dp x micro-batch chunks."""
+    of one process training the same case over the parallel run's dp x micro-batch chunks.
+    It reads only the arguments of `_single_process`: cases equal in them (86 cases of the
+    sweep at this writing, 50 oracles) share one run, whose result the callers only read."""
+    c = case.config
+    return _single_process(case.moe, case.bias, c.precision, c.dp * c.microbatches, case.clip,
+                           c.loss_mean, steps)
+
+
+@functools.lru_cache(maxsize=None)
+def _single_process(moe, bias, precision, chunks, clip, loss_mean, steps):
     from reference.train.single import accumulated_step
 
-    model = model_for(case)
+    model = _model(moe, bias)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    config = case.config
-    scaler = _scaler() if config.precision == "fp16" else None
+    scaler = _scaler() if precision == "fp16" else None
     losses, skipped = [], []
     for idx, tgt in batches(steps):
-        loss, skip = accumulated_step(model, opt, idx, tgt, config.dp * config.microbatches,
-                                      precision=config.precision, scaler=scaler,
-                                      max_norm=1.0 if case.clip else None, loss_mean=config.loss_mean)
+        loss, skip = accumulated_step(model, opt, idx, tgt, chunks, precision=precision, scaler=scaler,
+                                      max_norm=1.0 if clip else None, loss_mean=loss_mean)
         losses.append(loss)
         skipped.append(skip)
     return losses, skipped, {k: v.detach().clone() for k, v in model.state_dict().items()}

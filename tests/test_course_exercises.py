@@ -12,6 +12,8 @@ import pytest
 
 from reference.course.exercises import (BANNER_ID, MarkerError, build_exercises, make_exercise, render,
                               stale_exercises, strip_solutions)
+from reference.course.homework import HOMEWORK
+from reference.course.homework.scoring import weight
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS, EXERCISES = ROOT / "solutions", ROOT / "exercises"
@@ -265,13 +267,22 @@ def test_solution_notebook_runs_headless_and_passes_its_checks(tmp_path):
 EXERCISE_NOTEBOOKS = sorted(EXERCISES.glob("*.ipynb"))
 
 
-def _run_all(path: Path, workdir: Path) -> nbformat.NotebookNode:
+def _run_all(path: Path, workdir: Path) -> tuple[nbformat.NotebookNode, Path]:
+    """Run All on the exercise notebook, as the grader rewrites it (`prepare`: each exercise
+    function saved after every cell, a first and a last marker cell; the student's cells
+    unchanged, `grading` left False): (the executed copy, the folder of saved functions).
+    One execution serves both what a student sees and what the grader scores."""
     from nbclient import NotebookClient
 
-    nb = nbformat.read(path, 4)
+    from reference.course.grade_runner import prepare
+
+    functions = workdir / "functions"
+    functions.mkdir()
+    names = [spec.id for spec in HOMEWORK[path.stem]]
+    nb = prepare(nbformat.read(path, 4), names, functions)
     NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
                    resources={"metadata": {"path": str(workdir)}}).execute()
-    return nb
+    return nb, functions
 
 
 @pytest.fixture(scope="module")
@@ -290,16 +301,43 @@ def run_all(tmp_path_factory):
 @pytest.mark.parametrize("name", [p.name for p in EXERCISE_NOTEBOOKS])
 def test_run_all_goes_through_and_says_what_is_not_implemented(run_all, name):
     """What the banner promises: no traceback, one "not implemented yet" per exercise."""
-    nb = run_all[name]
-    assert "Run All goes through" in nb.cells[0].source
+    from reference.course.grade_runner import GRADER_TAG
+
+    assert "Run All goes through" in nbformat.read(EXERCISES / name, 4).cells[0].source
+    nb = run_all[name][0]
     errors = [(i, o.ename, o.evalue) for i, c in enumerate(nb.cells) if c.cell_type == "code"
               for o in c.outputs if o.output_type == "error"]
     assert not errors, errors
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    student = [c for c in nb.cells if c.cell_type == "code" and GRADER_TAG not in c.metadata["tags"]]
+    text = "".join(o.get("text", "") for c in student for o in c.outputs)
     exercise_ids = {c.metadata.get("course", {}).get("exercise") for c in nb.cells} - {None}
     for exercise_id in exercise_ids:
         assert f"FAIL {exercise_id}: not implemented yet" in text, exercise_id
     assert "Traceback" not in text and "PASS" not in text
+    added = [c for c in nb.cells if c.cell_type == "code" and GRADER_TAG in c.metadata["tags"]]
+    assert all(not c.outputs for c in added), [c.outputs for c in added if c.outputs]
+
+
+@pytest.mark.notebook
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", [p.name for p in EXERCISE_NOTEBOOKS])
+def test_the_grader_scores_every_exercise_zero_with_not_implemented(run_all, name):
+    """Every generated exercise, as the grader saves it from the run above, is a stub: it scores
+    zero as "not implemented" without starting ranks (the grader's own reading of the saved
+    functions and its scoring, as `grade_one` does after executing a submission)."""
+    from reference.course.grade import _saved_functions
+    from reference.course.grade_runner import FINISHED, STARTED
+    from reference.course.homework import score_exercise
+
+    functions, specs = run_all[name][1], HOMEWORK[Path(name).stem]
+    assert (functions / STARTED).exists() and (functions / FINISHED).exists()
+    saved = _saved_functions(functions, [s.id for s in specs], True, True, False, 300)
+    assert sum(weight(s) for s in specs if not s.bonus) > 0
+    for spec in specs:
+        fn_bytes, missing = saved[spec.id]
+        assert fn_bytes is None, f"{spec.id}: saved as a function, not as the stub marker"
+        score = score_exercise(spec, fn_bytes, seed=1, timeout=60, missing=missing)
+        assert score.points == 0 and "not implemented" in score.reason, score
 
 
 def test_unfinished_reads_the_stub_in_the_function_and_its_notebook_helpers():

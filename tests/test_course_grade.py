@@ -2,11 +2,12 @@
 
 Every hostile submission is the real solution or exercise notebook of homework 00 with one
 change. All of them are graded in ONE run of the command (`python -m reference.course grade
-... --jobs 2`, a module fixture), on the two ring exercises only (`--exercise`): what a
+... --jobs 3`, a module fixture), on the two ring exercises only (`--exercise`): what a
 hostile notebook does is the same for every exercise, and the other three would cost
 launches and say nothing more. Each test then asserts on its own submission. Every
-exercise of every homework, the solutions at full marks, the exercises at zero and a
-partly finished notebook, are graded in tests/test_course_homework.py.
+exercise of every homework, the solutions at full marks and a partly finished notebook, are
+graded in tests/test_course_homework.py; every generated exercise notebook at zero in
+tests/test_course_exercises.py (from its one Run All).
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ WEIGHTS = {spec.id: weight(spec) for spec in HOMEWORK["00_collectives"] if spec.
 MARKER = f"course-grade-orphan-{uuid.uuid4().hex[:12]}"  # in the command line of every sleeper
 NOTEBOOK_TIMEOUT = 45     # s; the two-exercise notebooks need ~5 s, ~15 s on a loaded 2-core machine
 CHECK_TIMEOUT = 20        # s per hidden-check launch (~1 s needed, ~5 s loaded): only the hanging case waits
+# Submissions graded at once: "loops" sleeps for all of NOTEBOOK_TIMEOUT and "hangs" for one
+# CHECK_TIMEOUT, idle; a third slot keeps two notebooks at work beside them on 2 cores.
+JOBS = 3
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the fixture grades 11 files
 FAKE = '{"submissions": [{"path": "fake", "total": 999, "max": 36}]}'
 SLEEPER = f"[sys.executable, '-c', 'import time; time.sleep(600)', {MARKER!r}]"
@@ -130,6 +134,14 @@ def _submissions(folder: Path) -> dict:
     """name -> (file written in folder). Each is the solution or exercise with one change."""
     sol, ex = (lambda: _rings_only(_load(SOLUTION))), (lambda: _rings_only(_load(EXERCISE)))
     notebooks = {
+        # First, the two that wait (JOBS: they take a slot each, the others go on beside them).
+        # A cell that never ends. It sleeps rather than spins: the limit is on the notebook's
+        # time, and the kernel is killed at it either way; a spinning loop would only take a
+        # core from the rest of the suite for the whole NOTEBOOK_TIMEOUT.
+        "loops": _insert_after(sol(), "ex1-check", "import time\nwhile True:\n    time.sleep(0.05)"),
+        "hangs": _replace_in(sol(), "ex1", "    p = dist.get_world_size(group)",
+                             "    if dist.get_rank() == 1:\n        return tensor  # skips every recv\n"
+                             "    p = dist.get_world_size(group)"),
         "solution": sol(),
         "exercise": ex(),
         # Every way of faking the visible checks, and files written where the grades go, in
@@ -144,13 +156,6 @@ def _submissions(folder: Path) -> dict:
                                                'raise RuntimeError("a cell that fails")'),
         "sys_exit": _insert_after(sol(), "ex1-check", "import sys\nsys.exit(0)"),
         "os_exit": _insert_after(sol(), "ex1-check", "import os\nos._exit(0)"),
-        # A cell that never ends. It sleeps rather than spins: the limit is on the notebook's
-        # time, and the kernel is killed at it either way; a spinning loop would only take a
-        # core from the rest of the suite for the whole NOTEBOOK_TIMEOUT.
-        "loops": _insert_after(sol(), "ex1-check", "import time\nwhile True:\n    time.sleep(0.05)"),
-        "hangs": _replace_in(sol(), "ex1", "    p = dist.get_world_size(group)",
-                             "    if dist.get_rank() == 1:\n        return tensor  # skips every recv\n"
-                             "    p = dist.get_world_size(group)"),
         "spawns": _replace_in(_insert_after(sol(), "setup",
                                             f"SPAWN_LOG = {str(folder / 'spawned.txt')!r}{SPAWN}"),
                               "ex2", "    p = dist.get_world_size(group)", SPAWN_IN_RANK),
@@ -186,7 +191,7 @@ def graded(tmp_path_factory):
     children_before = {c.pid for c in psutil.Process().children(recursive=True)}
     run = subprocess.run(
         [sys.executable, "-m", "reference.course", "grade", *map(str, paths.values()), "--out", str(out),
-         "--csv", str(table), "--jobs", "2", "--timeout", str(NOTEBOOK_TIMEOUT),
+         "--csv", str(table), "--jobs", str(JOBS), "--timeout", str(NOTEBOOK_TIMEOUT),
          "--check-timeout", str(CHECK_TIMEOUT), "--homework", "00_collectives",
          *(arg for exercise_id in IDS for arg in ("--exercise", exercise_id))],
         cwd=out_dir, capture_output=True, text=True, timeout=900)
@@ -250,8 +255,9 @@ def test_results_json_csv_and_table(graded):
     assert rows[0]["path"] == "weight" and rows[0]["max"] == str(total)  # the weights first
     assert {i: rows[0][i] for i in IDS} == {i: str(w) for i, w in WEIGHTS.items()}
     assert [r["path"] for r in rows[1:]] == [s["path"] for s in subs]
-    assert rows[1]["ring_all_reduce"] == str(WEIGHTS["ring_all_reduce"])
-    assert rows[1]["total"] == rows[1]["max"] == str(total)
+    [solution] = [r for r in rows[1:] if Path(r["path"]).stem == "solution"]
+    assert solution["ring_all_reduce"] == str(WEIGHTS["ring_all_reduce"])
+    assert solution["total"] == solution["max"] == str(total)
     stdout = graded["run"].stdout
     assert "solution.ipynb" in stdout and f"{total}/{total}" in stdout and "not implemented" in stdout
 

@@ -31,6 +31,21 @@ def _trainer(*args, env=None, cwd=ROOT, timeout=300):
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _in_process(*args, monkeypatch, capsys):
+    """`python -m reference.train ARGS` in this process: its `__main__` and the same clear-error
+    wrapper, from the repository as `_trainer` runs it. For input refused before any rank
+    starts, without a fresh interpreter importing torch each time (about 4 s of CPU a run);
+    `test_bad_input_on_the_command_line_is_one_clear_line` keeps the real command's start."""
+    from reference.train.__main__ import _main_with_clear_errors
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["reference.train", *map(str, args)])
+    capsys.readouterr()
+    code = _main_with_clear_errors()
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 def _losses(log: Path) -> list:
     return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
 
@@ -121,14 +136,22 @@ def test_parity_and_plot_of_a_run(standalone, tmp_path):
      "--resume: no checkpoint in"),
     (["--config", "{small}", "--world-size", 4, "--set", "optimizer.parms.lr=1"], "params"),
 ])
-def test_bad_input_is_one_clear_line(args, expected, small_config, tmp_path):
+def test_bad_input_is_one_clear_line(args, expected, small_config, tmp_path, monkeypatch, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text('{"steps": 3,,}')
     args = [str(a).format(small=small_config, bad=bad, tmp=tmp_path) for a in args]
-    run = _trainer(*args, timeout=120)
+    run = _in_process(*args, monkeypatch=monkeypatch, capsys=capsys)
     assert run.returncode == 2, (run.stdout, run.stderr)
     assert run.stderr.startswith("error: ") and expected in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_bad_input_on_the_command_line_is_one_clear_line():
+    """The real command, started afresh: nothing but the one line on stderr (no warning printed
+    while it imports), exit status 2."""
+    run = _trainer("--config", "nowhere.json", "--world-size", 1, timeout=120)
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    assert run.stderr.strip().splitlines() == ["error: no configuration file at 'nowhere.json'"], run.stderr
 
 
 def test_resume_continues_the_run_exactly(standalone, tmp_path):
@@ -191,20 +214,20 @@ def _refused(run, folder, why):
     assert str(folder) in lines[0] and why in lines[0], lines[0]
 
 
-def test_checkpoint_dir_under_a_file_is_refused_before_any_rank(small_config, tmp_path):
+def test_checkpoint_dir_under_a_file_is_refused_before_any_rank(small_config, tmp_path, monkeypatch, capsys):
     """checkpoint.dir inside a regular file cannot be created: said in one line, exit 2, before
     any rank starts (no log, no progress bar), not at the first save after training."""
     blocker = tmp_path / "notes.txt"
     blocker.write_text("a file, not a folder\n")
     log = tmp_path / "run.jsonl"
     for folder in (blocker, blocker / "checkpoints"):
-        run = _trainer("--config", small_config, "--world-size", 4, "--checkpoint-dir", folder,
-                       "--log-file", log, timeout=120)
+        run = _in_process("--config", small_config, "--world-size", 4, "--checkpoint-dir", folder,
+                          "--log-file", log, monkeypatch=monkeypatch, capsys=capsys)
         _refused(run, folder, "is a file, not a folder")
         assert not log.exists()
 
 
-def test_checkpoint_dir_without_write_permission_is_refused(small_config, tmp_path):
+def test_checkpoint_dir_without_write_permission_is_refused(small_config, tmp_path, monkeypatch, capsys):
     """A checkpoint.dir this user may not write (a read-only folder, or a missing one inside
     it) is refused as a folder under a file is: one line, exit 2, before any rank starts."""
     locked = tmp_path / "locked"
@@ -216,8 +239,8 @@ def test_checkpoint_dir_without_write_permission_is_refused(small_config, tmp_pa
                         "permission bits stop nothing here, so there is no refusal to show")
         log = tmp_path / "run.jsonl"
         for folder in (locked, locked / "checkpoints"):
-            run = _trainer("--config", small_config, "--world-size", 4, "--checkpoint-dir", folder,
-                           "--log-file", log, timeout=120)
+            run = _in_process("--config", small_config, "--world-size", 4, "--checkpoint-dir", folder,
+                              "--log-file", log, monkeypatch=monkeypatch, capsys=capsys)
             _refused(run, folder, "no permission to write")
             assert not log.exists()
     finally:
