@@ -8,7 +8,7 @@ and receives; it is plain data, checked before it runs, drawn, and run by one ex
     from reference.pipeline_parallel import (build_schedule, split_stages,
                                              local_stages, run_pipeline)
     schedule = build_schedule("1f1b", pp=4, m=8)         # validated: complete, no deadlock
-    # or "zb-h1", "zb-h2", or build_schedule("zb-v", 4, 8, virtual=2) ("dualpipev"): B split into I and W
+    # or "zb-h1", "zb-h2", or build_schedule("zb-v", 4, 8, virtual=2) ("dualpipev", "dualpipe"): B split into I and W
     schedule.actions(0)       # rank 0: [F0, SEND_F0->1, F1, SEND_F1->1, ...]
     schedule.bubble_fraction(), schedule.peak_in_flight(0), schedule.plot()
 
@@ -30,6 +30,8 @@ Where each part lives:
   `zero_bubble_formula`, `peak_bytes`;
 * `overlap`: DualPipe's overlapped F&B (`overlap_pairs`): a forward and a backward in turns, each
   all-to-all of experts in flight while the other micro-batch computes;
+* `dualpipe`: DualPipe in two directions (DeepSeek-V3): micro-batches fed from both ends, every
+  stage held twice (`DualPipeSchedule`), the two copies' gradients summed (`sum_copies`);
 * `multistep`: consecutive steps, overlapping (optimizer post-validation) or not: `repeat`,
   `idle_per_step`, and the paper's and DualPipe's bubble formulas;
 * `check`: `validate` (completeness, message matching, deadlock), the ideal timeline `simulate`, and
@@ -60,6 +62,7 @@ from reference.pipeline_parallel.stage import (DelayedStage, GPTStage, StageSpec
 from reference.pipeline_parallel.tied import build_embedding_group, sync_tied_grads
 from reference.pipeline_parallel.zero_bubble import ZB_KINDS, VSchedule, peak_bytes, zero_bubble_formula
 from reference.pipeline_parallel.overlap import OverlappedSchedule, overlap_pairs
+from reference.pipeline_parallel.dualpipe import DualPipeSchedule, sum_copies
 
 _PICTURES = ("plot_timeline", "plot_bubble_curve", "plot_stage_balance", "plot_overlap")
 
@@ -87,8 +90,8 @@ __all__ = [
     # zero-bubble schedules
     "ZB_KINDS", "VSchedule", "zero_bubble_formula", "held_bytes_formula", "held_bytes_per_block",
     "held_bytes_of_head", "peak_bytes", "peak_bytes_by_rank",
-    # DualPipe's forward and backward overlapped
-    "OverlappedSchedule", "overlap_pairs",
+    # DualPipe's forward and backward overlapped; DualPipe in two directions
+    "OverlappedSchedule", "overlap_pairs", "DualPipeSchedule", "sum_copies",
     # pictures
     "plot_timeline", "plot_bubble_curve", "plot_stage_balance", "plot_overlap",
 ]

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from reference.loss import TokenMean
+from reference.pipeline_parallel.dualpipe import sum_copies
 from reference.pipeline_parallel.forward_backward import RankState, backward
 from reference.pipeline_parallel.messages import Mailbox
 from reference.pipeline_parallel.overlap import forward_backward as overlapped_forward_backward
@@ -84,6 +85,7 @@ def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],
                 for a in step:
                     hook("after", a)
     w.mail.finish()  # sends a zero-bubble schedule left going
+    sum_copies(schedule, stages, group, tied_group)  # DualPipe's two copies of each stage; else nothing
     sync_tied_grads(stages, tied_group)  # nothing without a group
     return torch.stack(w.losses).sum() if w.losses else None
 
@@ -105,7 +107,7 @@ def _pipeline_rank(schedule: Schedule, stages: Sequence[torch.nn.Module], group)
         raise ValueError(f"{schedule!r} runs virtual={v} chunks per rank, got {len(stages)} stages")
     for c, st in enumerate(stages):
         spec, s = getattr(st, "spec", None), schedule.stage(rank, c)
-        if spec is not None and (spec.stage != s or spec.head != (s == schedule.n_stages - 1)):
+        if spec is not None and (spec.stage != schedule.model_stage(s) or spec.head != schedule.ends(s)[1]):
             raise ValueError(f"pipeline rank {rank} chunk {c} should run model stage {s} of "
                              f"{schedule.n_stages}, got {spec}")
     return rank

@@ -45,7 +45,7 @@ from reference.pipeline_parallel.forward_backward import RankState, backward, fo
 from reference.pipeline_parallel.schedules import Schedule
 from reference.pipeline_parallel.zero_bubble import VSchedule
 
-__all__ = ["OverlappedSchedule", "overlap_pairs", "Turns", "forward_backward", "charged_all_to_all",
+__all__ = ["OverlappedSchedule", "OVERLAPPED", "overlap_pairs", "Turns", "forward_backward", "charged_all_to_all",
            "slow"]
 
 
@@ -76,22 +76,27 @@ class OverlappedSchedule(VSchedule):
         return out
 
 
+OVERLAPPED = {"dualpipev": OverlappedSchedule}  # kind -> its class with pairs (dualpipe.py adds "dualpipe")
+
+
 def overlap_pairs(schedule: Schedule) -> OverlappedSchedule:
-    """``schedule`` (a "dualpipev") with its F&B pairs marked and their messages moved around
-    them (receives before, sends after), validated."""
-    if schedule.kind != "dualpipev":
-        raise ValueError(f"overlap_pairs pairs DualPipeV's forwards and backwards; got a "
+    """``schedule`` (a "dualpipev" or "dualpipe") with its F&B pairs marked and their messages moved
+    around them (receives before, sends after), validated."""
+    if schedule.kind not in OVERLAPPED:
+        raise ValueError(f"overlap_pairs pairs DualPipeV's (or DualPipe's) forwards and backwards; got a "
                          f"{schedule.kind!r} schedule (build_schedule('dualpipev', pp, m, virtual=2))")
     actions, pairs = {}, {}
     for r in range(schedule.pp):
         acts, out, marked, first = schedule.actions(r), [], set(), True
+        # the V's last rank, DualPipe's two middle ones: its chunks run neighbouring model stages
+        turn = abs(schedule.model_stage(schedule.stage(r, 0)) - schedule.model_stage(schedule.stage(r, 1))) == 1
         k = 0
         while k < len(acts):
             a = acts[k]
             nxt = next((j for j in range(k + 1, len(acts)) if not acts[j].is_comm), None)
             b = acts[nxt] if nxt is not None else None
             if a.op == "F" and b is not None and b.op == "B" and b.chunk != a.chunk:
-                if r == schedule.pp - 1 and first:  # DualPipe runs the last rank's first pair apart
+                if turn and first:  # DualPipe runs the turn's first pair apart
                     first = False
                 else:
                     mid = acts[k + 1:nxt]
@@ -103,8 +108,8 @@ def overlap_pairs(schedule: Schedule) -> OverlappedSchedule:
             out.append(a)
             k += 1
         actions[r], pairs[r] = out, marked
-    return OverlappedSchedule(schedule.pp, schedule.m, actions, schedule.virtual, schedule.kind,
-                              pairs).validate()
+    return OVERLAPPED[schedule.kind](schedule.pp, schedule.m, actions, schedule.virtual, schedule.kind,
+                                     pairs).validate()
 
 
 class Turns:

@@ -150,6 +150,20 @@ class Schedule:
         """The rank that holds model ``stage`` (the inverse of `stage`)."""
         return stage % self.pp
 
+    # A schedule whose stages form more than one pipeline (DualPipe's two directions,
+    # `reference.pipeline_parallel.dualpipe`) says where each ends and which chunks run a micro-batch.
+    def ends(self, stage: int) -> tuple[bool, bool]:
+        """Whether ``stage`` is the first, and the last, of its pipeline (it has no stage before, after)."""
+        return stage == 0, stage == self.n_stages - 1
+
+    def model_stage(self, stage: int) -> int:
+        """The model's piece (`split_stages`'s index) that ``stage`` runs."""
+        return stage
+
+    def chunks_of(self, mb: int) -> range:
+        """The chunks of every rank that micro-batch ``mb`` goes through."""
+        return range(self.virtual)
+
     def actions(self, rank: int) -> list[Action]:
         """Rank ``rank``'s actions in order (a copy)."""
         if rank not in self._actions:

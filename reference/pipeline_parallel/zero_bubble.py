@@ -86,7 +86,7 @@ def _message(s: Schedule, rank: int, op: str, mb: int, c: int):
     """The message compute action (op, mb, c) on ``rank`` sends: (peer, the peer's RECV), or None."""
     st = s.stage(rank, c)
     to = st + 1 if op == "F" else st - 1 if op in ("I", "B") else None
-    if to is None or not 0 <= to < s.n_stages:
+    if to is None or s.ends(st)[op == "F"]:
         return None
     peer = s.rank_of(to)
     chunk = next(k for k in range(s.virtual) if s.stage(peer, k) == to)
