@@ -277,3 +277,43 @@ def test_dualpipe_trains_like_one_process():
             assert all(torch.equal(p, mirror["params"][n]) for n, p in got["params"].items()), where
             covered |= set(got["params"])
         assert covered == set(ref_params), f"{case}: not covered {set(ref_params) - covered}"
+
+
+# ---------------------------------------------------------------------------
+# Through ParallelConfig: composed, against one process
+# ---------------------------------------------------------------------------
+COMPOSED = [  # (config keywords, clip, moe), on 4 ranks
+    (dict(dp=2, pp=2, schedule="dualpipe", virtual_stages=2, microbatches=4), True, False),
+    (dict(tp=2, pp=2, sequence_parallel=True, schedule="dualpipe", virtual_stages=2, microbatches=4,
+          activation_checkpointing=True), True, False),
+    (dict(dp=2, ep=2, pp=2, schedule="dualpipe", virtual_stages=2, microbatches=4), False, True),
+]
+
+
+def test_parallel_config_names_dualpipe_and_says_what_it_needs():
+    from reference.parallel.config import ParallelConfig
+
+    ok = ParallelConfig(pp=4, schedule="dualpipe", virtual_stages=2, microbatches=8)
+    assert not ok.problems(4, None, None, None) and ok.n_stages == 4
+    for kw, why in ((dict(pp=3, microbatches=6), "even pp and an even microbatches >= 2 pp"),
+                    (dict(pp=4, microbatches=6), "even pp and an even microbatches >= 2 pp"),
+                    (dict(pp=2, microbatches=4, virtual_stages=1), "needs virtual_stages=2"),
+                    (dict(pp=2, dp=2, microbatches=4, zero_stage=1), "use zero_stage=0")):
+        kw = dict(dict(schedule="dualpipe", virtual_stages=2), **kw)
+        problems = ParallelConfig(**kw).problems(kw["pp"] * kw.get("dp", 1), None, None, None)
+        assert any(why in p for p in problems), (kw, problems)
+
+
+def test_composed_dualpipe_equals_one_process():
+    """DualPipe through `ParallelConfig` with dp, tp + SP + recomputation and experts over ep, on 4
+    ranks, against `accumulated_step` (the sweep's `single_process`), clipping in two of them."""
+    from sweep import SweepCase
+    from sweep_run import compare, run_cases, single_process
+
+    from reference.parallel.config import ParallelConfig
+
+    cases = [SweepCase(ParallelConfig(**kw), clip=clip, moe=moe) for kw, clip, moe in COMPOSED]
+    assert all(not c.problems() for c in cases), [c.problems() for c in cases]
+    ranks = launch(run_cases, 4, cases, timeout=300, quiet=True)
+    rows = [compare(case, ranks[0][i], single_process(case)) for i, case in enumerate(cases)]
+    assert all(row["ok"] for row in rows), [row for row in rows if not row["ok"]]
