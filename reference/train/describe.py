@@ -107,6 +107,10 @@ def _batch_lines(config, line, issues, batch, T, dp):
         line("pipeline", f"{p.schedule} over {m} micro-batches (DeepSpeed's accumulation steps)"
              + (f", {v} chunks per rank" if v > 1 else "")
              + f": bubble (p-1)/({'v' if v > 1 else ''}m+p-1) = {bubble:.0%} of the step")
+        if p.schedule == "dualpipe":
+            line("", "dualpipe: half the micro-batches fed from each end of the pipeline; each rank holds "
+                     "stage r and a copy of stage pp - 1 - r (twice 1F1B's parameters), the copies' "
+                     "gradients summed after the backward (reference.pipeline_parallel.dualpipe)")
     if p.optimizer_post_validation:
         line("", "optimizer_post_validation: each rank steps at once; the clip norm and fp16's "
                  "overflow test complete after, and a step that fails them is undone from an exact "
