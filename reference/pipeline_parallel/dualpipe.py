@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from reference.pipeline_parallel import check, schedules
 from reference.pipeline_parallel.overlap import OVERLAPPED, OverlappedSchedule
-from reference.pipeline_parallel.zero_bubble import VSchedule, _build, _dualpipev_order
+from reference.pipeline_parallel.zero_bubble import VSchedule, build_dualpipev, build_from_orders
 
 __all__ = ["DualPipeSchedule", "build_dualpipe", "sum_copies"]
 
@@ -80,12 +80,9 @@ def _dualpipe_order(pp: int, m: int, rank: int) -> list[tuple]:
     """DualPipe on rank ``rank``: DualPipeV's order on pp / 2 ranks and m / 2 micro-batches at the
     rank's place from its nearer end; each phase turned into its direction (the chunk), the
     k-th micro-batch of direction d numbered 2 k + d."""
+    half = build_dualpipev(pp // 2, m // 2).actions(min(rank, pp - 1 - rank))
     second_half = rank >= pp // 2
-    out = []
-    for op, k, phase in _dualpipev_order(pp // 2, m // 2, min(rank, pp - 1 - rank)):
-        d = phase ^ second_half
-        out.append((op, 2 * k + d, d))
-    return out
+    return [(a.op, 2 * a.mb + (a.chunk ^ second_half), a.chunk ^ second_half) for a in half if not a.is_comm]
 
 
 def build_dualpipe(pp: int, m: int, virtual: int = 2) -> DualPipeSchedule:
@@ -94,7 +91,7 @@ def build_dualpipe(pp: int, m: int, virtual: int = 2) -> DualPipeSchedule:
     if isinstance(pp, int) and isinstance(m, int) and (pp % 2 or m % 2 or m < 2 * pp):
         raise ValueError(f"'dualpipe' feeds half the micro-batches from each end of the pipeline: it "
                          f"needs an even pp and an even m >= 2 pp (DualPipe's own asserts), got pp={pp}, m={m}")
-    return _build(DualPipeSchedule, "dualpipe", pp, m, virtual, 2, _dualpipe_order)
+    return build_from_orders(DualPipeSchedule, "dualpipe", pp, m, virtual, 2, _dualpipe_order)
 
 
 schedules.BUILDERS["dualpipe"] = build_dualpipe  # `build_schedule` reaches it by kind

@@ -227,9 +227,9 @@ def _dualpipev_order(pp: int, m: int, rank: int) -> list[tuple]:
     return order
 
 
-def _build(cls: type, kind: str, pp: int, m: int, virtual: int, want: int, order) -> Schedule:
+def build_from_orders(cls: type, kind: str, pp: int, m: int, virtual: int, want: int, order) -> Schedule:
     """The ``kind`` schedule (a ``cls``, ``want`` chunks per rank): every rank's compute
-    ``order(pp, m, rank)`` with its messages; not yet validated."""
+    ``order(pp, m, rank)`` with its messages; not yet validated (DualPipe's too, `dualpipe`)."""
     for name, value in (("pp", pp), ("m", m), ("virtual", virtual)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r} (kind={kind!r})")
@@ -242,23 +242,23 @@ def _build(cls: type, kind: str, pp: int, m: int, virtual: int, want: int, order
 
 def build_zb_h1(pp: int, m: int, virtual: int = 1) -> ZeroBubbleSchedule:
     """ZB-H1 for ``pp`` ranks and ``m`` micro-batches (one chunk per rank); not yet validated."""
-    return _build(ZeroBubbleSchedule, "zb-h1", pp, m, virtual, 1, _zb_h1_order)
+    return build_from_orders(ZeroBubbleSchedule, "zb-h1", pp, m, virtual, 1, _zb_h1_order)
 
 
 def build_zb_h2(pp: int, m: int, virtual: int = 1) -> ZeroBubbleSchedule:
     """ZB-H2 for ``pp`` ranks and ``m`` micro-batches (one chunk per rank); not yet validated."""
-    return _build(ZeroBubbleSchedule, "zb-h2", pp, m, virtual, 1, _zb_h2_order)
+    return build_from_orders(ZeroBubbleSchedule, "zb-h2", pp, m, virtual, 1, _zb_h2_order)
 
 
 def build_zb_v(pp: int, m: int, virtual: int = 2) -> VSchedule:
     """ZB-V for ``pp`` ranks and ``m`` micro-batches (two chunks per rank, in a V); not yet validated."""
-    return _build(VSchedule, "zb-v", pp, m, virtual, 2, _zb_v_order)
+    return build_from_orders(VSchedule, "zb-v", pp, m, virtual, 2, _zb_v_order)
 
 
 def build_dualpipev(pp: int, m: int, virtual: int = 2) -> VSchedule:
     """DualPipeV for ``pp`` ranks and ``m >= 2 pp`` micro-batches (two chunks per rank, in a V);
     not yet validated."""
-    return _build(VSchedule, "dualpipev", pp, m, virtual, 2, _dualpipev_order)
+    return build_from_orders(VSchedule, "dualpipev", pp, m, virtual, 2, _dualpipev_order)
 
 
 BUILDERS = {"zb-h1": build_zb_h1, "zb-h2": build_zb_h2, "zb-v": build_zb_v, "dualpipev": build_dualpipev}
