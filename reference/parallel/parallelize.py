@@ -71,13 +71,14 @@ class ParallelGPT:
 
     @property
     def is_first_stage(self) -> bool:
-        """Whether this rank holds model stage 0 (the schedule places the stages: ZB-V in a V)."""
-        return 0 in self._stage_numbers
+        """Whether this rank holds model stage 0 (the schedule places the stages: ZB-V in a V;
+        under DualPipe both ends do)."""
+        return any(self.schedule.ends(s)[0] for s in self._stage_numbers)
 
     @property
     def is_last_stage(self) -> bool:
         """Whether this rank holds the last model stage (under ZB-V, pipeline rank 0 does)."""
-        return self.schedule.n_stages - 1 in self._stage_numbers
+        return any(self.schedule.ends(s)[1] for s in self._stage_numbers)
 
     @property
     def _stage_numbers(self) -> set:
@@ -150,10 +151,15 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
 
         common["scaler"] = DynamicLossScaler()
     # 4. the pipeline cut (a pipeline of one stage when pp = 1)
-    stages = split_stages(model, config.pp, config.virtual_stages,
+    stages = split_stages(model, config.pp, config.n_stages // config.pp,
                           embedding_stage=config.embedding_stage, head_stage=config.embedding_stage)
     mine = local_stages(stages, config.pp, mesh.pp_rank, schedule)  # ZB-V: rank r holds r and 2 pp - 1 - r
-    tied = build_embedding_group(mesh) if config.pp > 1 else None
+    # DualPipe: ranks 0 and pp - 1 each hold both ends (the executor sums every weight's two copies);
+    # the ranks of the second half hold copies whose norm the first half counts (`clip`)
+    dualpipe = config.schedule == "dualpipe" and config.pp > 1
+    tied = build_embedding_group(mesh) if config.pp > 1 and not dualpipe else None
+    for stage in mine:
+        stage.counted_elsewhere = dualpipe and mesh.pp_rank >= config.pp // 2
     # 5. activation checkpointing is the executor's per-chunk flag (see `train_step`);
     # 6. data parallelism / ZeRO on exactly these local parameters: the way builds what it
     #    shards (ZeRO-3 by blocks: FSDP wraps the one stage; per parameter: each along dim 0)
