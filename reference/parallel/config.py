@@ -287,15 +287,16 @@ class ParallelConfig:
             out.append(f"optimizer_post_validation undoes a step from a copy of each rank's parameters "
                        f"and optimizer state; ZeRO-{self.zero_stage}'s sharded step is not undone here: "
                        f"use zero_stage=0 or optimizer_post_validation=False")
-        needs = [(self.schedule in ("dualpipev", "dualpipe") and self.pp > 1, f"overlaps DualPipeV's F&B pairs (or "
-                  f"DualPipe's): it needs schedule='dualpipev' or 'dualpipe' and pp >= 2, got {self.schedule!r} at pp={self.pp}"),
+        paired = self.schedule in ("dualpipev", "dualpipe") and self.pp > 1
+        needs = [(paired, f"overlaps DualPipeV's F&B pairs (or DualPipe's): it needs schedule='dualpipev' or "
+                  f"'dualpipe' and pp >= 2, got {self.schedule!r} at pp={self.pp}"),
                  (self.ep > 1, f"hides the expert all-to-all (ep > 1) under the other micro-batch's compute: "
                   f"at ep={self.ep} there is none, the pair would run one after the other anyway"),
                  (not self.activation_checkpointing, "runs no recomputed chunk inside a pair: "
                   "activation_checkpointing=True")]
         out += [f"overlap_forward_backward {why}; or set overlap_forward_backward=False"
                 for ok, why in needs if self.overlap_forward_backward and not ok]
-        if self.schedule in ("zb-h1", "zb-h2", "dualpipe") + V_SHAPED and self.zero_stage == 3 and self.dp * self.cp > 1:
+        if self.schedule in ("zb-h1", "zb-h2") + V_SHAPED and self.zero_stage == 3 and self.dp * self.cp > 1:
             out.append(f"schedule={self.schedule!r} splits each backward into I and W, and composed "
                        f"ZeRO-3 gathers and reduce-scatters around a whole backward B: use zero_stage "
                        f"<= 1 or schedule='1f1b'")

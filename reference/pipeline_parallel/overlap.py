@@ -48,8 +48,8 @@ from reference.pipeline_parallel.forward_backward import RankState, backward, fo
 from reference.pipeline_parallel.schedules import Schedule
 from reference.pipeline_parallel.zero_bubble import VSchedule
 
-__all__ = ["OverlappedSchedule", "OverlappedDualPipe", "OVERLAPPED", "overlap_pairs", "Turns", "forward_backward", "charged_all_to_all",
-           "slow"]
+__all__ = ["OverlappedSchedule", "OverlappedDualPipe", "OVERLAPPED", "overlap_pairs", "Turns", "forward_backward",
+           "charged_all_to_all", "slow"]
 
 
 def forward_backward(state: RankState, f: Action, b: Action) -> None:
