@@ -315,7 +315,8 @@ def test_composed_dualpipe_equals_one_process():
 
     from reference.parallel.config import ParallelConfig
 
-    cases = [SweepCase(ParallelConfig(**kw), clip=clip, moe=moe) for kw, clip, moe in COMPOSED]
+    # the experts balanced by a bias too: each copy's loads summed with the other's before the step
+    cases = [SweepCase(ParallelConfig(**kw), clip=clip, moe=moe, bias=moe) for kw, clip, moe in COMPOSED]
     assert all(not c.problems() for c in cases), [c.problems() for c in cases]
     ranks = launch(run_cases, 4, cases, timeout=300, quiet=True)
     rows = [compare(case, ranks[0][i], single_process(case)) for i, case in enumerate(cases)]

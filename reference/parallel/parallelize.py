@@ -113,8 +113,14 @@ class ParallelGPT:
         if weight_decay is not None:
             params = weight_decay_groups(params, weight_decay)
         optimizer = self.data_parallel.make_optimizer(params, optimizer_class, weight_decay, **kwargs)
-        # experts balanced by a bias: moved before each step by the step's loads over dp
-        register_bias_update(optimizer, nn.ModuleList(self.stages), self.mesh.group("dp") if self.mesh.dp > 1 else None)
+        # experts balanced by a bias: moved before each step by the step's loads over dp; under
+        # DualPipe and over the stage's other copy (rank pp - 1 - r), which routed the other
+        # direction's micro-batches: both ranks list their routers in the model's order
+        copies = (self.mesh.group("pp"), self.mesh.pp - 1 - self.mesh.pp_rank) \
+            if self.config.schedule == "dualpipe" and self.mesh.pp > 1 else None
+        stages = sorted(self.stages, key=lambda st: st.spec.stage) if copies else self.stages
+        register_bias_update(optimizer, nn.ModuleList(stages), self.mesh.group("dp") if self.mesh.dp > 1 else None,
+                             copies)
         return optimizer
 
 
