@@ -371,7 +371,7 @@ def test_optimizer_post_validation_is_a_parallelism_key():
 
 def test_overlap_forward_backward_is_a_parallelism_key():
     """``parallelism.overlap_forward_backward`` reaches `ParallelConfig` (off by default); ``--check``
-    says on or off for every DualPipeV run; with another schedule it is refused."""
+    says on or off for every DualPipeV and DualPipe run; with another schedule it is refused."""
     dualpipev = {"parallelism.schedule": "dualpipev", "parallelism.virtual_stages": 2,
                  "parallelism.tensor": 1, "train_batch_size": 16, "gradient_accumulation_steps": 4}
     plain = load_config(CONFIGS / "moe_4d.json", dualpipev, world_size=4)
@@ -385,3 +385,8 @@ def test_overlap_forward_backward_is_a_parallelism_key():
     assert text.endswith("nothing found")
     with pytest.raises(ValueError, match="overlap_forward_backward overlaps DualPipeV.s F&B pairs"):
         load_config(CONFIGS / "moe_4d.json", {"parallelism.overlap_forward_backward": True}, world_size=8)
+    # DualPipe in two directions pairs F and B as DualPipeV does: the switch is accepted, and said
+    dualpipe = {**dualpipev, "parallelism.schedule": "dualpipe", "parallelism.overlap_forward_backward": True}
+    text = describe(load_config(CONFIGS / "moe_4d.json", dualpipe, world_size=4), 4)
+    assert "overlap_forward_backward: each F&B pair's forward and backward in turns" in text
+    assert text.endswith("nothing found")

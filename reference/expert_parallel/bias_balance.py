@@ -17,7 +17,8 @@ in (0, 1)) over some hundred thousand steps; a softmax's probabilities are about
 "The whole step" is every micro-batch's counts on the rank (the router counts each forward run
 with autograd: a recomputed chunk counts once), summed over the dp group by one all-reduce of
 an (L, E) tensor per step. Tensor-parallel ranks route the same tokens and pipeline stages hold
-other layers: neither is summed over. Each router is replicated over dp, ep included. The update
+other layers: neither is summed over; but under DualPipe a layer's second copy, on another
+pipeline rank, routes the other direction's micro-batches, and its loads are added (``copies``). Each router is replicated over dp, ep included. The update
 runs as an optimizer step pre-hook (as torchtitan does; `ParallelGPT.make_optimizer` registers
 it), so a step skipped for an fp16 overflow carries its counts into the next, as in the oracle
 (`Router.move_bias`, the rule's one place).
@@ -42,28 +43,37 @@ def biased_routers(model: nn.Module) -> list[Router]:
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, group=None) -> Optional[torch.Tensor]:
+def update_expert_bias(model: nn.Module, group=None, copies=None) -> Optional[torch.Tensor]:
     """Move every biased router's bias by u * sign(mean load - load) and zero its counts.
 
     The loads are the step's counts summed over ``group`` (the data-parallel ranks; None:
-    this process alone). Returns the (L, E) loads used (None without biased routers)."""
+    this process alone) and, with ``copies`` = (pipeline group, peer), with the peer's: under
+    DualPipe the peer holds a second copy of the same layers, in the same order, that routed
+    the other direction's micro-batches. Returns the (L, E) loads used (None without biased routers)."""
     routers = biased_routers(model)
     if not routers:
         return None
     loads = torch.stack([r.step_tokens_per_expert for r in routers])  # (L, E) int64
     if group is not None and dist.get_world_size(group) > 1:
         comms.all_reduce(loads, group=group)  # the step's counts over every dp rank, once
+    if copies is not None:  # + the other copy's (a + b = b + a: both copies move alike)
+        pp_group, peer = copies
+        theirs = torch.empty_like(loads)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, loads, group=pp_group, group_peer=peer),
+                                            dist.P2POp(dist.irecv, theirs, group=pp_group, group_peer=peer)]):
+            work.wait()
+        loads += theirs
     for r, load in zip(routers, loads):
         r.move_bias(load)
     return loads
 
 
-def register_bias_update(optimizer: torch.optim.Optimizer, model: nn.Module, group=None):
-    """Run `update_expert_bias(model, group)` before every ``optimizer.step()``; returns the
+def register_bias_update(optimizer: torch.optim.Optimizer, model: nn.Module, group=None, copies=None):
+    """Run `update_expert_bias(model, group, copies)` before every ``optimizer.step()``; returns the
     hook's handle, or None when ``model`` has no biased router (nothing is hooked)."""
     if not biased_routers(model):
         return None
 
     def hook(*_):
-        update_expert_bias(model, group)  # (a pre-hook returns None: the step's arguments stay)
+        update_expert_bias(model, group, copies)  # (a pre-hook returns None: the step's arguments stay)
     return optimizer.register_step_pre_hook(hook)

@@ -20,7 +20,9 @@ scalar over the world adds the ranks' sums. What a rank counts (Megatron-LM's ru
   on tp rank 0 only. Under sequence parallelism the LayerNorm and row-bias gradients are
   partial sums until `allreduce_sequence_parallel_grads` has run: call it first;
 * the **tied embedding** of a pipeline, on the first and last stage with its gradient summed
-  over both: the last stage's copy is marked ``p.shared`` and not counted;
+  over both: the last stage's copy is marked ``p.shared`` and not counted; so is, under
+  DualPipe, every weight of the second half's ranks (a stage marked ``counted_elsewhere``),
+  whose copy on rank pp - 1 - r holds the same summed gradient;
 * **data and context parallelism**: replicas hold the same gradient, so only dp rank 0 (an
   ``expert_parallel`` tensor: expert-data-parallel rank 0) and cp rank 0 count it. ZeRO-1/2
   and FSDP shards (``p.data_parallel_shard``) differ on every rank: each counts its own, each
@@ -73,6 +75,7 @@ def mark_parallel_params(modules) -> list[nn.Parameter]:
     stages = [s for s in subs if isinstance(s, GPTStage)]
     embedding_here = any(s.spec.embedding for s in stages)
     shared = {id(s.lm_head.weight) for s in stages if s.tied and s.spec.head and not embedding_here}
+    shared |= {id(p) for s in stages if getattr(s, "counted_elsewhere", False) for p in s.parameters()}
     params = list({id(p): p for m in modules for p in m.parameters()}.values())  # each once
     for p in params:
         p.tensor_model_parallel, p.shared = id(p) in split, id(p) in shared

@@ -8,7 +8,8 @@ out of dp (the ranks holding the same experts form the expert-data-parallel grou
 ranks). Inside dp, `zero_stage` shards the training state (0 = plain data parallelism,
 1 = optimizer state, 2 = and gradients, 3 = and parameters). The pipeline runs `microbatches`
 micro-batches per step with `schedule` (`reference.pipeline_parallel`; "interleaved" with
-`virtual_stages` chunks per rank, "zb-v" and "dualpipev" with two placed in a V); with pp = 1
+`virtual_stages` chunks per rank, "zb-v" and "dualpipev" with two placed in a V, "dualpipe" with
+two copies of the pp stages, one per direction); with pp = 1
 the micro-batches are gradient accumulation, F0 B0 F1 B1 ..., one alive at a time.
 
 ZeRO-2 is refused with pp > 1, as DeepSpeed's pipeline engine does: it would reduce-scatter
@@ -35,7 +36,7 @@ from reference.mesh import HSDP_WITH_CP
 
 __all__ = ["ParallelConfig", "SCHEDULES", "V_SHAPED", "PRECISIONS", "CP_KINDS"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe")
 V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank in a V: rank r holds stages r and 2 pp - 1 - r
 PRECISIONS = ("fp32", "bf16", "fp16")
 CP_KINDS = ("ring", "ulysses")  # reference.context_parallel.KINDS
@@ -122,7 +123,8 @@ class ParallelConfig:
 
     @property
     def n_stages(self) -> int:
-        return self.pp * self.virtual_stages
+        """Model stages: pp x virtual_stages, but pp under DualPipe, whose two chunks are copies."""
+        return self.pp if self.schedule == "dualpipe" else self.pp * self.virtual_stages
 
     @property
     def zero3_by_blocks(self) -> bool:
@@ -251,7 +253,7 @@ class ParallelConfig:
     def _schedule_problems(self) -> list[str]:
         """The pipeline schedule against pp, its virtual stages and the micro-batches."""
         out = []
-        if self.virtual_stages > 1 and self.schedule not in ("interleaved",) + V_SHAPED:
+        if self.virtual_stages > 1 and self.schedule not in ("interleaved", "dualpipe") + V_SHAPED:
             out.append(f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (or "
                        f"'zb-v' with 2), got {self.schedule!r}")
         out += self._zero_bubble_problems()
@@ -273,6 +275,8 @@ class ParallelConfig:
         if self.schedule in V_SHAPED and (self.pp < 2 or self.virtual_stages != 2):
             out.append(f"schedule={self.schedule!r} places two chunks per rank in a V: it needs pp >= 2 "
                        f"and virtual_stages=2, got pp={self.pp}, virtual_stages={self.virtual_stages}")
+        if self.schedule == "dualpipe":
+            out += self._dualpipe_problems()
         if self.schedule == "dualpipev" and self.microbatches < 2 * self.pp:
             out.append(f"DualPipeV pairs a forward of each chunk with a backward of the other: it needs "
                        f"microbatches >= 2 pp = {2 * self.pp} stages, got {self.microbatches}")
@@ -283,8 +287,9 @@ class ParallelConfig:
             out.append(f"optimizer_post_validation undoes a step from a copy of each rank's parameters "
                        f"and optimizer state; ZeRO-{self.zero_stage}'s sharded step is not undone here: "
                        f"use zero_stage=0 or optimizer_post_validation=False")
-        needs = [(self.schedule == "dualpipev" and self.pp > 1, f"overlaps DualPipeV's F&B pairs: it needs "
-                  f"schedule='dualpipev' and pp >= 2, got {self.schedule!r} at pp={self.pp}"),
+        paired = self.schedule in ("dualpipev", "dualpipe") and self.pp > 1
+        needs = [(paired, f"overlaps DualPipeV's F&B pairs (or DualPipe's): it needs schedule='dualpipev' or "
+                  f"'dualpipe' and pp >= 2, got {self.schedule!r} at pp={self.pp}"),
                  (self.ep > 1, f"hides the expert all-to-all (ep > 1) under the other micro-batch's compute: "
                   f"at ep={self.ep} there is none, the pair would run one after the other anyway"),
                  (not self.activation_checkpointing, "runs no recomputed chunk inside a pair: "
@@ -295,6 +300,28 @@ class ParallelConfig:
             out.append(f"schedule={self.schedule!r} splits each backward into I and W, and composed "
                        f"ZeRO-3 gathers and reduce-scatters around a whole backward B: use zero_stage "
                        f"<= 1 or schedule='1f1b'")
+        return out
+
+    def _dualpipe_problems(self) -> list[str]:
+        """DualPipe: half the micro-batches fed from each end, every stage held twice
+        (`reference.pipeline_parallel.dualpipe`)."""
+        out = []
+        if self.pp < 2 or self.pp % 2 or self.microbatches % 2 or self.microbatches < 2 * self.pp:
+            out.append(f"schedule='dualpipe' feeds half the micro-batches from each end of the pipeline: "
+                       f"it needs an even pp and an even microbatches >= 2 pp (DualPipe's own asserts), "
+                       f"got pp={self.pp}, microbatches={self.microbatches}")
+        if self.virtual_stages != 2:
+            out.append(f"schedule='dualpipe' runs two chunks per rank (stage r and a copy of stage "
+                       f"pp - 1 - r): it needs virtual_stages=2, got {self.virtual_stages}")
+        # not built with DualPipe's two copies yet: each names what it would need
+        if self.zero_stage > 0:
+            out.append(f"schedule='dualpipe' with zero_stage={self.zero_stage}: the copies' gradients are "
+                       f"summed over the pipeline, and ZeRO's shards of two copies are not built here; "
+                       f"use zero_stage=0")
+        if self.cp > 1 or self.embedding_stage or self.optimizer_post_validation:
+            out.append(f"schedule='dualpipe' is built with dp, tp (and SP), experts, recomputation and "
+                       f"clipping; not yet with cp={self.cp}, embedding_stage={self.embedding_stage}, "
+                       f"optimizer_post_validation={self.optimizer_post_validation}")
         return out
 
     def _batch_problems(self, batch, cfg) -> list[str]:
@@ -375,11 +402,13 @@ class ParallelConfig:
             out.append(f"d_ff={cfg.d_ff} is not a multiple of tp={tp} (the MLP is split by columns)")
         # the vocabulary is padded up to a multiple of tp (padded_vocab_size): always fine
         blocks_stages = self.n_stages - (2 if self.embedding_stage else 0)
-        if self.embedding_stage and self.pp * self.virtual_stages < 3:
+        if self.embedding_stage and self.n_stages < 3:
             out.append(f"embedding_stage needs at least 3 stages (embedding, blocks, head), got "
                        f"pp={self.pp} x virtual_stages={self.virtual_stages} = {self.n_stages}")
         elif cfg.n_layer < max(blocks_stages, 1):
-            out.append(f"n_layer={cfg.n_layer} < pp={self.pp} x virtual_stages="
-                       f"{self.virtual_stages}{' - 2 (embedding and head stages)' if self.embedding_stage else ''}"
+            cut = f"pp={self.pp} (dualpipe's two chunks are copies)" if self.schedule == "dualpipe" else \
+                f"pp={self.pp} x virtual_stages={self.virtual_stages}"
+            out.append(f"n_layer={cfg.n_layer} < {cut}"
+                       f"{' - 2 (embedding and head stages)' if self.embedding_stage else ''}"
                        f" = {blocks_stages}: a stage would hold no block")
         return out

@@ -224,6 +224,10 @@ class Workload:
 def estimate(model, config: ParallelConfig, **workload) -> Estimate:
     """Memory per GPU of pipeline rank ``stage``, the bubble and bytes per step per link, of
     ``Workload(model, config, **workload)`` (its fields say what each option means)."""
+    if config.schedule == "dualpipe" and config.pp > 1:
+        raise ValueError("the estimate does not count DualPipe's two copies of every stage yet (twice the "
+                         "parameters, PP + 1 micro-batches held: reference.pipeline_parallel.dualpipe); "
+                         "estimate schedule='dualpipev' for its time and activations")
     w = Workload(model, config, **workload)
     c, m = w.config, w.m
     t, p = c.tp, c.pp

@@ -45,9 +45,10 @@ def _logits_of_last_position(pm, context: torch.Tensor, device) -> Optional[torc
         out, _ = stage(x)
         if s < config.n_stages - 1 and sched.rank_of(s + 1) != owner:
             comms.send(out.contiguous(), dst=pp_ranks[sched.rank_of(s + 1)], group=mesh.group("pp"))
-    if not pm.is_last_stage:
+    last = config.n_stages - 1  # (DualPipe: the last stage of the direction from rank 0)
+    if sched.rank_of(last) != mesh.pp_rank:
         return None
-    head = pm.stages[-1].lm_head
+    head = pm.stages[next(c for c in range(sched.virtual) if sched.stage(mesh.pp_rank, c) == last)].lm_head
     logits = head.gather(out) if isinstance(head, VocabParallelLMHead) else out  # (B, T', V)
     return logits[:, T - 1, :]  # the last real position (padding, if any, lies after it)
 
@@ -80,7 +81,7 @@ def _sample(pm, idx, max_new_tokens, temperature, top_k, generator) -> torch.Ten
             if logits is not None:  # the last stage samples, as GPT.generate does
                 token = sample_next_token(logits, temperature, top_k, generator)
             if pm.mesh.pp > 1:  # the last stage's token, to every stage
-                last = pm.mesh.group_ranks_of(pm.mesh.rank, "pp")[pm.schedule.rank_of(pm.schedule.n_stages - 1)]
+                last = pm.mesh.group_ranks_of(pm.mesh.rank, "pp")[pm.schedule.rank_of(pm.config.n_stages - 1)]
                 comms.broadcast(token, src=last, group=pm.mesh.group("pp"))
             idx = torch.cat([idx, token], dim=1)
     finally:

@@ -71,13 +71,14 @@ class ParallelGPT:
 
     @property
     def is_first_stage(self) -> bool:
-        """Whether this rank holds model stage 0 (the schedule places the stages: ZB-V in a V)."""
-        return 0 in self._stage_numbers
+        """Whether this rank holds model stage 0 (the schedule places the stages: ZB-V in a V;
+        under DualPipe both ends do)."""
+        return any(self.schedule.ends(s)[0] for s in self._stage_numbers)
 
     @property
     def is_last_stage(self) -> bool:
         """Whether this rank holds the last model stage (under ZB-V, pipeline rank 0 does)."""
-        return self.schedule.n_stages - 1 in self._stage_numbers
+        return any(self.schedule.ends(s)[1] for s in self._stage_numbers)
 
     @property
     def _stage_numbers(self) -> set:
@@ -112,8 +113,14 @@ class ParallelGPT:
         if weight_decay is not None:
             params = weight_decay_groups(params, weight_decay)
         optimizer = self.data_parallel.make_optimizer(params, optimizer_class, weight_decay, **kwargs)
-        # experts balanced by a bias: moved before each step by the step's loads over dp
-        register_bias_update(optimizer, nn.ModuleList(self.stages), self.mesh.group("dp") if self.mesh.dp > 1 else None)
+        # experts balanced by a bias: moved before each step by the step's loads over dp; under
+        # DualPipe and over the stage's other copy (rank pp - 1 - r), which routed the other
+        # direction's micro-batches: both ranks list their routers in the model's order
+        copies = (self.mesh.group("pp"), self.mesh.pp - 1 - self.mesh.pp_rank) \
+            if self.config.schedule == "dualpipe" and self.mesh.pp > 1 else None
+        stages = sorted(self.stages, key=lambda st: st.spec.stage) if copies else self.stages
+        register_bias_update(optimizer, nn.ModuleList(stages), self.mesh.group("dp") if self.mesh.dp > 1 else None,
+                             copies)
         return optimizer
 
 
@@ -150,10 +157,15 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
 
         common["scaler"] = DynamicLossScaler()
     # 4. the pipeline cut (a pipeline of one stage when pp = 1)
-    stages = split_stages(model, config.pp, config.virtual_stages,
+    stages = split_stages(model, config.pp, config.n_stages // config.pp,
                           embedding_stage=config.embedding_stage, head_stage=config.embedding_stage)
     mine = local_stages(stages, config.pp, mesh.pp_rank, schedule)  # ZB-V: rank r holds r and 2 pp - 1 - r
-    tied = build_embedding_group(mesh) if config.pp > 1 else None
+    # DualPipe: ranks 0 and pp - 1 each hold both ends (the executor sums every weight's two copies);
+    # the ranks of the second half hold copies whose norm the first half counts (`clip`)
+    dualpipe = config.schedule == "dualpipe" and config.pp > 1
+    tied = build_embedding_group(mesh) if config.pp > 1 and not dualpipe else None
+    for stage in mine:
+        stage.counted_elsewhere = dualpipe and mesh.pp_rank >= config.pp // 2
     # 5. activation checkpointing is the executor's per-chunk flag (see `train_step`);
     # 6. data parallelism / ZeRO on exactly these local parameters: the way builds what it
     #    shards (ZeRO-3 by blocks: FSDP wraps the one stage; per parameter: each along dim 0)

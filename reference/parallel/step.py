@@ -99,8 +99,12 @@ def _global_loss(pm, loss: Optional[torch.Tensor], device) -> torch.Tensor:
     if mesh.world_size == 1:
         return value.cpu()
     value = value.reshape(1).to(device)
-    if mesh.pp > 1:  # the last stage's rank has it (ZB-V's: pipeline rank 0): to every stage
-        last = mesh.group_ranks_of(mesh.rank, "pp")[pm.schedule.rank_of(pm.schedule.n_stages - 1)]
+    s = pm.schedule
+    lasts = {s.rank_of(k) for k in range(s.n_stages) if s.ends(k)[1]}
+    if mesh.pp > 1 and len(lasts) > 1:  # DualPipe: each end has the loss of what the other fed
+        comms.all_reduce(value, group=mesh.group("pp"))
+    elif mesh.pp > 1:  # the last stage's rank has it (ZB-V's: pipeline rank 0): to every stage
+        last = mesh.group_ranks_of(mesh.rank, "pp")[s.rank_of(s.n_stages - 1)]
         comms.broadcast(value, src=last, group=mesh.group("pp"))
     if mesh.dp_cp > 1:  # every dp and cp rank's mean over the same number of tokens
         comms.all_reduce(value, group=mesh.group("dp_cp"))

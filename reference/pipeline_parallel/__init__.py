@@ -8,7 +8,7 @@ and receives; it is plain data, checked before it runs, drawn, and run by one ex
     from reference.pipeline_parallel import (build_schedule, split_stages,
                                              local_stages, run_pipeline)
     schedule = build_schedule("1f1b", pp=4, m=8)         # validated: complete, no deadlock
-    # or "zb-h1", "zb-h2", or build_schedule("zb-v", 4, 8, virtual=2) ("dualpipev"): B split into I and W
+    # or "zb-h1", "zb-h2", or build_schedule("zb-v", 4, 8, virtual=2) ("dualpipev", "dualpipe"): B split into I and W
     schedule.actions(0)       # rank 0: [F0, SEND_F0->1, F1, SEND_F1->1, ...]
     schedule.bubble_fraction(), schedule.peak_in_flight(0), schedule.plot()
 
@@ -31,6 +31,9 @@ Where each part lives:
   `zero_bubble_formula`, `peak_bytes`;
 * `overlap`: DualPipe's overlapped F&B (`overlap_pairs`): a forward and a backward in turns, each
   all-to-all of experts in flight while the other micro-batch computes;
+* `dualpipe`: DualPipe in two directions (DeepSeek-V3): micro-batches fed from both ends, every
+  stage held twice (`DualPipeSchedule`), the two copies' gradients summed after the step
+  (`DualPipeSchedule.sum_copies`, which the executor calls);
 * `multistep`: consecutive steps, overlapping (optimizer post-validation) or not: `repeat`,
   `idle_per_step`, and the paper's and DualPipe's bubble formulas;
 * `check`: `validate` (completeness, message matching, deadlock), the ideal timeline `simulate`, and
@@ -43,9 +46,10 @@ Where each part lives:
   `held_bytes_per_block`), and the peak per rank of a GPT they give (`peak_bytes_by_rank`);
 * `executor`: `run_schedule`, the loop over a rank's steps, each kind of step done by a part of its own:
   `forward_backward` (F and B, the executor's `HANDLERS`), `recompute` (activation checkpointing),
-  `messages` (batched point-to-point, sized by a handshake on micro-batch 0); a schedule that runs
-  more brings its own table and mailbox: the zero-bubble ones `split_backward` (I and W) and
-  `async_messages`, DualPipe's overlapped F&B `overlap` (`overlap_pairs`);
+  `messages` (batched point-to-point, sized by a handshake on each chunk's first activation); a
+  schedule that runs more brings its own table and mailbox: the zero-bubble ones `split_backward`
+  (I and W) and `async_messages`, DualPipe's overlapped F&B `overlap` (`overlap_pairs`); DualPipe's
+  brings its `sum_copies`, run after the last step;
 * `accounting`: `run_pipeline`, the executor with the schedule validated first and the time and stored
   bytes of every action measured (`PipelineResult`);
 * `viz`: timelines, the bubble against its formula, the balance of a cut; `widgets`: the schedule explorer.
@@ -62,6 +66,7 @@ from reference.pipeline_parallel.stage import (DelayedStage, GPTStage, StageSpec
 from reference.pipeline_parallel.tied import build_embedding_group, sync_tied_grads
 from reference.pipeline_parallel.zero_bubble import ZB_KINDS, VSchedule, peak_bytes, zero_bubble_formula
 from reference.pipeline_parallel.overlap import OverlappedSchedule, overlap_pairs
+from reference.pipeline_parallel.dualpipe import DualPipeSchedule
 
 _PICTURES = ("plot_timeline", "plot_bubble_curve", "plot_stage_balance", "plot_overlap")
 
@@ -89,8 +94,8 @@ __all__ = [
     # zero-bubble schedules
     "ZB_KINDS", "VSchedule", "zero_bubble_formula", "held_bytes_formula", "held_bytes_per_block",
     "held_bytes_of_head", "peak_bytes", "peak_bytes_by_rank",
-    # DualPipe's forward and backward overlapped
-    "OverlappedSchedule", "overlap_pairs",
+    # DualPipe's forward and backward overlapped; DualPipe in two directions
+    "OverlappedSchedule", "overlap_pairs", "DualPipeSchedule",
     # pictures
     "plot_timeline", "plot_bubble_curve", "plot_stage_balance", "plot_overlap",
 ]

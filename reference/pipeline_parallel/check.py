@@ -43,19 +43,20 @@ def _where(rank, index, action) -> str:
 
 def _check_rank(s: "Schedule", rank: int) -> None:
     """Completeness and local order of one rank's list."""
-    pp, m, v, last = s.pp, s.m, s.virtual, s.n_stages - 1
+    pp, m, v = s.pp, s.m, s.virtual
     seen: dict[tuple, int] = {}
     for i, a in enumerate(s.actions(rank)):
         here = _where(rank, i, a)
         if a.op not in COMPUTE + COMM:  # (a trace's A2A_F, A2A_B are never scheduled)
             raise ScheduleError(f"{here}: unknown op {a.op!r}; expected one of {', '.join(COMPUTE + COMM)}")
-        if not 0 <= a.mb < m or not 0 <= a.chunk < v:
+        if not 0 <= a.mb < m or a.chunk not in s.chunks_of(a.mb):
             raise ScheduleError(f"{here}: micro-batch {a.mb} / chunk {a.chunk} out of range "
                                 f"(m={m}, virtual={v})")
         stage = s.stage(rank, a.chunk)
         if a.op in COMM:
-            towards = stage + 1 if a.op in ("SEND_F", "RECV_B") else stage - 1
-            if not 0 <= towards <= last:
+            down = a.op in ("SEND_F", "RECV_B")
+            towards = stage + 1 if down else stage - 1
+            if s.ends(stage)[down]:
                 raise ScheduleError(f"{here}: stage {stage} has no stage {towards} to talk to "
                                     f"({s.n_stages} stages)")
             if a.peer != s.rank_of(towards):
@@ -68,12 +69,13 @@ def _check_rank(s: "Schedule", rank: int) -> None:
             raise ScheduleError(f"{here}: repeats action #{seen[key]}")
         seen[key] = i
     for mb in range(m):
-        for c in range(v):
+        for c in s.chunks_of(mb):
+            first, last = s.ends(s.stage(rank, c))
             stage, split = s.stage(rank, c), {("I", mb, c), ("W", mb, c)} & seen.keys()  # B in halves
             if split and ("B", mb, c) in seen:
                 raise ScheduleError(f"rank {rank} runs B{mb} (chunk {c}) and also its halves I, W")
-            need = ["F", *(("I", "W") if split else ("B",))] + (["RECV_F", "SEND_B"] if stage > 0 else []) \
-                + (["SEND_F", "RECV_B"] if stage < last else [])
+            need = ["F", *(("I", "W") if split else ("B",))] + (["RECV_F", "SEND_B"] if not first else []) \
+                + (["SEND_F", "RECV_B"] if not last else [])
             for op in need:
                 if (op, mb, c) not in seen:
                     raise ScheduleError(f"rank {rank} never runs {Action(op, mb, c)} "

@@ -89,6 +89,8 @@ def run_schedule(schedule: Schedule, stages: Sequence[torch.nn.Module],
                 for a in step:
                     hook("after", a)
     state.mail.finish()  # sends a zero-bubble schedule left going
+    if schedule.sum_copies is not None:  # a stage held twice (DualPipe's): its copies' gradients summed
+        schedule.sum_copies(stages, group, tied_group)
     sync_tied_grads(stages, tied_group)  # nothing without a group
     return torch.stack(state.losses).sum() if state.losses else None
 
@@ -110,7 +112,7 @@ def _pipeline_rank(schedule: Schedule, stages: Sequence[torch.nn.Module], group)
         raise ValueError(f"{schedule!r} runs virtual={v} chunks per rank, got {len(stages)} stages")
     for c, st in enumerate(stages):
         spec, s = getattr(st, "spec", None), schedule.stage(rank, c)
-        if spec is not None and (spec.stage != s or spec.head != (s == schedule.n_stages - 1)):
+        if spec is not None and (spec.stage != schedule.model_stage(s) or spec.head != schedule.ends(s)[1]):
             raise ValueError(f"pipeline rank {rank} chunk {c} should run model stage {s} of "
                              f"{schedule.n_stages}, got {spec}")
     return rank

@@ -44,8 +44,7 @@ class RankState:
 
     def ends(self, chunk: int) -> tuple[bool, bool]:
         """Whether the chunk's model stage is the first, and the last, of the pipeline."""
-        s = self.schedule.stage(self.rank, chunk)
-        return s == 0, s == self.schedule.n_stages - 1
+        return self.schedule.ends(self.schedule.stage(self.rank, chunk))
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 Each run of SEND/RECV actions is one ``batch_isend_irecv``, waited on together and recorded in
 the open communication meters. A receive needs a buffer of the right shape and dtype, which is
-not assumed ((B / m, T / tp, C) under sequence parallelism, bf16 under autocast): micro-batch 0's
-activation of each chunk is preceded by a handshake of 8 integers (dtype, dims, sizes) that sizes
+not assumed ((B / m, T / tp, C) under sequence parallelism, bf16 under autocast): the first
+activation each chunk sends (micro-batch 0's, or DualPipe's first of its direction) is preceded by a handshake of 8 integers (dtype, dims, sizes) that sizes
 every activation of that chunk, and a gradient coming back has the shape of the activation sent.
 The handshake goes right before its activation on both sides, so messages between two ranks stay
 matched in the schedule's order.
@@ -39,6 +39,7 @@ class Mailbox:
         self.arrived: dict = {}   # key -> received activation ("F") or output gradient ("B")
         self.sent: dict = {}      # (mb, chunk) -> (shape, dtype) of the activation sent on
         self.incoming: dict = {}  # chunk -> (shape, dtype) of its activations, from the handshake
+        self.described: set = set()  # chunks whose activations' handshake has been sent
 
     def post(self, op: str, mb: int, chunk: int, t: torch.Tensor) -> None:
         """Leave `t` to be sent by the schedule's SEND action for (op, mb, chunk)."""
@@ -69,17 +70,15 @@ class Mailbox:
         for a in step:
             if a.op.startswith("SEND"):
                 t = self.outbox.pop((a.op[-1], a.mb, a.chunk)).contiguous()
-                if a.op == "SEND_F" and a.mb == 0:
+                if a.op == "SEND_F" and a.chunk not in self.described:
+                    self.described.add(a.chunk)
                     sends.append(self._p2p(dist.isend, _encode_meta(t), a.peer, "send_meta"))
                 sends.append(self._p2p(dist.isend, t, a.peer, "send"))
         if sends:
             works += self.waited(dist.batch_isend_irecv(sends))
         recvs = []
         for a in [a for a in step if a.op.startswith("RECV")]:
-            if a.op == "RECV_F" and a.chunk not in self.incoming:
-                if a.mb != 0:
-                    raise RuntimeError(f"pipeline rank {self.rank} chunk {a.chunk}: {a} comes before "
-                                       f"micro-batch 0's activation, which tells its shape and dtype")
+            if a.op == "RECV_F" and a.chunk not in self.incoming:  # the chunk's first: the handshake
                 if recvs:
                     works += dist.batch_isend_irecv(recvs)
                     recvs = []

@@ -23,7 +23,8 @@ dispatch) is waited for where it stands, without passing the turn.
 
 `overlap_pairs` marks the pairs in a DualPipeV schedule, as DualPipe's ``_forward_backward_chunk``
 does: every F followed by a whole B of the other chunk (not the last rank's first one, which
-DualPipe also runs apart), the receives of both before the pair and the sends of both after it;
+DualPipe also runs apart; in a two-direction DualPipe schedule, `OverlappedDualPipe`, not the two
+middle ranks' first one), the receives of both before the pair and the sends of both after it;
 the checker proves the moved messages free of deadlock. The executor runs a pair as one step, by
 the schedule's own table (``OverlappedSchedule.handlers["F&B"]``: `forward_backward`);
 `run_pipeline` records each chunk and each all-to-all in flight in its trace (`plot_overlap`
@@ -42,12 +43,13 @@ import torch
 
 from reference.comms import all_to_all_waited_by, all_to_all_waiter
 from reference.pipeline_parallel.actions import Action
+from reference.pipeline_parallel.dualpipe import DualPipeSchedule
 from reference.pipeline_parallel.forward_backward import RankState, backward, forward
 from reference.pipeline_parallel.schedules import Schedule
 from reference.pipeline_parallel.zero_bubble import VSchedule
 
-__all__ = ["OverlappedSchedule", "overlap_pairs", "Turns", "forward_backward", "charged_all_to_all",
-           "slow"]
+__all__ = ["OverlappedSchedule", "OverlappedDualPipe", "OVERLAPPED", "overlap_pairs", "Turns", "forward_backward",
+           "charged_all_to_all", "slow"]
 
 
 def forward_backward(state: RankState, f: Action, b: Action) -> None:
@@ -95,22 +97,31 @@ class OverlappedSchedule(VSchedule):
         return out
 
 
+class OverlappedDualPipe(OverlappedSchedule, DualPipeSchedule):
+    """A DualPipe schedule (two directions) whose marked pairs run as one step, overlapped."""
+
+
+OVERLAPPED = {"dualpipev": OverlappedSchedule, "dualpipe": OverlappedDualPipe}  # kind -> its class with pairs
+
+
 def overlap_pairs(schedule: Schedule) -> OverlappedSchedule:
-    """``schedule`` (a "dualpipev") with its F&B pairs marked and their messages moved around
-    them (receives before, sends after), validated."""
-    if schedule.kind != "dualpipev":
-        raise ValueError(f"overlap_pairs pairs DualPipeV's forwards and backwards; got a "
+    """``schedule`` (a "dualpipev" or "dualpipe") with its F&B pairs marked and their messages moved
+    around them (receives before, sends after), validated."""
+    if schedule.kind not in OVERLAPPED:
+        raise ValueError(f"overlap_pairs pairs DualPipeV's (or DualPipe's) forwards and backwards; got a "
                          f"{schedule.kind!r} schedule (build_schedule('dualpipev', pp, m, virtual=2))")
     actions, pairs = {}, {}
     for r in range(schedule.pp):
         acts, out, marked, first = schedule.actions(r), [], set(), True
+        # the V's last rank, DualPipe's two middle ones: its chunks run neighbouring model stages
+        turn = abs(schedule.model_stage(schedule.stage(r, 0)) - schedule.model_stage(schedule.stage(r, 1))) == 1
         k = 0
         while k < len(acts):
             a = acts[k]
             nxt = next((j for j in range(k + 1, len(acts)) if not acts[j].is_comm), None)
             b = acts[nxt] if nxt is not None else None
             if a.op == "F" and b is not None and b.op == "B" and b.chunk != a.chunk:
-                if r == schedule.pp - 1 and first:  # DualPipe runs the last rank's first pair apart
+                if turn and first:  # DualPipe runs the turn's first pair apart
                     first = False
                 else:
                     mid = acts[k + 1:nxt]
@@ -122,8 +133,8 @@ def overlap_pairs(schedule: Schedule) -> OverlappedSchedule:
             out.append(a)
             k += 1
         actions[r], pairs[r] = out, marked
-    return OverlappedSchedule(schedule.pp, schedule.m, actions, schedule.virtual, schedule.kind,
-                              pairs).validate()
+    return OVERLAPPED[schedule.kind](schedule.pp, schedule.m, actions, schedule.virtual, schedule.kind,
+                                     pairs).validate()
 
 
 class Turns:

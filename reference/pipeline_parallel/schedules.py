@@ -132,6 +132,7 @@ class Schedule:
     strict = True  # a send waits for its receive, in its step (the zero-bubble ones: at the end)
     mailbox = None  # the executor's messages (`Mailbox` unless a schedule brings its own)
     handlers = None  # what runs each compute action (the executor's `HANDLERS`, F and B, unless its own)
+    sum_copies = None  # a stage held twice (DualPipe's): its method summing the copies' gradients after the step
 
     def __init__(self, pp: int, m: int, actions_by_rank, virtual: int = 1, kind: str = "custom"):
         self.kind, self.pp, self.m, self.virtual = kind, pp, m, virtual
@@ -153,6 +154,20 @@ class Schedule:
     def rank_of(self, stage: int) -> int:
         """The rank that holds model ``stage`` (the inverse of `stage`)."""
         return stage % self.pp
+
+    # A schedule whose stages form more than one pipeline (DualPipe's two directions,
+    # `reference.pipeline_parallel.dualpipe`) says where each ends and which chunks run a micro-batch.
+    def ends(self, stage: int) -> tuple[bool, bool]:
+        """Whether ``stage`` is the first, and the last, of its pipeline (it has no stage before, after)."""
+        return stage == 0, stage == self.n_stages - 1
+
+    def model_stage(self, stage: int) -> int:
+        """The model's piece (`split_stages`'s index) that ``stage`` runs."""
+        return stage
+
+    def chunks_of(self, mb: int) -> range:
+        """The chunks of every rank that micro-batch ``mb`` goes through."""
+        return range(self.virtual)
 
     def actions(self, rank: int) -> list[Action]:
         """Rank ``rank``'s actions in order (a copy)."""

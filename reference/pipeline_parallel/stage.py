@@ -186,12 +186,18 @@ def split_stages(model: GPT, pp: int, virtual: int = 1, balance: str = "layers",
 
 def local_stages(stages: Sequence[GPTStage], pp: int, pp_rank: int, schedule=None) -> list[GPTStage]:
     """The stages pipeline rank ``pp_rank`` runs, indexed by chunk: stage ``c * pp + pp_rank``,
-    or, given the ``schedule``, where it places them (`Schedule.stage`: ZB-V's V)."""
+    or, given the ``schedule``, where it places them (`Schedule.stage`: ZB-V's V; DualPipe's
+    stages r and pp - 1 - r, `Schedule.model_stage`)."""
     if len(stages) % pp or not 0 <= pp_rank < pp:
         raise ValueError(f"{len(stages)} stages do not deal out over pp={pp} ranks "
                          f"(or pp_rank={pp_rank} is not in [0, {pp}))")
     if schedule is not None:
-        return [stages[schedule.stage(pp_rank, c)] for c in range(len(stages) // pp)]
+        mine = [schedule.model_stage(schedule.stage(pp_rank, c)) for c in range(schedule.virtual)]
+        if len({schedule.model_stage(s) for s in range(schedule.n_stages)}) != len(stages):
+            raise ValueError(f"{schedule!r} runs the model cut into "
+                             f"{len({schedule.model_stage(s) for s in range(schedule.n_stages)})} "
+                             f"stages, got {len(stages)}")
+        return [stages[i] for i in mine]
     return list(stages[pp_rank::pp])
 
 

@@ -93,7 +93,7 @@ def _message(s: Schedule, rank: int, op: str, mb: int, c: int):
     """The message compute action (op, mb, c) on ``rank`` sends: (peer, the peer's RECV), or None."""
     st = s.stage(rank, c)
     to = st + 1 if op == "F" else st - 1 if op in ("I", "B") else None
-    if to is None or not 0 <= to < s.n_stages:
+    if to is None or s.ends(st)[op == "F"]:
         return None
     peer = s.rank_of(to)
     chunk = next(k for k in range(s.virtual) if s.stage(peer, k) == to)
@@ -234,9 +234,9 @@ def _dualpipev_order(pp: int, m: int, rank: int) -> list[tuple]:
     return order
 
 
-def _build(cls: type, kind: str, pp: int, m: int, virtual: int, want: int, order) -> Schedule:
+def build_from_orders(cls: type, kind: str, pp: int, m: int, virtual: int, want: int, order) -> Schedule:
     """The ``kind`` schedule (a ``cls``, ``want`` chunks per rank): every rank's compute
-    ``order(pp, m, rank)`` with its messages; not yet validated."""
+    ``order(pp, m, rank)`` with its messages; not yet validated (DualPipe's too, `dualpipe`)."""
     for name, value in (("pp", pp), ("m", m), ("virtual", virtual)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r} (kind={kind!r})")
@@ -249,23 +249,23 @@ def _build(cls: type, kind: str, pp: int, m: int, virtual: int, want: int, order
 
 def build_zb_h1(pp: int, m: int, virtual: int = 1) -> ZeroBubbleSchedule:
     """ZB-H1 for ``pp`` ranks and ``m`` micro-batches (one chunk per rank); not yet validated."""
-    return _build(ZeroBubbleSchedule, "zb-h1", pp, m, virtual, 1, _zb_h1_order)
+    return build_from_orders(ZeroBubbleSchedule, "zb-h1", pp, m, virtual, 1, _zb_h1_order)
 
 
 def build_zb_h2(pp: int, m: int, virtual: int = 1) -> ZeroBubbleSchedule:
     """ZB-H2 for ``pp`` ranks and ``m`` micro-batches (one chunk per rank); not yet validated."""
-    return _build(ZeroBubbleSchedule, "zb-h2", pp, m, virtual, 1, _zb_h2_order)
+    return build_from_orders(ZeroBubbleSchedule, "zb-h2", pp, m, virtual, 1, _zb_h2_order)
 
 
 def build_zb_v(pp: int, m: int, virtual: int = 2) -> VSchedule:
     """ZB-V for ``pp`` ranks and ``m`` micro-batches (two chunks per rank, in a V); not yet validated."""
-    return _build(VSchedule, "zb-v", pp, m, virtual, 2, _zb_v_order)
+    return build_from_orders(VSchedule, "zb-v", pp, m, virtual, 2, _zb_v_order)
 
 
 def build_dualpipev(pp: int, m: int, virtual: int = 2) -> VSchedule:
     """DualPipeV for ``pp`` ranks and ``m >= 2 pp`` micro-batches (two chunks per rank, in a V);
     not yet validated."""
-    return _build(VSchedule, "dualpipev", pp, m, virtual, 2, _dualpipev_order)
+    return build_from_orders(VSchedule, "dualpipev", pp, m, virtual, 2, _dualpipev_order)
 
 
 def zero_bubble_formula(kind: str, pp: int, m: int, t_f: float = 1.0, t_b: float = 2.0,

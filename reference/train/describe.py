@@ -107,7 +107,11 @@ def _batch_lines(config, line, issues, batch, T, dp):
         line("pipeline", f"{p.schedule} over {m} micro-batches (DeepSpeed's accumulation steps)"
              + (f", {v} chunks per rank" if v > 1 else "")
              + f": bubble (p-1)/({'v' if v > 1 else ''}m+p-1) = {bubble:.0%} of the step")
-    if pp > 1 and p.schedule == "dualpipev":
+        if p.schedule == "dualpipe":
+            line("", "dualpipe: half the micro-batches fed from each end of the pipeline; each rank holds "
+                     "stage r and a copy of stage pp - 1 - r (twice 1F1B's parameters), the copies' "
+                     "gradients summed after the backward (reference.pipeline_parallel.dualpipe)")
+    if pp > 1 and p.schedule in ("dualpipev", "dualpipe"):
         line("", "overlap_forward_backward: " + (
             "each F&B pair's forward and backward in turns, one micro-batch's expert all-to-all in "
             "flight while the other computes (DeepSeek-V3, section 3.2.1)" if p.overlap_forward_backward
