@@ -55,8 +55,10 @@ TOPICS = {
     "TP on the GPT": (["tensor_parallel.plan"], "tensor_parallel"),
     "1F1B": (["pipeline_parallel.registry", "pipeline_parallel.schedules", "pipeline_parallel.accounting",
               "pipeline_parallel.stage"], "pipeline_parallel"),
-    "zero-bubble": (["pipeline_parallel.registry", "pipeline_parallel.zero_bubble", "pipeline_parallel.split_backward",
-                     "pipeline_parallel.dualpipe"], "pipeline_parallel"),
+    "zero-bubble": (["pipeline_parallel.registry", "pipeline_parallel.zero_bubble", "pipeline_parallel.split_backward"],
+                    "pipeline_parallel"),
+    "DualPipe": (["pipeline_parallel.registry", "pipeline_parallel.dualpipe", "pipeline_parallel.overlap"],
+                 "pipeline_parallel"),
     "the composed step": (["parallel.step", "parallel.parallelize", "parallel.config"], "parallel"),
 }
 PICTURES = ("viz", "widgets")
@@ -66,10 +68,11 @@ TABLES = ("pipeline_parallel.registry",)
 # what each topic should take at most, in lines of code
 TARGET = {"DDP": 300, "ZeRO-1/2": 450, "ZeRO-3 by blocks (FSDP)": 450, "ZeRO-3 composed with TP and PP": 450,
           "TP layers (Megatron)": 320, "TP on the GPT": 700, "1F1B": 600, "zero-bubble": 900,
+          "DualPipe": 1055,  # no target given yet: held at what it reads today
           "the composed step": 700}
 # what the test holds: the target, or, where a topic is still over it, what it takes today
 # (lowered as it shrinks), so that a change that makes reading longer fails
-BUDGET = {**TARGET, "1F1B": 813, "zero-bubble": 926, "the composed step": 818}
+BUDGET = {**TARGET, "1F1B": 813, "the composed step": 818}
 # the package's lines of code outside `course/` (docstrings, comments and blank lines not counted)
 PACKAGE_CODE_LINES = 12_500
 LONG = 60  # lines of code: a function longer than this holds more than one idea
