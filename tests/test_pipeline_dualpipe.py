@@ -18,6 +18,7 @@ import functools
 import pytest
 import torch
 
+from paired_idle import paired_idle
 from reference.data import synthetic_batch
 from reference.model import GPT, GPTConfig
 from reference.pipeline_parallel import (DualPipeSchedule, build_schedule, local_stages, overlap_pairs,
@@ -108,42 +109,6 @@ def test_deepseeks_asserts_are_refused_with_the_reason():
         build_schedule("dualpipe", 2, 4, 2).sum_copies([], tied_group=object())
 
 
-def _paired_idle(schedule, t_f, t_i, t_w, t_fb):
-    """Each rank's idle over one step (times per chunk) when every pair `overlap_pairs` marks is
-    ONE action of time ``t_fb`` that starts once the forward's input and the backward's gradient
-    are both there, as DeepSeek's overlapped F&B does. Messages are free."""
-    paired = overlap_pairs(schedule)
-    dur, done = {"F": t_f, "I": t_i, "W": t_w, "B": t_i + t_w}, {}
-    items = {r: [st for st in paired.steps(r) if not st[0].is_comm] for r in range(schedule.pp)}
-
-    def ready(a, r):  # when the inputs of action a on rank r are there; None: not yet
-        s = schedule.stage(r, a.chunk)
-        first, last = schedule.ends(s)
-        if a.op == "F":
-            return 0.0 if first else done.get(("F", a.mb, s - 1))
-        if a.op == "W":
-            return done.get(("I", a.mb, s))
-        need = [done.get(("F", a.mb, s))] + ([] if last else [done.get(("I", a.mb, s + 1))])
-        return None if None in need else max(need)
-
-    free, busy = [0.0] * schedule.pp, [0.0] * schedule.pp
-    while any(items.values()):
-        moved = False
-        for r in range(schedule.pp):
-            while items[r]:
-                starts = [ready(a, r) for a in items[r][0]]
-                if None in starts:
-                    break
-                group = items[r].pop(0)
-                d = t_fb if len(group) == 2 else dur[group[0].op]
-                free[r], busy[r], moved = max([free[r]] + starts) + d, busy[r] + d, True
-                for a in group:
-                    for op in ("I", "F") if a.op == "B" else (a.op,):
-                        done[(op, a.mb, schedule.stage(r, a.chunk))] = free[r]
-        assert moved, "the paired order deadlocks"
-    return [max(free) - b for b in busy]
-
-
 def test_the_readme_bubble_and_memory():
     """DualPipe's README row, PP = p stages, chunk times F = I = W = 1 (B = 2): the most idle rank
     idles (PP/2 - 1)(F&B + B - 3W) for a pair that hides all, half or none of its work; run as
@@ -153,11 +118,11 @@ def test_the_readme_bubble_and_memory():
         s = build_schedule("dualpipe", pp, m, virtual=2)
         for t_fb in (2.0, 2.5, 3.0):
             row = dualpipe_readme_bubble("dualpipe", pp, 1.0, 2.0, 1.0, t_fb)
-            assert max(_paired_idle(s, 1.0, 1.0, 1.0, t_fb)) == row, (pp, m, t_fb)
+            assert max(paired_idle(s, 1.0, 1.0, 1.0, t_fb)) == row, (pp, m, t_fb)
         assert [s.peak_in_flight(r) for r in range(pp)] == [pp + 1] * pp
         assert build_schedule("1f1b", pp, m).peak_in_flight(0) == pp
     # pp = 8, m = 20 (the README's figure), F&B = F + B = 3: (8/2 - 1)(3 + 2 - 3) = 6 on every rank
-    assert _paired_idle(build_schedule("dualpipe", 8, 20, 2), 1.0, 1.0, 1.0, 3.0) == [6.0] * 8
+    assert paired_idle(build_schedule("dualpipe", 8, 20, 2), 1.0, 1.0, 1.0, 3.0) == [6.0] * 8
     # the simulator's bubble, a chunk a whole stage (F = I = W = 1 per stage), pairs run F then B
     assert round(build_schedule("dualpipe", 4, 8, 2).bubble_fraction(1, 2, 1), 4) == 0.04
     # parameters: rank r holds stages r and p - 1 - r, twice 1F1B's over the ranks

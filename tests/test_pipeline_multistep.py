@@ -15,6 +15,7 @@
 """
 import pytest
 
+from paired_idle import paired_idle
 from reference.pipeline_parallel import build_schedule
 from reference.pipeline_parallel.multistep import (dualpipe_readme_bubble, idle_per_step, idle_share,
                                                    paper_bubble, repeat)
@@ -81,53 +82,6 @@ def test_overlapping_steps_reach_the_papers_bubbles():
     assert sync == {"1f1b": 9.0, "zb-h1": 3.0, "zb-h2": 3.0, "zb-v": 1.5, "dualpipev": 1.5}
 
 
-def _paired_idle(schedule, t_f, t_i, t_w, t_fb):
-    """Each rank's idle over one step of a DualPipeV ``schedule`` (times per chunk) when every
-    forward followed at once by a whole backward B of the other chunk is one indivisible F&B
-    action of time ``t_fb``, as DeepSeek's DualPipe runs it: the pair starts once the forward's
-    input AND the backward's gradient have arrived (the last rank's first pair is not overlapped,
-    as in DeepSeek's code). Messages are free."""
-    pp, last = schedule.pp, 2 * schedule.pp - 1
-    dur, done = {"F": t_f, "I": t_i, "W": t_w, "B": t_i + t_w}, {}
-    items = {}
-    for r in range(pp):
-        work, out, first = [a for a in schedule.actions(r) if a.op in "FBIW"], [], True
-        while work:
-            group = [work.pop(0)]
-            if group[0].op == "F" and work and work[0].op == "B" and work[0].chunk != group[0].chunk:
-                if not (r == pp - 1 and first):
-                    group.append(work.pop(0))
-                first = False
-            out.append(group)
-        items[r] = out
-
-    def ready(a, r):  # when the inputs of action a on rank r have arrived; None: not yet
-        s = schedule.stage(r, a.chunk)
-        if a.op == "F":
-            return done.get(("F", a.mb, s - 1)) if s else 0.0
-        if a.op == "W":
-            return done.get(("I", a.mb, s))
-        need = [done.get(("F", a.mb, s))] + ([done.get(("I", a.mb, s + 1))] if s < last else [])
-        return None if None in need else max(need)
-
-    free, busy = [0.0] * pp, [0.0] * pp
-    while any(items.values()):
-        moved = False
-        for r in range(pp):
-            while items[r]:
-                starts = [ready(a, r) for a in items[r][0]]
-                if None in starts:
-                    break
-                group = items[r].pop(0)
-                d = t_fb if len(group) == 2 else dur[group[0].op]
-                free[r], busy[r], moved = max([free[r]] + starts) + d, busy[r] + d, True
-                for a in group:
-                    for op in ("I", "F") if a.op == "B" else (a.op,):
-                        done[(op, a.mb, schedule.stage(r, a.chunk))] = free[r]
-        assert moved, "the paired order deadlocks"
-    return [max(free) - b for b in busy]
-
-
 def test_dualpipe_readme_table():
     """DualPipe's README, per chunk (F, whole backward B = I + W, W) on PP stages. 1F1B and ZB1P
     (ZB-H1) on PP = p ranks: the simulator's idle per rank equals the row. DualPipeV on PP = 2p
@@ -150,6 +104,6 @@ def test_dualpipe_readme_table():
     for pp, mm in ((2, 4), (3, 8), (4, 8), (4, 12), (6, 12)):
         s = build_schedule("dualpipev", pp, mm, 2)
         for t_fb in (1.0, 1.25, 1.5):  # from a pair that hides half its work to none
-            paired = _paired_idle(s, 0.5, 0.5, 0.5, t_fb)
+            paired = paired_idle(s, 0.5, 0.5, 0.5, t_fb)
             assert max(paired) == dualpipe_readme_bubble("dualpipev", 2 * pp, 0.5, 1.0, 0.5, t_fb), (pp, mm, t_fb)
-        assert _paired_idle(s, 0.5, 0.5, 0.5, 1.5) == [pp - 1.0] * pp
+        assert paired_idle(s, 0.5, 0.5, 0.5, 1.5) == [pp - 1.0] * pp
