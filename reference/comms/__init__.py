@@ -23,6 +23,7 @@
 from reference.comms.collectives import (
     ReduceOp, all_gather_into_tensor, all_reduce, all_reduce_coalesced, all_to_all_single,
     all_to_all_waited_by, all_to_all_waiter, broadcast, recv, reduce_scatter, reduce_scatter_tensor, send,
+    sum_with_peer,
 )
 from reference.comms.algorithms import (
     halving_doubling_all_reduce, hierarchical_all_reduce, node_groups, tree_all_reduce, two_level_time,
@@ -42,5 +43,5 @@ __all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "ring_br
            "halving_doubling_all_reduce", "hierarchical_all_reduce", "node_groups",
            "two_level_time", "Link", "NVLINK", "NIC", "GPUS_PER_NODE", "NICS_PER_NODE",
            "all_reduce", "all_reduce_coalesced", "reduce_scatter", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
-           "all_to_all_single", "send", "recv", "ReduceOp", "all_gather_along", "all_to_all",
+           "all_to_all_single", "send", "recv", "sum_with_peer", "ReduceOp", "all_gather_along", "all_to_all",
            "AllToAll", "all_to_all_waited_by", "all_to_all_waiter"]

@@ -17,7 +17,7 @@ from reference.comms.metering import record
 from reference.comms.ring import ring_sent_bytes
 
 __all__ = ["all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
-           "all_to_all_single", "send", "recv", "all_to_all_waited_by", "all_to_all_waiter"]
+           "all_to_all_single", "send", "recv", "sum_with_peer", "all_to_all_waited_by", "all_to_all_waiter"]
 
 ReduceOp = dist.ReduceOp
 
@@ -145,6 +145,20 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None):
     """torch.distributed.recv, recording S payload bytes and 0 sent bytes."""
     record("recv", group, _nbytes(tensor), 0)
     return dist.recv(tensor, src=src, group=group, tag=tag, group_src=group_src)
+
+
+def sum_with_peer(tensor, peer: int, group=None) -> None:
+    """Add, in place, ``peer``'s ``tensor`` (same shape) to this rank's: one send and one receive
+    of S, issued together (`batch_isend_irecv`), recorded as a send of S and a receive of S. Both
+    ranks end with mine + theirs, bit for bit the same (a + b = b + a). ``peer``: its rank in
+    ``group``. DualPipe sums a stage's two copies this way, gradients and routers' loads."""
+    record("send", group, _nbytes(tensor), _nbytes(tensor))
+    record("recv", group, _nbytes(tensor), 0)
+    theirs = torch.empty_like(tensor)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, group=group, group_peer=peer),
+                                        dist.P2POp(dist.irecv, theirs, group=group, group_peer=peer)]):
+        work.wait()
+    tensor += theirs
 
 
 def all_to_all_waiter():

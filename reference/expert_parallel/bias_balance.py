@@ -58,11 +58,7 @@ def update_expert_bias(model: nn.Module, group=None, copies=None) -> Optional[to
         comms.all_reduce(loads, group=group)  # the step's counts over every dp rank, once
     if copies is not None:  # + the other copy's (a + b = b + a: both copies move alike)
         pp_group, peer = copies
-        theirs = torch.empty_like(loads)
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, loads, group=pp_group, group_peer=peer),
-                                            dist.P2POp(dist.irecv, theirs, group=pp_group, group_peer=peer)]):
-            work.wait()
-        loads += theirs
+        comms.sum_with_peer(loads, peer, pp_group)
     for r, load in zip(routers, loads):
         r.move_bias(load)
     return loads

@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from reference import comms
 from reference.pipeline_parallel import check
 from reference.pipeline_parallel.zero_bubble import VSchedule, build_dualpipev, build_from_orders
 
@@ -82,12 +83,9 @@ class DualPipeSchedule(VSchedule):
         params = list({id(p): p for c in chunks for p in stages[c].parameters() if p.requires_grad}.values())
         if not params:
             return
-        mine = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        theirs = torch.empty_like(mine)
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, group=group, group_peer=peer),
-                                            dist.P2POp(dist.irecv, theirs, group=group, group_peer=peer)]):
-            work.wait()
-        total, at = mine + theirs, 0
+        total = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        comms.sum_with_peer(total, peer, group)  # mine + theirs, on both ranks
+        at = 0
         for p in params:
             piece = total[at:at + p.numel()].view_as(p)
             at += p.numel()
