@@ -116,8 +116,8 @@ class ParallelGPT:
         # experts balanced by a bias: moved before each step by the step's loads over dp; under
         # DualPipe and over the stage's other copy (rank pp - 1 - r), which routed the other
         # direction's micro-batches: both ranks list their routers in the model's order
-        copies = (self.mesh.group("pp"), self.mesh.pp - 1 - self.mesh.pp_rank) \
-            if self.config.schedule == "dualpipe" and self.mesh.pp > 1 else None
+        peer = self.schedule.copy_peer(self.mesh.pp_rank)
+        copies = (self.mesh.group("pp"), peer) if peer is not None else None
         stages = sorted(self.stages, key=lambda st: st.spec.stage) if copies else self.stages
         register_bias_update(optimizer, nn.ModuleList(stages), self.mesh.group("dp") if self.mesh.dp > 1 else None,
                              copies)
@@ -162,10 +162,10 @@ def parallelize(model: GPT, mesh, config: ParallelConfig, *, batch=None, seed: i
     mine = local_stages(stages, config.pp, mesh.pp_rank, schedule)  # ZB-V: rank r holds r and 2 pp - 1 - r
     # DualPipe: ranks 0 and pp - 1 each hold both ends (the executor sums every weight's two copies);
     # the ranks of the second half hold copies whose norm the first half counts (`clip`)
-    dualpipe = config.schedule == "dualpipe" and config.pp > 1
-    tied = build_embedding_group(mesh) if config.pp > 1 and not dualpipe else None
+    peer = schedule.copy_peer(mesh.pp_rank)
+    tied = build_embedding_group(mesh) if config.pp > 1 and peer is None else None
     for stage in mine:
-        stage.counted_elsewhere = dualpipe and mesh.pp_rank >= config.pp // 2
+        stage.counted_elsewhere = peer is not None and mesh.pp_rank > peer
     # 5. activation checkpointing is the executor's per-chunk flag (see `train_step`);
     # 6. data parallelism / ZeRO on exactly these local parameters: the way builds what it
     #    shards (ZeRO-3 by blocks: FSDP wraps the one stage; per parameter: each along dim 0)

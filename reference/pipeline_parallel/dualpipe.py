@@ -63,6 +63,9 @@ class DualPipeSchedule(VSchedule):
     def chunks_of(self, mb: int) -> tuple:
         return (mb % 2,)  # the even micro-batches go from rank 0, the odd ones from rank p - 1
 
+    def copy_peer(self, rank: int) -> int:
+        return self.pp - 1 - rank  # it holds model stages p - 1 - r and r
+
     def simulate(self, t_f: float = 1.0, t_b: float = 2.0, t_w=None):
         """The ideal timeline, F = ``t_f``, B = ``t_b``, W = ``t_w`` per chunk: a chunk is a whole
         stage, so (the checker counting a chunk 1 / virtual of a stage) each time is doubled."""
@@ -77,7 +80,7 @@ class DualPipeSchedule(VSchedule):
                              "tied weight is one parameter there, summed with its copy by sum_copies; pass "
                              "tied_group=None")
         rank = dist.get_rank(group) if self.pp > 1 else 0
-        peer = self.pp - 1 - rank
+        peer = self.copy_peer(rank)
         # both ranks walk the same two model stages in the model's order, each weight once (tied: once)
         chunks = sorted(range(2), key=lambda c: self.model_stage(self.stage(rank, c)))
         params = list({id(p): p for c in chunks for p in stages[c].parameters() if p.requires_grad}.values())

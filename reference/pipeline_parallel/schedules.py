@@ -169,6 +169,10 @@ class Schedule:
         """The chunks of every rank that micro-batch ``mb`` goes through."""
         return range(self.virtual)
 
+    def copy_peer(self, rank: int) -> Optional[int]:
+        """The pipeline rank holding a second copy of ``rank``'s model stages (DualPipe's), or None."""
+        return None
+
     def actions(self, rank: int) -> list[Action]:
         """Rank ``rank``'s actions in order (a copy)."""
         if rank not in self._actions:
